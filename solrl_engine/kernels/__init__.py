@@ -1,0 +1,28 @@
+"""Kernel ops behind one dispatch seam (reference | triton | cuda, see `dispatch`).
+
+Imports quant/, triton_kernels and the extension, nothing above it.
+"""
+
+from solrl_engine.kernels.dispatch import BACKENDS, backend_report, select
+from solrl_engine.kernels.ops import (
+    fp8_linear,
+    fp8_quantize_rowwise,
+    nvfp4_dequantize,
+    nvfp4_fake_quantize,
+    nvfp4_linear,
+    nvfp4_quantize,
+    nvfp4_quantize_into_,
+)
+
+__all__ = [
+    "BACKENDS",
+    "backend_report",
+    "select",
+    "fp8_linear",
+    "fp8_quantize_rowwise",
+    "nvfp4_dequantize",
+    "nvfp4_fake_quantize",
+    "nvfp4_linear",
+    "nvfp4_quantize",
+    "nvfp4_quantize_into_",
+]

@@ -1,0 +1,141 @@
+"""The one place that chooses an implementation (reference | triton | cuda) for an op.
+
+Default: on a CUDA tensor the CUDA extension if built and it has the op, else Triton, else the
+reference; on anything else the reference. `SOLRL_BACKEND=reference|triton|cuda` asks for one
+backend; when it cannot serve an op on a device, the call falls back to the default and says so once
+in the log, never silently wrong.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import os
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import torch
+
+BACKENDS: tuple[str, ...] = ("reference", "triton", "cuda")
+ENV_VAR = "SOLRL_BACKEND"
+log = logging.getLogger("solrl_engine.kernels")
+
+
+@functools.cache
+def _import(name: str) -> ModuleType | str:
+    """The module, or the reason it cannot be imported (cached: imports are tried once)."""
+    try:
+        return importlib.import_module(name)
+    except Exception as e:  # noqa: BLE001 - any import failure means "unavailable", with its reason
+        return f"{type(e).__name__}: {e}"
+
+
+def triton_module(name: str) -> ModuleType:
+    """Import triton_kernels.<name> (lazily: Triton is an optional dependency)."""
+    mod = _import(f"triton_kernels.{name}")
+    if isinstance(mod, str):
+        raise ImportError(f"Triton kernels unavailable ({mod}); install with: pip install triton")
+    return mod
+
+
+def cuda_extension() -> ModuleType | None:
+    """The compiled extension solrl_engine._C, or None when it was not built."""
+    mod = _import("solrl_engine._C")
+    return None if isinstance(mod, str) else mod
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def unavailable_reason(backend: str, device: torch.device, op: str | None = None) -> str | None:
+    """None when `backend` can run `op` on `device`, else a sentence saying why not."""
+    if backend == "reference":
+        return None
+    if backend == "triton":
+        mod = _import("triton")
+        if isinstance(mod, str):
+            return f"Triton is not installed ({mod}); pip install triton"
+        if device.type == "cuda" or interpreting():
+            return None
+        return f"Triton kernels need a CUDA device, or TRITON_INTERPRET=1 on {device.type}"
+    if backend == "cuda":
+        if device.type != "cuda":
+            return f"the CUDA extension runs on CUDA tensors, not {device.type}"
+        ext = cuda_extension()
+        if ext is None:
+            return "the CUDA extension solrl_engine._C is not built (see README: building the extension)"
+        if op is not None and not hasattr(ext, op):
+            return f"the CUDA extension has no {op} kernel"
+        return None
+    raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
+
+
+def requested_backend() -> str | None:
+    """The backend named by SOLRL_BACKEND, validated."""
+    v = os.environ.get(ENV_VAR, "").strip().lower()
+    if not v or v == "auto":
+        return None
+    if v not in BACKENDS:
+        raise ValueError(f"{ENV_VAR}={v!r} is not a backend; use one of {BACKENDS} (or unset it).")
+    return v
+
+
+@functools.cache
+def _warn_once(msg: str) -> None:
+    log.warning(msg)
+
+
+_OPS: dict[str, dict[str, Callable]] = {}
+
+
+def register(op: str, impls: dict[str, Callable]) -> None:
+    """Declare the implementations of `op`, keyed by backend; "reference" is required."""
+    if "reference" not in impls or not set(impls) <= set(BACKENDS):
+        raise ValueError(f"{op}: implementations must include 'reference' and use backends {BACKENDS}.")
+    _OPS[op] = impls
+
+
+def ops() -> dict[str, tuple[str, ...]]:
+    """Every registered op and the backends that implement it."""
+    return {op: tuple(impls) for op, impls in _OPS.items()}
+
+
+def _default(op: str, device: torch.device) -> str:
+    if device.type == "cuda":
+        for b in ("cuda", "triton"):
+            if b in _OPS[op] and unavailable_reason(b, device, op) is None:
+                return b
+    return "reference"
+
+
+def select(op: str, device: torch.device | str) -> str:
+    """The backend that runs `op` for a tensor on `device`."""
+    device = torch.device(device)
+    if op not in _OPS:
+        raise KeyError(f"unknown op {op!r}; registered: {sorted(_OPS)}")
+    want = requested_backend()
+    if want is None:
+        return _default(op, device)
+    if want not in _OPS[op]:
+        reason = "it has no implementation of this op"
+    else:
+        reason = unavailable_reason(want, device, op)
+    if reason is None:
+        return want
+    chosen = _default(op, device)
+    _warn_once(f"{ENV_VAR}={want} cannot run {op} on {device.type}: {reason}; using {chosen}.")
+    return chosen
+
+
+def call(op: str, device: torch.device, *args: object, **kw: object) -> Any:
+    """Run `op` through the backend `select` picks for `device`."""
+    return _OPS[op][select(op, device)](*args, **kw)
+
+
+def backend_report(device: torch.device | str | None = None) -> dict[str, str]:
+    """Backend -> "available" or the reason it is not, for `solrl version`."""
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    return {b: unavailable_reason(b, dev) or "available" for b in BACKENDS}

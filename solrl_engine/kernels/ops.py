@@ -1,0 +1,155 @@
+"""Public ops, each with its implementations per backend; `dispatch` picks one per call.
+
+Every op has a reference implementation (solrl_engine.quant) that the others are tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from solrl_engine.kernels.dispatch import call, register, triton_module
+from solrl_engine.quant import fp8, nvfp4
+from solrl_engine.quant.fp8 import FP8Tensor
+from solrl_engine.quant.nvfp4 import NVFP4Tensor
+
+AmaxLike = float | torch.Tensor | None
+
+
+# --- NVFP4 quantize ------------------------------------------------------------------------------
+
+
+def _tr_quantize(x: torch.Tensor, amax: AmaxLike = None) -> NVFP4Tensor:
+    nvfp4.check_input(x)
+    if amax is not None:
+        amax = nvfp4.resolve_amax(amax, x)
+    q, s, g = triton_module("nvfp4").quantize(x, amax)
+    return NVFP4Tensor(q, s.view(torch.float8_e4m3fn), g, x.dtype)
+
+
+register("nvfp4_quantize", {"reference": nvfp4.quantize, "triton": _tr_quantize})
+
+
+def nvfp4_quantize(x: torch.Tensor, amax: AmaxLike = None) -> NVFP4Tensor:
+    """NVFP4-quantize `x` along its last dimension through the selected backend."""
+    return call("nvfp4_quantize", x.device, x, amax)
+
+
+# --- NVFP4 fake-quant ----------------------------------------------------------------------------
+
+
+def _tr_fake_quantize(x: torch.Tensor, amax: AmaxLike = None) -> torch.Tensor:
+    nvfp4.check_input(x)
+    if amax is not None:
+        amax = nvfp4.resolve_amax(amax, x)
+    return triton_module("nvfp4").fake_quantize(x, amax)
+
+
+register("nvfp4_fake_quantize", {"reference": nvfp4.fake_quantize, "triton": _tr_fake_quantize})
+
+
+def nvfp4_fake_quantize(x: torch.Tensor, amax: AmaxLike = None) -> torch.Tensor:
+    """Quantize-dequantize in one pass; same shape and dtype as `x`."""
+    return call("nvfp4_fake_quantize", x.device, x, amax)
+
+
+# --- NVFP4 dequantize ----------------------------------------------------------------------------
+
+
+def _tr_dequantize(t: NVFP4Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return triton_module("nvfp4").dequantize(t.qdata, t.scale, t.global_scale, dtype)
+
+
+register("nvfp4_dequantize", {"reference": nvfp4.dequantize, "triton": _tr_dequantize})
+
+
+def nvfp4_dequantize(t: NVFP4Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Decode an NVFP4Tensor to `dtype` (default: its source dtype)."""
+    return call("nvfp4_dequantize", t.qdata.device, t, dtype or t.orig_dtype)
+
+
+# --- in-place requantize (keeps storage, so captured graphs stay valid) --------------------------
+
+
+def _ref_quantize_into(t: NVFP4Tensor, x: torch.Tensor, amax: AmaxLike = None) -> NVFP4Tensor:
+    new = nvfp4.quantize(x, amax)
+    t.qdata.copy_(new.qdata)
+    t.scale.copy_(new.scale)
+    t.global_scale.copy_(new.global_scale)
+    return t
+
+
+def _tr_quantize_into(t: NVFP4Tensor, x: torch.Tensor, amax: AmaxLike = None) -> NVFP4Tensor:
+    nvfp4.check_input(x)
+    if amax is not None:
+        amax = nvfp4.resolve_amax(amax, x)
+    triton_module("nvfp4").quantize(x, amax, out=(t.qdata, t.scale.view(torch.uint8), t.global_scale))
+    return t
+
+
+register("nvfp4_quantize_into_", {"reference": _ref_quantize_into, "triton": _tr_quantize_into})
+
+
+def nvfp4_quantize_into_(t: NVFP4Tensor, x: torch.Tensor, amax: AmaxLike = None) -> NVFP4Tensor:
+    """Quantize `x` into the existing buffers of `t` (same shapes), in place."""
+    if x.shape != t.shape:
+        raise ValueError(f"cannot requantize a {tuple(x.shape)} tensor into {tuple(t.shape)} storage.")
+    return call("nvfp4_quantize_into_", x.device, t, x, amax)
+
+
+# --- FP8 -----------------------------------------------------------------------------------------
+
+
+def _tr_fp8_rowwise(x: torch.Tensor) -> FP8Tensor:
+    q, s = triton_module("fp8").quantize_rowwise(x)
+    return FP8Tensor(q, s, x.dtype)
+
+
+register("fp8_quantize_rowwise", {"reference": fp8.quantize_rowwise, "triton": _tr_fp8_rowwise})
+
+
+def fp8_quantize_rowwise(x: torch.Tensor) -> FP8Tensor:
+    """E4M3 with one FP32 scale per row of the last dimension."""
+    return call("fp8_quantize_rowwise", x.device, x)
+
+
+# --- linear layers (for now: dequantize + FP32 matmul; fast GEMMs plug in here) ------------------
+
+
+def _unit_scale_values(t: NVFP4Tensor) -> torch.Tensor:
+    """e2m1(q) * s_blk in FP32, without the global scale (exact; it goes in the epilogue)."""
+    one = torch.ones((), dtype=torch.float32, device=t.qdata.device)
+    return nvfp4_dequantize(NVFP4Tensor(t.qdata, t.scale, one, t.orig_dtype), torch.float32)
+
+
+def nvfp4_linear(x: torch.Tensor, weight: NVFP4Tensor, bias: torch.Tensor | None, quantize_input: bool) -> torch.Tensor:
+    """y = x W^T + b with W in NVFP4; x NVFP4-quantized per call (W4A4) or kept as is (W4A16).
+
+    The exact NVFP4 GEMM: products of decoded block values summed in FP32, then times the two
+    global scales, plus bias, in x's dtype.
+    """
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    w = _unit_scale_values(weight)
+    if quantize_input:
+        xq = nvfp4_quantize(x2)
+        acc = (_unit_scale_values(xq) @ w.t()) * (xq.global_scale * weight.global_scale)
+    else:
+        acc = (x2.float() @ w.t()) * weight.global_scale
+    if bias is not None:
+        acc = acc + bias.float()
+    return acc.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
+
+
+def fp8_linear(x: torch.Tensor, weight: FP8Tensor, bias: torch.Tensor | None, quantize_input: bool) -> torch.Tensor:
+    """y = x W^T + b with W in FP8 (per output channel); x FP8 per token (W8A8) or as is (W8A16)."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    w = weight.data.float()
+    if quantize_input:
+        xq = fp8_quantize_rowwise(x2)
+        acc = (xq.data.float() @ w.t()) * xq.scale * weight.scale.reshape(1, -1)
+    else:
+        acc = (x2.float() @ w.t()) * weight.scale.reshape(1, -1)
+    if bias is not None:
+        acc = acc + bias.float()
+    return acc.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])

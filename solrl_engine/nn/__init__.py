@@ -1,0 +1,9 @@
+"""Drop-in module API: quantize_model(), requantize_() and QuantLinear.
+
+Never imports Triton or the extension directly: all numerics go through solrl_engine.kernels.
+"""
+
+from solrl_engine.nn.quant_linear import QuantLinear
+from solrl_engine.nn.quantize import LayerDecision, QuantReport, quantize_model, requantize_
+
+__all__ = ["QuantLinear", "QuantReport", "LayerDecision", "quantize_model", "requantize_"]

@@ -1,0 +1,139 @@
+"""QuantLinear: an nn.Linear whose weight is stored quantized (NVFP4, FP8 or BF16).
+
+The layer is an inference copy (the explore policy): its tensors are buffers, not parameters, and
+`set_weight_` rewrites them in place so that compiled graphs and captured CUDA graphs that point at
+them stay valid across RL updates.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from solrl_engine import kernels
+from solrl_engine.quant.fp8 import FP8Tensor
+from solrl_engine.quant.nvfp4 import NVFP4Tensor
+from solrl_engine.quant.recipe import QuantRecipe, get_recipe
+
+
+class QuantLinear(nn.Module):
+    """Drop-in replacement for nn.Linear with a quantized weight.
+
+    Output = the exact quantized GEMM (see solrl_engine.kernels.nvfp4_linear / fp8_linear), with the
+    input quantized per call when the recipe quantizes activations.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        recipe: str | QuantRecipe = "nvfp4",
+        device: torch.device | str | None = None,
+        bias_dtype: torch.dtype = torch.bfloat16,
+    ) -> None:
+        super().__init__()
+        self.recipe = get_recipe(recipe)
+        self.in_features = in_features
+        self.out_features = out_features
+        fmt = self.recipe.format
+        if fmt == "nvfp4" and in_features % 16:
+            raise ValueError(
+                f"NVFP4 needs in_features to be a multiple of 16; got {in_features}. "
+                "Leave this layer unquantized (quantize_model does so automatically)."
+            )
+        if fmt == "nvfp4":
+            self.register_buffer(
+                "w_qdata", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device)
+            )
+            self.register_buffer(
+                "w_scale", torch.zeros(out_features, in_features // 16, dtype=torch.float8_e4m3fn, device=device)
+            )
+            self.register_buffer("w_global_scale", torch.ones((), dtype=torch.float32, device=device))
+        elif fmt == "fp8":
+            self.register_buffer(
+                "w_data", torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn, device=device)
+            )
+            self.register_buffer("w_scale", torch.ones(out_features, 1, dtype=torch.float32, device=device))
+        else:
+            self.register_buffer("w_bf16", torch.zeros(out_features, in_features, dtype=torch.bfloat16, device=device))
+        self.register_buffer("bias", torch.zeros(out_features, dtype=bias_dtype, device=device) if bias else None)
+        # The BF16 weight this layer was made from, when kept (not a buffer: never saved twice).
+        self.__dict__["master_weight"] = None
+
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, recipe: str | QuantRecipe = "nvfp4", keep_master: bool = False
+    ) -> QuantLinear:
+        """Quantize an nn.Linear; with `keep_master`, remember its weight for `requantize_()`."""
+        w = linear.weight
+        q = cls(
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            recipe=recipe,
+            device=w.device,
+            bias_dtype=linear.bias.dtype if linear.bias is not None else w.dtype,
+        )
+        q.set_weight_(w, linear.bias)
+        if keep_master:
+            q.__dict__["master_weight"] = w
+        return q
+
+    # --- storage -----------------------------------------------------------------------------------
+
+    def _nvfp4(self) -> NVFP4Tensor:
+        return NVFP4Tensor(self.w_qdata, self.w_scale, self.w_global_scale, torch.float32)
+
+    def _fp8(self) -> FP8Tensor:
+        return FP8Tensor(self.w_data, self.w_scale, torch.float32)
+
+    @torch.no_grad()
+    def set_weight_(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """Quantize `weight` into this layer's existing buffers (same storage, no reallocation)."""
+        if tuple(weight.shape) != (self.out_features, self.in_features):
+            raise ValueError(
+                f"weight of shape {tuple(weight.shape)} does not fit a QuantLinear of "
+                f"{self.out_features}x{self.in_features}."
+            )
+        fmt = self.recipe.format
+        dev = self.bias.device if self.bias is not None else next(self.buffers()).device
+        w = weight.detach().to(dev)
+        if fmt == "nvfp4":
+            kernels.nvfp4_quantize_into_(self._nvfp4(), w)
+        elif fmt == "fp8":
+            q = kernels.fp8_quantize_rowwise(w)
+            self.w_data.copy_(q.data)
+            self.w_scale.copy_(q.scale)
+        else:
+            self.w_bf16.copy_(w)
+        if bias is not None and self.bias is not None:
+            self.bias.copy_(bias.detach().to(dev))
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The decoded weight in FP32 (for inspection; the forward never materialises it like this)."""
+        fmt = self.recipe.format
+        if fmt == "nvfp4":
+            return kernels.nvfp4_dequantize(self._nvfp4(), torch.float32)
+        if fmt == "fp8":
+            return self._fp8().dequantize(torch.float32)
+        return self.w_bf16.float()
+
+    # --- compute -----------------------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fmt = self.recipe.format
+        act = self.recipe.quantize_activations
+        if fmt == "nvfp4":
+            return kernels.nvfp4_linear(x, self._nvfp4(), self.bias, act)
+        if fmt == "fp8":
+            return kernels.fp8_linear(x, self._fp8(), self.bias, act)
+        b = None if self.bias is None else self.bias.to(x.dtype)
+        return nn.functional.linear(x, self.w_bf16.to(x.dtype), b)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, recipe={self.recipe.name}"
+        )

@@ -1,0 +1,193 @@
+"""quantize_model() and requantize_(): the one-line drop-in API.
+
+report = quantize_model(explore_copy, "nvfp4")   # nn.Linear -> QuantLinear, in place
+...                                              # RL update of the BF16 policy
+requantize_(explore_copy, source=policy)         # same buffers, new weights
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from solrl_engine.nn.quant_linear import QuantLinear
+from solrl_engine.quant.recipe import QuantRecipe, get_recipe
+
+
+@dataclass
+class LayerDecision:
+    name: str
+    in_features: int
+    out_features: int
+    quantized: bool
+    reason: str
+
+
+@dataclass
+class QuantReport:
+    """What quantize_model did to each nn.Linear, and why."""
+
+    recipe: QuantRecipe
+    layers: list[LayerDecision] = field(default_factory=list)
+
+    @property
+    def quantized(self) -> list[str]:
+        return [d.name for d in self.layers if d.quantized]
+
+    @property
+    def skipped(self) -> dict[str, str]:
+        """Skipped layer name -> reason."""
+        return {d.name: d.reason for d in self.layers if not d.quantized}
+
+    def weight_bytes(self) -> tuple[int, int]:
+        """(BF16 bytes, stored bytes) of the quantized layers' weights, scales included."""
+        before = after = 0
+        for d in self.layers:
+            if d.quantized:
+                n = d.in_features * d.out_features
+                before += 2 * n
+                after += {"nvfp4": n // 2 + n // 16 + 4, "fp8": n + 4 * d.out_features, "bf16": 2 * n}[
+                    self.recipe.format
+                ]
+        return before, after
+
+    def __str__(self) -> str:
+        before, after = self.weight_bytes()
+        lines = [
+            f"quantize_model[{self.recipe.name}]: {len(self.quantized)} of {len(self.layers)} Linear "
+            f"layers quantized ({before / 2**20:.2f} MiB bf16 -> {after / 2**20:.2f} MiB)"
+        ]
+        for name, why in self.skipped.items():
+            lines.append(f"  skipped {name}: {why}")
+        return "\n".join(lines)
+
+
+def _decide(name: str, lin: nn.Linear, recipe: QuantRecipe) -> str | None:
+    """Why `lin` stays unquantized, or None to quantize it."""
+    reason = recipe.skip_reason(name)
+    if reason:
+        return reason
+    small = min(lin.in_features, lin.out_features)
+    if small < recipe.min_dim:
+        return f"smallest dim {small} < min_dim {recipe.min_dim}"
+    if recipe.format == "nvfp4" and lin.in_features % 16:
+        return f"in_features {lin.in_features} is not a multiple of 16"
+    return None
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module, recipe: str | QuantRecipe = "nvfp4", keep_master: bool = False) -> QuantReport:
+    """Replace eligible nn.Linear layers of `model` by QuantLinear, in place; report every decision.
+
+    `recipe` is a QuantRecipe or a name from solrl_engine.quant.RECIPES ("nvfp4", "fp8", ...).
+    With `keep_master=True` each QuantLinear remembers the nn.Linear weight it came from, so that
+    `requantize_(model)` can refresh it after that weight is updated.
+    """
+    recipe = get_recipe(recipe)
+    if isinstance(model, nn.Linear):
+        raise TypeError("quantize_model replaces Linear layers inside a model; wrap a lone Linear in nn.Sequential.")
+    report = QuantReport(recipe)
+    targets: list[tuple[nn.Module, str, nn.Linear, str]] = []
+    for parent_name, parent in model.named_modules():
+        for child_name, child in parent.named_children():
+            if type(child) is not nn.Linear:
+                continue
+            name = f"{parent_name}.{child_name}" if parent_name else child_name
+            why = _decide(name, child, recipe)
+            report.layers.append(
+                LayerDecision(name, child.in_features, child.out_features, why is None, why or recipe.name)
+            )
+            if why is None:
+                targets.append((parent, child_name, child, name))
+    for parent, child_name, child, _ in targets:
+        setattr(parent, child_name, QuantLinear.from_linear(child, recipe, keep_master=keep_master))
+    return report
+
+
+def _source_weights(
+    layers: dict[str, QuantLinear], source: nn.Module | Mapping[str, torch.Tensor] | None
+) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+    out: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    missing: list[str] = []
+    for name, ql in layers.items():
+        if source is None:
+            if ql.master_weight is None:
+                raise ValueError(
+                    f"{name} has no master weight to requantize from: pass source= (the BF16 model "
+                    "or a state dict), or quantize with keep_master=True."
+                )
+            out[name] = (ql.master_weight, None)
+        elif isinstance(source, Mapping):
+            if f"{name}.weight" not in source:
+                missing.append(f"{name}.weight")
+                continue
+            out[name] = (source[f"{name}.weight"], source.get(f"{name}.bias"))
+        else:
+            try:
+                mod = source.get_submodule(name)
+            except AttributeError:
+                missing.append(name)
+                continue
+            if isinstance(mod, QuantLinear) or not isinstance(getattr(mod, "weight", None), torch.Tensor):
+                raise TypeError(f"source module {name} is {type(mod).__name__}; it must hold a BF16 .weight.")
+            out[name] = (mod.weight, getattr(mod, "bias", None))
+    if missing:
+        raise KeyError(
+            f"source lacks {len(missing)} quantized layer(s), e.g. {missing[:3]}; pass the model the "
+            "quantized copy was made from (same module names), or a state dict with those keys."
+        )
+    return out
+
+
+def _plain_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and buffers outside the QuantLinear layers (the parts kept in high precision)."""
+    inside = {n for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    out: dict[str, torch.Tensor] = {}
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        owner = name.rpartition(".")[0]
+        if owner not in inside:
+            out[name] = t
+    return out
+
+
+@torch.no_grad()
+def requantize_(model: nn.Module, source: nn.Module | Mapping[str, torch.Tensor] | None = None) -> int:
+    """Refresh `model` in place from new high-precision weights, so it mirrors the updated policy.
+
+    Every QuantLinear is re-quantized into its existing buffers; with a `source`, the layers kept in
+    high precision are copied too (all of a module source's tensors, those present in a state dict).
+    `source` is the BF16 model (matched by name) or a state dict; None uses the master weights kept
+    by quantize_model(keep_master=True). All shapes are checked before anything is written, so a bad
+    source leaves the model unchanged. Returns the number of quantized layers refreshed.
+    """
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    weights = _source_weights(layers, source)
+    for name, (w, b) in weights.items():
+        ql = layers[name]
+        if tuple(w.shape) != (ql.out_features, ql.in_features):
+            raise ValueError(
+                f"source weight for {name} has shape {tuple(w.shape)}, the layer is "
+                f"{ql.out_features}x{ql.in_features}; the source is not the model this copy was made from."
+            )
+        if b is not None and ql.bias is not None and tuple(b.shape) != tuple(ql.bias.shape):
+            raise ValueError(f"source bias for {name} has shape {tuple(b.shape)}, expected {tuple(ql.bias.shape)}.")
+    plain: list[tuple[torch.Tensor, torch.Tensor]] = []
+    if source is not None:
+        src = source if isinstance(source, Mapping) else dict([*source.named_parameters(), *source.named_buffers()])
+        for name, t in _plain_tensors(model).items():
+            if name not in src:
+                if not isinstance(source, Mapping):
+                    raise KeyError(f"source module has no {name}; pass the model this copy was made from.")
+                continue
+            if src[name].shape != t.shape:
+                raise ValueError(f"source {name} has shape {tuple(src[name].shape)}, expected {tuple(t.shape)}.")
+            plain.append((t, src[name]))
+    for name, (w, b) in weights.items():
+        layers[name].set_weight_(w, b)
+    for dst, val in plain:
+        if dst.data_ptr() != val.data_ptr():
+            dst.copy_(val.detach())
+    return len(weights)

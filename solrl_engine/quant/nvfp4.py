@@ -1,0 +1,230 @@
+"""NVFP4 reference numerics (pure PyTorch): the oracle every kernel is tested against.
+
+Follows NVIDIA Transformer Engine's NVFP4 recipe (DESIGN.md section 4): 1x16 blocks along the last
+dimension, E4M3 block scales, an FP32 tensor scale, E2M1 codes packed two per byte (low nibble
+first). Every scalar step is written as the explicit float32 operation the spec names, in the same
+order, so that kernels can be compared bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BLOCK = 16
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+FP32_MAX = torch.finfo(torch.float32).max
+# Decoded value of each 3-bit E2M1 magnitude code.
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# Thresholds of round-to-nearest-even onto the E2M1 grid: a magnitude a gets code
+# sum(a > t for t in strict) + sum(a >= t for t in inclusive). At a tie the even code wins:
+# 0.25->0, 0.75->1.0, 1.25->1.0, 1.75->2.0, 2.5->2.0, 3.5->4.0, 5.0->4.0.
+E2M1_TIES_DOWN = (0.25, 1.25, 2.5, 5.0)
+E2M1_TIES_UP = (0.75, 1.75, 3.5)
+
+
+def _f32(v: float, device: torch.device | str | None = None) -> torch.Tensor:
+    return torch.tensor(v, dtype=torch.float32, device=device)
+
+
+@dataclass
+class NVFP4Tensor:
+    """A tensor in NVFP4: packed E2M1 codes, per-16 E4M3 block scales and an FP32 decode scale.
+
+    `qdata` is uint8 of shape [..., K/2]; `scale` is float8_e4m3fn of shape [..., K/16], row-major
+    (not swizzled); `global_scale` is the 0-dim FP32 decode factor 1/S_enc.
+    """
+
+    qdata: torch.Tensor
+    scale: torch.Tensor
+    global_scale: torch.Tensor
+    orig_dtype: torch.dtype = torch.float32
+
+    @property
+    def shape(self) -> torch.Size:
+        """Logical (unpacked) shape."""
+        return torch.Size((*self.qdata.shape[:-1], self.qdata.shape[-1] * 2))
+
+    def codes(self) -> torch.Tensor:
+        """Unpacked 4-bit codes, uint8 of the logical shape."""
+        return unpack_codes(self.qdata)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Decode to `dtype` (default: the dtype the tensor was quantized from)."""
+        return dequantize(self, dtype or self.orig_dtype)
+
+
+def check_input(x: torch.Tensor) -> None:
+    if x.dim() == 0 or x.shape[-1] % BLOCK != 0:
+        raise ValueError(
+            f"NVFP4 quantizes 1x{BLOCK} blocks along the last dimension, so it must be a multiple of "
+            f"{BLOCK}; got shape {tuple(x.shape)}. Pad the last dimension (e.g. with "
+            f"torch.nn.functional.pad) before quantizing."
+        )
+    if not (x.is_floating_point()):
+        raise TypeError(f"NVFP4 quantizes floating-point tensors; got dtype {x.dtype}.")
+
+
+def finite_amax(x: torch.Tensor) -> torch.Tensor:
+    """Absolute max over the finite elements (FP32 0-dim; 0 when none is finite).
+
+    Non-finite values are excluded so that one Inf or NaN does not wreck the scale of every other
+    block; their own blocks become NaN instead (see `quantize`).
+    """
+    a = x.detach().float().abs()
+    a = torch.where(torch.isfinite(a), a, torch.zeros((), dtype=a.dtype, device=a.device))
+    return a.amax() if a.numel() else torch.zeros((), dtype=torch.float32, device=x.device)
+
+
+def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
+    """S_enc = 448*6/amax in FP32, 1.0 when amax == 0, capped at the FP32 max."""
+    amax = amax.float()
+    s = _f32(E4M3_MAX * E2M1_MAX, amax.device) / amax
+    s = torch.minimum(s, _f32(FP32_MAX, amax.device))
+    return torch.where(amax == 0, _f32(1.0, amax.device), s)
+
+
+def resolve_amax(amax: float | torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    if amax is None:
+        return finite_amax(x)
+    t = torch.as_tensor(amax, dtype=torch.float32, device=x.device)
+    if t.numel() != 1:
+        raise ValueError(f"amax must be a scalar (one value per tensor); got shape {tuple(t.shape)}.")
+    t = t.reshape(())
+    if not bool(torch.isfinite(t)) or bool(t < 0):
+        raise ValueError(f"amax must be finite and >= 0; got {t.item()}. Calibrate it on finite data.")
+    return t
+
+
+def e2m1_encode(v: torch.Tensor) -> torch.Tensor:
+    """Round FP32 values (already clamped to [-6, 6]) to E2M1 codes, nearest-even; NaN -> 0."""
+    a = v.abs()
+    mag = torch.zeros(v.shape, dtype=torch.uint8, device=v.device)
+    for t in E2M1_TIES_DOWN:
+        mag += (a > t).to(torch.uint8)
+    for t in E2M1_TIES_UP:
+        mag += (a >= t).to(torch.uint8)
+    return mag | ((v < 0).to(torch.uint8) << 3)
+
+
+def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
+    """FP32 values of 4-bit E2M1 codes."""
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
+    mag = table[(codes & 7).long()]
+    return torch.where((codes & 8) != 0, -mag, mag)
+
+
+def pack_codes(codes: torch.Tensor) -> torch.Tensor:
+    """Pack 4-bit codes in pairs: element 2i in the low nibble, 2i+1 in the high nibble."""
+    c = codes.to(torch.uint8)
+    return c[..., 0::2] | (c[..., 1::2] << 4)
+
+
+def unpack_codes(qdata: torch.Tensor) -> torch.Tensor:
+    """Inverse of `pack_codes`."""
+    lo = qdata & 0x0F
+    hi = qdata >> 4
+    return torch.stack((lo, hi), dim=-1).flatten(-2)
+
+
+def quantize(x: torch.Tensor, amax: float | torch.Tensor | None = None) -> NVFP4Tensor:
+    """Quantize `x` to NVFP4 along its last dimension (a multiple of 16).
+
+    `amax` is the tensor's absolute max (computed over finite values when not given; pass a
+    calibrated value for static scaling). A 16-block holding NaN or Inf gets a NaN scale so that
+    it decodes to NaN: non-finite input never becomes finite output.
+    """
+    check_input(x)
+    dev = x.device
+    xf = x.detach().float()
+    s_enc = global_encode_scale(resolve_amax(amax, x))
+    blocks = xf.reshape(*xf.shape[:-1], xf.shape[-1] // BLOCK, BLOCK)
+    babs = blocks.abs()
+    finite = torch.isfinite(babs).all(dim=-1)
+    blk_amax = torch.where(finite, babs.amax(dim=-1), _f32(0.0, dev))
+    s_blk_f = torch.minimum(blk_amax * (s_enc * _f32(1.0 / 6.0, dev)), _f32(E4M3_MAX, dev))
+    s_blk = s_blk_f.to(torch.float8_e4m3fn).float()
+    s_blk = torch.where(finite, s_blk, _f32(float("nan"), dev))
+    g = _f32(1.0, dev) / s_enc
+    mult = torch.minimum(_f32(1.0, dev) / (s_blk * g), _f32(FP32_MAX, dev))
+    scaled = torch.clamp(blocks * mult.unsqueeze(-1), -E2M1_MAX, E2M1_MAX)
+    codes = e2m1_encode(scaled).reshape(xf.shape)
+    return NVFP4Tensor(
+        qdata=pack_codes(codes),
+        scale=s_blk.to(torch.float8_e4m3fn),
+        global_scale=g,
+        orig_dtype=x.dtype,
+    )
+
+
+def dequantize(t: NVFP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x' = e2m1(q) * s_blk * (1/S_enc), computed in FP32 in that order, then cast."""
+    vals = e2m1_decode(unpack_codes(t.qdata))
+    blocks = vals.reshape(*vals.shape[:-1], vals.shape[-1] // BLOCK, BLOCK)
+    out = (blocks * t.scale.float().unsqueeze(-1)) * t.global_scale.float()
+    return out.reshape(vals.shape).to(dtype)
+
+
+def fake_quantize(x: torch.Tensor, amax: float | torch.Tensor | None = None) -> torch.Tensor:
+    """Quantize then dequantize; same shape and dtype as `x`."""
+    return quantize(x, amax).dequantize(x.dtype)
+
+
+# --- swizzled scale layout for Blackwell block-scaled GEMMs -------------------------------------
+
+SWIZZLE_ROWS = 128
+SWIZZLE_COLS = 4
+
+
+def _ceil_to(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+def swizzle_offsets(rows: int, cols: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Flat byte offset of each (row, block-column) scale in the 128x4 tiled layout.
+
+    Tiles of 128 rows x 4 columns (512 bytes) are laid out K-fastest; inside a tile,
+    offset = (r % 32) * 16 + ((r % 128) // 32) * 4 + (c % 4).
+    """
+    r = torch.arange(rows, device=device).unsqueeze(1)
+    c = torch.arange(cols, device=device).unsqueeze(0)
+    tiles_per_row = _ceil_to(cols, SWIZZLE_COLS) // SWIZZLE_COLS
+    tile = (r // SWIZZLE_ROWS) * tiles_per_row + (c // SWIZZLE_COLS)
+    return tile * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + (c % 4)
+
+
+def swizzled_numel(rows: int, cols: int) -> int:
+    """Bytes of a swizzled scale buffer: rows padded to 128, block-columns to 4."""
+    return _ceil_to(rows, SWIZZLE_ROWS) * _ceil_to(cols, SWIZZLE_COLS)
+
+
+def swizzle_scales(scale: torch.Tensor) -> torch.Tensor:
+    """Row-major block scales [..., cols] -> flat 1-D buffer in the 128x4 tiled order.
+
+    Leading dimensions are flattened into rows; padding is zero; the dtype is kept.
+    """
+    if scale.dim() < 1:
+        raise ValueError("swizzle_scales needs at least a 1-D scale tensor [..., blocks].")
+    s2 = scale.reshape(-1, scale.shape[-1])
+    rows, cols = s2.shape
+    raw = s2.view(torch.uint8) if s2.element_size() == 1 else None
+    if raw is None:
+        raise TypeError(f"scales must be 1-byte (float8_e4m3fn or uint8); got {scale.dtype}.")
+    out = torch.zeros(swizzled_numel(rows, cols), dtype=torch.uint8, device=scale.device)
+    out[swizzle_offsets(rows, cols, scale.device).reshape(-1)] = raw.reshape(-1)
+    return out.view(scale.dtype)
+
+
+def unswizzle_scales(swizzled: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Inverse of `swizzle_scales`: returns row-major [rows, cols] scales of the same dtype."""
+    need = swizzled_numel(rows, cols)
+    if swizzled.numel() != need:
+        raise ValueError(
+            f"a swizzled buffer for {rows}x{cols} scales holds {need} bytes (rows padded to 128, "
+            f"columns to 4); got {swizzled.numel()}. Pass the unpadded rows and cols."
+        )
+    raw = swizzled.reshape(-1).view(torch.uint8)
+    out = raw[swizzle_offsets(rows, cols, swizzled.device).reshape(-1)].reshape(rows, cols)
+    return out.view(swizzled.dtype)

@@ -1,0 +1,98 @@
+"""Quantization recipes: which layers are quantized, to which format, and whether activations are.
+
+A recipe is data, not code, so configs can name one by string ("nvfp4") and tests can build one.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+Format = Literal["nvfp4", "fp8", "bf16"]
+FORMATS: tuple[str, ...] = ("nvfp4", "fp8", "bf16")
+
+# Layers kept in high precision by default: embedders (timestep, caption, patch), the adaLN
+# modulation and final projection. They are small, run once per step, and errors there shift every
+# token at once; the FP4 literature and the Sol-RL code keep them out of the quantized set.
+DEFAULT_SKIP: tuple[str, ...] = (
+    "*embed*",
+    "*norm_out*",
+    "*proj_out*",
+    "*adaLN*",
+    "*adaln*",
+    "*.norm1.linear",
+    "*.norm1_context.linear",
+    "*lm_head*",
+)
+
+
+@dataclass(frozen=True)
+class QuantRecipe:
+    """How `quantize_model` treats a model.
+
+    format: weight format; "bf16" keeps weights in BF16 (the regeneration precision).
+    quantize_activations: W4A4 / W8A8 when True (activations quantized per call), W4A16 / W8A16
+        when False.
+    skip: fnmatch patterns on qualified module names left unquantized.
+    min_dim: layers with in_features or out_features below this stay in high precision.
+    """
+
+    format: Format = "nvfp4"
+    quantize_activations: bool = True
+    skip: tuple[str, ...] = field(default=DEFAULT_SKIP)
+    min_dim: int = 32
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise ValueError(f"unknown quantization format {self.format!r}; choose one of {FORMATS}.")
+        if self.min_dim < 1:
+            raise ValueError(f"min_dim must be >= 1; got {self.min_dim}.")
+        if isinstance(self.skip, str):
+            raise TypeError("skip must be a tuple of patterns, not one string; write skip=('*proj*',).")
+
+    @property
+    def name(self) -> str:
+        if self.format == "bf16":
+            return "bf16"
+        return self.format if self.quantize_activations else f"{self.format}_weight_only"
+
+    def skip_reason(self, name: str) -> str | None:
+        """The pattern that excludes `name`, formatted as a reason, or None."""
+        for pat in self.skip:
+            if fnmatch.fnmatchcase(name, pat):
+                return f"matches skip pattern {pat!r}"
+        return None
+
+    def with_(self, **changes: object) -> QuantRecipe:
+        """A copy with some fields changed."""
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+
+RECIPES: dict[str, QuantRecipe] = {
+    "nvfp4": QuantRecipe("nvfp4", quantize_activations=True),
+    "nvfp4_weight_only": QuantRecipe("nvfp4", quantize_activations=False),
+    "fp8": QuantRecipe("fp8", quantize_activations=True),
+    "fp8_weight_only": QuantRecipe("fp8", quantize_activations=False),
+    "bf16": QuantRecipe("bf16", quantize_activations=False),
+}
+
+
+def get_recipe(recipe: str | QuantRecipe) -> QuantRecipe:
+    """Resolve a recipe name (see RECIPES) or pass a QuantRecipe through."""
+    if isinstance(recipe, QuantRecipe):
+        return recipe
+    if isinstance(recipe, str) and recipe in RECIPES:
+        return RECIPES[recipe]
+    raise ValueError(f"unknown recipe {recipe!r}; choose one of {sorted(RECIPES)} or pass a QuantRecipe.")
+
+
+def auto_explore_recipe(capability: tuple[int, int] | None) -> str:
+    """The explore recipe for a device (DESIGN.md section 2): native NVFP4 on Blackwell (sm_100+),
+    FP8 on Ada/Hopper (sm_89, sm_90: no FP4 tensor cores), emulated NVFP4 elsewhere (CPU included).
+    `capability` is torch.cuda.get_device_capability() or None for a CPU."""
+    if capability is not None and capability >= (10, 0):
+        return "nvfp4"
+    if capability is not None and capability >= (8, 9):
+        return "fp8"
+    return "nvfp4"

@@ -1,0 +1,41 @@
+"""Test setup: Triton kernels run in the CPU interpreter when no GPU is present.
+
+TRITON_INTERPRET must be set before Triton is first imported, hence here, at collection time.
+"""
+
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+try:
+    import triton  # noqa: F401
+
+    HAS_TRITON = True
+except ImportError:  # the dev extra installs it; without it Triton tests are skipped
+    HAS_TRITON = False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def device() -> torch.device:
+    """Where kernels are exercised: the GPU when there is one, else the CPU (Triton interpreted)."""
+    return torch.device("cuda" if HAS_CUDA else "cpu")
+
+
+@pytest.fixture
+def triton_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Route solrl_engine.kernels through the Triton backend for one test."""
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed (pip install -e '.[dev]')")
+    monkeypatch.setenv("SOLRL_BACKEND", "triton")

@@ -1,0 +1,63 @@
+"""FP8 E4M3 row-wise (per-token / per-channel) quantize kernel, bit-exact with
+solrl_engine.quant.fp8.quantize_rowwise.
+
+One program per row: a first sweep finds the row's finite amax, a second encodes (the row is hot in
+cache by then). E4M3 rounding is done with integer bit operations (see _numerics).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from triton_kernels._numerics import e4m3_round_magnitude, is_finite, load_f32
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@triton.jit
+def _fp8_rowwise_kernel(x_ptr, q_ptr, scale_ptr, K, BLOCK_K: tl.constexpr, IN_BF16: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = row * K
+    acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs = k0 + tl.arange(0, BLOCK_K)
+        x = load_f32(x_ptr + base + offs, offs < K, IN_BF16)
+        acc = tl.maximum(acc, tl.where(is_finite(x), tl.abs(x), 0.0))
+    amax = tl.max(acc, axis=0)
+    enc = tl.minimum(tl.div_rn(448.0, amax), 3.4028234663852886e38)
+    enc = tl.where(amax == 0.0, 1.0, enc)
+    tl.store(scale_ptr + row, tl.div_rn(1.0, enc))
+    for k0 in range(0, K, BLOCK_K):
+        offs = k0 + tl.arange(0, BLOCK_K)
+        m = offs < K
+        x = load_f32(x_ptr + base + offs, m, IN_BF16)
+        v = x * enc
+        mag = tl.minimum(tl.abs(v), 448.0)
+        code, _ = e4m3_round_magnitude(mag)
+        sign = (v.to(tl.int32, bitcast=True) >> 31) & 1
+        code = code | (sign << 7)
+        code = tl.where(is_finite(x), code, 0x7F)
+        tl.store(q_ptr + base + offs, code.to(tl.uint8), mask=m)
+
+
+def quantize_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] -> (E4M3 data [..., K] as torch.float8_e4m3fn, fp32 decode scales [..., 1])."""
+    if x.dtype not in _DTYPES:
+        raise TypeError(f"FP8 quantize takes float32, bfloat16 or float16; got {x.dtype}.")
+    if x.dim() == 0 or x.shape[-1] == 0:
+        raise ValueError(f"row-wise FP8 needs a non-empty last dimension; got shape {tuple(x.shape)}.")
+    x = x.contiguous()
+    k = x.shape[-1]
+    rows = x.numel() // k
+    q = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    scale = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
+    if rows:
+        interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
+        block_k = min(triton.next_power_of_2(k), 8192 if interp else 2048)
+        src = x.view(torch.int16) if x.dtype == torch.bfloat16 else x
+        _fp8_rowwise_kernel[(rows,)](src, q, scale, k, BLOCK_K=block_k, IN_BF16=x.dtype == torch.bfloat16)
+    return q.view(torch.float8_e4m3fn), scale

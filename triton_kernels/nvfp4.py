@@ -1,0 +1,217 @@
+"""NVFP4 Triton kernels: tensor amax, quantize, dequantize and one-pass fake-quant.
+
+All work on the flat, contiguous tensor as a sequence of 16-element blocks (blocks never straddle a
+row because the last dimension is a multiple of 16). The tensor scale is read from a device scalar,
+never from the host, so the kernels can be captured in a CUDA graph. Numerics: DESIGN.md section 4,
+checked bit for bit against solrl_engine.quant.nvfp4.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from triton_kernels._numerics import (
+    e2m1_decode,
+    e2m1_encode,
+    e4m3_decode,
+    e4m3_round_magnitude,
+    global_encode_scale,
+    is_finite,
+    load_f32,
+    store_out,
+)
+
+_OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _blocks_per_program() -> int:
+    # The interpreter runs programs one by one in Python: fewer, larger programs are far faster.
+    return 1024 if _interpreting() else 64
+
+
+@triton.jit
+def _amax_kernel(x_ptr, amax_ptr, n, BLOCK: tl.constexpr, IN_BF16: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    x = load_f32(x_ptr + offs, offs < n, IN_BF16)
+    a = tl.where(is_finite(x), tl.abs(x), 0.0)
+    tl.atomic_max(amax_ptr, tl.max(a, axis=0))
+
+
+@triton.jit
+def _quantize_blocks(x, s_enc, g):
+    """x: [NB, 16] fp32. Returns (codes int32 [NB, 16], scale byte int32 [NB], scale fp32 [NB])."""
+    finite = tl.min(is_finite(x).to(tl.int32), axis=1) == 1
+    blk_amax = tl.where(finite, tl.max(tl.abs(x), axis=1), 0.0)
+    v = tl.minimum(blk_amax * (s_enc * 0.16666666666666666), 448.0)
+    s_code, s_val = e4m3_round_magnitude(v)
+    s_code = tl.where(finite, s_code, 0x7F)
+    s_val = tl.where(finite, s_val, float("nan"))
+    mult = tl.minimum(tl.div_rn(1.0, s_val * g), 3.4028234663852886e38)
+    scaled = tl.minimum(tl.maximum(x * mult[:, None], -6.0), 6.0)
+    # A non-finite block has a NaN scale; its codes are 0 (the reference gets there through NaN).
+    codes = tl.where(finite[:, None], e2m1_encode(scaled), 0)
+    return codes, s_code, s_val
+
+
+@triton.jit
+def _quantize_kernel(
+    x_ptr,
+    q_ptr,
+    s_ptr,
+    amax_ptr,
+    g_ptr,
+    n_blocks,
+    NB: tl.constexpr,
+    DEQUANT: tl.constexpr,
+    OUT_KIND: tl.constexpr,
+    IN_BF16: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)
+    blk = pid * NB + tl.arange(0, NB).to(tl.int64)
+    bmask = blk < n_blocks
+    offs = blk[:, None] * 16 + tl.arange(0, 16)[None, :]
+    x = load_f32(x_ptr + offs, bmask[:, None], IN_BF16)
+    s_enc = global_encode_scale(tl.load(amax_ptr))
+    g = tl.div_rn(1.0, s_enc)
+    codes, s_code, s_val = _quantize_blocks(x, s_enc, g)
+    if DEQUANT:
+        # Fake-quant: decode in registers and write the input's dtype; codes never reach memory.
+        out = (e2m1_decode(codes) * s_val[:, None]) * g
+        store_out(q_ptr + offs, out, bmask[:, None], OUT_KIND)
+    else:
+        lo, hi = tl.split(tl.reshape(codes, [NB, 8, 2]))
+        packed = (lo | (hi << 4)).to(tl.uint8)
+        poffs = blk[:, None] * 8 + tl.arange(0, 8)[None, :]
+        tl.store(q_ptr + poffs, packed, mask=bmask[:, None])
+        tl.store(s_ptr + blk, s_code.to(tl.uint8), mask=bmask)
+        tl.store(g_ptr, g, mask=pid == 0)
+
+
+@triton.jit
+def _dequantize_kernel(q_ptr, s_ptr, g_ptr, out_ptr, n_blocks, NB: tl.constexpr, OUT_KIND: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    blk = pid * NB + tl.arange(0, NB).to(tl.int64)
+    bmask = blk < n_blocks
+    poffs = blk[:, None] * 8 + tl.arange(0, 8)[None, :]
+    packed = tl.load(q_ptr + poffs, mask=bmask[:, None], other=0).to(tl.int32)
+    codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), [NB, 16])
+    s_val = e4m3_decode(tl.load(s_ptr + blk, mask=bmask, other=0).to(tl.int32))
+    g = tl.load(g_ptr)
+    out = (e2m1_decode(codes) * s_val[:, None]) * g
+    offs = blk[:, None] * 16 + tl.arange(0, 16)[None, :]
+    store_out(out_ptr + offs, out, bmask[:, None], OUT_KIND)
+
+
+def _is_bf16(x: torch.Tensor) -> bool:
+    return x.dtype == torch.bfloat16
+
+
+def _src(x: torch.Tensor) -> torch.Tensor:
+    """The kernel's view of an input: bf16 goes in as raw int16 bits (see load_f32)."""
+    return x.view(torch.int16) if x.dtype == torch.bfloat16 else x
+
+
+def _check(x: torch.Tensor) -> None:
+    if x.shape[-1] % 16 != 0:
+        raise ValueError(f"last dimension must be a multiple of 16; got shape {tuple(x.shape)}.")
+    if x.dtype not in _OUT_KIND:
+        raise TypeError(f"NVFP4 kernels take float32, bfloat16 or float16; got {x.dtype}.")
+
+
+def amax(x: torch.Tensor) -> torch.Tensor:
+    """Absolute max over finite elements as an fp32 device scalar (0-dim)."""
+    x = x.contiguous()
+    out = torch.zeros((), dtype=torch.float32, device=x.device)
+    block = 16384 if _interpreting() else 4096
+    n = x.numel()
+    if n:
+        _amax_kernel[(triton.cdiv(n, block),)](_src(x), out, n, BLOCK=block, IN_BF16=_is_bf16(x))
+    return out
+
+
+def _amax_arg(x: torch.Tensor, amax_value: torch.Tensor | float | None) -> torch.Tensor:
+    if amax_value is None:
+        return amax(x)
+    return torch.as_tensor(amax_value, dtype=torch.float32, device=x.device).reshape(())
+
+
+def quantize(
+    x: torch.Tensor,
+    amax_value: torch.Tensor | float | None = None,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize x -> (qdata uint8 [..., K/2], scale uint8 bytes of E4M3 [..., K/16], g fp32 0-dim).
+
+    Without `amax_value` the amax kernel runs first (two launches, no host sync). `out` lets the
+    caller pass existing buffers, which are written in place.
+    """
+    _check(x)
+    x = x.contiguous()
+    lead = x.shape[:-1]
+    k = x.shape[-1]
+    if out is None:
+        q = torch.empty((*lead, k // 2), dtype=torch.uint8, device=x.device)
+        s = torch.empty((*lead, k // 16), dtype=torch.uint8, device=x.device)
+        g = torch.empty((), dtype=torch.float32, device=x.device)
+    else:
+        q, s, g = out
+    n_blocks = x.numel() // 16
+    if n_blocks:
+        nb = _blocks_per_program()
+        am = _amax_arg(x, amax_value)
+        _quantize_kernel[(triton.cdiv(n_blocks, nb),)](
+            _src(x), q, s, am, g, n_blocks, NB=nb, DEQUANT=False, OUT_KIND=0, IN_BF16=_is_bf16(x)
+        )
+    return q, s, g
+
+
+def fake_quantize(x: torch.Tensor, amax_value: torch.Tensor | float | None = None) -> torch.Tensor:
+    """Quantize and dequantize in one pass: same shape and dtype as x, no codes in memory."""
+    _check(x)
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    n_blocks = x.numel() // 16
+    if n_blocks:
+        nb = _blocks_per_program()
+        am = _amax_arg(x, amax_value)
+        dst = out.view(torch.int16) if x.dtype == torch.bfloat16 else out
+        _quantize_kernel[(triton.cdiv(n_blocks, nb),)](
+            _src(x),
+            dst,
+            dst,
+            am,
+            am,
+            n_blocks,
+            NB=nb,
+            DEQUANT=True,
+            OUT_KIND=_OUT_KIND[x.dtype],
+            IN_BF16=_is_bf16(x),
+        )
+    return out
+
+
+def dequantize(
+    qdata: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """Decode NVFP4 (scale given as E4M3 or its uint8 bytes) to `dtype`."""
+    if dtype not in _OUT_KIND:
+        raise TypeError(f"dequantize writes float32, bfloat16 or float16; got {dtype}.")
+    qdata = qdata.contiguous()
+    s = scale.contiguous().view(torch.uint8)
+    out = torch.empty((*qdata.shape[:-1], qdata.shape[-1] * 2), dtype=dtype, device=qdata.device)
+    n_blocks = out.numel() // 16
+    if n_blocks:
+        nb = _blocks_per_program()
+        dst = out.view(torch.int16) if dtype == torch.bfloat16 else out
+        g = global_scale.to(torch.float32).reshape(())
+        _dequantize_kernel[(triton.cdiv(n_blocks, nb),)](qdata, s, g, dst, n_blocks, NB=nb, OUT_KIND=_OUT_KIND[dtype])
+    return out
