@@ -222,3 +222,18 @@ def test_swizzle_flattens_leading_dims():
     s = torch.rand(2, 70, 8).mul(100).to(torch.float8_e4m3fn)
     sw = nvfp4.swizzle_scales(s)
     assert torch.equal(nvfp4.unswizzle_scales(sw, 140, 8).view(torch.uint8), s.reshape(140, 8).view(torch.uint8))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fake_quantize_unit_equals_decoding_the_codes(shape, dtype):
+    for kind, x in families(shape, seed=21):
+        x = x.to(dtype)
+        for amax in (None, 0.75):
+            t = nvfp4.quantize(x, amax)
+            one = torch.ones((), dtype=torch.float32)
+            want = nvfp4.dequantize(nvfp4.NVFP4Tensor(t.qdata, t.scale, one), torch.float32)
+            got, g = nvfp4.fake_quantize_unit(x, amax)
+            assert torch.equal(g, t.global_scale), kind
+            same = (got == want) | (torch.isnan(got) & torch.isnan(want))
+            assert same.all(), f"{kind}: {(~same).sum().item()} values differ"

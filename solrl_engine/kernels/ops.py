@@ -131,8 +131,8 @@ def nvfp4_linear(x: torch.Tensor, weight: NVFP4Tensor, bias: torch.Tensor | None
     x2 = x.reshape(-1, k)
     w = _unit_scale_values(weight)
     if quantize_input:
-        xq = nvfp4_quantize(x2)
-        acc = (_unit_scale_values(xq) @ w.t()) * (xq.global_scale * weight.global_scale)
+        xv, xg = nvfp4.fake_quantize_unit(x2)
+        acc = (xv @ w.t()) * (xg * weight.global_scale)
     else:
         acc = (x2.float() @ w.t()) * weight.global_scale
     if bias is not None:

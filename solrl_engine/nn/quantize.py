@@ -108,7 +108,7 @@ def quantize_model(model: nn.Module, recipe: str | QuantRecipe = "nvfp4", keep_m
 
 
 def _source_weights(
-    layers: dict[str, QuantLinear], source: nn.Module | Mapping[str, torch.Tensor] | None
+    layers: dict[str, QuantLinear], source: nn.Module | Mapping[str, torch.Tensor] | None, strict: bool = True
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
     out: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
     missing: list[str] = []
@@ -122,7 +122,8 @@ def _source_weights(
             out[name] = (ql.master_weight, None)
         elif isinstance(source, Mapping):
             if f"{name}.weight" not in source:
-                missing.append(f"{name}.weight")
+                if strict:
+                    missing.append(f"{name}.weight")
                 continue
             out[name] = (source[f"{name}.weight"], source.get(f"{name}.bias"))
         else:
@@ -154,17 +155,21 @@ def _plain_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def requantize_(model: nn.Module, source: nn.Module | Mapping[str, torch.Tensor] | None = None) -> int:
+def requantize_(
+    model: nn.Module, source: nn.Module | Mapping[str, torch.Tensor] | None = None, strict: bool = True
+) -> int:
     """Refresh `model` in place from new high-precision weights, so it mirrors the updated policy.
 
     Every QuantLinear is re-quantized into its existing buffers; with a `source`, the layers kept in
     high precision are copied too (all of a module source's tensors, those present in a state dict).
     `source` is the BF16 model (matched by name) or a state dict; None uses the master weights kept
-    by quantize_model(keep_master=True). All shapes are checked before anything is written, so a bad
-    source leaves the model unchanged. Returns the number of quantized layers refreshed.
+    by quantize_model(keep_master=True). With `strict=False` a state dict may hold only the layers
+    that changed (e.g. the LoRA-merged ones); the others are left as they are. All shapes are checked
+    before anything is written, so a bad source leaves the model unchanged. Returns the number of
+    quantized layers refreshed.
     """
     layers = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
-    weights = _source_weights(layers, source)
+    weights = _source_weights(layers, source, strict)
     for name, (w, b) in weights.items():
         ql = layers[name]
         if tuple(w.shape) != (ql.out_features, ql.in_features):
