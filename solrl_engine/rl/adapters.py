@@ -1,0 +1,126 @@
+"""LoRA adapters through PEFT on one shared base transformer: the trained adapter ("default"), the
+sampling adapter ("old", an EMA of the trained one), the reference (adapters disabled), and an EMA of
+the trained adapter for evaluation. One base copy of the weights serves all four.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+TRAIN, OLD = "default", "old"
+
+
+class LoraAdapters:
+    """Owns the LoRA state of `transformer` (a diffusers model with PEFT support)."""
+
+    def __init__(self, transformer: nn.Module, rank: int, alpha: int, targets: tuple[str, ...]) -> None:
+        try:
+            from peft import LoraConfig
+        except ImportError as e:  # pragma: no cover - peft is a core dependency
+            raise ImportError("LoRA training needs peft: pip install peft") from e
+        self.transformer = transformer
+        transformer.requires_grad_(False)
+        cfg = LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=list(targets))
+        try:
+            transformer.add_adapter(cfg, adapter_name=TRAIN)
+        except ValueError as e:
+            raise ValueError(f"LoRA targets {targets} match no layer of {type(transformer).__name__}: {e}") from e
+        with warnings.catch_warnings():  # a second adapter is the point here, not a mistake
+            warnings.filterwarnings("ignore", message="Already found a `peft_config`")
+            transformer.add_adapter(cfg, adapter_name=OLD)
+        self.layers = {n: m for n, m in transformer.named_modules() if hasattr(m, "lora_A") and TRAIN in m.lora_A}
+        with torch.no_grad():
+            for a, b in zip(self.params(OLD), self.params(TRAIN), strict=True):
+                a.copy_(b)
+        self.ema = [p.detach().clone() for p in self.params(TRAIN)]
+        self.use(TRAIN)
+
+    def params(self, adapter: str) -> list[nn.Parameter]:
+        """The LoRA A and B matrices of `adapter`, in a fixed order."""
+        out = []
+        for m in self.layers.values():
+            out += [m.lora_A[adapter].weight, m.lora_B[adapter].weight]
+        return out
+
+    def use(self, which: str) -> None:
+        """Activate "default", "old" or "ref" (adapters off). Only "default" ever takes gradients."""
+        if which == "ref":
+            self.transformer.disable_adapters()
+        else:
+            self.transformer.enable_adapters()
+            self.transformer.set_adapter(which)
+        for p in self.params(TRAIN):
+            p.requires_grad_(True)
+        for p in self.params(OLD):
+            p.requires_grad_(False)
+
+    @contextlib.contextmanager
+    def using(self, which: str) -> Iterator[None]:
+        self.use(which)
+        try:
+            yield
+        finally:
+            self.use(TRAIN)
+
+    @torch.no_grad()
+    def update_old(self, step: int, rate: float = 0.001, max_decay: float = 0.5) -> float:
+        """old <- d old + (1 - d) theta with d = min(rate * step, max_decay); returns d."""
+        d = min(rate * step, max_decay)
+        for o, p in zip(self.params(OLD), self.params(TRAIN), strict=True):
+            o.mul_(d).add_(p, alpha=1 - d)
+        return d
+
+    @torch.no_grad()
+    def update_ema(self, step: int, max_decay: float = 0.9) -> None:
+        d = min((1 + step) / (10 + step), max_decay)
+        for e, p in zip(self.ema, self.params(TRAIN), strict=True):
+            e.mul_(d).add_(p.detach(), alpha=1 - d)
+
+    @contextlib.contextmanager
+    def ema_weights(self) -> Iterator[None]:
+        """Temporarily load the EMA into the trained adapter (for evaluation)."""
+        live = [p.detach().clone() for p in self.params(TRAIN)]
+        with torch.no_grad():
+            for p, e in zip(self.params(TRAIN), self.ema, strict=True):
+                p.copy_(e)
+        try:
+            with self.using(TRAIN):
+                yield
+        finally:
+            with torch.no_grad():
+                for p, v in zip(self.params(TRAIN), live, strict=True):
+                    p.copy_(v)
+
+    @torch.no_grad()
+    def merged_weights(self, adapter: str = OLD) -> dict[str, torch.Tensor]:
+        """{"<layer>.weight": base + scale * B A} for every LoRA layer (keys as in the base model)."""
+        out = {}
+        for name, m in self.layers.items():
+            w = m.base_layer.weight
+            out[f"{name}.weight"] = (w.float() + m.get_delta_weight(adapter).float()).to(w.dtype)
+        return out
+
+    def side_branch(self, name: str, adapter: str = OLD) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """(A, B, scale) of one layer: the BF16 LoRA branch a quantized copy can add to its output."""
+        m = self.layers[name]
+        return m.lora_A[adapter].weight, m.lora_B[adapter].weight, float(m.scaling[adapter])
+
+    def state_dict(self) -> dict[str, list[torch.Tensor]]:
+        return {
+            TRAIN: [p.detach().cpu().clone() for p in self.params(TRAIN)],
+            OLD: [p.detach().cpu().clone() for p in self.params(OLD)],
+            "ema": [e.cpu().clone() for e in self.ema],
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, list[torch.Tensor]]) -> None:
+        for key, params in ((TRAIN, self.params(TRAIN)), (OLD, self.params(OLD)), ("ema", self.ema)):
+            if len(state[key]) != len(params):
+                raise ValueError(f"checkpoint has {len(state[key])} {key} LoRA tensors, the model {len(params)}")
+            for p, v in zip(params, state[key], strict=True):
+                p.copy_(v)

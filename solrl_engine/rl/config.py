@@ -1,0 +1,217 @@
+"""Typed RL configuration, validated at start, with `--set key=value` overrides.
+
+Configs are Python functions returning an RLConfig (configs/<model>.py, named
+<model>_<family>_<reward>); `load_config("configs/tiny.py:tiny_sol_rl_shapes", ["n=32"])` builds one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib.util
+import inspect
+import types
+import typing
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+
+FAMILIES = ("diffusionnft", "naive_scaling", "compile", "naive_quant", "sol_rl")
+EXPLORE_PRECISIONS = ("auto", "nvfp4", "nvfp4_weight_only", "fp8", "fp8_weight_only", "bf16")
+SD3_LORA_TARGETS = (
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+)
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message says which key and how to fix it."""
+
+
+@dataclass
+class RLConfig:
+    """Everything one Sol-RL (or baseline) run needs. Defaults follow DiffusionNFT / Sol-RL."""
+
+    name: str = "run"
+    family: str = "sol_rl"
+    model: str = "tiny"
+    model_path: str | None = None
+    reward: str = "shapes"
+    train_prompts: str = "shapes/train"
+    eval_prompts: str = "shapes/heldout"
+    # rollout: N seeds explored per prompt, K trained on (top K/2 + bottom K/2)
+    n: int = 96
+    k: int = 24
+    prompts_per_iter: int = 16
+    preview_steps: int = 6
+    full_steps: int = 10
+    solver: str = "dpm2"
+    shift: float = 1.0
+    guidance_scale: float = 1.0
+    explore_precision: str = "auto"
+    rollout_batch_size: int = 96
+    # policy update (DiffusionNFT)
+    lora_rank: int = 32
+    lora_alpha: int = 64
+    lora_targets: tuple[str, ...] = SD3_LORA_TARGETS
+    merge_lora: bool = True
+    lr: float = 3e-4
+    weight_decay: float = 1e-4
+    grad_clip: float = 1.0
+    train_batch_size: int = 16
+    beta: float = 1.0
+    kl_beta: float = 1e-4
+    adv_clip: float = 5.0
+    timestep_fraction: float = 0.6
+    old_decay_rate: float = 0.001
+    old_decay_max: float = 0.5
+    ema_decay_max: float = 0.9
+    # loop
+    iterations: int = 100
+    eval_every: int = 5
+    eval_prompt_count: int = 32
+    eval_seeds: int = 2
+    save_every: int = 5
+    keep_checkpoints: int = 2
+    seed: int = 0
+    device: str = "auto"
+    policy_dtype: str = "auto"
+    output: str = ""
+
+    def validate(self) -> RLConfig:
+        """Raise ConfigError on anything that cannot run; return self."""
+
+        def bad(key: str, msg: str) -> ConfigError:
+            return ConfigError(f"config {self.name!r}: {key} = {getattr(self, key)!r}: {msg}")
+
+        if self.family not in FAMILIES:
+            raise bad("family", f"unknown family; choose one of {FAMILIES}")
+        if self.n < 1 or self.k < 2:
+            raise bad("k", "need n >= 1 and k >= 2")
+        if self.k > self.n:
+            raise bad("k", f"cannot train on more seeds than are explored (n = {self.n}); set k <= n")
+        if self.k % 2:
+            raise bad("k", "k must be even: the top k/2 and bottom k/2 seeds are kept")
+        if self.family == "diffusionnft" and self.n != self.k:
+            raise bad("n", f"diffusionnft trains on every rollout, so n must equal k ({self.k})")
+        if not 1 <= self.preview_steps <= self.full_steps:
+            raise bad("preview_steps", f"must be between 1 and full_steps ({self.full_steps})")
+        if self.solver not in ("euler", "dpm2"):
+            raise bad("solver", "choose 'euler' or 'dpm2'")
+        if self.explore_precision not in EXPLORE_PRECISIONS:
+            raise bad("explore_precision", f"choose one of {EXPLORE_PRECISIONS}")
+        if not 0 < self.timestep_fraction <= 1:
+            raise bad("timestep_fraction", "must be in (0, 1]")
+        if self.beta <= 0:
+            raise bad("beta", "must be > 0 (the loss divides by it)")
+        for key in (
+            "prompts_per_iter",
+            "iterations",
+            "eval_every",
+            "save_every",
+            "rollout_batch_size",
+            "train_batch_size",
+            "lora_rank",
+            "keep_checkpoints",
+            "eval_seeds",
+        ):
+            if getattr(self, key) < 1:
+                raise bad(key, "must be >= 1")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise bad("device", "use auto, cpu, cuda or cuda:N")
+        if self.policy_dtype not in ("auto", "bfloat16", "float32"):
+            raise bad("policy_dtype", "use auto, bfloat16 or float32")
+        return self
+
+
+def resolve_runtime(cfg: RLConfig) -> tuple[torch.device, torch.dtype]:
+    """(device, policy dtype): "BF16" means bfloat16 on GPUs and float32 on CPUs, where bf16 matmuls
+    are slow or emulated."""
+    dev = torch.device(cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    if cfg.policy_dtype != "auto":
+        return dev, getattr(torch, cfg.policy_dtype)
+    return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
+
+
+def _parse_value(raw: str, tp: object, key: str) -> object:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (types.UnionType, typing.Union):
+        if raw.lower() in ("none", "null"):
+            return None
+        return _parse_value(raw, next(a for a in args if a is not type(None)), key)
+    if tp is bool:
+        if raw.lower() in ("1", "true", "yes", "on"):
+            return True
+        if raw.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{key}={raw!r}: expected true or false")
+    if origin is tuple:
+        return tuple(p.strip() for p in raw.split(",") if p.strip())
+    if tp in (int, float):
+        try:
+            return tp(raw)
+        except ValueError:
+            raise ConfigError(f"{key}={raw!r}: expected {tp.__name__}") from None
+    return raw
+
+
+def apply_overrides(cfg: RLConfig, overrides: list[str]) -> RLConfig:
+    """Apply "key=value" strings with the field's type; unknown keys are an error with a suggestion."""
+    hints = typing.get_type_hints(RLConfig)
+    names = [f.name for f in fields(RLConfig)]
+    changes: dict[str, object] = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: write key=value")
+        key, raw = (s.strip() for s in item.split("=", 1))
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(names)}"
+            raise ConfigError(f"unknown config key {key!r}{hint}")
+        changes[key] = _parse_value(raw, hints[key], key)
+    return dataclasses.replace(cfg, **changes)
+
+
+def load_config(spec: str, overrides: list[str] | None = None) -> RLConfig:
+    """Build the config `path/to/file.py:function` with overrides; a key=value whose key is a
+    parameter of the function (e.g. paper_scale) is passed to it, the rest set fields."""
+    if ":" not in spec:
+        raise ConfigError(
+            f"config spec {spec!r}: write configs/<file>.py:<function>, e.g. configs/tiny.py:tiny_sol_rl_shapes"
+        )
+    path_s, fn_name = spec.rsplit(":", 1)
+    path = Path(path_s)
+    if not path.exists():
+        raise ConfigError(f"config file {path} does not exist (run from the repository root, or give its full path)")
+    mod_spec = importlib.util.spec_from_file_location(f"solrl_config_{path.stem}", path)
+    assert mod_spec and mod_spec.loader
+    mod = importlib.util.module_from_spec(mod_spec)
+    mod_spec.loader.exec_module(mod)
+    fn = getattr(mod, fn_name, None)
+    if not callable(fn):
+        found = [n for n, v in vars(mod).items() if callable(v) and not n.startswith("_") and n != "RLConfig"]
+        raise ConfigError(f"{path} has no config function {fn_name!r}; it has: {', '.join(found)}")
+    params = inspect.signature(fn).parameters
+    hints = typing.get_type_hints(fn)
+    kwargs: dict[str, object] = {}
+    rest: list[str] = []
+    for item in overrides or []:
+        key, _, raw = (s.strip() for s in item.partition("="))
+        if key in params:
+            kwargs[key] = _parse_value(raw, hints.get(key, str), key)
+        else:
+            rest.append(item)
+    cfg = fn(**kwargs)
+    if not isinstance(cfg, RLConfig):
+        raise ConfigError(f"{spec} returned {type(cfg).__name__}, not an RLConfig")
+    if cfg.name == "run":
+        cfg = dataclasses.replace(cfg, name=fn_name)
+    return apply_overrides(cfg, rest).validate()

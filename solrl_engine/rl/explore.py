@@ -1,0 +1,58 @@
+"""The explore copy: a quantized twin of the policy's transformer that previews rollouts cheaply.
+
+Built once from the base weights (before LoRA is attached to the policy), refreshed after every
+update in place: either the "old" LoRA is merged into the weights and `requantize_` rewrites the
+quantized buffers (default), or the LoRA stays a BF16 side branch on the quantized base that reads
+the live "old" adapter (nothing to refresh).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from solrl_engine.nn import QuantReport, quantize_model, requantize_
+from solrl_engine.quant.recipe import auto_explore_recipe
+from solrl_engine.rl.adapters import OLD, LoraAdapters
+
+
+def resolve_explore_recipe(precision: str, device: torch.device) -> str:
+    """'auto' -> the device's explore recipe (DESIGN.md section 2); anything else passes through."""
+    if precision != "auto":
+        return precision
+    cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    return auto_explore_recipe(cap)
+
+
+class ExploreCopy:
+    def __init__(self, base_transformer: nn.Module, recipe: str) -> None:
+        if any(hasattr(m, "lora_A") for m in base_transformer.modules()):
+            raise RuntimeError("build the explore copy before attaching LoRA to the policy")
+        self.recipe = recipe
+        self.transformer = copy.deepcopy(base_transformer).eval().requires_grad_(False)
+        self.report: QuantReport = quantize_model(self.transformer, recipe)
+        self.merge = True
+
+    def attach(self, adapters: LoraAdapters, merge: bool = True) -> None:
+        """Follow the policy's "old" adapter: merged + requantized, or as a live BF16 side branch."""
+        self.merge = merge
+        if not merge:
+            for name in adapters.layers:
+                a, b, scale = adapters.side_branch(name, OLD)
+                layer = self.transformer.get_submodule(name)
+
+                def hook(_m: nn.Module, inp: tuple[torch.Tensor], out: torch.Tensor, a=a, b=b, scale=scale):
+                    x = inp[0].to(a.dtype)
+                    return out + (scale * nn.functional.linear(nn.functional.linear(x, a), b)).to(out.dtype)
+
+                layer.register_forward_hook(hook)
+        self.refresh(adapters)
+
+    @torch.no_grad()
+    def refresh(self, adapters: LoraAdapters) -> int:
+        """Write the updated "old" policy into the copy; returns the number of layers rewritten."""
+        if not self.merge:
+            return 0
+        return requantize_(self.transformer, source=adapters.merged_weights(OLD), strict=False)
