@@ -155,3 +155,10 @@ def test_bad_config_fails_before_any_work(small_model, tmp_path):
         Trainer(dataclasses.replace(_cfg(small_model, tmp_path), k=3), progress=False)
     with pytest.raises(FileNotFoundError, match="pretrain-tiny"):
         Trainer(_cfg(str(tmp_path / "nowhere"), tmp_path), progress=False)
+
+
+def test_explore_skip_keeps_more_layers_out_of_the_quantized_copy(small_model, tmp_path):
+    tr = Trainer(_cfg(small_model, tmp_path, explore_skip=("*attn.to_q",)), progress=False)
+    skipped = tr.explore.report.skipped
+    assert any(name.endswith("attn.to_q") and "skip pattern" in why for name, why in skipped.items())
+    assert not any(name.endswith("attn.to_q") for name in tr.explore.report.quantized)

@@ -56,6 +56,7 @@ class RLConfig:
     shift: float = 1.0
     guidance_scale: float = 1.0
     explore_precision: str = "auto"
+    explore_skip: tuple[str, ...] = ()  # extra layer-name patterns kept out of the explore quantization
     rollout_batch_size: int = 96
     # policy update (DiffusionNFT)
     lora_rank: int = 32

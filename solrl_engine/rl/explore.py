@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from solrl_engine.nn import QuantReport, quantize_model, requantize_
-from solrl_engine.quant.recipe import auto_explore_recipe
+from solrl_engine.quant.recipe import auto_explore_recipe, get_recipe
 from solrl_engine.rl.adapters import OLD, LoraAdapters
 
 
@@ -27,12 +27,14 @@ def resolve_explore_recipe(precision: str, device: torch.device) -> str:
 
 
 class ExploreCopy:
-    def __init__(self, base_transformer: nn.Module, recipe: str) -> None:
+    def __init__(self, base_transformer: nn.Module, recipe: str, extra_skip: tuple[str, ...] = ()) -> None:
         if any(hasattr(m, "lora_A") for m in base_transformer.modules()):
             raise RuntimeError("build the explore copy before attaching LoRA to the policy")
         self.recipe = recipe
         self.transformer = copy.deepcopy(base_transformer).eval().requires_grad_(False)
-        self.report: QuantReport = quantize_model(self.transformer, recipe)
+        full = get_recipe(recipe)
+        full = full.with_(skip=full.skip + tuple(extra_skip))
+        self.report: QuantReport = quantize_model(self.transformer, full)
         self.merge = True
 
     def attach(self, adapters: LoraAdapters, merge: bool = True) -> None:

@@ -82,9 +82,8 @@ class Trainer:
         self.reward(torch.zeros(1, 3, 8, 8), self.train_prompts[:1])  # fail early on prompts the reward rejects
         self.explore: ExploreCopy | None = None
         if cfg.family in ("naive_quant", "sol_rl"):
-            self.explore = ExploreCopy(
-                self.model.transformer, resolve_explore_recipe(cfg.explore_precision, self.device)
-            )
+            recipe = resolve_explore_recipe(cfg.explore_precision, self.device)
+            self.explore = ExploreCopy(self.model.transformer, recipe, cfg.explore_skip)
         with torch.random.fork_rng(devices=[]):  # the LoRA init depends on cfg.seed only
             torch.manual_seed(cfg.seed)
             self.adapters = LoraAdapters(self.model.transformer, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
