@@ -66,3 +66,24 @@ def test_sample_heldout_split_and_bad_prompt(tmp_path):
         main(["sample", "--out", str(tmp_path / "x.png")])
     with pytest.raises(SystemExit, match="range"):
         main(["sample", "--prompt", "a red circle", "--seeds", "a-b", "--out", str(tmp_path / "x.png")])
+
+
+def test_train_config_errors_are_clear(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit, match="config error.*even"):
+        main(["train", "configs/tiny.py:tiny_sol_rl_shapes", "--set", "k=7"])
+    with pytest.raises(SystemExit, match="did you mean 'iterations'"):
+        main(["train", "configs/tiny.py:tiny_sol_rl_shapes", "--set", "iteration=3"])
+
+
+def test_fidelity_cli_writes_its_report(tmp_path):
+    import json
+
+    out = tmp_path / "fid.json"
+    args = ["fidelity", "configs/tiny.py:tiny_sol_rl_shapes", "--set", "full_steps=2", "--set", "preview_steps=1"]
+    args += ["--prompts", "2", "--n", "6", "--k", "2", "--output", str(out)]
+    assert main(args) == 0
+    rep = json.loads(out.read_text())
+    assert rep["prompts"] == 2 and rep["n"] == 6 and -1 <= rep["spearman_mean"] <= 1
+    assert len(rep["per_prompt"]) == 2 and rep["explore_recipe"] == "nvfp4"
