@@ -18,11 +18,14 @@ AmaxLike = float | torch.Tensor | None
 # --- NVFP4 quantize ------------------------------------------------------------------------------
 
 
-def _tr_quantize(x: torch.Tensor, amax: AmaxLike = None) -> NVFP4Tensor:
+def _checked_amax(x: torch.Tensor, amax: AmaxLike) -> AmaxLike:
+    """The reference's input checks for the Triton path; a given amax as a validated device scalar."""
     nvfp4.check_input(x)
-    if amax is not None:
-        amax = nvfp4.resolve_amax(amax, x)
-    q, s, g = triton_module("nvfp4").quantize(x, amax)
+    return None if amax is None else nvfp4.resolve_amax(amax, x)
+
+
+def _tr_quantize(x: torch.Tensor, amax: AmaxLike = None) -> NVFP4Tensor:
+    q, s, g = triton_module("nvfp4").quantize(x, _checked_amax(x, amax))
     return NVFP4Tensor(q, s.view(torch.float8_e4m3fn), g, x.dtype)
 
 
@@ -38,10 +41,7 @@ def nvfp4_quantize(x: torch.Tensor, amax: AmaxLike = None) -> NVFP4Tensor:
 
 
 def _tr_fake_quantize(x: torch.Tensor, amax: AmaxLike = None) -> torch.Tensor:
-    nvfp4.check_input(x)
-    if amax is not None:
-        amax = nvfp4.resolve_amax(amax, x)
-    return triton_module("nvfp4").fake_quantize(x, amax)
+    return triton_module("nvfp4").fake_quantize(x, _checked_amax(x, amax))
 
 
 register("nvfp4_fake_quantize", {"reference": nvfp4.fake_quantize, "triton": _tr_fake_quantize})
@@ -79,10 +79,8 @@ def _ref_quantize_into(t: NVFP4Tensor, x: torch.Tensor, amax: AmaxLike = None) -
 
 
 def _tr_quantize_into(t: NVFP4Tensor, x: torch.Tensor, amax: AmaxLike = None) -> NVFP4Tensor:
-    nvfp4.check_input(x)
-    if amax is not None:
-        amax = nvfp4.resolve_amax(amax, x)
-    triton_module("nvfp4").quantize(x, amax, out=(t.qdata, t.scale.view(torch.uint8), t.global_scale))
+    out = (t.qdata, t.scale.view(torch.uint8), t.global_scale)
+    triton_module("nvfp4").quantize(x, _checked_amax(x, amax), out=out)
     return t
 
 

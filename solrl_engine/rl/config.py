@@ -6,6 +6,7 @@ Configs are Python functions returning an RLConfig (configs/<model>.py, named
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import importlib.util
@@ -139,6 +140,13 @@ def resolve_runtime(cfg: RLConfig) -> tuple[torch.device, torch.dtype]:
     if cfg.policy_dtype != "auto":
         return dev, getattr(torch, cfg.policy_dtype)
     return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
+
+
+def autocast_for(device: torch.device) -> contextlib.AbstractContextManager:
+    """BF16 autocast on CUDA (LoRA weights stay FP32), nothing elsewhere."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def _parse_value(raw: str, tp: object, key: str) -> object:

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 from solrl_engine.data import load_prompts
 from solrl_engine.models import load_model
 from solrl_engine.rewards import load_reward
-from solrl_engine.rl.config import RLConfig, resolve_runtime
+from solrl_engine.rl.config import RLConfig, autocast_for, resolve_runtime
 from solrl_engine.rl.explore import ExploreCopy, resolve_explore_recipe
 from solrl_engine.rl.ranking import kendall, overlap, spearman
 from solrl_engine.sampling import sample
@@ -38,39 +38,30 @@ def fidelity(cfg: RLConfig, prompts: int = 32, n: int = 96, k: int = 24, progres
     chosen = random.Random(cfg.seed).sample(pool, min(prompts, len(pool)))
     proxy_r, full_r = [], []
     t_proxy = t_full = 0.0
-    autocast = (
-        torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else torch.autocast("cpu", enabled=False)
-    )
+
+    def timed(cond: object, seeds: list[int], steps: int, transformer: object = None) -> tuple[torch.Tensor, float]:
+        t0 = time.perf_counter()
+        with autocast_for(dev):
+            x = sample(
+                model,
+                cond,
+                seeds,
+                steps,
+                cfg.shift,
+                cfg.solver,
+                batch_size=cfg.rollout_batch_size,
+                dtype=dtype,
+                transformer=transformer,
+            )
+        return x, time.perf_counter() - t0
+
     for i, p in enumerate(tqdm(chosen, disable=not progress, desc="fidelity")):
         seeds = [1000 * i + j for j in range(n)]
         cond = model.encode_prompts([p] * n)
-        with autocast:
-            t0 = time.perf_counter()
-            xp = sample(
-                model,
-                cond,
-                seeds,
-                cfg.preview_steps,
-                cfg.shift,
-                cfg.solver,
-                batch_size=cfg.rollout_batch_size,
-                dtype=dtype,
-                transformer=explore.transformer,
-            )
-            t1 = time.perf_counter()
-            xf = sample(
-                model,
-                cond,
-                seeds,
-                cfg.full_steps,
-                cfg.shift,
-                cfg.solver,
-                batch_size=cfg.rollout_batch_size,
-                dtype=dtype,
-            )
-            t2 = time.perf_counter()
-        t_proxy += t1 - t0
-        t_full += t2 - t1
+        xp, dt_proxy = timed(cond, seeds, cfg.preview_steps, explore.transformer)
+        xf, dt_full = timed(cond, seeds, cfg.full_steps)
+        t_proxy += dt_proxy
+        t_full += dt_full
         proxy_r.append(reward(model.decode(xp), [p] * n).float().cpu())
         full_r.append(reward(model.decode(xf), [p] * n).float().cpu())
     pr, fr = torch.stack(proxy_r), torch.stack(full_r)

@@ -12,7 +12,6 @@ one rank; pass the gathered rewards to `group_advantages` for the global std).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
@@ -30,7 +29,7 @@ from solrl_engine.models.base import Conditioning
 from solrl_engine.rewards import load_reward
 from solrl_engine.rl import checkpoint
 from solrl_engine.rl.adapters import OLD, TRAIN, LoraAdapters
-from solrl_engine.rl.config import RLConfig, resolve_runtime
+from solrl_engine.rl.config import RLConfig, autocast_for, resolve_runtime
 from solrl_engine.rl.explore import ExploreCopy, resolve_explore_recipe
 from solrl_engine.rl.loss import nft_loss
 from solrl_engine.rl.ranking import group_advantages, kendall, select_contrastive, spearman
@@ -108,9 +107,7 @@ class Trainer:
     # --- rollouts ----------------------------------------------------------------------------------
 
     def _autocast(self) -> Any:
-        if self.device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+        return autocast_for(self.device)
 
     def _sample(self, cond: Conditioning, seeds: list[int], steps: int, transformer: Any = None) -> torch.Tensor:
         c = self.cfg

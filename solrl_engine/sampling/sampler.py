@@ -51,11 +51,13 @@ def _solve(
     transformer: nn.Module | None,
 ) -> torch.Tensor:
     prev_x0: torch.Tensor | None = None
+    u = None
+    if guidance_scale != 1.0:
+        u = Conditioning(uncond.hidden.expand(len(cond), -1, -1), uncond.pooled.expand(len(cond), -1))
     for k in range(len(sig) - 1):
         t, t_next = sig[k], sig[k + 1]
         v = model.velocity(x, t, cond, transformer=transformer)
-        if guidance_scale != 1.0:
-            u = Conditioning(uncond.hidden.expand(len(cond), -1, -1), uncond.pooled.expand(len(cond), -1))
+        if u is not None:
             vu = model.velocity(x, t, u, transformer=transformer)
             v = vu + guidance_scale * (v - vu)
         if solver == "euler" or t_next == 0:
