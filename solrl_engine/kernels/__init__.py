@@ -4,12 +4,11 @@ Imports quant/, triton_kernels and the extension, nothing above it.
 """
 
 from solrl_engine.kernels.dispatch import BACKENDS, backend_report, select
+from solrl_engine.kernels.linear import fp8_linear, nvfp4_linear
 from solrl_engine.kernels.ops import (
-    fp8_linear,
     fp8_quantize_rowwise,
     nvfp4_dequantize,
     nvfp4_fake_quantize,
-    nvfp4_linear,
     nvfp4_quantize,
     nvfp4_quantize_into_,
 )

@@ -1,7 +1,8 @@
 """The one place that chooses an implementation (reference | triton | cuda) for an op.
 
-Default: on a CUDA tensor the CUDA extension if built and it has the op, else Triton, else the
-reference; on anything else the reference. `SOLRL_BACKEND=reference|triton|cuda` asks for one
+Default: on a CUDA tensor the `cuda` implementation if it can run (the compiled extension's kernel,
+or for GEMMs torch's own cuBLASLt `_scaled_mm` where the GPU has the tensor cores for it), else
+Triton, else the reference; on anything else the reference. `SOLRL_BACKEND=reference|triton|cuda` asks for one
 backend; when it cannot serve an op on a device, the call falls back to the default and says so once
 in the log, never silently wrong.
 """
@@ -52,6 +53,8 @@ def interpreting() -> bool:
 
 def unavailable_reason(backend: str, device: torch.device, op: str | None = None) -> str | None:
     """None when `backend` can run `op` on `device`, else a sentence saying why not."""
+    if op is not None and backend in _REQUIRES.get(op, {}):
+        return _REQUIRES[op][backend](device)
     if backend == "reference":
         return None
     if backend == "triton":
@@ -89,13 +92,23 @@ def _warn_once(msg: str) -> None:
 
 
 _OPS: dict[str, dict[str, Callable]] = {}
+_REQUIRES: dict[str, dict[str, Callable[[torch.device], str | None]]] = {}
 
 
-def register(op: str, impls: dict[str, Callable]) -> None:
-    """Declare the implementations of `op`, keyed by backend; "reference" is required."""
+def register(
+    op: str,
+    impls: dict[str, Callable],
+    requires: dict[str, Callable[[torch.device], str | None]] | None = None,
+) -> None:
+    """Declare the implementations of `op`, keyed by backend; "reference" is required.
+
+    `requires` overrides the backend's generic availability check for this op (a function of the
+    device returning None or the reason it cannot run), e.g. a `cuda` GEMM that needs sm_100.
+    """
     if "reference" not in impls or not set(impls) <= set(BACKENDS):
         raise ValueError(f"{op}: implementations must include 'reference' and use backends {BACKENDS}.")
     _OPS[op] = impls
+    _REQUIRES[op] = dict(requires or {})
 
 
 def ops() -> dict[str, tuple[str, ...]]:

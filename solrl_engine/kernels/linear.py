@@ -1,0 +1,184 @@
+"""Quantized linear layers (the GEMMs) behind the dispatch seam, one op per format.
+
+Implementations of `nvfp4_linear`:
+- reference: decode both operands exactly and multiply in FP32 (the oracle; CPU default);
+- triton (Hopper/Ada default): NVFP4 quantize of the activations, then the in-kernel-decode FP16
+  tensor-core GEMM (W4A4), or the weight-only GEMM for BF16/FP16 activations (W4A16);
+- cuda (Blackwell, sm_100+): `torch._scaled_mm` on `float4_e2m1fn_x2` with swizzled E4M3 block
+  scales (cuBLASLt FP4 tensor cores); weight-only calls keep the Triton kernel (FP4 x BF16 has no
+  tensor-core instruction).
+Implementations of `fp8_linear`: reference; cuda (sm_89+): `torch._scaled_mm` E4M3 row-wise.
+All compute the same math: the products of exactly decoded values, accumulated in FP32, times the
+global scales, plus bias; only accumulation order and the output rounding of cuBLAS differ.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from solrl_engine.kernels.dispatch import call, register, triton_module
+from solrl_engine.kernels.ops import fp8_quantize_rowwise, nvfp4_dequantize, nvfp4_quantize
+from solrl_engine.quant import nvfp4
+from solrl_engine.quant.fp8 import FP8Tensor
+from solrl_engine.quant.nvfp4 import NVFP4Tensor
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1])
+
+
+def _finish(acc: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return acc.to(x.dtype).reshape(*x.shape[:-1], acc.shape[-1])
+
+
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+# --- NVFP4 ---------------------------------------------------------------------------------------
+
+
+def _unit_scale_values(t: NVFP4Tensor) -> torch.Tensor:
+    """e2m1(q) * s_blk in FP32, without the global scale (exact; it goes in the epilogue)."""
+    one = torch.ones((), dtype=torch.float32, device=t.qdata.device)
+    return nvfp4_dequantize(NVFP4Tensor(t.qdata, t.scale, one, t.orig_dtype), torch.float32)
+
+
+def _ref_nvfp4_linear(
+    x: torch.Tensor, weight: NVFP4Tensor, bias: torch.Tensor | None, quantize_input: bool
+) -> torch.Tensor:
+    x2 = _flat(x)
+    w = _unit_scale_values(weight)
+    if quantize_input:
+        xv, xg = nvfp4.fake_quantize_unit(x2)
+        acc = (xv @ w.t()) * (xg * weight.global_scale)
+    else:
+        acc = (x2.float() @ w.t()) * weight.global_scale
+    if bias is not None:
+        acc = acc + bias.float()
+    return _finish(acc, x)
+
+
+def _tr_nvfp4_linear(
+    x: torch.Tensor, weight: NVFP4Tensor, bias: torch.Tensor | None, quantize_input: bool
+) -> torch.Tensor:
+    gemm = triton_module("gemm")
+    x2 = _flat(x)
+    if quantize_input:
+        xq = nvfp4_quantize(x2)
+        y = gemm.w4a4_gemm(
+            xq.qdata, xq.scale, xq.global_scale, weight.qdata, weight.scale, weight.global_scale, bias, x.dtype
+        )
+    elif x.dtype in (torch.bfloat16, torch.float16):
+        y = gemm.w4a16_gemm(x2, weight.qdata, weight.scale, weight.global_scale, bias, x.dtype)
+    else:  # FP32 activations: the weight-only kernel would have to round them; keep them exact
+        return _ref_nvfp4_linear(x, weight, bias, quantize_input)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def scaled_mm_fp4_operands(t: NVFP4Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(data as float4_e2m1fn_x2 [rows, K/2], flat swizzled E4M3 scales): cuBLASLt's FP4 layout."""
+    return t.qdata.view(torch.float4_e2m1fn_x2), nvfp4.swizzle_scales(t.scale)
+
+
+def _cuda_nvfp4_linear(
+    x: torch.Tensor, weight: NVFP4Tensor, bias: torch.Tensor | None, quantize_input: bool
+) -> torch.Tensor:
+    if not quantize_input:
+        return _tr_nvfp4_linear(x, weight, bias, quantize_input)
+    xq = nvfp4_quantize(_flat(x))
+    a, sa = scaled_mm_fp4_operands(xq)
+    b, sb = scaled_mm_fp4_operands(weight)
+    acc = torch._scaled_mm(a, b.t(), sa, sb, out_dtype=torch.float32)
+    acc = acc * (xq.global_scale * weight.global_scale)
+    if bias is not None:
+        acc = acc + bias.float()
+    return _finish(acc, x)
+
+
+def _fp4_tensor_cores(device: torch.device) -> str | None:
+    cap = _capability(device)
+    if cap is None:
+        return f"FP4 tensor-core GEMMs run on CUDA devices, not {device.type}"
+    if cap < (10, 0):
+        return f"sm_{cap[0]}{cap[1]} has no FP4 tensor cores (needs sm_100+; Hopper uses the triton GEMM)"
+    if not hasattr(torch, "float4_e2m1fn_x2"):
+        return f"torch {torch.__version__} has no float4_e2m1fn_x2 (needs torch >= 2.8)"
+    return None
+
+
+register(
+    "nvfp4_linear",
+    {"reference": _ref_nvfp4_linear, "triton": _tr_nvfp4_linear, "cuda": _cuda_nvfp4_linear},
+    requires={"cuda": _fp4_tensor_cores},
+)
+
+
+def nvfp4_linear(x: torch.Tensor, weight: NVFP4Tensor, bias: torch.Tensor | None, quantize_input: bool) -> torch.Tensor:
+    """y = x W^T + b with W in NVFP4; x NVFP4-quantized per call (W4A4) or kept as is (W4A16).
+
+    The exact NVFP4 GEMM: products of decoded block values summed in FP32, then times the two
+    global scales, plus bias, in x's dtype.
+    """
+    return call("nvfp4_linear", x.device, x, weight, bias, quantize_input)
+
+
+# --- FP8 -----------------------------------------------------------------------------------------
+
+
+def _ref_fp8_linear(
+    x: torch.Tensor, weight: FP8Tensor, bias: torch.Tensor | None, quantize_input: bool
+) -> torch.Tensor:
+    x2 = _flat(x)
+    w = weight.data.float()
+    if quantize_input:
+        xq = fp8_quantize_rowwise(x2)
+        acc = (xq.data.float() @ w.t()) * xq.scale * weight.scale.reshape(1, -1)
+    else:
+        acc = (x2.float() @ w.t()) * weight.scale.reshape(1, -1)
+    if bias is not None:
+        acc = acc + bias.float()
+    return _finish(acc, x)
+
+
+def _scaled_mm_fits(x2: torch.Tensor, weight: FP8Tensor) -> bool:
+    n, k = weight.data.shape
+    return k % 16 == 0 and n % 16 == 0 and x2.shape[0] > 0 and weight.scale.numel() == n
+
+
+def _cuda_fp8_linear(
+    x: torch.Tensor, weight: FP8Tensor, bias: torch.Tensor | None, quantize_input: bool
+) -> torch.Tensor:
+    """W8A8 through cuBLASLt's row-wise scaled GEMM (BF16 out, as cuBLASLt requires for it)."""
+    x2 = _flat(x)
+    if not quantize_input or not _scaled_mm_fits(x2, weight):
+        return _ref_fp8_linear(x, weight, bias, quantize_input)
+    xq = fp8_quantize_rowwise(x2)
+    y = torch._scaled_mm(
+        xq.data,
+        weight.data.t(),
+        scale_a=xq.scale.reshape(-1, 1).contiguous(),
+        scale_b=weight.scale.reshape(1, -1).contiguous(),
+        bias=None if bias is None else bias.to(torch.bfloat16),
+        out_dtype=torch.bfloat16,
+    )
+    return _finish(y, x)
+
+
+def _fp8_tensor_cores(device: torch.device) -> str | None:
+    cap = _capability(device)
+    if cap is None:
+        return f"FP8 tensor-core GEMMs run on CUDA devices, not {device.type}"
+    if cap < (8, 9):
+        return f"sm_{cap[0]}{cap[1]} has no FP8 tensor cores (needs sm_89+)"
+    return None
+
+
+register("fp8_linear", {"reference": _ref_fp8_linear, "cuda": _cuda_fp8_linear}, requires={"cuda": _fp8_tensor_cores})
+
+
+def fp8_linear(x: torch.Tensor, weight: FP8Tensor, bias: torch.Tensor | None, quantize_input: bool) -> torch.Tensor:
+    """y = x W^T + b with W in FP8 (per output channel); x FP8 per token (W8A8) or as is (W8A16)."""
+    return call("fp8_linear", x.device, x, weight, bias, quantize_input)

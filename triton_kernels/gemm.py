@@ -1,0 +1,269 @@
+"""NVFP4 GEMMs for GPUs without FP4 tensor cores (Hopper, Ada): decode in the kernel, FP16 MMA.
+
+y = (A B^T) * g_a * g_b (+ bias), with B = NVFP4 weights [N, K] and A either NVFP4 activations
+[M, K] (W4A4) or plain BF16/FP16 activations (W4A16, the weight-only kernel for small M).
+
+Why FP16 tensor cores and not BF16: every decoded value e2m1 * e4m3 has at most 6 significant bits
+and lies in [2^-10, 2688], so it is exact in FP16 as in BF16; FP16 lets the decode be a handful
+of integer ops (the E2M1 code and the E4M3 scale drop straight into FP16 bit fields, see
+`_decode`), and the MMA is as fast. The products are therefore exact and only the FP32
+accumulation order differs from the reference (solrl_engine.kernels.ops nvfp4_linear, FP32 matmul
+of the same values).
+
+Packed byte i of a row holds elements 2i (low nibble) and 2i+1 (high nibble). A dot product does
+not care about the order of K, so each K tile is two MMAs, one over the low nibbles and one over the
+high nibbles of both operands: no interleave or reshape in registers. Byte i's block scale is
+scale[i // 8], gathered per byte (from L1).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from triton_kernels._numerics import store_out
+
+_OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _decode(codes, scale_bytes):
+    """FP16 values of 4-bit E2M1 codes times their E4M3 block scales (int32 inputs), exact.
+
+    Code magnitude m in 1..7 becomes the FP16 pattern of e2m1(m) * 2^8 ((m << 9) + 0x5800, except
+    0.5 * 2^8 = 0x5800 for m == 1); the scale byte shifted left by 7 is the FP16 pattern of
+    e4m3 * 2^-8 (subnormals included). Their product is e2m1 * e4m3 exactly. A NaN scale (0x7F)
+    stays NaN.
+    """
+    m = codes & 7
+    bits = tl.where(m == 0, 0, (m << 9) + tl.where(m == 1, 0x5600, 0x5800)) | ((codes & 8) << 12)
+    v = bits.to(tl.int16).to(tl.float16, bitcast=True)
+    s = ((scale_bytes & 0x7F) << 7).to(tl.int16).to(tl.float16, bitcast=True)
+    s = tl.where((scale_bytes & 0x7F) == 0x7F, float("nan"), s.to(tl.float32)).to(tl.float16)
+    return v * s
+
+
+@triton.jit
+def _load_fp4(q_ptr, s_ptr, rows, rmask, kb, KH, KB, TRANS: tl.constexpr):
+    """Decode the [rows x bytes kb] tile of a packed NVFP4 matrix into (low, high) FP16 halves.
+
+    TRANS gives the tile as [bytes, rows] (the B operand of the MMA)."""
+    if TRANS:
+        m = (kb[:, None] < KH) & rmask[None, :]
+        p = tl.load(q_ptr + rows[None, :] * KH + kb[:, None], mask=m, other=0).to(tl.int32)
+        s = tl.load(s_ptr + rows[None, :] * KB + kb[:, None] // 8, mask=m, other=0).to(tl.int32)
+    else:
+        m = rmask[:, None] & (kb[None, :] < KH)
+        p = tl.load(q_ptr + rows[:, None] * KH + kb[None, :], mask=m, other=0).to(tl.int32)
+        s = tl.load(s_ptr + rows[:, None] * KB + kb[None, :] // 8, mask=m, other=0).to(tl.int32)
+    return _decode(p & 0xF, s), _decode(p >> 4, s)
+
+
+@triton.jit
+def _epilogue(acc, out_ptr, bias_ptr, ga_ptr, gb_ptr, rm, rn, M, N, HAS_BIAS: tl.constexpr, OUT_KIND: tl.constexpr):
+    acc = acc * (tl.load(ga_ptr) * tl.load(gb_ptr))
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    store_out(out_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], acc, mask, OUT_KIND)
+
+
+@triton.jit
+def _w4a4_kernel(
+    aq_ptr, as_ptr, ga_ptr, bq_ptr, bs_ptr, gb_ptr, bias_ptr, out_ptr,
+    M, N, K,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    HAS_BIAS: tl.constexpr, OUT_KIND: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    grid_m = tl.cdiv(M, BM)
+    grid_n = tl.cdiv(N, BN)
+    # Grouped ordering: programs sharing B tiles run together (L2 reuse).
+    group = pid // (GROUP_M * grid_n)
+    first_m = group * GROUP_M
+    size_m = min(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * grid_n)) % size_m
+    pid_n = (pid % (GROUP_M * grid_n)) // size_m
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    KH = K // 2
+    KB = K // 16
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, KH, BK // 2):
+        kb = k0 + tl.arange(0, BK // 2)
+        a_lo, a_hi = _load_fp4(aq_ptr, as_ptr, rm.to(tl.int64), rm < M, kb, KH, KB, False)
+        b_lo, b_hi = _load_fp4(bq_ptr, bs_ptr, rn.to(tl.int64), rn < N, kb, KH, KB, True)
+        acc = tl.dot(a_lo, b_lo, acc)
+        acc = tl.dot(a_hi, b_hi, acc)
+    _epilogue(acc, out_ptr, bias_ptr, ga_ptr, gb_ptr, rm, rn, M, N, HAS_BIAS, OUT_KIND)
+
+
+@triton.jit
+def _w4a16_kernel(
+    x_ptr, bq_ptr, bs_ptr, gb_ptr, bias_ptr, out_ptr,
+    M, N, K, K_SPLIT,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    HAS_BIAS: tl.constexpr, OUT_KIND: tl.constexpr, PARTIAL: tl.constexpr, DOT_F32: tl.constexpr,
+):  # fmt: skip
+    """Small-M weight-only GEMM; grid (N tiles, M tiles, split-K). With PARTIAL, raw FP32 partial
+    sums go to out[split, M, N] and the caller reduces (deterministic, unlike atomics)."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    KH = K // 2
+    KB = K // 16
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    rows = rm.to(tl.int64)
+    k_end = tl.minimum(KH, (pid_k + 1) * (K_SPLIT // 2))
+    for k0 in range(pid_k * (K_SPLIT // 2), k_end, BK // 2):
+        kb = k0 + tl.arange(0, BK // 2)
+        xm = (rm[:, None] < M) & (kb[None, :] < k_end)
+        x_lo = tl.load(x_ptr + rows[:, None] * K + 2 * kb[None, :], mask=xm, other=0.0)
+        x_hi = tl.load(x_ptr + rows[:, None] * K + 2 * kb[None, :] + 1, mask=xm, other=0.0)
+        b_lo, b_hi = _load_fp4(bq_ptr, bs_ptr, rn.to(tl.int64), rn < N, kb, KH, KB, True)
+        if DOT_F32:  # the CPU interpreter's BF16 tl.dot is wrong; FP32 gives the same exact products
+            acc = tl.dot(x_lo.to(tl.float32), b_lo.to(tl.float32), acc, input_precision="ieee")
+            acc = tl.dot(x_hi.to(tl.float32), b_hi.to(tl.float32), acc, input_precision="ieee")
+        else:  # FP16 values are exact in BF16 too; the cast goes through FP32 (free, and exact)
+            acc = tl.dot(x_lo, b_lo.to(tl.float32).to(x_lo.dtype), acc)
+            acc = tl.dot(x_hi, b_hi.to(tl.float32).to(x_hi.dtype), acc)
+    if PARTIAL:
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        tl.store(out_ptr + (pid_k * M + rm[:, None]).to(tl.int64) * N + rn[None, :], acc, mask=mask)
+    else:
+        acc = acc * tl.load(gb_ptr)  # activations carry no global scale
+        if HAS_BIAS:
+            acc = acc + tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        store_out(out_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], acc, mask, OUT_KIND)
+
+
+def _w4a4_configs() -> list[triton.Config]:
+    return [
+        triton.Config({"BM": bm, "BN": bn, "BK": bk, "GROUP_M": 8}, num_warps=w, num_stages=s)
+        for bm, bn, bk, w, s in [
+            (128, 128, 128, 8, 3),
+            (128, 256, 128, 8, 3),
+            (256, 128, 128, 8, 3),
+            (128, 128, 256, 8, 2),
+            (64, 128, 128, 4, 4),
+        ]
+    ]
+
+
+_w4a4_tuned = triton.autotune(_w4a4_configs(), key=["M", "N", "K"])(_w4a4_kernel)
+
+
+def _check_operand(q: torch.Tensor, s: torch.Tensor, name: str) -> tuple[int, int]:
+    if q.dim() != 2 or q.dtype != torch.uint8:
+        raise ValueError(
+            f"{name}: packed NVFP4 data must be a 2-D uint8 [rows, K/2] tensor; got {q.dtype} {tuple(q.shape)}."
+        )
+    rows, kh = q.shape
+    if s.shape != (rows, kh // 8):
+        raise ValueError(
+            f"{name}: block scales must be [rows, K/16] = {(rows, kh // 8)} (row-major, not swizzled); "
+            f"got {tuple(s.shape)}."
+        )
+    return rows, kh * 2
+
+
+def _prep(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def _out(m: int, n: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    if dtype not in _OUT_KIND:
+        raise TypeError(f"NVFP4 GEMM writes float32, bfloat16 or float16; got {dtype}.")
+    out = torch.empty((m, n), dtype=dtype, device=device)
+    return out, (out.view(torch.int16) if dtype == torch.bfloat16 else out)
+
+
+def w4a4_gemm(
+    a_q: torch.Tensor, a_s: torch.Tensor, a_g: torch.Tensor,
+    b_q: torch.Tensor, b_s: torch.Tensor, b_g: torch.Tensor,
+    bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:  # fmt: skip
+    """(A B^T) g_a g_b + bias for NVFP4 A [M, K] and B [N, K] (packed data, E4M3 block scales, g)."""
+    m, k = _check_operand(a_q, a_s, "A")
+    n, kb = _check_operand(b_q, b_s, "B")
+    if k != kb:
+        raise ValueError(f"inner dimensions differ: A has K={k}, B has K={kb}.")
+    out, dst = _out(m, n, out_dtype, a_q.device)
+    if m == 0 or n == 0:
+        return out
+    ga = a_g.to(torch.float32).reshape(())
+    gb = b_g.to(torch.float32).reshape(())
+    args = (_prep(a_q), _prep(a_s), ga, _prep(b_q), _prep(b_s), gb, bias if bias is not None else gb, dst, m, n, k)
+    flags = {"HAS_BIAS": bias is not None, "OUT_KIND": _OUT_KIND[out_dtype]}
+    if _interpreting():
+        bm, bn, bk = 32, 32, 64
+        grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+        _w4a4_kernel[grid](*args, BM=bm, BN=bn, BK=bk, GROUP_M=4, **flags)
+    else:
+
+        def grid(meta: dict) -> tuple[int]:
+            return (triton.cdiv(m, meta["BM"]) * triton.cdiv(n, meta["BN"]),)
+
+        _w4a4_tuned[grid](*args, **flags)
+    return out
+
+
+def _w4a16_plan(m: int, n: int, k: int) -> tuple[int, int, int, int, int, int]:
+    """(BM, BN, BK, split-K, warps, stages): enough programs to fill an H100's 132 SMs at small M."""
+    if _interpreting():
+        return 16, 32, 64, (2 if k >= 128 else 1), 4, 1
+    bm = 16 if m <= 16 else (32 if m <= 32 else 64)
+    bn, bk = 64, 256
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    split = 1
+    while tiles * split < 264 and k // (split * 2) >= 4 * bk:
+        split *= 2
+    return bm, bn, bk, split, 4, 4
+
+
+def w4a16_gemm(
+    x: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor, b_g: torch.Tensor,
+    bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """(x B^T) g_b + bias for BF16/FP16 activations x [M, K] and NVFP4 weights B [N, K]."""
+    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"weight-only GEMM takes 2-D bfloat16/float16 activations; got {x.dtype} {tuple(x.shape)}.")
+    n, k = _check_operand(b_q, b_s, "B")
+    m = x.shape[0]
+    if x.shape[1] != k:
+        raise ValueError(f"inner dimensions differ: x has K={x.shape[1]}, B has K={k}.")
+    out_dtype = out_dtype or x.dtype
+    out, dst = _out(m, n, out_dtype, x.device)
+    if m == 0 or n == 0:
+        return out
+    x = x.contiguous()
+    gb = b_g.to(torch.float32).reshape(())
+    bm, bn, bk, split, warps, stages = _w4a16_plan(m, n, k)
+    k_split = triton.cdiv(triton.cdiv(k, split), bk) * bk
+    split = triton.cdiv(k, k_split)
+    grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
+    dot_f32 = _interpreting() and x.dtype == torch.bfloat16
+    common = {"BM": bm, "BN": bn, "BK": bk, "DOT_F32": dot_f32, "num_warps": warps, "num_stages": stages}
+    bq, bs = _prep(b_q), _prep(b_s)
+    if split == 1:
+        b_arg = bias if bias is not None else gb
+        flags = {"HAS_BIAS": bias is not None, "OUT_KIND": _OUT_KIND[out_dtype], "PARTIAL": False}
+        _w4a16_kernel[grid](x, bq, bs, gb, b_arg, dst, m, n, k, k_split, **flags, **common)
+        return out
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    _w4a16_kernel[grid](x, bq, bs, gb, gb, part, m, n, k, k_split, HAS_BIAS=False, OUT_KIND=0, PARTIAL=True, **common)
+    acc = part.sum(0) * gb
+    if bias is not None:
+        acc = acc + bias.float()
+    out.copy_(acc)
+    return out
