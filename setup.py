@@ -1,13 +1,25 @@
 """Build script: the Python packages always; the CUDA extension (solrl_engine._C) only when a CUDA
-PyTorch and nvcc are present. Metadata lives in pyproject.toml.
+PyTorch and nvcc are present, built through CMakeLists.txt. Metadata lives in pyproject.toml.
+
+Build the extension on a GPU machine with:  pip install --no-build-isolation -e ".[cutlass]"
+(--no-build-isolation so the build sees the installed CUDA PyTorch and the CUTLASS headers).
 """
 
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
-from setuptools import setup
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).resolve().parent
 
 
 def _cuda_extension_skip_reason() -> str | None:
+    if os.environ.get("SOLRL_SKIP_EXTENSION"):
+        return "SOLRL_SKIP_EXTENSION is set"
     try:
         import torch
     except ImportError:
@@ -16,17 +28,35 @@ def _cuda_extension_skip_reason() -> str | None:
         return "this PyTorch is a CPU build"
     if shutil.which("nvcc") is None:
         return "nvcc was not found on PATH"
+    if shutil.which("cmake") is None:
+        return "cmake was not found on PATH"
     return None
 
 
-def _ext_modules() -> list:
+class CMakeBuild(build_ext):
+    """Configure and build CMakeLists.txt's _C target into the package directory."""
+
+    def build_extension(self, ext: Extension) -> None:
+        out_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
+        build_dir = Path(self.build_temp).resolve() / "cmake"
+        build_dir.mkdir(parents=True, exist_ok=True)
+        jobs = str(os.cpu_count() or 2)
+        subprocess.check_call(
+            [
+                "cmake", "-S", str(ROOT), "-B", str(build_dir), "-DSOLRL_BUILD_EXTENSION=ON",
+                "-DCMAKE_BUILD_TYPE=Release", f"-DPython3_EXECUTABLE={sys.executable}",
+                f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={out_dir}",
+            ]
+        )  # fmt: skip
+        subprocess.check_call(["cmake", "--build", str(build_dir), "--target", "_C", "-j", jobs])
+
+
+def _ext_modules() -> list[Extension]:
     reason = _cuda_extension_skip_reason()
-    if reason is None:
-        # csrc/ has no runtime kernels yet (the quantize and GEMM kernels come with the speed work);
-        # CMakeLists.txt already compile-checks whatever .cu files it holds.
-        reason = "csrc/ holds no extension kernels yet"
-    print(f"solrl-engine: skipping the CUDA extension: {reason}.")
-    return []
+    if reason is not None:
+        print(f"solrl-engine: skipping the CUDA extension: {reason}.")
+        return []
+    return [Extension("solrl_engine._C", sources=[])]
 
 
-setup(ext_modules=_ext_modules())
+setup(ext_modules=_ext_modules(), cmdclass={"build_ext": CMakeBuild})

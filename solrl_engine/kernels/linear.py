@@ -4,9 +4,10 @@ Implementations of `nvfp4_linear`:
 - reference: decode both operands exactly and multiply in FP32 (the oracle; CPU default);
 - triton (Hopper/Ada default): NVFP4 quantize of the activations, then the in-kernel-decode FP16
   tensor-core GEMM (W4A4), or the weight-only GEMM for BF16/FP16 activations (W4A16);
-- cuda (Blackwell, sm_100+): `torch._scaled_mm` on `float4_e2m1fn_x2` with swizzled E4M3 block
-  scales (cuBLASLt FP4 tensor cores); weight-only calls keep the Triton kernel (FP4 x BF16 has no
-  tensor-core instruction).
+- cuda (Blackwell, sm_100+): the extension's CUTLASS block-scaled GEMM (alpha and bias fused) after
+  its one-launch quantize that writes swizzled scales, when solrl_engine._C is built; otherwise
+  `torch._scaled_mm` on `float4_e2m1fn_x2` with swizzled E4M3 block scales (cuBLASLt FP4 tensor
+  cores). Weight-only calls keep the Triton kernel (FP4 x BF16 has no tensor-core instruction).
 Implementations of `fp8_linear`: reference; cuda (sm_89+): `torch._scaled_mm` E4M3 row-wise.
 All compute the same math: the products of exactly decoded values, accumulated in FP32, times the
 global scales, plus bias; only accumulation order and the output rounding of cuBLAS differ.
@@ -16,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from solrl_engine.kernels.dispatch import call, register, triton_module
-from solrl_engine.kernels.ops import fp8_quantize_rowwise, nvfp4_dequantize, nvfp4_quantize
+from solrl_engine.kernels.dispatch import call, cuda_extension, register, triton_module
+from solrl_engine.kernels.ops import cuda_quantize, fp8_quantize_rowwise, nvfp4_dequantize, nvfp4_quantize
 from solrl_engine.quant import nvfp4
 from solrl_engine.quant.fp8 import FP8Tensor
 from solrl_engine.quant.nvfp4 import NVFP4Tensor
@@ -88,6 +89,16 @@ def _cuda_nvfp4_linear(
 ) -> torch.Tensor:
     if not quantize_input:
         return _tr_nvfp4_linear(x, weight, bias, quantize_input)
+    ext = cuda_extension()
+    n, k = weight.shape
+    if ext is not None and hasattr(ext, "nvfp4_gemm_sm100") and k % 32 == 0 and n % 8 == 0:
+        xq = cuda_quantize(_flat(x), swizzle=True)
+        alpha = xq.global_scale * weight.global_scale
+        b = None if bias is None else bias.to(torch.bfloat16).contiguous()
+        sb = nvfp4.swizzle_scales(weight.scale).view(torch.uint8)
+        stream = torch.cuda.current_stream(x.device).cuda_stream
+        y = ext.nvfp4_gemm_sm100(xq.qdata, xq.scale.view(torch.uint8), weight.qdata, sb, alpha, b, stream)
+        return _finish(y, x)
     xq = nvfp4_quantize(_flat(x))
     a, sa = scaled_mm_fp4_operands(xq)
     b, sb = scaled_mm_fp4_operands(weight)

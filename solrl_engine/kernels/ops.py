@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from solrl_engine.kernels.dispatch import call, register, triton_module
+from solrl_engine.kernels.dispatch import call, cuda_extension, register, triton_module
 from solrl_engine.quant import fp8, nvfp4
 from solrl_engine.quant.fp8 import FP8Tensor
 from solrl_engine.quant.nvfp4 import NVFP4Tensor
@@ -29,7 +29,14 @@ def _tr_quantize(x: torch.Tensor, amax: AmaxLike = None) -> NVFP4Tensor:
     return NVFP4Tensor(q, s.view(torch.float8_e4m3fn), g, x.dtype)
 
 
-register("nvfp4_quantize", {"reference": nvfp4.quantize, "triton": _tr_quantize})
+def cuda_quantize(x: torch.Tensor, amax: AmaxLike = None, swizzle: bool = False) -> NVFP4Tensor:
+    """The extension's one-launch quantize (amax fused); `swizzle` writes cuBLASLt/CUTLASS's scale layout."""
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    q, s, g = cuda_extension().nvfp4_quantize(x.contiguous(), _checked_amax(x, amax), swizzle, stream)
+    return NVFP4Tensor(q, s.view(torch.float8_e4m3fn), g, x.dtype)
+
+
+register("nvfp4_quantize", {"reference": nvfp4.quantize, "triton": _tr_quantize, "cuda": cuda_quantize})
 
 
 def nvfp4_quantize(x: torch.Tensor, amax: AmaxLike = None) -> NVFP4Tensor:

@@ -73,6 +73,9 @@ def _decide(name: str, lin: nn.Linear, recipe: QuantRecipe) -> str | None:
     small = min(lin.in_features, lin.out_features)
     if small < recipe.min_dim:
         return f"smallest dim {small} < min_dim {recipe.min_dim}"
+    large = max(lin.in_features, lin.out_features)
+    if large <= recipe.skip_max_dim:
+        return f"largest dim {large} <= skip_max_dim {recipe.skip_max_dim}"
     if recipe.format == "nvfp4" and lin.in_features % 16:
         return f"in_features {lin.in_features} is not a multiple of 16"
     return None

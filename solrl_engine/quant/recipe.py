@@ -36,12 +36,16 @@ class QuantRecipe:
         when False.
     skip: fnmatch patterns on qualified module names left unquantized.
     min_dim: layers with in_features or out_features below this stay in high precision.
+    skip_max_dim: layers whose larger dimension is <= this stay in high precision (0: off). This is
+        Sol-RL's own rule (2432 on SD3.5-L and SANA: their attention projections stay BF16 and only
+        the wider MLP layers go to 4 bits); on a model of width w, skip_max_dim = w does the same.
     """
 
     format: Format = "nvfp4"
     quantize_activations: bool = True
     skip: tuple[str, ...] = field(default=DEFAULT_SKIP)
     min_dim: int = 32
+    skip_max_dim: int = 0
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:

@@ -58,6 +58,8 @@ class RLConfig:
     guidance_scale: float = 1.0
     explore_precision: str = "auto"
     explore_skip: tuple[str, ...] = ()  # extra layer-name patterns kept out of the explore quantization
+    compiled_sampler: bool = False  # torch.compile + CUDA graphs for rollouts on GPU (always on for `compile`)
+    explore_skip_max_dim: int = 0  # Sol-RL's rule: layers no wider than this stay BF16 (2432 on SD3.5-L/SANA)
     rollout_batch_size: int = 96
     # policy update (DiffusionNFT)
     lora_rank: int = 32
@@ -113,6 +115,8 @@ class RLConfig:
             raise bad("timestep_fraction", "must be in (0, 1]")
         if self.beta <= 0:
             raise bad("beta", "must be > 0 (the loss divides by it)")
+        if self.explore_skip_max_dim < 0:
+            raise bad("explore_skip_max_dim", "must be >= 0 (0 quantizes layers of every width)")
         for key in (
             "prompts_per_iter",
             "iterations",

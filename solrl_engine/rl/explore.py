@@ -27,13 +27,15 @@ def resolve_explore_recipe(precision: str, device: torch.device) -> str:
 
 
 class ExploreCopy:
-    def __init__(self, base_transformer: nn.Module, recipe: str, extra_skip: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, base_transformer: nn.Module, recipe: str, extra_skip: tuple[str, ...] = (), skip_max_dim: int = 0
+    ) -> None:
         if any(hasattr(m, "lora_A") for m in base_transformer.modules()):
             raise RuntimeError("build the explore copy before attaching LoRA to the policy")
         self.recipe = recipe
         self.transformer = copy.deepcopy(base_transformer).eval().requires_grad_(False)
         full = get_recipe(recipe)
-        full = full.with_(skip=full.skip + tuple(extra_skip))
+        full = full.with_(skip=full.skip + tuple(extra_skip), skip_max_dim=skip_max_dim)
         self.report: QuantReport = quantize_model(self.transformer, full)
         self.merge = True
 

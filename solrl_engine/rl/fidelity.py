@@ -33,7 +33,7 @@ def fidelity(cfg: RLConfig, prompts: int = 32, n: int = 96, k: int = 24, progres
     model = load_model(cfg.model, cfg.model_path, dev, dtype)
     reward = load_reward(cfg.reward)
     recipe = resolve_explore_recipe(cfg.explore_precision, dev)
-    explore = ExploreCopy(model.transformer, recipe, cfg.explore_skip)
+    explore = ExploreCopy(model.transformer, recipe, cfg.explore_skip, cfg.explore_skip_max_dim)
     pool = load_prompts(cfg.train_prompts)
     chosen = random.Random(cfg.seed).sample(pool, min(prompts, len(pool)))
     proxy_r, full_r = [], []

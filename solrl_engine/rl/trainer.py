@@ -33,7 +33,7 @@ from solrl_engine.rl.config import RLConfig, autocast_for, resolve_runtime
 from solrl_engine.rl.explore import ExploreCopy, resolve_explore_recipe
 from solrl_engine.rl.loss import nft_loss
 from solrl_engine.rl.ranking import group_advantages, kendall, select_contrastive, spearman
-from solrl_engine.sampling import sample, sigma_schedule
+from solrl_engine.sampling import GraphedSampler, sigma_schedule
 from solrl_engine.viz import image_grid, line_plot
 
 log = logging.getLogger("solrl_engine.rl")
@@ -82,7 +82,7 @@ class Trainer:
         self.explore: ExploreCopy | None = None
         if cfg.family in ("naive_quant", "sol_rl"):
             recipe = resolve_explore_recipe(cfg.explore_precision, self.device)
-            self.explore = ExploreCopy(self.model.transformer, recipe, cfg.explore_skip)
+            self.explore = ExploreCopy(self.model.transformer, recipe, cfg.explore_skip, cfg.explore_skip_max_dim)
         with torch.random.fork_rng(devices=[]):  # the LoRA init depends on cfg.seed only
             torch.manual_seed(cfg.seed)
             self.adapters = LoraAdapters(self.model.transformer, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
@@ -91,12 +91,12 @@ class Trainer:
         self.adapters.ema = [e.float() for e in self.adapters.ema]
         if self.explore is not None:
             self.explore.attach(self.adapters, merge=cfg.merge_lora)
-        self.rollout_transformer = None
-        if cfg.family == "compile":
-            if self.device.type == "cuda":
-                self.rollout_transformer = torch.compile(self.model.transformer)
-            else:
-                log.warning("family 'compile': torch.compile needs a CUDA device here; sampling eagerly.")
+        # `compile` (and sol_rl by default) sample through torch.compile + one CUDA graph per batch
+        # shape; the graphs read the weights in place, so updates need no re-capture.
+        graphed = cfg.family == "compile" or cfg.compiled_sampler
+        if graphed and self.device.type != "cuda":
+            log.info("compiled sampler: needs a CUDA device; sampling eagerly on %s.", self.device.type)
+        self.sampler = GraphedSampler(self.model, enabled=graphed and self.device.type == "cuda")
         self.opt = torch.optim.AdamW(self.adapters.params(TRAIN), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.prompt_sampler = PromptSampler(self.train_prompts, cfg.seed)
         self.seed_rng = random.Random(cfg.seed + 1)
@@ -109,11 +109,13 @@ class Trainer:
     def _autocast(self) -> Any:
         return autocast_for(self.device)
 
-    def _sample(self, cond: Conditioning, seeds: list[int], steps: int, transformer: Any = None) -> torch.Tensor:
+    def _sample(
+        self, cond: Conditioning, seeds: list[int], steps: int, transformer: Any = None, tag: str = OLD
+    ) -> torch.Tensor:
+        """Rollouts of the policy (`tag` = its active adapter) or of the explore copy."""
         c = self.cfg
         with self._autocast():
-            return sample(
-                self.model,
+            return self.sampler.sample(
                 cond,
                 seeds,
                 steps,
@@ -122,6 +124,7 @@ class Trainer:
                 batch_size=c.rollout_batch_size,
                 dtype=self.dtype,
                 transformer=transformer,
+                tag=tag,
             )
 
     def _score(self, x0: torch.Tensor, prompts: list[str]) -> torch.Tensor:
@@ -141,10 +144,10 @@ class Trainer:
         # 1. explore: N seeds per prompt, quantized previews (sol_rl, naive_quant) or the BF16 policy
         if self.explore is not None:
             steps = c.preview_steps if c.family == "sol_rl" else c.full_steps
-            x_all = self._sample(_repeat(cond, c.n), sum(seeds, []), steps, self.explore.transformer)
+            x_all = self._sample(_repeat(cond, c.n), sum(seeds, []), steps, self.explore.transformer, tag="explore")
         else:
             with self.adapters.using(OLD):
-                x_all = self._sample(_repeat(cond, c.n), sum(seeds, []), c.full_steps, self.rollout_transformer)
+                x_all = self._sample(_repeat(cond, c.n), sum(seeds, []), c.full_steps)
         r_all = self._score(x_all, flat_prompts).view(len(prompts), c.n)
         t1 = time.perf_counter()
 
@@ -238,7 +241,7 @@ class Trainer:
         ps = [p for p in self.eval_prompts for _ in range(c.eval_seeds)]
         seeds = [j for _ in self.eval_prompts for j in range(c.eval_seeds)]
         with self.adapters.ema_weights():
-            x0 = self._sample(self.model.encode_prompts(ps), seeds, c.full_steps)
+            x0 = self._sample(self.model.encode_prompts(ps), seeds, c.full_steps, tag=TRAIN)
         images = self.model.decode(x0)
         r = self.reward(images, ps).float()
         pick = list(range(0, len(ps), c.eval_seeds))[:16]

@@ -5,6 +5,7 @@ latent whatever the batch, device or precision: the BF16 regeneration of a seed 
 quantized preview.
 """
 
+from solrl_engine.sampling.graphed import GraphedSampler
 from solrl_engine.sampling.sampler import SOLVERS, sample, seeded_noise, sigma_schedule
 
-__all__ = ["SOLVERS", "sample", "seeded_noise", "sigma_schedule"]
+__all__ = ["SOLVERS", "GraphedSampler", "sample", "seeded_noise", "sigma_schedule"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -35,9 +36,9 @@ def seeded_noise(
     return torch.stack(rows).to(device=device, dtype=dtype)
 
 
-def _lambda(t: torch.Tensor) -> torch.Tensor:
+def _lambda(t: float) -> float:
     """log(alpha / sigma) of flow time t (alpha = 1 - t, sigma = t)."""
-    return torch.log((1 - t) / t)
+    return math.log((1 - t) / t)
 
 
 def _solve(
@@ -45,18 +46,21 @@ def _solve(
     x: torch.Tensor,
     cond: Conditioning,
     sig: torch.Tensor,
+    host: list[float],
     solver: str,
     guidance_scale: float,
     uncond: Conditioning | None,
     transformer: nn.Module | None,
 ) -> torch.Tensor:
+    """The solver loop. Control flow and coefficients use host floats and the model gets device
+    views of `sig`, so the loop never syncs with the GPU and can be captured in a CUDA graph."""
     prev_x0: torch.Tensor | None = None
     u = None
     if guidance_scale != 1.0:
         u = Conditioning(uncond.hidden.expand(len(cond), -1, -1), uncond.pooled.expand(len(cond), -1))
-    for k in range(len(sig) - 1):
-        t, t_next = sig[k], sig[k + 1]
-        v = model.velocity(x, t, cond, transformer=transformer)
+    for k in range(len(host) - 1):
+        t, t_next = host[k], host[k + 1]
+        v = model.velocity(x, sig[k], cond, transformer=transformer)
         if u is not None:
             vu = model.velocity(x, t, u, transformer=transformer)
             v = vu + guidance_scale * (v - vu)
@@ -69,7 +73,7 @@ def _solve(
         d = x0
         if prev_x0 is not None and k >= 2:
             h = _lambda(t_next) - _lambda(t)
-            h_prev = _lambda(t) - _lambda(sig[k - 1])
+            h_prev = _lambda(t) - _lambda(host[k - 1])
             r = h_prev / h
             d = (1 + 1 / (2 * r)) * x0 - (1 / (2 * r)) * prev_x0
         x = (t_next / t) * x + ((1 - t_next) - (1 - t) * t_next / t) * d
@@ -105,10 +109,11 @@ def sample(
     if guidance_scale != 1.0 and uncond is None:
         raise ValueError("classifier-free guidance needs `uncond` (the encoded empty prompt)")
     device = cond.hidden.device
-    sig = sigma_schedule(steps, shift, device)
+    host_sig = sigma_schedule(steps, shift)
+    sig, host = host_sig.to(device), host_sig.tolist()
     bs = batch_size or len(seeds)
     outs = []
     for i in range(0, len(seeds), bs):
         x = seeded_noise(seeds[i : i + bs], tuple(model.latent_shape), device, dtype)
-        outs.append(_solve(model, x, cond[i : i + bs], sig, solver, guidance_scale, uncond, transformer))
+        outs.append(_solve(model, x, cond[i : i + bs], sig, host, solver, guidance_scale, uncond, transformer))
     return torch.cat(outs)
