@@ -14,7 +14,8 @@ def test_kernel_bench_writes_json(tmp_path, dtype):
     spec = importlib.util.spec_from_file_location("bench_kernels", ROOT / "bench" / "kernels.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    path = mod.main(["--device", "cpu", "--shapes", "32x64", "--dtype", dtype, "--reps", "60", "--out", str(tmp_path)])
+    argv = ["--device", "cpu", "--shapes", "32x64", "--dtype", dtype, "--reps", "60", "--out", str(tmp_path)]
+    path = mod.main(argv + ["--gemms", "16x32x64"])
     rec = json.loads(path.read_text())
     assert rec["info"]["device"] == "cpu" and rec["info"]["torch"]
     r = rec["results"][0]
@@ -22,3 +23,22 @@ def test_kernel_bench_writes_json(tmp_path, dtype):
     for op in ("copy", "nvfp4_quantize_static_amax", "nvfp4_fake_quantize_static_amax", "fp8_quantize_rowwise"):
         assert r[op]["median_ms"] > 0 and r[op]["ratio_to_copy"] > 0
     assert r["nvfp4_quantize_static_amax"]["backend"] == "reference"
+    g = rec["gemms"][0]
+    assert g["gemm"] == [16, 32, 64] and g["bf16_mm"]["ratio_to_bf16"] == 1.0
+    assert g["nvfp4_linear_w4a4"]["median_ms"] > 0 and g["nvfp4_linear_backend"] == "reference"
+    assert "te_nvfp4_linear" in g["notes"]
+
+
+def test_e2e_bench_runs_every_family_and_writes_ratios(tmp_path):
+    spec = importlib.util.spec_from_file_location("bench_e2e", ROOT / "bench" / "e2e.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    argv = ["--model", "tiny", "--iterations", "1", "--warmup", "0", "--n", "4", "--k", "2", "--prompts", "1"]
+    path = mod.main(argv + ["--out", str(tmp_path)])
+    rec = json.loads(path.read_text())
+    assert set(rec["results"]) == {"naive_scaling", "compile", "naive_quant", "sol_rl"}
+    for r in rec["results"].values():
+        assert r["time_total_s"] >= r["time_explore_s"] > 0
+    assert rec["results"]["sol_rl"]["time_regen_s"] > 0 and rec["results"]["sol_rl"]["explore_recipe"] == "nvfp4"
+    assert rec["ratios"]["compile"]["rollout_speedup_vs_compile"] == 1.0
+    assert rec["configs"]["sol_rl"]["n"] == 4

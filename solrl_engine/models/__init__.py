@@ -1,6 +1,8 @@
 """Model adapters: every model presents the FlowModel interface (models/base.py).
 
-`load_model(name)` builds one by name; the tiny bundled model needs no download.
+`load_model(name)` builds one by name; the tiny bundled model needs no download. The full-size
+architectures (models/archs.py) come with random weights and stand-in text encoder / VAE, for speed
+benchmarks.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import torch
 
 from solrl_engine.models.base import Conditioning, FlowModel
 
-MODELS = ("tiny",)
+MODELS = ("tiny", "sd35-large", "flux-dev", "sana-1.6b")
 
 
 def load_model(
@@ -22,6 +24,10 @@ def load_model(
         from solrl_engine.models.tiny import load_tiny
 
         return load_tiny(path, device=device, dtype=dtype)
+    if name in MODELS:  # full-size architectures for speed benchmarks (models/archs.py)
+        from solrl_engine.models.archs import load_arch
+
+        return load_arch(name, None if path is None else str(path), device=device, dtype=dtype)
     raise ValueError(f"unknown model {name!r}; available: {list(MODELS)}")
 
 

@@ -1,0 +1,145 @@
+"""End-to-end seconds per iteration of each family, split into explore / regenerate / train.
+
+Runs the real trainer (solrl_engine.rl.Trainer) for a few iterations per family on one model and
+reports medians after warm-up, plus the ratios that matter: the rollout phase (explore + regenerate)
+and the whole iteration of each family against `compile` (compiled + graph-captured BF16, the
+strongest baseline) and `naive_scaling` (eager BF16), all measured in the same run.
+
+    python bench/e2e.py --model tiny --paper-scale                      # bundled model, N=96 -> K=24
+    python bench/e2e.py --model flux-dev --prompts 1 --rollout-batch 24  # FLUX.1-dev size, 512 px
+    python bench/e2e.py --model sd35-large --prompts 1 --rollout-batch 8
+    python bench/e2e.py --model sana-1.6b --prompts 2 --rollout-batch 48
+
+Full-size models have random weights and stand-in text encoder / VAE (solrl_engine/models/archs.py):
+the timings are of the denoiser, the LoRA update and the explore copy, which is what Sol-RL changes.
+Writes <out>/<date>-<device>-e2e-<model>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as dt
+import gc
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernels import _device_info  # noqa: E402 - bench/ scripts share helpers without being a package
+
+from solrl_engine.rl.config import RLConfig, load_config  # noqa: E402
+from solrl_engine.rl.trainer import Trainer  # noqa: E402
+
+FAMILIES = ("naive_scaling", "compile", "naive_quant", "sol_rl")
+PHASES = ("time_explore_s", "time_regen_s", "time_train_s", "time_total_s")
+
+
+def family_config(family: str, args: argparse.Namespace, out: str) -> RLConfig:
+    """The run of one family; everything but the family is the same across families."""
+    if args.model == "tiny":
+        spec = f"{Path(__file__).resolve().parents[1]}/configs/tiny.py:tiny_{family}_shapes"
+        base = load_config(spec, [f"paper_scale={str(args.paper_scale).lower()}"])
+    else:
+        base = RLConfig(family=family, model=args.model, lora_targets=_arch_lora_targets(args.model))
+    over = {
+        "family": family,
+        "name": f"bench-{family}",
+        "iterations": args.warmup + args.iterations,
+        "eval_every": 10**6,
+        "save_every": 10**6,
+        "output": out,
+        "compiled_sampler": family in ("compile", "sol_rl"),
+    }
+    for key in ("n", "k", "prompts_per_iter", "rollout_batch_size", "train_batch_size", "explore_precision"):
+        v = getattr(args, key)
+        if v is not None:
+            over[key] = v
+    return dataclasses.replace(base, **over)
+
+
+def _arch_lora_targets(model: str) -> tuple[str, ...]:
+    from solrl_engine.rl.config import SD3_LORA_TARGETS
+
+    return SD3_LORA_TARGETS if model != "sana-1.6b" else ("to_q", "to_k", "to_v", "to_out.0")
+
+
+def run_family(cfg: RLConfig, warmup: int) -> dict[str, object]:
+    trainer = Trainer(cfg, progress=False)
+    rows = [trainer.step() for _ in range(cfg.iterations)]
+    timed = rows[warmup:]
+    res: dict[str, object] = {p: statistics.median(r[p] for r in timed) for p in PHASES}
+    res["raw"] = [{p: r[p] for p in PHASES} for r in rows]
+    res["time_rollout_s"] = res["time_explore_s"] + res["time_regen_s"]
+    res["reward_mean"] = statistics.mean(r["reward_mean"] for r in timed)
+    if trainer.explore is not None:
+        res["explore_recipe"] = trainer.explore.recipe
+        res["explore_quantized_layers"] = len(trainer.explore.report.quantized)
+    st = trainer.sampler.stats
+    res["graph_captures"] = st.captures
+    res["graph_capture_s"] = st.capture_s
+    res["graph_replays"] = st.replays
+    if torch.cuda.is_available():
+        res["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    del trainer
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    return res
+
+
+def main(argv: list[str] | None = None) -> Path:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="tiny", help="tiny | sd35-large | flux-dev | sana-1.6b")
+    ap.add_argument("--families", default=",".join(FAMILIES))
+    ap.add_argument("--paper-scale", action="store_true", help="tiny: N=96, K=24, 16 prompts")
+    ap.add_argument("--iterations", type=int, default=3, help="timed iterations per family")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed iterations first (compile, capture)")
+    ap.add_argument("--n", type=int)
+    ap.add_argument("--k", type=int)
+    ap.add_argument("--prompts", dest="prompts_per_iter", type=int)
+    ap.add_argument("--rollout-batch", dest="rollout_batch_size", type=int)
+    ap.add_argument("--train-batch", dest="train_batch_size", type=int)
+    ap.add_argument("--explore-precision", dest="explore_precision")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = ap.parse_args(argv)
+    families = [f.strip() for f in args.families.split(",") if f.strip()]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    info = _device_info(device)
+    results: dict[str, dict[str, object]] = {}
+    configs: dict[str, dict[str, object]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for fam in families:
+            cfg = family_config(fam, args, f"{tmp}/{fam}")
+            configs[fam] = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("output",)}
+            print(f"== {fam}: n={cfg.n} k={cfg.k} prompts={cfg.prompts_per_iter} model={cfg.model}", flush=True)
+            results[fam] = run_family(cfg, args.warmup)
+            r = results[fam]
+            print("   " + "  ".join(f"{p[5:-2]} {r[p]:.3f}s" for p in PHASES), flush=True)
+    ratios: dict[str, dict[str, float]] = {}
+    for base in ("compile", "naive_scaling"):
+        if base not in results:
+            continue
+        b = results[base]
+        for fam, r in results.items():
+            ratios.setdefault(fam, {})[f"rollout_speedup_vs_{base}"] = b["time_rollout_s"] / r["time_rollout_s"]
+            ratios[fam][f"e2e_speedup_vs_{base}"] = b["time_total_s"] / r["time_total_s"]
+    for fam, v in ratios.items():
+        print(f"{fam:>14}: " + "  ".join(f"{k} {x:.2f}x" for k, x in v.items()))
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tag = str(info.get("name", "cpu")).replace(" ", "_").replace("/", "_") if device.type == "cuda" else "cpu"
+    path = out_dir / f"{dt.date.today().isoformat()}-{tag}-e2e-{args.model}.json"
+    rec = {"bench": "e2e", "info": info, "model": args.model, "configs": configs, "results": results, "ratios": ratios}
+    path.write_text(json.dumps(rec, indent=2, default=str))
+    print(f"wrote {path}")
+    return path
+
+
+if __name__ == "__main__":
+    main()
