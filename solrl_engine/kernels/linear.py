@@ -32,10 +32,14 @@ def _finish(acc: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return acc.to(x.dtype).reshape(*x.shape[:-1], acc.shape[-1])
 
 
-def _capability(device: torch.device) -> tuple[int, int] | None:
+def _tensor_cores(device: torch.device, fmt: str, needs: tuple[int, int]) -> str | None:
+    """None when `device` has `fmt` tensor cores (compute capability >= `needs`), else why not."""
     if device.type != "cuda" or not torch.cuda.is_available():
-        return None
-    return torch.cuda.get_device_capability(device)
+        return f"{fmt} tensor-core GEMMs run on CUDA devices, not {device.type}"
+    cap = torch.cuda.get_device_capability(device)
+    if cap < needs:
+        return f"sm_{cap[0]}{cap[1]} has no {fmt} tensor cores (needs sm_{needs[0]}{needs[1]}+)"
+    return None
 
 
 # --- NVFP4 ---------------------------------------------------------------------------------------
@@ -110,11 +114,9 @@ def _cuda_nvfp4_linear(
 
 
 def _fp4_tensor_cores(device: torch.device) -> str | None:
-    cap = _capability(device)
-    if cap is None:
-        return f"FP4 tensor-core GEMMs run on CUDA devices, not {device.type}"
-    if cap < (10, 0):
-        return f"sm_{cap[0]}{cap[1]} has no FP4 tensor cores (needs sm_100+; Hopper uses the triton GEMM)"
+    reason = _tensor_cores(device, "FP4", (10, 0))
+    if reason is not None:
+        return reason + "; Hopper uses the triton GEMM"
     if not hasattr(torch, "float4_e2m1fn_x2"):
         return f"torch {torch.__version__} has no float4_e2m1fn_x2 (needs torch >= 2.8)"
     return None
@@ -179,12 +181,7 @@ def _cuda_fp8_linear(
 
 
 def _fp8_tensor_cores(device: torch.device) -> str | None:
-    cap = _capability(device)
-    if cap is None:
-        return f"FP8 tensor-core GEMMs run on CUDA devices, not {device.type}"
-    if cap < (8, 9):
-        return f"sm_{cap[0]}{cap[1]} has no FP8 tensor cores (needs sm_89+)"
-    return None
+    return _tensor_cores(device, "FP8", (8, 9))
 
 
 register("fp8_linear", {"reference": _ref_fp8_linear, "cuda": _cuda_fp8_linear}, requires={"cuda": _fp8_tensor_cores})
