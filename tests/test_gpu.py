@@ -160,3 +160,24 @@ def test_extension_quantize_is_bit_exact_when_built():
                     assert torch.equal(_bytes(got.global_scale), _bytes(want.global_scale)), (kind, dtype)
                 sw = cuda_quantize(xd.to(CUDA), swizzle=True)
                 assert torch.equal(_bytes(sw.scale), _bytes(nvfp4.swizzle_scales(want.scale)))
+
+
+def test_blackwell_fp4_gemms_match_reference(monkeypatch):
+    """sm_100+: cuBLASLt `_scaled_mm` FP4 (default) and, when built, the CUTLASS GEMM (opt-in)."""
+    from solrl_engine.kernels import linear
+    from solrl_engine.kernels.dispatch import cuda_extension
+
+    if torch.cuda.get_device_capability() < (10, 0):
+        pytest.skip("FP4 tensor cores need sm_100+")
+    monkeypatch.delenv("SOLRL_BACKEND", raising=False)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(300, 2048, generator=g).bfloat16()
+    w = nvfp4.quantize(torch.randn(1024, 2048, generator=g) * 0.02)
+    bias = torch.randn(1024, generator=g).bfloat16()
+    wg = nvfp4.NVFP4Tensor(w.qdata.to(CUDA), w.scale.to(CUDA), w.global_scale.to(CUDA), w.orig_dtype)
+    want = linear._ref_nvfp4_linear(x, w, bias, True).float()
+    modes = ["cublaslt"] + (["cutlass"] if cuda_extension() is not None else [])
+    for mode in modes:
+        monkeypatch.setenv("SOLRL_FP4_GEMM", mode)
+        got = kernels.nvfp4_linear(x.to(CUDA), wg, bias.to(CUDA), True).float().cpu()
+        assert (got - want).norm() / want.norm() < 1e-2, mode

@@ -45,8 +45,8 @@ def _decode(codes, scale_bytes):
     m = codes & 7
     bits = tl.where(m == 0, 0, (m << 9) + tl.where(m == 1, 0x5600, 0x5800)) | ((codes & 8) << 12)
     v = bits.to(tl.int16).to(tl.float16, bitcast=True)
-    s = ((scale_bytes & 0x7F) << 7).to(tl.int16).to(tl.float16, bitcast=True)
-    s = tl.where((scale_bytes & 0x7F) == 0x7F, float("nan"), s.to(tl.float32)).to(tl.float16)
+    sb = scale_bytes & 0x7F
+    s = tl.where(sb == 0x7F, 0x7E00, sb << 7).to(tl.int16).to(tl.float16, bitcast=True)  # 0x7E00: FP16 NaN
     return v * s
 
 

@@ -4,16 +4,19 @@ Implementations of `nvfp4_linear`:
 - reference: decode both operands exactly and multiply in FP32 (the oracle; CPU default);
 - triton (Hopper/Ada default): NVFP4 quantize of the activations, then the in-kernel-decode FP16
   tensor-core GEMM (W4A4), or the weight-only GEMM for BF16/FP16 activations (W4A16);
-- cuda (Blackwell, sm_100+): the extension's CUTLASS block-scaled GEMM (alpha and bias fused) after
-  its one-launch quantize that writes swizzled scales, when solrl_engine._C is built; otherwise
-  `torch._scaled_mm` on `float4_e2m1fn_x2` with swizzled E4M3 block scales (cuBLASLt FP4 tensor
-  cores). Weight-only calls keep the Triton kernel (FP4 x BF16 has no tensor-core instruction).
+- cuda (Blackwell, sm_100+): `torch._scaled_mm` on `float4_e2m1fn_x2` with swizzled E4M3 block
+  scales (cuBLASLt FP4 tensor cores), the default; with SOLRL_FP4_GEMM=cutlass and solrl_engine._C
+  built, the extension's CUTLASS block-scaled GEMM (alpha and bias fused in its epilogue) after its
+  one-launch quantize that writes swizzled scales (opt-in until it has run on a Blackwell GPU).
+  Weight-only calls keep the Triton kernel (FP4 x BF16 has no tensor-core instruction).
 Implementations of `fp8_linear`: reference; cuda (sm_89+): `torch._scaled_mm` E4M3 row-wise.
 All compute the same math: the products of exactly decoded values, accumulated in FP32, times the
 global scales, plus bias; only accumulation order and the output rounding of cuBLAS differ.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -95,7 +98,8 @@ def _cuda_nvfp4_linear(
         return _tr_nvfp4_linear(x, weight, bias, quantize_input)
     ext = cuda_extension()
     n, k = weight.shape
-    if ext is not None and hasattr(ext, "nvfp4_gemm_sm100") and k % 32 == 0 and n % 8 == 0:
+    want_cutlass = os.environ.get("SOLRL_FP4_GEMM", "cublaslt").lower() == "cutlass"
+    if want_cutlass and ext is not None and hasattr(ext, "nvfp4_gemm_sm100") and k % 32 == 0 and n % 8 == 0:
         xq = cuda_quantize(_flat(x), swizzle=True)
         alpha = xq.global_scale * weight.global_scale
         b = None if bias is None else bias.to(torch.bfloat16).contiguous()
