@@ -70,3 +70,21 @@ def test_compiled_graph_sampler_is_close_to_eager():
     want = sample(m, cond, [0, 1, 2, 3], steps=3)
     got = gs.sample(cond, [0, 1, 2, 3], steps=3)
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+
+
+def test_quantized_model_compiles_without_graph_breaks():
+    """The quantized linears are custom ops: torch.compile(fullgraph=True) takes a quantized model
+    whole, matches eager, and sees in-place requantize_ without recompiling."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64)).eval()
+    new = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64))
+    quantize_model(m, QuantRecipe("nvfp4", skip=()))
+    x = torch.randn(5, 64)
+    cm = torch.compile(m, fullgraph=True)
+    torch.testing.assert_close(cm(x), m(x), rtol=1e-5, atol=1e-6)
+    before = m(x)
+    requantize_(m, new)
+    assert not torch.allclose(m(x), before)
+    torch.testing.assert_close(cm(x), m(x), rtol=1e-5, atol=1e-6)

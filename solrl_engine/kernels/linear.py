@@ -133,13 +133,34 @@ register(
 )
 
 
+# The linears are torch custom ops: torch.compile sees one opaque node per layer (with a shape
+# function) instead of tracing into the dispatch code and the kernel launches, so a compiled
+# quantized model has no graph breaks and its CUDA graph captures the kernels as they are.
+@torch.library.custom_op("solrl::nvfp4_linear", mutates_args=())
+def _nvfp4_linear_op(
+    x: torch.Tensor,
+    qdata: torch.Tensor,
+    scale: torch.Tensor,
+    global_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    quantize_input: bool,
+) -> torch.Tensor:
+    w = NVFP4Tensor(qdata, scale, global_scale, torch.float32)
+    return call("nvfp4_linear", x.device, x, w, bias, quantize_input)
+
+
+@_nvfp4_linear_op.register_fake
+def _(x, qdata, scale, global_scale, bias, quantize_input):  # noqa: ANN001, ANN202 - shape function
+    return x.new_empty((*x.shape[:-1], qdata.shape[0]))
+
+
 def nvfp4_linear(x: torch.Tensor, weight: NVFP4Tensor, bias: torch.Tensor | None, quantize_input: bool) -> torch.Tensor:
     """y = x W^T + b with W in NVFP4; x NVFP4-quantized per call (W4A4) or kept as is (W4A16).
 
     The exact NVFP4 GEMM: products of decoded block values summed in FP32, then times the two
     global scales, plus bias, in x's dtype.
     """
-    return call("nvfp4_linear", x.device, x, weight, bias, quantize_input)
+    return _nvfp4_linear_op(x, weight.qdata, weight.scale, weight.global_scale, bias, quantize_input)
 
 
 # --- FP8 -----------------------------------------------------------------------------------------
@@ -191,6 +212,18 @@ def _fp8_tensor_cores(device: torch.device) -> str | None:
 register("fp8_linear", {"reference": _ref_fp8_linear, "cuda": _cuda_fp8_linear}, requires={"cuda": _fp8_tensor_cores})
 
 
+@torch.library.custom_op("solrl::fp8_linear", mutates_args=())
+def _fp8_linear_op(
+    x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, quantize_input: bool
+) -> torch.Tensor:
+    return call("fp8_linear", x.device, x, FP8Tensor(data, scale, torch.float32), bias, quantize_input)
+
+
+@_fp8_linear_op.register_fake
+def _(x, data, scale, bias, quantize_input):  # noqa: ANN001, ANN202 - shape function
+    return x.new_empty((*x.shape[:-1], data.shape[0]))
+
+
 def fp8_linear(x: torch.Tensor, weight: FP8Tensor, bias: torch.Tensor | None, quantize_input: bool) -> torch.Tensor:
     """y = x W^T + b with W in FP8 (per output channel); x FP8 per token (W8A8) or as is (W8A16)."""
-    return call("fp8_linear", x.device, x, weight, bias, quantize_input)
+    return _fp8_linear_op(x, weight.data, weight.scale, bias, quantize_input)

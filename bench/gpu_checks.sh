@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Everything that needs a GPU, in the order to run it: correctness first, then kernel benchmarks,
+# then end-to-end ones. Each stage writes its log and JSON under OUT (default bench/results) and a
+# failing stage does not stop the later ones. Stages: gpu-tests, kernels, e2e-tiny, e2e-sana,
+# e2e-flux, e2e-sd35 (pick with STAGES="gpu-tests kernels"). Needs: a CUDA PyTorch, triton, diffusers,
+# and this package importable (pip install -e . --no-deps, or PYTHONPATH=.).
+#
+#   bash bench/gpu_checks.sh                         # all stages, results into bench/results
+#   STAGES="gpu-tests kernels" bash bench/gpu_checks.sh /tmp/out
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${1:-bench/results}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+STAGES="${STAGES:-gpu-tests kernels e2e-tiny e2e-sana e2e-flux e2e-sd35}"
+
+stage() {  # name, command...
+  local name=$1
+  shift
+  if [[ " $STAGES " != *" $name "* ]]; then return 0; fi
+  echo "== $name: $*"
+  local t0=$SECONDS
+  "$@" 2>&1 | tee "$OUT/$name.log"
+  echo "== $name: exit ${PIPESTATUS[0]} after $((SECONDS - t0)) s" | tee -a "$OUT/$name.log"
+}
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
+stage gpu-tests python -m pytest -q -m gpu tests/
+stage kernels python bench/kernels.py --out "$OUT"
+# The bundled model at the paper's N=96 -> K=24 (16 prompts).
+stage e2e-tiny python bench/e2e.py --model tiny --paper-scale --iterations 3 --out "$OUT"
+# Full-size architectures at the paper's resolutions, N=96 -> K=24; one prompt per iteration keeps
+# one H100 within memory and time (say so when quoting the numbers).
+stage e2e-sana python bench/e2e.py --model sana-1.6b --prompts 1 --rollout-batch 48 --train-batch 8 --iterations 2 --out "$OUT"
+stage e2e-flux python bench/e2e.py --model flux-dev --prompts 1 --rollout-batch 24 --train-batch 4 --iterations 2 --out "$OUT"
+stage e2e-sd35 python bench/e2e.py --model sd35-large --prompts 1 --rollout-batch 12 --train-batch 2 --iterations 2 --out "$OUT"
