@@ -224,3 +224,14 @@ def test_auto_explore_recipe_follows_the_hardware_plan():
     assert auto_explore_recipe((8, 9)) == "fp8"  # Ada
     assert auto_explore_recipe((8, 0)) == "nvfp4"  # Ampere: emulated
     assert auto_explore_recipe((10, 0)) == "nvfp4" and auto_explore_recipe((12, 0)) == "nvfp4"
+
+
+def test_te_explore_says_what_to_install_when_unavailable():
+    from solrl_engine.nn import te
+
+    reason = te.te_unavailable_reason()
+    if reason is None:
+        pytest.skip("Transformer Engine is usable here; the GPU tests cover it")
+    assert "transformer" in reason.lower() or "cuda" in reason.lower()
+    with pytest.raises(RuntimeError, match="te_nvfp4"):
+        te.to_te_(nn.Sequential(nn.Linear(64, 64)))

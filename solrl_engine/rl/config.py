@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 FAMILIES = ("diffusionnft", "naive_scaling", "compile", "naive_quant", "sol_rl")
-EXPLORE_PRECISIONS = ("auto", "nvfp4", "nvfp4_weight_only", "fp8", "fp8_weight_only", "bf16")
+EXPLORE_PRECISIONS = ("auto", "nvfp4", "nvfp4_weight_only", "fp8", "fp8_weight_only", "bf16", "te_nvfp4")
 SD3_LORA_TARGETS = (
     "attn.to_q",
     "attn.to_k",

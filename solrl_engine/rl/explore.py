@@ -34,9 +34,16 @@ class ExploreCopy:
             raise RuntimeError("build the explore copy before attaching LoRA to the policy")
         self.recipe = recipe
         self.transformer = copy.deepcopy(base_transformer).eval().requires_grad_(False)
-        full = get_recipe(recipe)
+        self.te = recipe == "te_nvfp4"  # Transformer Engine's NVFP4 layers, a peer to compare with
+        full = get_recipe("nvfp4" if self.te else recipe)
         full = full.with_(skip=full.skip + tuple(extra_skip), skip_max_dim=skip_max_dim)
-        self.report: QuantReport = quantize_model(self.transformer, full)
+        if self.te:
+            from solrl_engine.nn.te import TEAutocast, to_te_
+
+            self.report: QuantReport = to_te_(self.transformer, full)
+            self.transformer = TEAutocast(self.transformer)
+        else:
+            self.report = quantize_model(self.transformer, full)
         self.merge = True
 
     def attach(self, adapters: LoraAdapters, merge: bool = True) -> None:
@@ -45,7 +52,8 @@ class ExploreCopy:
         if not merge:
             for name in adapters.layers:
                 a, b, scale = adapters.side_branch(name, OLD)
-                layer = self.transformer.get_submodule(name)
+                root = self.transformer.module if self.te else self.transformer
+                layer = root.get_submodule(name)
 
                 def hook(_m: nn.Module, inp: tuple[torch.Tensor], out: torch.Tensor, a=a, b=b, scale=scale):
                     x = inp[0].to(a.dtype)
@@ -59,4 +67,9 @@ class ExploreCopy:
         """Write the updated "old" policy into the copy; returns the number of layers rewritten."""
         if not self.merge:
             return 0
+        if self.te:
+            from solrl_engine.nn.te import refresh_te_
+
+            merged = {f"module.{k}": v for k, v in adapters.merged_weights(OLD).items()}
+            return refresh_te_(self.transformer, merged)
         return requantize_(self.transformer, source=adapters.merged_weights(OLD), strict=False)
