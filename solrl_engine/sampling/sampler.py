@@ -62,7 +62,7 @@ def _solve(
         t, t_next = host[k], host[k + 1]
         v = model.velocity(x, sig[k], cond, transformer=transformer)
         if u is not None:
-            vu = model.velocity(x, t, u, transformer=transformer)
+            vu = model.velocity(x, sig[k], u, transformer=transformer)
             v = vu + guidance_scale * (v - vu)
         if solver == "euler" or t_next == 0:
             x = x + (t_next - t) * v
