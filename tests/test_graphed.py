@@ -26,6 +26,9 @@ def test_cpu_falls_back_to_the_eager_sampler():
         want = sample(m, cond, list(range(6)), steps=4, solver=solver, batch_size=4)
         got = gs.sample(cond, list(range(6)), steps=4, solver=solver, batch_size=4)
         assert torch.equal(got, want)
+    uncond = m.encode_prompts([""])
+    want = sample(m, cond, list(range(6)), steps=3, guidance_scale=2.0, uncond=uncond)
+    assert torch.equal(gs.sample(cond, list(range(6)), steps=3, guidance_scale=2.0, uncond=uncond), want)
     assert gs.stats.captures == 0
 
 
