@@ -183,6 +183,16 @@ def bench_gemm(m: int, n: int, k: int, device: torch.device, reps: int) -> dict[
             xq.qdata, xq.scale, xq.global_scale, wq.qdata, wq.scale, wq.global_scale
         )
         ops["nvfp4_w4a16_gemm"] = lambda: gemm.w4a16_gemm(x, wq.qdata, wq.scale, wq.global_scale)
+        one = torch.ones((), device=device)
+
+        def dequant_then_cublas() -> torch.Tensor:
+            """The alternative design: decode both operands (global scale 1: exact in BF16) in a
+            bandwidth-bound pass, then cuBLAS. A timing reference for the fused kernel."""
+            a = kernels.nvfp4_dequantize(type(xq)(xq.qdata, xq.scale, one), torch.bfloat16)
+            b = kernels.nvfp4_dequantize(type(wq)(wq.qdata, wq.scale, one), torch.bfloat16)
+            return torch.mm(a, b.t(), out_dtype=torch.float32) * (xq.global_scale * wq.global_scale)
+
+        ops["nvfp4_dequant_then_cublas"] = dequant_then_cublas
         if linear._fp8_tensor_cores(device) is None and k % 16 == 0 and n % 16 == 0:
             ops["fp8_scaled_mm"] = lambda: torch._scaled_mm(
                 x8.data, w8.data.t(), scale_a=x8.scale, scale_b=w8.scale.reshape(1, -1), out_dtype=torch.bfloat16

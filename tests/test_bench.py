@@ -42,3 +42,23 @@ def test_e2e_bench_runs_every_family_and_writes_ratios(tmp_path):
     assert rec["results"]["sol_rl"]["time_regen_s"] > 0 and rec["results"]["sol_rl"]["explore_recipe"] == "nvfp4"
     assert rec["ratios"]["compile"]["rollout_speedup_vs_compile"] == 1.0
     assert rec["configs"]["sol_rl"]["n"] == 4
+
+
+def test_sass_counter_compiles_the_gemms_for_sm90a(tmp_path):
+    """The static SASS proxy (bench/sass.py) compiles every GEMM config for sm_90a on a CPU."""
+    import triton
+
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    if not nvdisasm.exists():
+        pytest.skip("this Triton wheel ships no nvdisasm")
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # real compilation, own process
+    cmd = [sys.executable, str(ROOT / "bench" / "sass.py"), "--out", str(tmp_path)]
+    subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=600)
+    rec = json.loads(next(tmp_path.glob("*-sm90a-sass.json")).read_text())
+    kinds = {r["kernel"] for r in rec["rows"]}
+    assert kinds == {"w4a4", "w4a16_bf16", "w4a16_fp16"}
+    assert all(r["loop_instructions"] > 0 for r in rec["rows"])

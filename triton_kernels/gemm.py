@@ -6,7 +6,7 @@ y = (A B^T) * g_a * g_b (+ bias), with B = NVFP4 weights [N, K] and A either NVF
 Why FP16 tensor cores and not BF16: every decoded value e2m1 * e4m3 has at most 6 significant bits
 and lies in [2^-10, 2688], so it is exact in FP16 as in BF16; FP16 lets the decode be a handful
 of integer ops (the E2M1 code and the E4M3 scale drop straight into FP16 bit fields, see
-`_decode`), and the MMA is as fast. The products are therefore exact and only the FP32
+`_load_fp4`), and the MMA is as fast. The products are therefore exact and only the FP32
 accumulation order differs from the reference (solrl_engine.kernels.ops nvfp4_linear, FP32 matmul
 of the same values).
 
@@ -33,42 +33,52 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-@triton.jit
-def _decode(codes, scale_bytes):
-    """FP16 values of 4-bit E2M1 codes times their E4M3 block scales (int32 inputs), exact.
+# Decoded operands carry a power-of-two offset that the epilogue takes back out (exact):
+# a code decodes to e2m1 * 2^-14 and a scale to e4m3 * 2^7, so a value is e2m1 * e4m3 * 2^-7.
+UNIT = 128.0
+_UNIT = tl.constexpr(UNIT)
+# _load_fp4's 8 tiles, in order, hold elements 8j + 0, 4, 1, 5, 2, 6, 3, 7 of word j
+_ELEM_OF_TILE = tl.constexpr((0, 4, 1, 5, 2, 6, 3, 7))
 
-    Code magnitude m in 1..7 becomes the FP16 pattern of e2m1(m) * 2^8 ((m << 9) + 0x5800, except
-    0.5 * 2^8 = 0x5800 for m == 1); the scale byte shifted left by 7 is the FP16 pattern of
-    e4m3 * 2^-8 (subnormals included). Their product is e2m1 * e4m3 exactly. A NaN scale (0x7F)
-    stays NaN.
+
+@triton.jit
+def _half_pair(w, s: tl.constexpr):
+    """Two FP16 codes from int32 words: nibbles at bits s and s + 16 land in the low and high
+    halves as e2m1 * 2^-14 (see _load_fp4); 2 elements per 32-bit op."""
+    t = w >> s
+    r = ((t << 9) & 0x0E000E00) | ((t << 12) & -2147450880)  # -2147450880: 0x80008000 as int32
+    return r.to(tl.int16).to(tl.float16, bitcast=True), (r >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _load_fp4(q_ptr, s_ptr, rows, rmask, k0, KH, KB, BR: tl.constexpr, BKH: tl.constexpr):
+    """Decode bytes [k0, k0 + BKH) of rows `rows` of a packed NVFP4 matrix into 8 FP16 tiles
+    [BR, BKH / 4] holding e2m1 * e4m3 * 2^-7 exactly, one per nibble position of a 32-bit word.
+
+    A dot product does not care about the order of K, so the tiles are K-permuted the same way for
+    both operands and each feeds its own MMA. Codes: the E2M1 bits dropped into FP16's
+    exponent/mantissa fields are e2m1 * 2^-14 (the 0.5 code lands on an FP16 subnormal), two per
+    32-bit op. Scales: one E4M3 byte per 8 bytes (two words); its bits << 7 are e4m3 * 2^-8 in
+    FP16 (subnormals too), times 2^15 is e4m3 * 2^7 (at most 57344). Products have at most 6
+    significant bits and lie in [2^-17, 21], so FP16 holds them exactly. A NaN scale stays NaN.
     """
-    m = codes & 7
-    bits = tl.where(m == 0, 0, (m << 9) + tl.where(m == 1, 0x5600, 0x5800)) | ((codes & 8) << 12)
-    v = bits.to(tl.int16).to(tl.float16, bitcast=True)
-    sb = scale_bytes & 0x7F
-    s = tl.where(sb == 0x7F, 0x7E00, sb << 7).to(tl.int16).to(tl.float16, bitcast=True)  # 0x7E00: FP16 NaN
-    return v * s
-
-
-@triton.jit
-def _load_fp4(q_ptr, s_ptr, rows, rmask, kb, KH, KB, TRANS: tl.constexpr):
-    """Decode the [rows x bytes kb] tile of a packed NVFP4 matrix into (low, high) FP16 halves.
-
-    TRANS gives the tile as [bytes, rows] (the B operand of the MMA)."""
-    if TRANS:
-        m = (kb[:, None] < KH) & rmask[None, :]
-        p = tl.load(q_ptr + rows[None, :] * KH + kb[:, None], mask=m, other=0).to(tl.int32)
-        s = tl.load(s_ptr + rows[None, :] * KB + kb[:, None] // 8, mask=m, other=0).to(tl.int32)
-    else:
-        m = rmask[:, None] & (kb[None, :] < KH)
-        p = tl.load(q_ptr + rows[:, None] * KH + kb[None, :], mask=m, other=0).to(tl.int32)
-        s = tl.load(s_ptr + rows[:, None] * KB + kb[None, :] // 8, mask=m, other=0).to(tl.int32)
-    return _decode(p & 0xF, s), _decode(p >> 4, s)
+    NW: tl.constexpr = BKH // 4
+    word = k0 // 4 + tl.arange(0, NW)
+    m = rmask[:, None] & (word[None, :] < KH // 4)
+    w = tl.load(q_ptr + rows[:, None] * (KH // 4) + word[None, :], mask=m, other=0)
+    sb = tl.load(s_ptr + rows[:, None] * KB + word[None, :] // 2, mask=m, other=0).to(tl.int32) & 0x7F
+    sc = tl.where(sb == 0x7F, 0x7E00, sb << 7).to(tl.int16).to(tl.float16, bitcast=True)  # 0x7E00: NaN
+    sc = (sc * 32768.0).to(tl.float16)
+    a0, a1 = _half_pair(w, 0)
+    b0, b1 = _half_pair(w, 4)
+    c0, c1 = _half_pair(w, 8)
+    d0, d1 = _half_pair(w, 12)
+    return a0 * sc, a1 * sc, b0 * sc, b1 * sc, c0 * sc, c1 * sc, d0 * sc, d1 * sc
 
 
 @triton.jit
 def _epilogue(acc, out_ptr, bias_ptr, ga_ptr, gb_ptr, rm, rn, M, N, HAS_BIAS: tl.constexpr, OUT_KIND: tl.constexpr):
-    acc = acc * (tl.load(ga_ptr) * tl.load(gb_ptr))
+    acc = acc * (tl.load(ga_ptr) * tl.load(gb_ptr) * (_UNIT * _UNIT))
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     mask = (rm[:, None] < M) & (rn[None, :] < N)
@@ -97,11 +107,10 @@ def _w4a4_kernel(
     KB = K // 16
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, KH, BK // 2):
-        kb = k0 + tl.arange(0, BK // 2)
-        a_lo, a_hi = _load_fp4(aq_ptr, as_ptr, rm.to(tl.int64), rm < M, kb, KH, KB, False)
-        b_lo, b_hi = _load_fp4(bq_ptr, bs_ptr, rn.to(tl.int64), rn < N, kb, KH, KB, True)
-        acc = tl.dot(a_lo, b_lo, acc)
-        acc = tl.dot(a_hi, b_hi, acc)
+        a = _load_fp4(aq_ptr, as_ptr, rm.to(tl.int64), rm < M, k0, KH, KB, BM, BK // 2)
+        b = _load_fp4(bq_ptr, bs_ptr, rn.to(tl.int64), rn < N, k0, KH, KB, BN, BK // 2)
+        for t in tl.static_range(8):
+            acc = tl.dot(a[t], tl.trans(b[t]), acc)
     _epilogue(acc, out_ptr, bias_ptr, ga_ptr, gb_ptr, rm, rn, M, N, HAS_BIAS, OUT_KIND)
 
 
@@ -125,38 +134,50 @@ def _w4a16_kernel(
     rows = rm.to(tl.int64)
     k_end = tl.minimum(KH, (pid_k + 1) * (K_SPLIT // 2))
     for k0 in range(pid_k * (K_SPLIT // 2), k_end, BK // 2):
-        kb = k0 + tl.arange(0, BK // 2)
-        xm = (rm[:, None] < M) & (kb[None, :] < k_end)
-        x_lo = tl.load(x_ptr + rows[:, None] * K + 2 * kb[None, :], mask=xm, other=0.0)
-        x_hi = tl.load(x_ptr + rows[:, None] * K + 2 * kb[None, :] + 1, mask=xm, other=0.0)
-        b_lo, b_hi = _load_fp4(bq_ptr, bs_ptr, rn.to(tl.int64), rn < N, kb, KH, KB, True)
-        if DOT_F32:  # the CPU interpreter's BF16 tl.dot is wrong; FP32 gives the same exact products
-            acc = tl.dot(x_lo.to(tl.float32), b_lo.to(tl.float32), acc, input_precision="ieee")
-            acc = tl.dot(x_hi.to(tl.float32), b_hi.to(tl.float32), acc, input_precision="ieee")
-        else:  # FP16 values are exact in BF16 too; the cast goes through FP32 (free, and exact)
-            acc = tl.dot(x_lo, b_lo.to(tl.float32).to(x_lo.dtype), acc)
-            acc = tl.dot(x_hi, b_hi.to(tl.float32).to(x_hi.dtype), acc)
+        word = k0 // 4 + tl.arange(0, BK // 8)
+        xm = (rm[:, None] < M) & (word[None, :] < k_end // 4)
+        xw = x_ptr + rows[:, None] * K + 8 * word[None, :]  # element 8j + e pairs with tile _FP4_ORDER[e]
+        b = _load_fp4(bq_ptr, bs_ptr, rn.to(tl.int64), rn < N, k0, KH, KB, BN, BK // 2)
+        for t in tl.static_range(8):
+            xt = tl.load(xw + _ELEM_OF_TILE[t], mask=xm, other=0.0)
+            bt = tl.trans(b[t])
+            if DOT_F32:  # the CPU interpreter's BF16 tl.dot is wrong; FP32 gives the same exact products
+                acc = tl.dot(xt.to(tl.float32), bt.to(tl.float32), acc, input_precision="ieee")
+            else:  # FP16 values are exact in BF16 too; the cast goes through FP32 (exact)
+                acc = tl.dot(xt, bt.to(tl.float32).to(xt.dtype), acc)
     if PARTIAL:
         mask = (rm[:, None] < M) & (rn[None, :] < N)
         tl.store(out_ptr + (pid_k * M + rm[:, None]).to(tl.int64) * N + rn[None, :], acc, mask=mask)
     else:
-        acc = acc * tl.load(gb_ptr)  # activations carry no global scale
+        acc = acc * (tl.load(gb_ptr) * _UNIT)  # activations carry no global scale
         if HAS_BIAS:
             acc = acc + tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
         mask = (rm[:, None] < M) & (rn[None, :] < N)
         store_out(out_ptr + rm[:, None].to(tl.int64) * N + rn[None, :], acc, mask, OUT_KIND)
 
 
+@triton.jit
+def _splitk_reduce_kernel(part_ptr, gb_ptr, bias_ptr, out_ptr, MN, N, SPLIT, HAS_BIAS: tl.constexpr,
+                          OUT_KIND: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """out = (sum over splits of the partial sums) * g_b + bias, in a fixed order (deterministic)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for sp in range(0, SPLIT):
+        acc += tl.load(part_ptr + sp * MN + offs, mask=mask, other=0.0)
+    acc = acc * (tl.load(gb_ptr) * _UNIT)
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    store_out(out_ptr + offs, acc, mask, OUT_KIND)
+
+
 def _w4a4_configs() -> list[triton.Config]:
+    # Wide tiles amortize the decode (its cost grows with BM + BN, the MMA's with BM * BN). Chosen
+    # from Triton 3.6 sm_90a SASS on CPU (instructions per K step, spills), not yet timed on a GPU:
+    # 128x256 and 256x128 issue ~1.4 instructions per MMA cycle, 128x128 ~1.9.
     return [
-        triton.Config({"BM": bm, "BN": bn, "BK": bk, "GROUP_M": 8}, num_warps=w, num_stages=s)
-        for bm, bn, bk, w, s in [
-            (128, 128, 128, 8, 3),
-            (128, 256, 128, 8, 3),
-            (256, 128, 128, 8, 3),
-            (128, 128, 256, 8, 2),
-            (64, 128, 128, 4, 4),
-        ]
+        triton.Config({"BM": bm, "BN": bn, "BK": 128, "GROUP_M": 8}, num_warps=8, num_stages=st)
+        for bm, bn, st in [(128, 256, 3), (256, 128, 3), (128, 128, 3), (128, 128, 4)]
     ]
 
 
@@ -181,6 +202,11 @@ def _prep(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
 
+def _words(q: torch.Tensor) -> torch.Tensor:
+    """Packed codes as int32 words (4 bytes, 8 elements each): the kernels decode a word at a time."""
+    return q.contiguous().view(torch.int32)
+
+
 def _out(m: int, n: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     if dtype not in _OUT_KIND:
         raise TypeError(f"NVFP4 GEMM writes float32, bfloat16 or float16; got {dtype}.")
@@ -203,10 +229,10 @@ def w4a4_gemm(
         return out
     ga = a_g.to(torch.float32).reshape(())
     gb = b_g.to(torch.float32).reshape(())
-    args = (_prep(a_q), _prep(a_s), ga, _prep(b_q), _prep(b_s), gb, bias if bias is not None else gb, dst, m, n, k)
+    args = (_words(a_q), _prep(a_s), ga, _words(b_q), _prep(b_s), gb, bias if bias is not None else gb, dst, m, n, k)
     flags = {"HAS_BIAS": bias is not None, "OUT_KIND": _OUT_KIND[out_dtype]}
     if _interpreting():
-        bm, bn, bk = 32, 32, 64
+        bm, bn, bk = 32, 32, 128  # BK >= 128: each of the 8 MMAs per K tile needs K >= 16
         grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
         _w4a4_kernel[grid](*args, BM=bm, BN=bn, BK=bk, GROUP_M=4, **flags)
     else:
@@ -221,12 +247,12 @@ def w4a4_gemm(
 def _w4a16_plan(m: int, n: int, k: int) -> tuple[int, int, int, int, int, int]:
     """(BM, BN, BK, split-K, warps, stages): enough programs to fill an H100's 132 SMs at small M."""
     if _interpreting():
-        return 16, 32, 64, (2 if k >= 128 else 1), 4, 1
+        return 16, 32, 128, (2 if k >= 256 else 1), 4, 1
     bm = 16 if m <= 16 else (32 if m <= 32 else 64)
     bn, bk = 64, 256
     tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
     split = 1
-    while tiles * split < 264 and k // (split * 2) >= 4 * bk:
+    while tiles * split < 264 and k // (split * 2) >= 2 * bk:  # two waves, >= 2 K steps per split
         split *= 2
     return bm, bn, bk, split, 4, 4
 
@@ -254,7 +280,7 @@ def w4a16_gemm(
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), split)
     dot_f32 = _interpreting() and x.dtype == torch.bfloat16
     common = {"BM": bm, "BN": bn, "BK": bk, "DOT_F32": dot_f32, "num_warps": warps, "num_stages": stages}
-    bq, bs = _prep(b_q), _prep(b_s)
+    bq, bs = _words(b_q), _prep(b_s)
     if split == 1:
         b_arg = bias if bias is not None else gb
         flags = {"HAS_BIAS": bias is not None, "OUT_KIND": _OUT_KIND[out_dtype], "PARTIAL": False}
@@ -262,8 +288,9 @@ def w4a16_gemm(
         return out
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     _w4a16_kernel[grid](x, bq, bs, gb, gb, part, m, n, k, k_split, HAS_BIAS=False, OUT_KIND=0, PARTIAL=True, **common)
-    acc = part.sum(0) * gb
-    if bias is not None:
-        acc = acc + bias.float()
-    out.copy_(acc)
+    block = 1024
+    _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
+        part, gb, bias if bias is not None else gb, dst, m * n, n, split,
+        HAS_BIAS=bias is not None, OUT_KIND=_OUT_KIND[out_dtype], BLOCK=block,
+    )  # fmt: skip
     return out

@@ -107,6 +107,8 @@ def _cuda_nvfp4_linear(
         stream = torch.cuda.current_stream(x.device).cuda_stream
         y = ext.nvfp4_gemm_sm100(xq.qdata, xq.scale.view(torch.uint8), weight.qdata, sb, alpha, b, stream)
         return _finish(y, x)
+    if k % 32 or n % 16:  # cuBLASLt FP4 needs 16-byte aligned rows and N % 16 == 0
+        return _tr_nvfp4_linear(x, weight, bias, quantize_input)
     xq = nvfp4_quantize(_flat(x))
     a, sa = scaled_mm_fp4_operands(xq)
     b, sb = scaled_mm_fp4_operands(weight)
@@ -189,9 +191,19 @@ def _scaled_mm_fits(x2: torch.Tensor, weight: FP8Tensor) -> bool:
 def _cuda_fp8_linear(
     x: torch.Tensor, weight: FP8Tensor, bias: torch.Tensor | None, quantize_input: bool
 ) -> torch.Tensor:
-    """W8A8 through cuBLASLt's row-wise scaled GEMM (BF16 out, as cuBLASLt requires for it)."""
+    """W8A8 through cuBLASLt's row-wise scaled GEMM (BF16 out, as cuBLASLt requires for it, so for
+    BF16 activations: others take the reference); W8A16 as a BF16 GEMM with FP32 output (E4M3
+    weights are exact in BF16) and the channel scales after."""
     x2 = _flat(x)
-    if not quantize_input or not _scaled_mm_fits(x2, weight):
+    if not quantize_input:
+        if x.dtype != torch.bfloat16 or x.device.type != "cuda":
+            return _ref_fp8_linear(x, weight, bias, quantize_input)
+        acc = torch.mm(x2, weight.data.to(torch.bfloat16).t(), out_dtype=torch.float32)
+        acc = acc * weight.scale.reshape(1, -1)
+        if bias is not None:
+            acc = acc + bias.float()
+        return _finish(acc, x)
+    if x.dtype != torch.bfloat16 or not _scaled_mm_fits(x2, weight):
         return _ref_fp8_linear(x, weight, bias, quantize_input)
     xq = fp8_quantize_rowwise(x2)
     y = torch._scaled_mm(

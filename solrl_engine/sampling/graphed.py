@@ -55,6 +55,8 @@ class GraphedSampler:
     """
 
     def __init__(self, model: FlowModel, enabled: bool = True, compile: bool = True, warmup: int = 2) -> None:
+        if warmup < 1:
+            raise ValueError("warmup must be >= 1: Triton autotuning and compilation must run before capture")
         self.model = model
         self.enabled = enabled
         self.compile = compile
