@@ -41,14 +41,18 @@ class CMakeBuild(build_ext):
         build_dir = Path(self.build_temp).resolve() / "cmake"
         build_dir.mkdir(parents=True, exist_ok=True)
         jobs = str(os.cpu_count() or 2)
+        # torch's CMake adds gencode flags for TORCH_CUDA_ARCH_LIST (by default: this machine's
+        # GPU); pin it to an arch the target already has so builds do not depend on the machine.
+        env = {**os.environ, "TORCH_CUDA_ARCH_LIST": os.environ.get("TORCH_CUDA_ARCH_LIST", "8.0")}
         subprocess.check_call(
             [
                 "cmake", "-S", str(ROOT), "-B", str(build_dir), "-DSOLRL_BUILD_EXTENSION=ON",
                 "-DCMAKE_BUILD_TYPE=Release", f"-DPython3_EXECUTABLE={sys.executable}",
                 f"-DCMAKE_LIBRARY_OUTPUT_DIRECTORY={out_dir}",
-            ]
+            ],
+            env=env,
         )  # fmt: skip
-        subprocess.check_call(["cmake", "--build", str(build_dir), "--target", "_C", "-j", jobs])
+        subprocess.check_call(["cmake", "--build", str(build_dir), "--target", "_C", "-j", jobs], env=env)
 
 
 def _ext_modules() -> list[Extension]:

@@ -3,7 +3,8 @@
 // 16-element E4M3 block scales in the 128x4 swizzled layout (the layout solrl_nvfp4_quantize writes
 // with swizzle=1 and solrl_engine.quant.nvfp4.swizzle_scales produces), FP32 accumulate, alpha read
 // from device memory (the product of the two global decode scales: no host sync), per-column BF16
-// bias fused in the epilogue, BF16 out.
+// bias fused in the epilogue, BF16 out. Numerics: the epilogue is fma(alpha, acc, bias) with the bias
+// in BF16 (the reference multiplies, then adds an FP32 bias): within one BF16 rounding of it.
 //
 // Status: compile-checked for sm_100a in CI; never executed (no Blackwell GPU here). Its numerics
 // contract is the same as the reference nvfp4_linear. On other architectures the entry point
@@ -95,9 +96,9 @@ extern "C" int solrl_nvfp4_gemm_sm100(const uint8_t* a, const uint8_t* sfa, cons
   Gemm gemm;
   if (gemm.can_implement(args) != cutlass::Status::kSuccess) return -2;
   if (Gemm::get_workspace_size(args) > workspace_bytes) return int(cudaErrorInvalidValue);
-  if (gemm.initialize(args, workspace, reinterpret_cast<cudaStream_t>(stream)) != cutlass::Status::kSuccess) return -2;
-  const auto status = gemm.run(reinterpret_cast<cudaStream_t>(stream));
-  if (status != cutlass::Status::kSuccess) return int(cudaGetLastError());
+  if (gemm.initialize(args, workspace, reinterpret_cast<cudaStream_t>(stream)) != cutlass::Status::kSuccess) return -4;
+  // run() checks and clears the launch error itself: its status is the only report of a failure
+  if (gemm.run(reinterpret_cast<cudaStream_t>(stream)) != cutlass::Status::kSuccess) return -3;
   return 0;
 }
 

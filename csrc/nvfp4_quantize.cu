@@ -7,7 +7,8 @@
 // S_enc = 2688 / amax, s = RNE_e4m3(min(blk_amax * (S_enc * (1/6)), 448)), g = 1 / S_enc,
 // mult = min(1 / (s * g), FP32_MAX), codes = RNE_e2m1(clamp(x * mult, -6, 6)); a block holding
 // NaN/Inf gets the NaN scale 0x7F and zero codes. Every fp32 op is spelled with __f*_rn so nvcc
-// cannot contract it into an FMA. Compiles for sm_90a and sm_100a; runs on sm_70+.
+// cannot contract it into an FMA. The extension builds it for sm_80, sm_90a, sm_100a and PTX for
+// newer GPUs (CMakeLists.txt).
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -47,11 +48,28 @@ __device__ __forceinline__ int64_t swizzled_offset(int64_t r, int64_t c, int64_t
   return tile * 512 + (r % 32) * 16 + ((r % 128) / 32) * 4 + (c % 4);
 }
 
+// The 16 values of block b, with 16-byte vector loads when the input is 16-byte aligned.
+template <typename T>
+__device__ __forceinline__ void load_block(const T* __restrict__ x, int64_t b, bool aligned, float (&v)[16]) {
+  const T* p = x + b * 16;
+  if (aligned) {
+    constexpr int kPer = 16 / sizeof(T);  // elements per 16-byte vector
+    T tmp[16];
+#pragma unroll
+    for (int i = 0; i < 16 / kPer; ++i) reinterpret_cast<uint4*>(tmp)[i] = reinterpret_cast<const uint4*>(p)[i];
+#pragma unroll
+    for (int j = 0; j < 16; ++j) v[j] = to_f32(tmp[j]);
+  } else {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) v[j] = to_f32(p[j]);
+  }
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     quantize_kernel(const T* __restrict__ x, int64_t rows, int64_t cols, uint8_t* __restrict__ q,
                     uint8_t* __restrict__ s, float* __restrict__ g_out, const float* __restrict__ static_amax,
-                    uint32_t* __restrict__ amax_bits, int swizzle) {
+                    uint32_t* __restrict__ amax_bits, int swizzle, int aligned) {
   const int64_t n = rows * cols;
   const int64_t n_blocks = n / 16;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
@@ -88,11 +106,11 @@ __global__ void __launch_bounds__(kThreads)
 
   for (int64_t b = tid; b < n_blocks; b += stride) {
     float v[16];
+    load_block(x, b, aligned != 0, v);
     bool all_finite = true;
     float bmax = 0.0f;
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
-      v[j] = to_f32(x[b * 16 + j]);
       all_finite = all_finite && finite(v[j]);
       bmax = fmaxf(bmax, fabsf(v[j]));
     }
@@ -122,21 +140,32 @@ __global__ void __launch_bounds__(kThreads)
 template <typename T>
 int launch(const void* x, int64_t rows, int64_t cols, uint8_t* q, uint8_t* s, float* g, const float* static_amax,
            uint32_t* scratch, int swizzle, cudaStream_t stream) {
-  int device = 0, sms = 0, per_sm = 0;
+  // Resident blocks per device, asked once per device and dtype (no driver queries per call).
+  constexpr int kMaxDevices = 64;
+  static int resident_cache[kMaxDevices] = {0};
+  int device = 0;
   cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, quantize_kernel<T>, kThreads, 0);
   if (err != cudaSuccess) return int(err);
+  int resident_blocks = device < kMaxDevices ? resident_cache[device] : 0;
+  if (resident_blocks == 0) {
+    int sms = 0, per_sm = 0;
+    err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, quantize_kernel<T>, kThreads, 0);
+    if (err != cudaSuccess) return int(err);
+    resident_blocks = sms * (per_sm > 0 ? per_sm : 1);
+    if (device < kMaxDevices) resident_cache[device] = resident_blocks;
+  }
   if (swizzle) {
     const int64_t padded = ((rows + 127) / 128 * 128) * ((cols / 16 + 3) / 4 * 4);
     if ((err = cudaMemsetAsync(s, 0, size_t(padded), stream)) != cudaSuccess) return int(err);
   }
   if ((err = cudaMemsetAsync(scratch, 0, sizeof(uint32_t), stream)) != cudaSuccess) return int(err);
   const int64_t work = (rows * cols / 16 + kThreads - 1) / kThreads;
-  const int64_t resident = int64_t(sms) * (per_sm > 0 ? per_sm : 1);
+  const int64_t resident = resident_blocks;
   const unsigned grid = unsigned(work < resident ? (work > 0 ? work : 1) : resident);
   const T* xp = static_cast<const T*>(x);
-  void* args[] = {&xp, &rows, &cols, &q, &s, &g, &static_amax, &scratch, &swizzle};
+  int aligned = (reinterpret_cast<uintptr_t>(x) % 16) == 0;
+  void* args[] = {&xp, &rows, &cols, &q, &s, &g, &static_amax, &scratch, &swizzle, &aligned};
   err = cudaLaunchCooperativeKernel(reinterpret_cast<void*>(quantize_kernel<T>), dim3(grid), dim3(kThreads), args, 0,
                                     stream);
   return int(err);

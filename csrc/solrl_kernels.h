@@ -21,7 +21,8 @@ int solrl_nvfp4_quantize(const void* x, int dtype, int64_t rows, int64_t cols, u
 // Blackwell block-scaled NVFP4 GEMM (CUTLASS sm100): D[m, n] = alpha * (A[m, k] B[n, k]^T) + bias[n].
 // A, B packed E2M1 (K-major), sfa/sfb swizzled E4M3 scales, alpha a device FP32 scalar (the product of
 // the two global decode scales), bias BF16 [n] or null, D BF16. Returns 0, -1 when this build has no
-// sm100 kernel, -2 when the problem is not supported (alignment), or a cudaError_t code.
+// sm100 kernel, -2 when CUTLASS cannot implement the problem (alignment), -3 when the launch failed,
+// -4 when initialization failed (e.g. no sm_100a image for this GPU), or a cudaError_t code.
 int solrl_nvfp4_gemm_sm100(const uint8_t* a, const uint8_t* sfa, const uint8_t* b, const uint8_t* sfb,
                            const float* alpha, const void* bias, void* d, int m, int n, int k, void* workspace,
                            size_t workspace_bytes, int64_t stream);

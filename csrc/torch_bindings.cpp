@@ -1,6 +1,7 @@
 // Thin torch bindings of the C ABI in solrl_kernels.h (the vLLM pattern: kernels per file, one
 // bindings file). Streams arrive as integers (torch.cuda.current_stream().cuda_stream), so this file
 // needs no CUDA headers and is syntax-checked in CI against the CPU PyTorch headers.
+#include <c10/core/DeviceGuard.h>
 #include <torch/extension.h>
 
 #include <optional>
@@ -34,6 +35,7 @@ int64_t ceil_to(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 std::vector<at::Tensor> nvfp4_quantize(const at::Tensor& x, const std::optional<at::Tensor>& amax, bool swizzle,
                                        int64_t stream) {
   check_cuda(x, "x");
+  const c10::DeviceGuard guard(x.device());
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) % 16 == 0, "the last dimension must be a multiple of 16; got ",
               x.sizes());
   const int64_t cols = x.size(-1);
@@ -50,10 +52,13 @@ std::vector<at::Tensor> nvfp4_quantize(const at::Tensor& x, const std::optional<
   const float* amax_ptr = nullptr;
   if (amax.has_value()) {
     check_cuda(*amax, "amax");
+    TORCH_CHECK(amax->device() == x.device(), "amax must be on the same device as x");
     TORCH_CHECK(amax->scalar_type() == at::kFloat && amax->numel() == 1, "amax must be one float32 value");
     amax_ptr = amax->data_ptr<float>();
   }
-  if (rows > 0) {
+  if (rows == 0) {
+    g.fill_(1.0);  // as the reference: no elements -> amax 0 -> S_enc 1
+  } else {
     const int rc = solrl_nvfp4_quantize(x.data_ptr(), dtype_code(x), rows, cols, q.data_ptr<uint8_t>(),
                                         s.data_ptr<uint8_t>(), g.data_ptr<float>(), amax_ptr,
                                         reinterpret_cast<uint32_t*>(scratch.data_ptr<int32_t>()), swizzle, stream);
@@ -65,10 +70,18 @@ std::vector<at::Tensor> nvfp4_quantize(const at::Tensor& x, const std::optional<
 // D = alpha (A B^T) + bias, BF16 out; A [M, K/2], B [N, K/2] packed, scales swizzled (see the .cu).
 at::Tensor nvfp4_gemm_sm100(const at::Tensor& a, const at::Tensor& sfa, const at::Tensor& b, const at::Tensor& sfb,
                             const at::Tensor& alpha, const std::optional<at::Tensor>& bias, int64_t stream) {
-  for (auto* t : {&a, &sfa, &b, &sfb, &alpha}) check_cuda(*t, "operand");
+  for (auto* t : {&a, &sfa, &b, &sfb, &alpha}) {
+    check_cuda(*t, "operand");
+    TORCH_CHECK(t->device() == a.device(), "all operands must be on one device");
+  }
+  const c10::DeviceGuard guard(a.device());
   TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(1), "A [M, K/2] and B [N, K/2] must share K");
   const int m = int(a.size(0)), n = int(b.size(0)), k = int(a.size(1) * 2);
   at::Tensor d = at::empty({m, n}, a.options().dtype(at::kBFloat16));
+  if (m == 0 || n == 0) return d;
+  const int64_t kb = ceil_to(k / 16, 4);
+  TORCH_CHECK(sfa.numel() == ceil_to(m, 128) * kb && sfb.numel() == ceil_to(n, 128) * kb,
+              "block scales must be the swizzled layout (rows padded to 128, K/16 padded to 4)");
   const void* bias_ptr = nullptr;
   if (bias.has_value()) {
     check_cuda(*bias, "bias");
@@ -82,6 +95,8 @@ at::Tensor nvfp4_gemm_sm100(const at::Tensor& a, const at::Tensor& sfa, const at
                                         n, k, ws.data_ptr(), ws_bytes, stream);
   TORCH_CHECK(rc != -1, "this build of solrl_engine._C has no sm_100a GEMM (rebuild with CUTLASS on CUDA >= 12.8)");
   TORCH_CHECK(rc != -2, "CUTLASS cannot run this problem (M=", m, ", N=", n, ", K=", k, "): check K % 32 == 0 and N % 8 == 0");
+  TORCH_CHECK(rc != -3, "the CUTLASS sm100 GEMM failed to launch");
+  TORCH_CHECK(rc != -4, "the CUTLASS sm100 GEMM could not initialize on this GPU (it is built for sm_100a only)");
   TORCH_CHECK(rc == 0, "solrl_nvfp4_gemm_sm100 failed (CUDA error ", rc, ")");
   return d;
 }

@@ -91,3 +91,28 @@ def test_quantized_model_compiles_without_graph_breaks():
     requantize_(m, new)
     assert not torch.allclose(m(x), before)
     torch.testing.assert_close(cm(x), m(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_graph_owns_what_it_reads_and_replays_guidance():
+    """The schedule and the unconditional embedding live as long as the graph: churn the allocator
+    after capture, change `uncond`, and replays still match eager sampling."""
+    m = _model("cuda")
+    cond = m.encode_prompts(["a red circle", "a blue square"]).to("cuda")
+    u1 = m.encode_prompts([""]).to("cuda")
+    gs = GraphedSampler(m, compile=False)
+    gs.sample(cond, [1, 2], steps=4, solver="dpm2", guidance_scale=3.0, uncond=u1)
+    junk = [torch.full((k % 7 + 1,), float(k), device="cuda") for k in range(2000)]  # reuse freed blocks
+    u2 = m.encode_prompts(["a green triangle"]).to("cuda")
+    for u in (u1, u2):
+        want = sample(m, cond, [1, 2], steps=4, solver="dpm2", guidance_scale=3.0, uncond=u)
+        got = gs.sample(cond, [1, 2], steps=4, solver="dpm2", guidance_scale=3.0, uncond=u)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert gs.stats.captures == 1 and len(junk) == 2000
+    with pytest.raises(ValueError, match="uncond"):
+        gs.sample(cond, [1, 2], steps=4, guidance_scale=3.0)
+
+
+def test_graph_sampler_needs_a_warmup():
+    with pytest.raises(ValueError, match="warmup"):
+        GraphedSampler(_model(), warmup=0)

@@ -99,7 +99,8 @@ def _cuda_nvfp4_linear(
     ext = cuda_extension()
     n, k = weight.shape
     want_cutlass = os.environ.get("SOLRL_FP4_GEMM", "cublaslt").lower() == "cutlass"
-    if want_cutlass and ext is not None and hasattr(ext, "nvfp4_gemm_sm100") and k % 32 == 0 and n % 8 == 0:
+    sm100 = torch.cuda.get_device_capability(x.device) == (10, 0)  # the only image it is built for
+    if want_cutlass and sm100 and ext is not None and hasattr(ext, "nvfp4_gemm_sm100") and k % 32 == 0 and n % 8 == 0:
         xq = cuda_quantize(_flat(x), swizzle=True)
         alpha = xq.global_scale * weight.global_scale
         b = None if bias is None else bias.to(torch.bfloat16).contiguous()

@@ -30,11 +30,15 @@ log = logging.getLogger("solrl_engine.sampling")
 
 @dataclass
 class _Graph:
+    """A captured loop and every tensor it reads or writes: all must outlive the graph."""
+
     graph: torch.cuda.CUDAGraph
     x: torch.Tensor
     hidden: torch.Tensor
     pooled: torch.Tensor
     out: torch.Tensor
+    sig: torch.Tensor
+    uncond: Conditioning | None
 
 
 @dataclass
@@ -54,7 +58,7 @@ class GraphedSampler:
     dropped), so one graph serves every call of that size.
     """
 
-    def __init__(self, model: FlowModel, enabled: bool = True, compile: bool = True, warmup: int = 2) -> None:
+    def __init__(self, model: FlowModel, enabled: bool = True, compile: bool = True, warmup: int = 1) -> None:
         if warmup < 1:
             raise ValueError("warmup must be >= 1: Triton autotuning and compilation must run before capture")
         self.model = model
@@ -103,6 +107,11 @@ class GraphedSampler:
             raise ValueError(f"unknown solver {solver!r}; choose one of {SOLVERS}")
         if len(cond) != len(seeds):
             raise ValueError(f"{len(cond)} conditionings for {len(seeds)} seeds")
+        if guidance_scale != 1.0 and uncond is None:
+            raise ValueError("classifier-free guidance needs `uncond` (the encoded empty prompt)")
+        if guidance_scale == 1.0:
+            uncond = None
+        amp = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
         bs = batch_size or len(seeds)
         outs = []
         for i in range(0, len(seeds), bs):
@@ -112,13 +121,17 @@ class GraphedSampler:
                 chunk += [chunk[-1]] * (bs - n)
                 c = Conditioning.cat([c] + [c[n - 1 : n]] * (bs - n))
             x = seeded_noise(chunk, tuple(self.model.latent_shape), device, dtype)
+            u_sig = None if uncond is None else (tuple(uncond.hidden.shape), uncond.hidden.dtype)
             key = (bs, steps, round(shift, 6), solver, dtype, tuple(c.hidden.shape), c.hidden.dtype,
-                   id(transformer), tag, guidance_scale)  # fmt: skip
+                   id(transformer), tag, guidance_scale, u_sig, amp)  # fmt: skip
             g = self._graphs.get(key) or self._capture(key, x, c, steps, shift, solver, transformer, guidance_scale,
-                                                       uncond)  # fmt: skip
+                                                       uncond, amp)  # fmt: skip
             g.x.copy_(x)
             g.hidden.copy_(c.hidden)
             g.pooled.copy_(c.pooled)
+            if g.uncond is not None:
+                g.uncond.hidden.copy_(uncond.hidden)
+                g.uncond.pooled.copy_(uncond.pooled)
             g.graph.replay()
             self.stats.replays += 1
             outs.append(g.out[:n].clone())
@@ -135,15 +148,19 @@ class GraphedSampler:
         transformer: nn.Module | None,
         guidance_scale: float,
         uncond: Conditioning | None,
+        amp: tuple[bool, torch.dtype],
     ) -> _Graph:
         t0 = time.perf_counter()
         mod = self._module(transformer)
         host_sig = sigma_schedule(steps, shift)
         sig, host = host_sig.to(x.device), host_sig.tolist()
         sx, sh, sp = x.clone(), cond.hidden.clone(), cond.pooled.clone()
+        su = None if uncond is None else Conditioning(uncond.hidden.clone(), uncond.pooled.clone())
 
         def run() -> torch.Tensor:
-            return _solve(self.model, sx, Conditioning(sh, sp), sig, host, solver, guidance_scale, uncond, mod)
+            # autocast's weight-cast cache must be off under capture (cached casts would go stale)
+            with torch.autocast("cuda", dtype=amp[1], enabled=amp[0], cache_enabled=False):
+                return _solve(self.model, sx, Conditioning(sh, sp), sig, host, solver, guidance_scale, su, mod)
 
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -157,7 +174,7 @@ class GraphedSampler:
         with torch.cuda.graph(graph, pool=self._pool):
             out = run()
         torch.cuda.synchronize()
-        g = _Graph(graph, sx, sh, sp, out)
+        g = _Graph(graph, sx, sh, sp, out, sig, su)
         self._graphs[key] = g
         self.stats.captures += 1
         self.stats.capture_s.append(time.perf_counter() - t0)
