@@ -1,6 +1,6 @@
 """Sol-RL on the bundled tiny model with the analytic `shapes` reward.
 
-CPU-sized defaults (2 cores, about 7 minutes for the quickstart): N = 16 seeds explored per prompt,
+CPU-sized defaults (2 cores, about 6 minutes for the quickstart): N = 16 seeds explored per prompt,
 K = 8 trained on, 4 prompts per iteration, 60 iterations, LoRA rank 16 with lr 1e-3, held-out
 evaluation on all 64 held-out prompts x 2 seeds every 10 iterations. `paper_scale=true` switches
 to the paper's N = 96, K = 24 with 16 prompts per iteration and LoRA rank 32 (meant for a GPU):
