@@ -3,17 +3,18 @@
 y = (A B^T) * g_a * g_b (+ bias), with B = NVFP4 weights [N, K] and A either NVFP4 activations
 [M, K] (W4A4) or plain BF16/FP16 activations (W4A16, the weight-only kernel for small M).
 
-Why FP16 tensor cores and not BF16: every decoded value e2m1 * e4m3 has at most 6 significant bits
-and lies in [2^-10, 2688], so it is exact in FP16 as in BF16; FP16 lets the decode be a handful
-of integer ops (the E2M1 code and the E4M3 scale drop straight into FP16 bit fields, see
-`_load_fp4`), and the MMA is as fast. The products are therefore exact and only the FP32
-accumulation order differs from the reference (solrl_engine.kernels.ops nvfp4_linear, FP32 matmul
-of the same values).
+Why FP16 tensor cores and not BF16: every decoded value e2m1 * e4m3 has at most 6 significant bits,
+so it is exact in FP16 as in BF16, and FP16 lets the decode be a few integer ops (the E2M1 code
+and the E4M3 scale drop straight into FP16 bit fields, see `_load_fp4`); the MMA is as fast. The
+products are exact, so only FP32 accumulation order (and FMA contraction in the epilogue) differ
+from the reference (solrl_engine.kernels.linear `_ref_nvfp4_linear`, FP32 matmul of the same
+values).
 
-Packed byte i of a row holds elements 2i (low nibble) and 2i+1 (high nibble). A dot product does
-not care about the order of K, so each K tile is two MMAs, one over the low nibbles and one over the
-high nibbles of both operands: no interleave or reshape in registers. Byte i's block scale is
-scale[i // 8], gathered per byte (from L1).
+Packed codes are read as 32-bit words: word j of a row holds elements 8j..8j+7 (byte i: element 2i
+in the low nibble, 2i+1 in the high one), all in one 16-element scale block. A dot product does not
+care about the order of K, so each K tile is 8 MMAs, one per nibble position of the words, with A
+and B permuted alike: two elements decoded per 32-bit integer op, no interleave in registers.
+`bench/sass.py` counts the resulting main-loop instructions for sm_90a without a GPU.
 """
 
 from __future__ import annotations

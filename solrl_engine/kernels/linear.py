@@ -9,7 +9,8 @@ Implementations of `nvfp4_linear`:
   built, the extension's CUTLASS block-scaled GEMM (alpha and bias fused in its epilogue) after its
   one-launch quantize that writes swizzled scales (opt-in until it has run on a Blackwell GPU).
   Weight-only calls keep the Triton kernel (FP4 x BF16 has no tensor-core instruction).
-Implementations of `fp8_linear`: reference; cuda (sm_89+): `torch._scaled_mm` E4M3 row-wise.
+Implementations of `fp8_linear`: reference; cuda (sm_89+): `torch._scaled_mm` E4M3 row-wise for
+W8A8 with BF16 activations, a BF16 GEMM with FP32 output for W8A16 (E4M3 is exact in BF16).
 All compute the same math: the products of exactly decoded values, accumulated in FP32, times the
 global scales, plus bias; only accumulation order and the output rounding of cuBLAS differ.
 """
