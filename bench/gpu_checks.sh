@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, in the order to run it: correctness first, then kernel benchmarks,
 # then end-to-end ones. Each stage writes its log and JSON under OUT (default bench/results) and a
-# failing stage does not stop the later ones. Stages: gpu-tests, kernels, e2e-tiny, e2e-sana,
-# e2e-flux, e2e-sd35 (pick with STAGES="gpu-tests kernels"). Needs: a CUDA PyTorch, triton, diffusers,
-# and this package importable (pip install -e . --no-deps, or PYTHONPATH=.).
+# failing stage does not stop the later ones. Stages: build-ext, gpu-tests, kernels, e2e-tiny,
+# e2e-sana, e2e-flux, e2e-sd35 (pick with STAGES="gpu-tests kernels"). Needs: a CUDA PyTorch, triton,
+# diffusers, and this package importable (pip install -e . --no-deps, or PYTHONPATH=.); build-ext
+# also needs nvcc, cmake and the nvidia-cutlass wheel (pip install --no-deps nvidia-cutlass).
 #
 #   bash bench/gpu_checks.sh                         # all stages, results into bench/results
 #   STAGES="gpu-tests kernels" bash bench/gpu_checks.sh /tmp/out
@@ -12,7 +13,7 @@ cd "$(dirname "$0")/.."
 OUT="${1:-bench/results}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-STAGES="${STAGES:-gpu-tests kernels e2e-tiny e2e-sana e2e-flux e2e-sd35}"
+STAGES="${STAGES:-build-ext gpu-tests kernels e2e-tiny e2e-sana e2e-flux e2e-sd35}"
 
 stage() {  # name, command...
   local name=$1
@@ -25,6 +26,8 @@ stage() {  # name, command...
 }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/gpu.txt"
+# The CUDA extension (solrl_engine._C: fused-amax quantize, CUTLASS sm100 GEMM), built in place.
+stage build-ext python -m pip install --no-build-isolation --no-deps -e .
 stage gpu-tests python -m pytest -q -m gpu tests/
 stage kernels python bench/kernels.py --out "$OUT"
 # The bundled model at the paper's N=96 -> K=24 (16 prompts).
