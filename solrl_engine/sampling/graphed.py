@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from solrl_engine.models.base import Conditioning, FlowModel
-from solrl_engine.sampling.sampler import SOLVERS, _solve, sample, seeded_noise, sigma_schedule
+from solrl_engine.sampling.sampler import SOLVERS, _solve, sample, schedule_pair, seeded_noise
 
 log = logging.getLogger("solrl_engine.sampling")
 
@@ -152,8 +152,7 @@ class GraphedSampler:
     ) -> _Graph:
         t0 = time.perf_counter()
         mod = self._module(transformer)
-        host_sig = sigma_schedule(steps, shift)
-        sig, host = host_sig.to(x.device), host_sig.tolist()
+        sig, host = schedule_pair(steps, shift, x.device)
         sx, sh, sp = x.clone(), cond.hidden.clone(), cond.pooled.clone()
         su = None if uncond is None else Conditioning(uncond.hidden.clone(), uncond.pooled.clone())
 

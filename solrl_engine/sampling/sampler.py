@@ -36,6 +36,12 @@ def seeded_noise(
     return torch.stack(rows).to(device=device, dtype=dtype)
 
 
+def schedule_pair(steps: int, shift: float, device: torch.device | str) -> tuple[torch.Tensor, list[float]]:
+    """The schedule twice: on `device` for the model, as host floats for the solver's control flow."""
+    host = sigma_schedule(steps, shift)
+    return host.to(device), host.tolist()
+
+
 def _lambda(t: float) -> float:
     """log(alpha / sigma) of flow time t (alpha = 1 - t, sigma = t)."""
     return math.log((1 - t) / t)
@@ -109,8 +115,7 @@ def sample(
     if guidance_scale != 1.0 and uncond is None:
         raise ValueError("classifier-free guidance needs `uncond` (the encoded empty prompt)")
     device = cond.hidden.device
-    host_sig = sigma_schedule(steps, shift)
-    sig, host = host_sig.to(device), host_sig.tolist()
+    sig, host = schedule_pair(steps, shift, device)
     bs = batch_size or len(seeds)
     outs = []
     for i in range(0, len(seeds), bs):
