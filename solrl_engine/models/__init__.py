@@ -1,34 +1,87 @@
-"""Model adapters: every model presents the FlowModel interface (models/base.py).
+"""Model families behind one registry: every model presents the FlowModel interface (models/base.py).
 
-`load_model(name)` builds one by name; the tiny bundled model needs no download. The full-size
-architectures (models/archs.py) come with random weights and stand-in text encoder / VAE, for speed
-benchmarks.
+Each family is one file holding a `SPEC` (a ModelSpec: its LoRA targets, the explore copy's
+quantization rule, its default weights, resolution and guidance) and its adapter class (the
+forward, the prompt encoding, the schedule, the decode); MODELS maps the family name to that file.
+Adding a model is one new file plus one line here.
+
+    model = load_model("sd3", "stabilityai/stable-diffusion-3.5-large", "cuda", torch.bfloat16)
+    model = load_model("flux", "random")  # the published architecture, random weights, stand-in
+                                          # text encoder and VAE: for speed benchmarks
 """
 
 from __future__ import annotations
 
+import importlib
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from solrl_engine.models.base import Conditioning, FlowModel
 
-MODELS = ("tiny", "sd35-large", "flux-dev", "sana-1.6b")
+# family name -> "module:attribute" of its ModelSpec
+MODELS: dict[str, str] = {
+    "tiny": "solrl_engine.models.tiny:SPEC",
+    "sd3": "solrl_engine.models.sd3:SPEC",
+    "flux": "solrl_engine.models.flux:SPEC",
+    "sana": "solrl_engine.models.sana:SPEC",
+}
+
+# The benchmarks' names for the full-size published architectures (random weights).
+ARCH_ALIASES: dict[str, str] = {"sd35-large": "sd3", "flux-dev": "flux", "sana-1.6b": "sana"}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the engine knows about one model family; the trainer reads it, never the family name.
+
+    explore_rule: QuantRecipe changes for the explore copy (include patterns, extra skip patterns
+        added to the recipe's defaults, skip_max_dim): the paper's layer choice for the family.
+    guidance: "cfg" (classifier-free guidance against the empty prompt, in the sampler) or
+        "embedded" (FLUX.1-dev's distilled guidance, an input of the transformer).
+    pipeline: the diffusers pipeline class the weights load into (and LoRA exports load back into).
+    """
+
+    name: str
+    adapter: str  # "module:callable" building the FlowModel: (path, device, dtype, **options)
+    pipeline: str
+    default_path: str | None
+    resolution: int
+    lora_targets: tuple[str, ...]
+    explore_rule: dict[str, Any] = field(default_factory=dict)
+    guidance: str = "cfg"
+    guidance_scale: float = 1.0
+
+    def build(self, path: str | Path | None, device: torch.device | str, dtype: torch.dtype, **options: Any
+              ) -> FlowModel:  # fmt: skip
+        mod, attr = self.adapter.split(":")
+        return getattr(importlib.import_module(mod), attr)(path, device=device, dtype=dtype, **options)
+
+
+def model_spec(name: str) -> ModelSpec:
+    """The spec of family `name` (see MODELS); a clear error naming the families otherwise."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; available: {sorted(MODELS)}")
+    mod, attr = MODELS[name].split(":")
+    return getattr(importlib.import_module(mod), attr)
 
 
 def load_model(
-    name: str, path: str | Path | None = None, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+    name: str,
+    path: str | Path | None = None,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    **options: Any,
 ) -> FlowModel:
-    """A model by name; `path` overrides where its weights come from."""
-    if name == "tiny":
-        from solrl_engine.models.tiny import load_tiny
-
-        return load_tiny(path, device=device, dtype=dtype)
-    if name in MODELS:  # full-size architectures for speed benchmarks (models/archs.py)
-        from solrl_engine.models.archs import load_arch
-
-        return load_arch(name, None if path is None else str(path), device=device, dtype=dtype)
-    raise ValueError(f"unknown model {name!r}; available: {list(MODELS)}")
+    """A model by family name; `path` is a local pipeline directory, a hub id, or "random" (the
+    family's published architecture with random weights, for benchmarks). `options` go to the
+    family's adapter (resolution, guidance_scale, offload_text_encoders, decode_batch_size, ...)."""
+    if name in ARCH_ALIASES:  # the benchmarks' full-size architectures
+        name, path = ARCH_ALIASES[name], path or "random"
+    spec = model_spec(name)
+    return spec.build(path if path is not None else spec.default_path, device, dtype, **options)
 
 
-__all__ = ["Conditioning", "FlowModel", "MODELS", "load_model"]
+__all__ = ["ARCH_ALIASES", "Conditioning", "FlowModel", "MODELS", "ModelSpec", "load_model", "model_spec"]

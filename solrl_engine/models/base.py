@@ -6,6 +6,7 @@ predicts the velocity v = noise - x_0; t = 1 is pure noise.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -14,30 +15,65 @@ import torch
 
 @dataclass
 class Conditioning:
-    """Encoded prompts, batch-first; sliceable so samplers can chunk a batch."""
+    """Encoded prompts, batch-first; sliceable so samplers can chunk a batch.
+
+    hidden: per-token text states [B, L, D]; pooled: a pooled vector [B, P] (SD3, FLUX; None for
+    SANA); mask: the text attention mask [B, L] (SANA; None where the model attends to every token).
+    """
 
     hidden: torch.Tensor
-    pooled: torch.Tensor
+    pooled: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Conditioning:
+        """The same conditioning with `fn` applied to every tensor it holds."""
+        return Conditioning(
+            fn(self.hidden),
+            None if self.pooled is None else fn(self.pooled),
+            None if self.mask is None else fn(self.mask),
+        )
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.hidden, self.pooled, self.mask) if t is not None]
 
     def __getitem__(self, idx: slice | torch.Tensor) -> Conditioning:
-        return Conditioning(self.hidden[idx], self.pooled[idx])
+        return self.map(lambda t: t[idx])
 
     def __len__(self) -> int:
         return self.hidden.shape[0]
 
     def to(self, *args: object, **kw: object) -> Conditioning:
-        return Conditioning(self.hidden.to(*args, **kw), self.pooled.to(*args, **kw))
+        """Moves/casts the float tensors; the mask keeps its integer dtype."""
+        dev = [a for a in args if not isinstance(a, torch.dtype)]
+        return Conditioning(
+            self.hidden.to(*args, **kw),
+            None if self.pooled is None else self.pooled.to(*args, **kw),
+            None if self.mask is None else self.mask.to(*dev, **{k: v for k, v in kw.items() if k != "dtype"}),
+        )
+
+    def repeat_interleave(self, n: int) -> Conditioning:
+        """Each row n times in a row (prompt-major order, as seeds are laid out)."""
+        return self.map(lambda t: t.repeat_interleave(n, 0))
+
+    def expand(self, b: int) -> Conditioning:
+        """One row broadcast to b rows (the unconditional embedding for a batch)."""
+        return self.map(lambda t: t.expand(b, *t.shape[1:]))
 
     @staticmethod
     def cat(items: list[Conditioning]) -> Conditioning:
-        return Conditioning(torch.cat([c.hidden for c in items]), torch.cat([c.pooled for c in items]))
+        first = items[0]
+        return Conditioning(
+            torch.cat([c.hidden for c in items]),
+            None if first.pooled is None else torch.cat([c.pooled for c in items]),
+            None if first.mask is None else torch.cat([c.mask for c in items]),
+        )
 
 
 @runtime_checkable
 class FlowModel(Protocol):
     """What sampling and RL need from a model."""
 
-    latent_shape: tuple[int, int, int]
+    latent_shape: tuple[int, ...]
 
     def encode_prompts(self, prompts: list[str]) -> Conditioning: ...
 
@@ -51,4 +87,8 @@ class FlowModel(Protocol):
 
     def decode(self, x: torch.Tensor) -> torch.Tensor:
         """Latents -> images [B, 3, H, W] in [0, 1]."""
+        ...
+
+    def sigmas(self, steps: int, shift: float | None = None) -> torch.Tensor:
+        """steps + 1 flow times from 1 (noise) to 0 (image): the model's own schedule (shift: override)."""
         ...

@@ -34,8 +34,7 @@ class _Graph:
 
     graph: torch.cuda.CUDAGraph
     x: torch.Tensor
-    hidden: torch.Tensor
-    pooled: torch.Tensor
+    cond: Conditioning
     out: torch.Tensor
     sig: torch.Tensor
     uncond: Conditioning | None
@@ -88,7 +87,7 @@ class GraphedSampler:
         cond: Conditioning,
         seeds: Sequence[int],
         steps: int,
-        shift: float = 1.0,
+        shift: float | None = None,
         solver: str = "euler",
         batch_size: int | None = None,
         dtype: torch.dtype = torch.float32,
@@ -121,17 +120,18 @@ class GraphedSampler:
                 chunk += [chunk[-1]] * (bs - n)
                 c = Conditioning.cat([c] + [c[n - 1 : n]] * (bs - n))
             x = seeded_noise(chunk, tuple(self.model.latent_shape), device, dtype)
-            u_sig = None if uncond is None else (tuple(uncond.hidden.shape), uncond.hidden.dtype)
-            key = (bs, steps, round(shift, 6), solver, dtype, tuple(c.hidden.shape), c.hidden.dtype,
+            u_sig = None if uncond is None else [(tuple(t.shape), t.dtype) for t in uncond.tensors()]
+            key = (bs, steps, shift, solver, dtype, [(tuple(t.shape), t.dtype) for t in c.tensors()],
                    id(transformer), tag, guidance_scale, u_sig, amp)  # fmt: skip
+            key = repr(key)
             g = self._graphs.get(key) or self._capture(key, x, c, steps, shift, solver, transformer, guidance_scale,
                                                        uncond, amp)  # fmt: skip
             g.x.copy_(x)
-            g.hidden.copy_(c.hidden)
-            g.pooled.copy_(c.pooled)
+            for dst, src in zip(g.cond.tensors(), c.tensors(), strict=True):
+                dst.copy_(src)
             if g.uncond is not None:
-                g.uncond.hidden.copy_(uncond.hidden)
-                g.uncond.pooled.copy_(uncond.pooled)
+                for dst, src in zip(g.uncond.tensors(), uncond.tensors(), strict=True):
+                    dst.copy_(src)
             g.graph.replay()
             self.stats.replays += 1
             outs.append(g.out[:n].clone())
@@ -139,11 +139,11 @@ class GraphedSampler:
 
     def _capture(
         self,
-        key: tuple,
+        key: str,
         x: torch.Tensor,
         cond: Conditioning,
         steps: int,
-        shift: float,
+        shift: float | None,
         solver: str,
         transformer: nn.Module | None,
         guidance_scale: float,
@@ -152,14 +152,14 @@ class GraphedSampler:
     ) -> _Graph:
         t0 = time.perf_counter()
         mod = self._module(transformer)
-        sig, host = schedule_pair(steps, shift, x.device)
-        sx, sh, sp = x.clone(), cond.hidden.clone(), cond.pooled.clone()
-        su = None if uncond is None else Conditioning(uncond.hidden.clone(), uncond.pooled.clone())
+        sig, host = schedule_pair(self.model, steps, shift, x.device)
+        sx, sc = x.clone(), cond.map(torch.clone)
+        su = None if uncond is None else uncond.map(torch.clone)
 
         def run() -> torch.Tensor:
             # autocast's weight-cast cache must be off under capture (cached casts would go stale)
             with torch.autocast("cuda", dtype=amp[1], enabled=amp[0], cache_enabled=False):
-                return _solve(self.model, sx, Conditioning(sh, sp), sig, host, solver, guidance_scale, su, mod)
+                return _solve(self.model, sx, sc, sig, host, solver, guidance_scale, su, mod)
 
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -173,9 +173,9 @@ class GraphedSampler:
         with torch.cuda.graph(graph, pool=self._pool):
             out = run()
         torch.cuda.synchronize()
-        g = _Graph(graph, sx, sh, sp, out, sig, su)
+        g = _Graph(graph, sx, sc, out, sig, su)
         self._graphs[key] = g
         self.stats.captures += 1
         self.stats.capture_s.append(time.perf_counter() - t0)
-        log.info("captured a sampling graph for %s in %.2f s", key[:4], self.stats.capture_s[-1])
+        log.info("captured a sampling graph (batch %d, %d steps) in %.2f s", len(x), steps, self.stats.capture_s[-1])
         return g

@@ -36,9 +36,24 @@ def seeded_noise(
     return torch.stack(rows).to(device=device, dtype=dtype)
 
 
-def schedule_pair(steps: int, shift: float, device: torch.device | str) -> tuple[torch.Tensor, list[float]]:
+def model_sigmas(model: FlowModel, steps: int, shift: float | None = None) -> torch.Tensor:
+    """The model's own schedule (its scheduler's, for diffusers pipelines); `shift` overrides its
+    shift. Models without a `sigmas` method get the linear schedule with SD3's shift."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1; got {steps}")
+    fn = getattr(model, "sigmas", None)
+    sig = fn(steps, shift) if fn is not None else sigma_schedule(steps, 1.0 if shift is None else shift)
+    sig = torch.as_tensor(sig, dtype=torch.float32).cpu()
+    if sig.shape != (steps + 1,) or sig[0] > 1 or sig[-1] != 0 or not bool((sig[1:] < sig[:-1]).all()):
+        raise ValueError(f"{type(model).__name__}.sigmas({steps}) must fall from <= 1 to 0 in {steps + 1} values")
+    return sig
+
+
+def schedule_pair(
+    model: FlowModel, steps: int, shift: float | None, device: torch.device | str
+) -> tuple[torch.Tensor, list[float]]:
     """The schedule twice: on `device` for the model, as host floats for the solver's control flow."""
-    host = sigma_schedule(steps, shift)
+    host = model_sigmas(model, steps, shift)
     return host.to(device), host.tolist()
 
 
@@ -59,30 +74,35 @@ def _solve(
     transformer: nn.Module | None,
 ) -> torch.Tensor:
     """The solver loop. Control flow and coefficients use host floats and the model gets device
-    views of `sig`, so the loop never syncs with the GPU and can be captured in a CUDA graph."""
+    views of `sig`, so the loop never syncs with the GPU and can be captured in a CUDA graph.
+
+    The latents between steps stay in x's dtype (BF16 in a BF16 rollout) but every update is
+    computed in FP32 from FP32 velocities, as diffusers' schedulers do: rounding the update itself
+    to BF16 costs about 1.4x the error at 10 steps.
+    """
+    dtype = x.dtype
     prev_x0: torch.Tensor | None = None
-    u = None
-    if guidance_scale != 1.0:
-        u = Conditioning(uncond.hidden.expand(len(cond), -1, -1), uncond.pooled.expand(len(cond), -1))
+    u = uncond.expand(len(cond)) if guidance_scale != 1.0 else None
     for k in range(len(host) - 1):
         t, t_next = host[k], host[k + 1]
-        v = model.velocity(x, sig[k], cond, transformer=transformer)
+        v = model.velocity(x, sig[k], cond, transformer=transformer).float()
         if u is not None:
-            vu = model.velocity(x, sig[k], u, transformer=transformer)
+            vu = model.velocity(x, sig[k], u, transformer=transformer).float()
             v = vu + guidance_scale * (v - vu)
+        xf = x.float()
         if solver == "euler" or t_next == 0:
-            x = x + (t_next - t) * v
+            x = (xf + (t_next - t) * v).to(dtype)
             continue
         # DPM-Solver++ (2M) in data prediction; first order where the previous step has no finite
         # log-SNR (it started from pure noise), exact Euler/DDIM form for the step itself.
-        x0 = x - t * v
+        x0 = xf - t * v
         d = x0
-        if prev_x0 is not None and k >= 2:
+        if prev_x0 is not None and host[k - 1] < 1:
             h = _lambda(t_next) - _lambda(t)
             h_prev = _lambda(t) - _lambda(host[k - 1])
             r = h_prev / h
             d = (1 + 1 / (2 * r)) * x0 - (1 / (2 * r)) * prev_x0
-        x = (t_next / t) * x + ((1 - t_next) - (1 - t) * t_next / t) * d
+        x = ((t_next / t) * xf + ((1 - t_next) - (1 - t) * t_next / t) * d).to(dtype)
         prev_x0 = x0
     return x
 
@@ -93,7 +113,7 @@ def sample(
     cond: Conditioning,
     seeds: Sequence[int],
     steps: int,
-    shift: float = 1.0,
+    shift: float | None = None,
     solver: str = "euler",
     guidance_scale: float = 1.0,
     uncond: Conditioning | None = None,
@@ -105,6 +125,7 @@ def sample(
 
     `solver` is "euler" or "dpm2" (DPM-Solver++ 2M, second order: fewer steps at equal quality).
     guidance_scale > 1 applies classifier-free guidance against `uncond` (one row, broadcast).
+    The schedule is the model's own (`model.sigmas`); `shift` overrides its shift.
     `transformer` runs another copy of the denoiser (e.g. the quantized explore copy) with the
     model's own conditioning and I/O. Batches are processed in chunks of `batch_size`.
     """
@@ -115,7 +136,7 @@ def sample(
     if guidance_scale != 1.0 and uncond is None:
         raise ValueError("classifier-free guidance needs `uncond` (the encoded empty prompt)")
     device = cond.hidden.device
-    sig, host = schedule_pair(steps, shift, device)
+    sig, host = schedule_pair(model, steps, shift, device)
     bs = batch_size or len(seeds)
     outs = []
     for i in range(0, len(seeds), bs):

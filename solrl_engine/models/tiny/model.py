@@ -76,10 +76,17 @@ class TinyT2I(nn.Module):
         return (transformer or self.transformer)(
             hidden_states=x,
             encoder_hidden_states=cond.hidden.to(x.dtype),
-            pooled_projections=cond.pooled.to(x.dtype),
+            pooled_projections=cond.pooled.to(x.dtype),  # type: ignore[union-attr]
             timestep=t * 1000,
             return_dict=False,
         )[0]
+
+    @staticmethod
+    def sigmas(steps: int, shift: float | None = None) -> torch.Tensor:
+        """The linear flow schedule (pretraining drew t uniformly), SD3's shift if one is given."""
+        from solrl_engine.sampling.sampler import sigma_schedule
+
+        return sigma_schedule(steps, 1.0 if shift is None else shift)
 
     @staticmethod
     def decode(x: torch.Tensor) -> torch.Tensor:
@@ -104,10 +111,15 @@ class TinyT2I(nn.Module):
 
 
 def load_tiny(
-    path: str | Path | None = None, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+    path: str | Path | None = None,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    resolution: int | None = None,
+    **_options: object,
 ) -> TinyT2I:
     """Load the tiny model from `path` (a directory with config.json + model.safetensors), by default
-    the weights shipped in the package. No network."""
+    the weights shipped in the package. No network. Options of the large models (text-encoder
+    offload, decode batch) do not apply to it and are ignored."""
     from safetensors.torch import load_file
 
     d = Path(path) if path is not None else WEIGHTS_DIR
@@ -118,6 +130,11 @@ def load_tiny(
             "`solrl pretrain-tiny --output DIR` and pass that directory."
         )
     model = TinyT2I(TinyConfig(**json.loads(cfg.read_text())))
+    if resolution is not None and resolution != model.config.image_size:
+        raise ValueError(
+            f"the tiny model generates {model.config.image_size} px images only; got resolution={resolution} "
+            "(leave resolution unset)"
+        )
     missing, unexpected = model.load_state_dict(load_file(weights), strict=False)
     if missing or unexpected:
         raise ValueError(f"{weights} does not match the config: missing {missing[:3]}, unexpected {unexpected[:3]}")

@@ -1,0 +1,127 @@
+"""FLUX.1 (MMDiT with single-stream blocks): `FluxPipeline` with CLIP-L (pooled) and T5 (tokens).
+
+Latents are kept unpacked ([16, H/8, W/8], the noise `FluxPipeline.prepare_latents` draws) and
+packed 2x2 into 64-feature tokens inside the forward, with the pipeline's image ids; the distilled
+guidance is an input of the transformer (3.5 by default), not classifier-free guidance; the
+schedule is the pipeline's: sigmas linspace(1, 1/N) under the dynamic shift mu of the image's
+token count. Defaults are the paper's FLUX.1-dev setting: 512 px, the explore copy quantizing
+nearly every linear (all but the embedders, the adaLN modulations and the final projection).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from torch import nn
+
+from solrl_engine.models import ModelSpec
+from solrl_engine.models.base import Conditioning
+from solrl_engine.models.pipeline import PipelineFlowModel
+
+FLUX_LORA_TARGETS = (
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+)
+
+
+class FluxModel(PipelineFlowModel):
+    PIPELINE_CLASS = "FluxPipeline"
+    TRANSFORMER_CLASS = "FluxTransformer2DModel"
+    DEFAULT_RESOLUTION = 512
+    TEXT_TOKENS = 512  # the pipeline's default T5 max_sequence_length
+    RANDOM_VAE_FACTOR = 8
+    FULL_CONFIG: ClassVar[dict[str, Any]] = dict(
+        patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+        num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
+        axes_dims_rope=(16, 56, 56),
+    )  # fmt: skip  (FLUX.1-dev)
+
+    @staticmethod
+    def default_scheduler() -> Any:
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        return FlowMatchEulerDiscreteScheduler(
+            shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
+            max_image_seq_len=4096,
+        )  # fmt: skip
+
+    @property
+    def vae_factor(self) -> int:
+        return 2 * int(self.pipe.vae_scale_factor)  # 2x2 packing on top of the VAE's 8x
+
+    def _latent_shape(self) -> tuple[int, ...]:
+        side = 2 * (self.resolution // self.vae_factor)
+        return (int(self.transformer.config.in_channels) // 4, side, side)
+
+    def _standin_dims(self) -> tuple[int, int | None]:
+        c = self.transformer.config
+        return int(c.joint_attention_dim), int(c.pooled_projection_dim)
+
+    def _timestep_kwargs(self, steps: int, sched: Any) -> dict[str, Any]:
+        kw: dict[str, Any] = {"sigmas": np.linspace(1.0, 1 / steps, steps)}
+        if sched.config.get("use_dynamic_shifting", False):
+            from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+            c = sched.config
+            seq = (self.latent_shape[1] // 2) * (self.latent_shape[2] // 2)
+            kw["mu"] = calculate_shift(seq, c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
+                                       c.get("base_shift", 0.5), c.get("max_shift", 1.15))  # fmt: skip
+        return kw
+
+    def _encode(self, prompts: list[str]) -> Conditioning:
+        hidden, pooled, _ = self.pipe.encode_prompt(prompt=prompts, prompt_2=None, device=self.device_)
+        return Conditioning(hidden.to(self.dtype), pooled.to(self.dtype))
+
+    def _forward(self, net: nn.Module, x: torch.Tensor, t: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        b, c, h, w = x.shape
+        tokens = x.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
+        ids = torch.zeros(h // 2, w // 2, 3, device=x.device, dtype=x.dtype)
+        ids[..., 1] = torch.arange(h // 2, device=x.device, dtype=x.dtype)[:, None]
+        ids[..., 2] = torch.arange(w // 2, device=x.device, dtype=x.dtype)[None, :]
+        txt_ids = torch.zeros(cond.hidden.shape[1], 3, device=x.device, dtype=x.dtype)
+        guidance = None
+        if getattr(net.config if hasattr(net, "config") else self.transformer.config, "guidance_embeds", False):
+            g = SPEC.guidance_scale if self.guidance_scale is None else self.guidance_scale
+            guidance = torch.full((b,), float(g), device=x.device, dtype=torch.float32)
+        out = net(
+            hidden_states=tokens,
+            timestep=t,
+            guidance=guidance,
+            pooled_projections=cond.pooled.to(x.dtype),  # type: ignore[union-attr]
+            encoder_hidden_states=cond.hidden.to(x.dtype),
+            txt_ids=txt_ids,
+            img_ids=ids.reshape(-1, 3),
+            return_dict=False,
+        )[0]
+        return out.view(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, c, h, w)
+
+    def _decode_latents(self, x: torch.Tensor) -> torch.Tensor:
+        vae = self.pipe.vae
+        z = x.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
+        return vae.decode(z, return_dict=False)[0]
+
+
+def load(path: str | None, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16, **options: Any
+         ) -> FluxModel:  # fmt: skip
+    return FluxModel.load(path, device=device, dtype=dtype, **options)  # type: ignore[return-value]
+
+
+SPEC = ModelSpec(
+    name="flux",
+    adapter="solrl_engine.models.flux:load",
+    pipeline="FluxPipeline",
+    default_path="black-forest-labs/FLUX.1-dev",
+    resolution=512,
+    lora_targets=FLUX_LORA_TARGETS,
+    explore_rule={},  # every eligible linear; the recipe's defaults keep embedders, adaLN and proj_out
+    guidance="embedded",
+    guidance_scale=3.5,
+)

@@ -1,0 +1,298 @@
+"""The FlowModel over a real diffusers pipeline, shared by the SD3, FLUX and SANA adapters.
+
+What is common to the three lives here: loading (`DiffusionPipeline.from_pretrained` with the
+policy dtype, from a local directory or a hub id, with errors that say what to do), prompt
+encoding through the pipeline's own `encode_prompt` with a per-prompt cache, the text encoders
+offloaded to the CPU between encodes, the sigma schedule from the pipeline's own scheduler, and a
+chunked VAE decode. Each family file says only what differs: how to call encode_prompt, the
+transformer's inputs, the latent layout and the VAE's scaling.
+
+`path="random"` builds the family's published transformer with random weights and stand-in text
+encoder and VAE (deterministic random conditioning per prompt, a fixed projection to 32x32 RGB), for
+speed benchmarks, which time the denoiser: that is where rollouts spend their time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from solrl_engine.models.base import Conditioning
+
+log = logging.getLogger("solrl_engine.models")
+
+RANDOM = "random"
+
+
+def check_model_path(path: str | Path, what: str = "model_path") -> None:
+    """Fail before any loading when `path` can be neither a local pipeline directory nor a hub id
+    (or, offline, a hub id that is not in the local cache), naming the path and the fix."""
+    import os
+
+    p = Path(path)
+    looks_local = p.is_absolute() or str(path).startswith((".", "~")) or p.exists() or str(path).count("/") != 1
+    if looks_local:
+        if not p.is_dir():
+            raise FileNotFoundError(
+                f"{what} {str(path)!r} does not exist or is not a directory: pass a diffusers pipeline directory "
+                "(one with model_index.json, e.g. written by `huggingface-cli download <hub id> --local-dir DIR`) "
+                "or a hub id such as stabilityai/stable-diffusion-3.5-large"
+            )
+        if not (p / "model_index.json").exists():
+            raise FileNotFoundError(
+                f"{what} {str(path)!r} has no model_index.json: point it at the pipeline's top directory "
+                "(the one holding transformer/, vae/, text_encoder/ and model_index.json)"
+            )
+        return
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        from huggingface_hub import try_to_load_from_cache
+
+        if not isinstance(try_to_load_from_cache(str(path), "model_index.json"), str):
+            raise FileNotFoundError(
+                f"{what} {str(path)!r} is a hub id that is not in the local Hugging Face cache and HF_HUB_OFFLINE "
+                f"is set: download it first (`huggingface-cli download {path}`) or pass a local directory"
+            )
+
+
+class PipelineFlowModel(nn.Module):
+    """A FlowModel over `pipe` (a diffusers pipeline of the family's class); see the module docstring.
+
+    Subclasses set FULL_CONFIG (the published transformer config), TRANSFORMER_CLASS,
+    TEXT_TOKENS (stand-in text length) and implement `_encode`, `_forward`, `_decode_latents`,
+    `_latent_shape`, and optionally `_timestep_kwargs` (arguments of scheduler.set_timesteps).
+    """
+
+    FULL_CONFIG: ClassVar[dict[str, Any]] = {}
+    TRANSFORMER_CLASS: ClassVar[str] = ""
+    PIPELINE_CLASS: ClassVar[str] = ""
+    TEXT_TOKENS: ClassVar[int] = 77
+    DEFAULT_RESOLUTION: ClassVar[int] = 1024
+
+    def __init__(
+        self,
+        pipe: Any,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.bfloat16,
+        resolution: int | None = None,
+        offload_text_encoders: bool = True,
+        decode_batch_size: int = 8,
+        cache_size: int = 4096,
+        guidance_scale: float | None = None,
+    ) -> None:
+        super().__init__()
+        self.pipe = pipe
+        self.transformer = pipe.transformer  # registered as a submodule: .to() and LoRA see it
+        self.device_ = torch.device(device)
+        self.dtype = dtype
+        self.resolution = resolution or self.DEFAULT_RESOLUTION
+        self.offload = offload_text_encoders
+        self.decode_batch_size = decode_batch_size
+        self.guidance_scale = guidance_scale
+        self._cache: OrderedDict[str, Conditioning] = OrderedDict()
+        self._cache_size = cache_size
+        self.random = getattr(pipe, "random", False)
+        factor = self.vae_factor
+        if self.resolution % factor:
+            raise ValueError(
+                f"resolution {self.resolution} is not a multiple of {factor} (the {type(self).__name__} latent cell "
+                "in pixels); pick a multiple"
+            )
+        self.latent_shape = self._latent_shape()
+        self.transformer.to(self.device_)
+        if getattr(pipe, "vae", None) is not None:
+            pipe.vae.to(self.device_)
+        for enc in self._text_encoders():
+            enc.to("cpu" if self.offload else self.device_)
+
+    # --- building -----------------------------------------------------------------------------------
+
+    @classmethod
+    def load(cls, path: str | Path | None, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16,
+             **options: Any) -> PipelineFlowModel:  # fmt: skip
+        """From a local pipeline directory or hub id (weights loaded directly in `dtype`), or "random"."""
+        if path is None:
+            raise ValueError(f"{cls.__name__}: set model_path to a pipeline directory or a hub id")
+        if str(path) == RANDOM:  # `arch` overrides the published config (tests build small ones)
+            return cls(_RandomPipeline(cls, dtype, options.pop("arch", None)), device=device, dtype=dtype, **options)
+        check_model_path(path)
+        import diffusers
+
+        try:
+            with _quiet_progress():
+                pipe = diffusers.DiffusionPipeline.from_pretrained(str(path), torch_dtype=dtype)
+        except (OSError, ValueError) as e:  # hub errors are OSErrors; a broken directory a ValueError
+            raise FileNotFoundError(
+                f"could not load a diffusers pipeline from {str(path)!r}: {e}\nPass a local pipeline directory "
+                f"or a hub id that is downloaded (`huggingface-cli download {path}`)"
+            ) from e
+        want = getattr(diffusers, cls.PIPELINE_CLASS)
+        if not isinstance(pipe, want):
+            raise ValueError(
+                f"{path} holds a {type(pipe).__name__}, not a {cls.PIPELINE_CLASS}: choose the model family that "
+                "matches the weights (model=sd3 for StableDiffusion3Pipeline, flux for FluxPipeline, sana for "
+                "SanaPipeline)"
+            )
+        pipe.set_progress_bar_config(disable=True)
+        return cls(pipe, device=device, dtype=dtype, **options)
+
+    # --- FlowModel ----------------------------------------------------------------------------------
+
+    @property
+    def vae_factor(self) -> int:
+        """Pixels per latent cell."""
+        return int(self.pipe.vae_scale_factor)
+
+    def _text_encoders(self) -> list[nn.Module]:
+        return [
+            getattr(self.pipe, n) for n in ("text_encoder", "text_encoder_2", "text_encoder_3")
+            if isinstance(getattr(self.pipe, n, None), nn.Module)
+        ]  # fmt: skip
+
+    def text_encoder_bytes(self) -> int:
+        """What offloading the text encoders frees on the device (they are used once per prompt)."""
+        return sum(p.numel() * p.element_size() for enc in self._text_encoders() for p in enc.parameters())
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str]) -> Conditioning:
+        """Per-prompt conditioning, cached (the text encoders run once per new prompt)."""
+        new = list(dict.fromkeys(p for p in prompts if p not in self._cache))
+        if new:
+            encs = self._text_encoders()
+            if self.offload and not self.random:
+                for enc in encs:
+                    enc.to(self.device_)
+            try:
+                cond = self._standin_encode(new) if self.random else self._encode(new)
+            finally:
+                if self.offload and not self.random:
+                    for enc in encs:
+                        enc.to("cpu")
+            for i, p in enumerate(new):
+                self._cache[p] = cond[i : i + 1].to("cpu")
+                while len(self._cache) > self._cache_size:
+                    self._cache.popitem(last=False)
+        rows = []
+        for p in prompts:
+            self._cache.move_to_end(p)
+            rows.append(self._cache[p])
+        return Conditioning.cat(rows).to(self.device_)
+
+    def velocity(
+        self, x: torch.Tensor, t: torch.Tensor, cond: Conditioning, transformer: nn.Module | None = None
+    ) -> torch.Tensor:
+        """Velocity (noise - x0) at flow time t in [0, 1] (scalar or [B])."""
+        net = transformer or self.transformer
+        t = torch.as_tensor(t, device=x.device, dtype=torch.float32).expand(x.shape[0])
+        return self._forward(net, x, t, cond)
+
+    @torch.no_grad()
+    def decode(self, x: torch.Tensor) -> torch.Tensor:
+        """Latents -> images [B, 3, H, W] in [0, 1], `decode_batch_size` at a time (VAE memory at 1024 px)."""
+        if self.random:
+            return self._standin_decode(x)
+        out = []
+        for i in range(0, x.shape[0], self.decode_batch_size):
+            img = self._decode_latents(x[i : i + self.decode_batch_size])
+            out.append((img.float() / 2 + 0.5).clamp(0, 1))
+        return torch.cat(out)
+
+    def sigmas(self, steps: int, shift: float | None = None) -> torch.Tensor:
+        """The pipeline's own scheduler's sigmas for `steps` (as its `__call__` would use them)."""
+        sched = self.pipe.scheduler
+        over = {} if shift is None else self._shift_override(shift)
+        sched = type(sched).from_config(sched.config, **over)
+        kwargs = self._timestep_kwargs(steps, sched)
+        sched.set_timesteps(**kwargs)
+        sig = torch.as_tensor(sched.sigmas, dtype=torch.float64).flatten().cpu()
+        if len(sig) != steps + 1:
+            raise ValueError(f"{type(sched).__name__} gave {len(sig)} sigmas for {steps} steps; expected {steps + 1}")
+        return sig.float()
+
+    # --- family hooks -------------------------------------------------------------------------------
+
+    def _shift_override(self, shift: float) -> dict[str, Any]:
+        return {"shift": shift, "use_dynamic_shifting": False}
+
+    def _timestep_kwargs(self, steps: int, sched: Any) -> dict[str, Any]:
+        return {"num_inference_steps": steps}
+
+    def _latent_shape(self) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def _encode(self, prompts: list[str]) -> Conditioning:
+        raise NotImplementedError
+
+    def _forward(self, net: nn.Module, x: torch.Tensor, t: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _decode_latents(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _standin_dims(self) -> tuple[int, int | None]:
+        """(hidden width, pooled width or None) of the conditioning the transformer expects."""
+        raise NotImplementedError
+
+    # --- stand-ins for "random" (benchmarks) --------------------------------------------------------
+
+    def _standin_encode(self, prompts: list[str]) -> Conditioning:
+        hidden_dim, pooled_dim = self._standin_dims()
+        hs, ps = [], []
+        for p in prompts:
+            seed = int.from_bytes(hashlib.sha256(p.encode()).digest()[:8], "little") % 2**63
+            g = torch.Generator().manual_seed(seed)
+            hs.append(torch.randn(self.TEXT_TOKENS, hidden_dim, generator=g))
+            ps.append(torch.randn(pooled_dim or 1, generator=g))
+        hidden = torch.stack(hs).to(self.device_, self.dtype)
+        pooled = torch.stack(ps).to(self.device_, self.dtype) if pooled_dim else None
+        mask = torch.ones(len(prompts), self.TEXT_TOKENS, dtype=torch.long, device=self.device_)
+        return Conditioning(hidden, pooled, mask if pooled_dim is None else None)
+
+    def _standin_decode(self, x: torch.Tensor) -> torch.Tensor:
+        g = torch.Generator().manual_seed(0)
+        proj = (torch.randn(3, x.shape[1], generator=g) * 0.3).to(x.device)
+        rgb = torch.einsum("oc,bchw->bohw", proj, x.float())
+        return torch.sigmoid(F.adaptive_avg_pool2d(rgb, 32))
+
+
+class _RandomPipeline:
+    """The parts of a pipeline a benchmark needs: the published transformer with random weights and
+    the family's default scheduler (no text encoders, no VAE: see the module docstring)."""
+
+    random = True
+
+    def __init__(self, cls: type[PipelineFlowModel], dtype: torch.dtype, arch: dict[str, Any] | None = None) -> None:
+        import diffusers
+
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)  # built in the policy dtype directly: no FP32 copy of a 12B model
+        try:
+            self.transformer = getattr(diffusers, cls.TRANSFORMER_CLASS)(**{**cls.FULL_CONFIG, **(arch or {})})
+        finally:
+            torch.set_default_dtype(default)
+        self.scheduler = cls.default_scheduler()  # type: ignore[attr-defined]
+        self.vae = None
+        self.vae_scale_factor = cls.RANDOM_VAE_FACTOR  # type: ignore[attr-defined]
+
+
+class _quiet_progress:
+    """diffusers' loading progress bars off while loading (the trainer has its own)."""
+
+    def __enter__(self) -> None:
+        from diffusers.utils import logging as dlog
+
+        self._level = dlog.get_verbosity()
+        dlog.set_verbosity_error()
+        dlog.disable_progress_bar()
+
+    def __exit__(self, *exc: object) -> None:
+        from diffusers.utils import logging as dlog
+
+        dlog.set_verbosity(self._level)
+        dlog.enable_progress_bar()

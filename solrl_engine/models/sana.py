@@ -1,0 +1,101 @@
+"""SANA (linear-attention DiT): `SanaPipeline` with a Gemma-2 text encoder and the 32x DC-AE.
+
+The text states come with an attention mask the transformer needs; prompts are encoded with the
+pipeline's own complex human instruction (what `pipe(prompt)` uses), so regenerating through the
+stock pipeline gives the same images. SANA's FFN (GLUMBConv) is made of 1x1 convolutions: the
+explore copy quantizes them as linears over channels, with the cross-attention key/value
+projections (the paper's SANA rule; Sol-RL had to swap in a Linear-FFN SANA for this).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from solrl_engine.models import ModelSpec
+from solrl_engine.models.base import Conditioning
+from solrl_engine.models.pipeline import PipelineFlowModel
+
+SANA_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
+SANA_EXPLORE_RULE: dict[str, Any] = {
+    "include": ("transformer_blocks.*.attn2.to_k", "transformer_blocks.*.attn2.to_v", "transformer_blocks.*.ff.*")
+}
+
+
+class SanaModel(PipelineFlowModel):
+    PIPELINE_CLASS = "SanaPipeline"
+    TRANSFORMER_CLASS = "SanaTransformer2DModel"
+    DEFAULT_RESOLUTION = 1024
+    TEXT_TOKENS = 300  # the pipeline's default max_sequence_length
+    RANDOM_VAE_FACTOR = 32
+    FULL_CONFIG: ClassVar[dict[str, Any]] = dict(
+        in_channels=32, out_channels=32, num_attention_heads=70, attention_head_dim=32, num_layers=20,
+        num_cross_attention_heads=20, cross_attention_head_dim=112, cross_attention_dim=2240, caption_channels=2304,
+        mlp_ratio=2.5, sample_size=32, patch_size=1, norm_elementwise_affine=False, norm_eps=1e-6,
+    )  # fmt: skip  (SANA-1.6B)
+
+    @staticmethod
+    def default_scheduler() -> Any:
+        from diffusers import DPMSolverMultistepScheduler
+
+        return DPMSolverMultistepScheduler(flow_shift=3.0, use_flow_sigmas=True, prediction_type="flow_prediction")
+
+    def _shift_override(self, shift: float) -> dict[str, Any]:
+        return {"flow_shift": shift}
+
+    def _latent_shape(self) -> tuple[int, ...]:
+        side = self.resolution // self.vae_factor
+        return (int(self.transformer.config.in_channels), side, side)
+
+    def _standin_dims(self) -> tuple[int, int | None]:
+        return int(self.transformer.config.caption_channels), None
+
+    def _instruction(self) -> list[str] | None:
+        """The complex human instruction the pipeline's __call__ uses by default."""
+        param = inspect.signature(type(self.pipe).__call__).parameters.get("complex_human_instruction")
+        return None if param is None else param.default
+
+    def _encode(self, prompts: list[str]) -> Conditioning:
+        hidden, mask, _, _ = self.pipe.encode_prompt(
+            prompts, do_classifier_free_guidance=False, device=self.device_,
+            complex_human_instruction=self._instruction(),
+        )  # fmt: skip
+        return Conditioning(hidden.to(self.dtype), None, mask)
+
+    def _forward(self, net: nn.Module, x: torch.Tensor, t: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        scale = float(getattr(self.transformer.config, "timestep_scale", 1.0))
+        out = net(
+            x,
+            encoder_hidden_states=cond.hidden.to(x.dtype),
+            encoder_attention_mask=cond.mask,
+            timestep=t * 1000 * scale,
+            return_dict=False,
+        )[0]
+        if out.shape[1] == 2 * x.shape[1]:  # learned sigma: the first half is the prediction
+            out = out[:, : x.shape[1]]
+        return out
+
+    def _decode_latents(self, x: torch.Tensor) -> torch.Tensor:
+        vae = self.pipe.vae
+        return vae.decode(x.to(vae.dtype) / vae.config.scaling_factor, return_dict=False)[0]
+
+
+def load(path: str | None, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16, **options: Any
+         ) -> SanaModel:  # fmt: skip
+    return SanaModel.load(path, device=device, dtype=dtype, **options)  # type: ignore[return-value]
+
+
+SPEC = ModelSpec(
+    name="sana",
+    adapter="solrl_engine.models.sana:load",
+    pipeline="SanaPipeline",
+    default_path="Efficient-Large-Model/Sana_1600M_1024px_diffusers",
+    resolution=1024,
+    lora_targets=SANA_LORA_TARGETS,
+    explore_rule=SANA_EXPLORE_RULE,
+    guidance="cfg",
+    guidance_scale=1.0,
+)

@@ -1,0 +1,94 @@
+"""Stable Diffusion 3 / 3.5 (MMDiT): `StableDiffusion3Pipeline` with two CLIP encoders and T5.
+
+Defaults are the paper's SD3.5-Large setting: 1024 px, LoRA on the attention projections of both
+streams, the explore copy quantizing the image-stream MLPs only (Sol-RL keeps every layer no wider
+than 2432 in BF16, which on SD3.5-L leaves exactly `transformer_blocks.*.ff`; ff_context stays BF16).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from solrl_engine.models import ModelSpec
+from solrl_engine.models.base import Conditioning
+from solrl_engine.models.pipeline import PipelineFlowModel
+
+SD3_LORA_TARGETS = (
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+)
+SD3_EXPLORE_RULE: dict[str, Any] = {"include": ("transformer_blocks.*.ff.*",)}
+
+
+class SD3Model(PipelineFlowModel):
+    PIPELINE_CLASS = "StableDiffusion3Pipeline"
+    TRANSFORMER_CLASS = "SD3Transformer2DModel"
+    DEFAULT_RESOLUTION = 1024
+    TEXT_TOKENS = 333  # 77 CLIP + 256 T5 tokens, as the pipeline's default max_sequence_length
+    RANDOM_VAE_FACTOR = 8
+    FULL_CONFIG: ClassVar[dict[str, Any]] = dict(
+        sample_size=128, patch_size=2, in_channels=16, out_channels=16, num_layers=38, attention_head_dim=64,
+        num_attention_heads=38, joint_attention_dim=4096, caption_projection_dim=2432, pooled_projection_dim=2048,
+        pos_embed_max_size=192, qk_norm="rms_norm",
+    )  # fmt: skip  (SD3.5-Large)
+
+    @staticmethod
+    def default_scheduler() -> Any:
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        return FlowMatchEulerDiscreteScheduler(shift=3.0)
+
+    def _latent_shape(self) -> tuple[int, ...]:
+        side = self.resolution // self.vae_factor
+        return (int(self.transformer.config.in_channels), side, side)
+
+    def _standin_dims(self) -> tuple[int, int | None]:
+        c = self.transformer.config
+        return int(c.joint_attention_dim), int(c.pooled_projection_dim)
+
+    def _encode(self, prompts: list[str]) -> Conditioning:
+        hidden, _, pooled, _ = self.pipe.encode_prompt(
+            prompt=prompts, prompt_2=None, prompt_3=None, device=self.device_, do_classifier_free_guidance=False
+        )
+        return Conditioning(hidden.to(self.dtype), pooled.to(self.dtype))
+
+    def _forward(self, net: nn.Module, x: torch.Tensor, t: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        return net(
+            hidden_states=x,
+            timestep=t * 1000,
+            encoder_hidden_states=cond.hidden.to(x.dtype),
+            pooled_projections=cond.pooled.to(x.dtype),  # type: ignore[union-attr]
+            return_dict=False,
+        )[0]
+
+    def _decode_latents(self, x: torch.Tensor) -> torch.Tensor:
+        vae = self.pipe.vae
+        z = x.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
+        return vae.decode(z, return_dict=False)[0]
+
+
+def load(path: str | None, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16, **options: Any
+         ) -> SD3Model:  # fmt: skip
+    return SD3Model.load(path, device=device, dtype=dtype, **options)  # type: ignore[return-value]
+
+
+SPEC = ModelSpec(
+    name="sd3",
+    adapter="solrl_engine.models.sd3:load",
+    pipeline="StableDiffusion3Pipeline",
+    default_path="stabilityai/stable-diffusion-3.5-large",
+    resolution=1024,
+    lora_targets=SD3_LORA_TARGETS,
+    explore_rule=SD3_EXPLORE_RULE,
+    guidance="cfg",
+    guidance_scale=1.0,
+)
