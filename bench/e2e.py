@@ -10,7 +10,8 @@ strongest baseline) and `naive_scaling` (eager BF16), all measured in the same r
     python bench/e2e.py --model sd35-large --prompts 1 --rollout-batch 8
     python bench/e2e.py --model sana-1.6b --prompts 2 --rollout-batch 48
 
-Full-size models have random weights and stand-in text encoder / VAE (solrl_engine/models/archs.py):
+Full-size models have random weights and stand-in text encoder / VAE (model_path="random" of the
+family adapters in solrl_engine/models/):
 the timings are of the denoiser, the LoRA update and the explore copy, which is what Sol-RL changes.
 Writes <out>/<date>-<device>-e2e-<model>.json.
 """
@@ -32,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernels import _device_info  # noqa: E402 - bench/ scripts share helpers without being a package
 
+from solrl_engine.models import ARCH_ALIASES  # noqa: E402
 from solrl_engine.rl.config import RLConfig, load_config  # noqa: E402
 from solrl_engine.rl.trainer import Trainer  # noqa: E402
 
@@ -45,7 +47,8 @@ def family_config(family: str, args: argparse.Namespace, out: str) -> RLConfig:
         spec = f"{Path(__file__).resolve().parents[1]}/configs/tiny.py:tiny_{family}_shapes"
         base = load_config(spec, [f"paper_scale={str(args.paper_scale).lower()}"])
     else:
-        base = RLConfig(family=family, model=args.model, lora_targets=_arch_lora_targets(args.model))
+        # the family's published architecture with random weights (solrl_engine/models/<family>.py)
+        base = RLConfig(family=family, model=ARCH_ALIASES[args.model], model_path="random")
     over = {
         "family": family,
         "name": f"bench-{family}",
@@ -62,12 +65,6 @@ def family_config(family: str, args: argparse.Namespace, out: str) -> RLConfig:
     return dataclasses.replace(base, **over)
 
 
-def _arch_lora_targets(model: str) -> tuple[str, ...]:
-    from solrl_engine.rl.config import SD3_LORA_TARGETS
-
-    return SD3_LORA_TARGETS if model != "sana-1.6b" else ("to_q", "to_k", "to_v", "to_out.0")
-
-
 def run_family(cfg: RLConfig, warmup: int) -> dict[str, object]:
     trainer = Trainer(cfg, progress=False)
     rows = [trainer.step() for _ in range(cfg.iterations)]
@@ -79,7 +76,7 @@ def run_family(cfg: RLConfig, warmup: int) -> dict[str, object]:
     if trainer.explore is not None:
         res["explore_recipe"] = trainer.explore.recipe
         res["explore_quantized_layers"] = len(trainer.explore.report.quantized)
-    st = trainer.sampler.stats
+    st = trainer.rollouts.sampler.stats
     res["graph_captures"] = st.captures
     res["graph_capture_s"] = st.capture_s
     res["graph_replays"] = st.replays

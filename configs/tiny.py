@@ -55,18 +55,17 @@ def _tiny(family: str, paper_scale: bool, **kw: object) -> RLConfig:
     return RLConfig(**{**cfg.__dict__, **kw})
 
 
-# Which layers the explore copy quantizes: Sol-RL's own rule. It keeps every layer no wider than
-# 2432 in BF16 (on SD3.5-L and SANA, the attention projections) plus `ff_context`, so only the MLPs
-# go to 4 bits; on this width-128 model the same rule is skip_max_dim = 128. Measured on this model
-# (README, bench/results/2026-11-22-cpu-tiny-fidelity-layer-rule.json): rank fidelity 0.876 with
-# the rule against 0.761 with every layer quantized, the same held-out reward after 60 iterations.
-SOL_RL_LAYER_RULE = {"explore_skip_max_dim": 128, "explore_skip": ("*ff_context*",)}
+# Which layers the explore copy quantizes is the model's rule (solrl_engine/models/tiny, SD3's:
+# the image-stream MLPs, Sol-RL's choice on SD3.5-L). Measured on this model (README,
+# bench/results/2026-11-22-cpu-tiny-fidelity-layer-rule.json): rank fidelity 0.876 with the rule
+# against 0.761 with every layer quantized (`--set explore_layers=`), the same held-out reward after
+# 60 iterations.
 
 
 def tiny_sol_rl_shapes(paper_scale: bool = False) -> RLConfig:
     """N previews in the explore precision (6 steps), top/bottom K/2 regenerated in BF16 (10 steps).
     On a GPU both go through the compiled, graph-captured sampler, as `compile` does."""
-    return _tiny("sol_rl", paper_scale, compiled_sampler=True, **SOL_RL_LAYER_RULE)
+    return _tiny("sol_rl", paper_scale, compiled_sampler=True)
 
 
 def tiny_naive_scaling_shapes(paper_scale: bool = False) -> RLConfig:
@@ -81,7 +80,7 @@ def tiny_compile_shapes(paper_scale: bool = False) -> RLConfig:
 
 def tiny_naive_quant_shapes(paper_scale: bool = False) -> RLConfig:
     """N rollouts in the explore precision at the full step count, trained on directly."""
-    return _tiny("naive_quant", paper_scale, **SOL_RL_LAYER_RULE)
+    return _tiny("naive_quant", paper_scale)
 
 
 def tiny_diffusionnft_shapes(paper_scale: bool = False) -> RLConfig:

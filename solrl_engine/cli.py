@@ -63,38 +63,72 @@ def _parse_seeds(spec: str) -> list[int]:
     return seeds
 
 
-def _sample(args: argparse.Namespace) -> int:
-    import torch
+def _rollouts_from_args(args: argparse.Namespace):  # noqa: ANN202 - Rollouts, imported lazily
+    """A Rollouts for `solrl sample`: from --config, or from --model/--model-path/--reward."""
+    from solrl_engine.rl import RLConfig, apply_overrides
+    from solrl_engine.rollout import Rollouts
 
-    from solrl_engine.data import shapes as world
-    from solrl_engine.evaluation import generate
-    from solrl_engine.models import load_model
-    from solrl_engine.rewards import load_reward
+    if args.config:
+        cfg = _load_cfg(args)
+    else:
+        sets = [f"model={args.model}", f"reward={args.reward}", f"full_steps={args.steps}", f"solver={args.solver}",
+                f"preview_steps={min(6, args.steps)}"]  # fmt: skip
+        if args.model_path:
+            sets.append(f"model_path={args.model_path}")
+        if args.resolution:
+            sets.append(f"resolution={args.resolution}")
+        if args.shift is not None:
+            sets.append(f"shift={args.shift}")
+        cfg = _checked(lambda: apply_overrides(RLConfig(family="naive_scaling"), sets + (args.set or [])).validate())
+    ro = _checked(lambda: Rollouts(cfg))
+    if args.lora:
+        _checked(lambda: load_lora_into(ro.model.transformer, args.lora))
+    return cfg, ro
+
+
+def load_lora_into(transformer: object, directory: str) -> None:
+    """Load an exported adapter (OUT/lora, OUT/lora_ema) into a transformer, as a pipeline would."""
+    if not Path(directory, "pytorch_lora_weights.safetensors").exists():
+        raise FileNotFoundError(
+            f"--lora {directory}: no pytorch_lora_weights.safetensors there; pass a run's lora/ or lora_ema/ "
+            "directory (written by `solrl train`)"
+        )
+    from solrl_engine.rl.export import WEIGHT_NAME
+
+    transformer.load_lora_adapter(  # type: ignore[attr-defined]
+        directory, prefix="transformer", adapter_name="lora", weight_name=WEIGHT_NAME
+    )
+
+
+def _sample(args: argparse.Namespace) -> int:
+    from solrl_engine.data import load_prompts
+    from solrl_engine.evaluation import EvalResult
     from solrl_engine.viz import image_grid
 
     if (args.prompt is None) == (args.split is None):
-        raise SystemExit("give exactly one of --prompt TEXT or --split train|heldout")
+        raise SystemExit("give exactly one of --prompt TEXT or --split PROMPT_SET (heldout, sample/test, a file)")
     seeds = _parse_seeds(args.seeds)
-    base = [args.prompt] if args.prompt else world.prompts(args.split)[: args.max_prompts]
+    split = args.split if args.split is None or "/" in args.split or ":" in args.split else f"shapes/{args.split}"
+    base = [args.prompt] if args.prompt else _checked(lambda: load_prompts(split))[: args.max_prompts]
     prompts = [p for p in base for _ in seeds]
     all_seeds = [s for _ in base for s in seeds]
-    reward = load_reward(args.reward)
-    try:
-        reward(torch.zeros(len(base), 3, 8, 8), base)  # validates the prompts before any sampling
-    except ValueError as e:
-        raise SystemExit(str(e)) from None
-    model = load_model(args.model, args.model_path)
-    images = generate(model, prompts, all_seeds, steps=args.steps, shift=args.shift)
-    rewards = reward(images, prompts).tolist()
-    head = f"{args.model}, {args.steps} steps, mean {args.reward} reward {sum(rewards) / len(rewards):.3f}"
-    image_grid(images, [f"{r:.2f}" for r in rewards], ncol=min(len(seeds), 16), header=head).save(args.out)
+    cfg, ro = _rollouts_from_args(args)
+    import torch
+
+    _checked(lambda: ro.reward(torch.zeros(len(base), 3, 8, 8), base))  # validates the prompts before sampling
+    scored = ro.generate(prompts, all_seeds)
+    res = EvalResult(prompts, all_seeds, scored.images.cpu(), scored.rewards.cpu(), scored.components)
+    rewards = res.rewards.tolist()
+    head = f"{cfg.model}, {cfg.full_steps} steps, mean {cfg.reward} reward {res.mean:.3f}"
+    captions = [f"{r:.2f}" if args.prompt else f"{r:.2f} {p}" for r, p in zip(rewards, prompts, strict=True)]
+    image_grid(res.images, captions, ncol=min(len(seeds), 16), header=head).save(args.out)
     files = [None] * len(prompts)
     if args.save_dir:
         from PIL import Image
 
         d = Path(args.save_dir)
         d.mkdir(parents=True, exist_ok=True)
-        for i, img in enumerate(images):
+        for i, img in enumerate(res.images):
             name = d / f"{i:04d}_seed{all_seeds[i]}.png"
             Image.fromarray((img.permute(1, 2, 0).numpy() * 255).round().astype("uint8")).save(name)
             files[i] = str(name)
@@ -104,6 +138,44 @@ def _sample(args: argparse.Namespace) -> int:
                 f.write(json.dumps({"prompt": p, "seed": s, "reward": r, "file": fn}) + "\n")
     print(f"{head}; grid written to {args.out}")
     return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    """Mean of each reward over a prompt set with a trained LoRA (or the base model), plus grids."""
+    from solrl_engine.data import load_prompts
+    from solrl_engine.evaluation import eval_grid, evaluate_rollouts
+    from solrl_engine.rollout import Rollouts
+
+    cfg = _load_cfg(args)
+    prompts = _checked(lambda: load_prompts(args.prompts or cfg.eval_prompts))[: args.max_prompts]
+    ro = _checked(lambda: Rollouts(cfg))
+    if args.lora:
+        _checked(lambda: load_lora_into(ro.model.transformer, args.lora))
+    res = evaluate_rollouts(ro, prompts, args.seeds)
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    summary = {"config": cfg.name, "model": cfg.model, "lora": args.lora, "prompts": len(prompts),
+               "seeds_per_prompt": args.seeds, **res.summary()}  # fmt: skip
+    (out / "eval.json").write_text(json.dumps(summary, indent=2))
+    with (out / "samples.jsonl").open("w") as f:
+        for p, s, r in zip(res.prompts, res.seeds, res.rewards.tolist(), strict=True):
+            f.write(json.dumps({"prompt": p, "seed": s, "reward": r}) + "\n")
+    head = f"{cfg.name}{' + ' + args.lora if args.lora else ''}: {cfg.reward} {res.mean:.3f} +- {res.stderr:.3f}"
+    eval_grid(res, args.seeds, head).save(out / "grid.png")
+    print("  ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in res.summary().items()))
+    print(f"wrote {out / 'eval.json'}, {out / 'samples.jsonl'} and {out / 'grid.png'}")
+    return 0
+
+
+def _checked(fn):  # noqa: ANN001, ANN202 - a thunk and its value
+    """Run `fn`; a missing file or a bad value exits with its message, without a traceback."""
+    try:
+        return fn()
+    except (FileNotFoundError, ValueError, ImportError, TypeError) as e:
+        from solrl_engine.rl import ConfigError
+
+        prefix = "config error" if isinstance(e, ConfigError) else "error"
+        raise SystemExit(f"{prefix}: {e}") from None
 
 
 def _load_cfg(args: argparse.Namespace):  # noqa: ANN202 - RLConfig, imported lazily
@@ -125,13 +197,17 @@ def _train(args: argparse.Namespace) -> int:
     cfg = _load_cfg(args)
     if args.output:
         cfg = dataclasses.replace(cfg, output=args.output)
-    trainer = Trainer(cfg)
+    trainer = _checked(lambda: Trainer(cfg))
     print(
-        f"{cfg.name}: family {cfg.family}, N={cfg.n} -> K={cfg.k}, {cfg.prompts_per_iter} prompts/iter, "
-        f"{cfg.iterations} iterations, output {trainer.out}"
+        f"{cfg.name}: model {cfg.model}, family {cfg.family}, N={cfg.n} -> K={cfg.k}, {cfg.prompts_per_iter} "
+        f"prompts/iter, {cfg.iterations} iterations, output {trainer.out}"
     )
     if trainer.explore is not None:
-        print(trainer.explore.report)
+        trainer.out.mkdir(parents=True, exist_ok=True)
+        report = trainer.explore.report
+        (trainer.out / "quantization.txt").write_text(str(report) + "\n")
+        print(report.summary() if hasattr(report, "summary") else report)
+        print(f"(every layer's decision: {trainer.out / 'quantization.txt'})")
     summary = trainer.run(resume=args.resume)
     print(json.dumps(summary, indent=2))
     return 0
@@ -141,7 +217,7 @@ def _fidelity(args: argparse.Namespace) -> int:
     from solrl_engine.rl.fidelity import fidelity, write_report
 
     cfg = _load_cfg(args)
-    res = fidelity(cfg, prompts=args.prompts, n=args.n, k=args.k)
+    res = _checked(lambda: fidelity(cfg, prompts=args.prompts, n=args.n, k=args.k))
     path = write_report(res, args.output)
     keys = ("spearman_mean", "kendall_mean", "top_overlap_mean", "bottom_overlap_mean", "time_proxy_s", "time_full_s")
     print("  ".join(f"{k}={res[k]:.3f}" for k in keys))
@@ -170,14 +246,20 @@ def build_parser() -> argparse.ArgumentParser:
     pt.set_defaults(func=_pretrain_tiny)
 
     sp = sub.add_parser("sample", help="sample images, score them, write a grid with each reward under its image")
-    sp.add_argument("--model", default="tiny")
-    sp.add_argument("--model-path", default=None, help="weights directory (default: the bundled weights)")
+    sp.add_argument("--config", default=None, help="CONFIG_SPEC: take model, reward, steps, solver from a config")
+    sp.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field (repeatable)")
+    sp.add_argument("--model", default="tiny", help="model family: tiny, sd3, flux, sana")
+    sp.add_argument("--model-path", default=None, help="pipeline directory or hub id (default: the family's)")
+    sp.add_argument("--resolution", type=int, default=None, help="pixels (default: the family's)")
+    sp.add_argument("--lora", default=None, help="an exported adapter directory (a run's lora/ or lora_ema/)")
+    sp.add_argument("--solver", default="dpm2", choices=["euler", "dpm2"])
     sp.add_argument("--prompt", default=None)
-    sp.add_argument("--split", choices=["train", "heldout"], default=None, help="use the world's prompts instead")
+    sp.add_argument("--split", default=None,
+                    help="a prompt set instead: train, heldout (the shapes world), sample/test, a .txt/.jsonl file")
     sp.add_argument("--max-prompts", type=int, default=8, help="with --split: how many prompts")
     sp.add_argument("--seeds", default="0-15", help="e.g. 0-15 or 1,5,9")
     sp.add_argument("--steps", type=int, default=10)
-    sp.add_argument("--shift", type=float, default=1.0)
+    sp.add_argument("--shift", type=float, default=None, help="override the model's schedule shift")
     sp.add_argument("--reward", default="shapes")
     sp.add_argument("--out", default="grid.png")
     sp.add_argument("--save-dir", default=None, help="also write each image as a PNG here")
@@ -190,6 +272,16 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--output", default=None, help="run directory (default: runs/<config name>)")
     tr.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
     tr.set_defaults(func=_train)
+
+    ev = sub.add_parser("eval", help="mean of each reward over a prompt set, with a trained LoRA: grids + JSON")
+    ev.add_argument("config", help="CONFIG_SPEC: path/to/config.py:function (model, reward, steps, solver)")
+    ev.add_argument("--set", action="append", metavar="KEY=VALUE")
+    ev.add_argument("--lora", default=None, help="adapter directory (a run's lora/ or lora_ema/); none: the base")
+    ev.add_argument("--prompts", default=None, help="prompt set (default: the config's eval_prompts)")
+    ev.add_argument("--max-prompts", type=int, default=10**9)
+    ev.add_argument("--seeds", type=int, default=4, help="seeds per prompt (0 .. N-1)")
+    ev.add_argument("--output", default="eval", help="directory for eval.json, samples.jsonl, grid.png")
+    ev.set_defaults(func=_eval)
 
     fi = sub.add_parser("fidelity", help="rank fidelity of quantized previews vs BF16 full-step rollouts")
     fi.add_argument("config", help="CONFIG_SPEC: path/to/config.py:function")

@@ -1,14 +1,73 @@
-"""Mean reward of a model on a prompt set: the number every model card and RL curve reports."""
+"""Mean reward of a model on a prompt set: the number every model card, RL curve and `solrl eval`
+reports. `evaluate_rollouts` is the one evaluator of configured runs (the trainer's held-out
+curve and `solrl eval` call it); `evaluate` serves a bare FlowModel (pretraining) with the same
+solver, steps and seeds by default.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from solrl_engine.models.base import FlowModel
 from solrl_engine.rewards import RewardFn
 from solrl_engine.sampling import sample
+
+if TYPE_CHECKING:
+    from solrl_engine.rollout import Rollouts
+
+
+@dataclass
+class EvalResult:
+    """Rewards of prompts x seeds: the mean, its standard error, and the same per reward component."""
+
+    prompts: list[str]
+    seeds: list[int]
+    images: torch.Tensor
+    rewards: torch.Tensor
+    components: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @staticmethod
+    def _stats(r: torch.Tensor) -> tuple[float, float]:
+        r = r.float()
+        return r.mean().item(), (r.std().item() / len(r) ** 0.5 if len(r) > 1 else 0.0)
+
+    @property
+    def mean(self) -> float:
+        return self._stats(self.rewards)[0]
+
+    @property
+    def stderr(self) -> float:
+        return self._stats(self.rewards)[1]
+
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"reward_mean": self.mean, "reward_stderr": self.stderr, "n": len(self.rewards)}
+        if len(self.components) > 1:
+            for k, v in self.components.items():
+                out[f"reward_{k}_mean"], out[f"reward_{k}_stderr"] = self._stats(v)
+        return out
+
+
+@torch.no_grad()
+def evaluate_rollouts(
+    ro: Rollouts, prompts: Sequence[str], seeds_per_prompt: int, tag: str = "", batch_prompts: int = 64
+) -> EvalResult:
+    """Each prompt with seeds 0 .. seeds_per_prompt - 1 through the config's rollout path, with the
+    policy as it is now (its active adapter, named by `tag` for the graph cache)."""
+    ps = [p for p in prompts for _ in range(seeds_per_prompt)]
+    seeds = [j for _ in prompts for j in range(seeds_per_prompt)]
+    images, rewards, comps = [], [], []
+    step = max(1, batch_prompts) * seeds_per_prompt
+    for i in range(0, len(ps), step):
+        scored = ro.generate(ps[i : i + step], seeds[i : i + step], tag=tag)
+        images.append(scored.images.cpu())
+        rewards.append(scored.rewards.float().cpu())
+        comps.append(scored.components)
+    components = {k: torch.cat([c[k] for c in comps]) for k in comps[0]} if comps else {}
+    return EvalResult(ps, seeds, torch.cat(images), torch.cat(rewards), components)
 
 
 @torch.no_grad()
@@ -17,9 +76,9 @@ def generate(
     prompts: Sequence[str],
     seeds: Sequence[int],
     steps: int = 10,
-    shift: float = 1.0,
+    shift: float | None = None,
     batch_size: int = 64,
-    solver: str = "euler",
+    solver: str = "dpm2",
     transformer: torch.nn.Module | None = None,
 ) -> torch.Tensor:
     """Images [B, 3, H, W] in [0, 1] for (prompts[i], seeds[i]), no guidance."""
@@ -39,10 +98,21 @@ def evaluate(
     steps: int = 10,
     seed0: int = 0,
     batch_size: int = 64,
+    solver: str = "dpm2",
 ) -> dict[str, float]:
-    """Mean / std of `reward` over prompts x seeds (seeds seed0 .. seed0 + seeds_per_prompt - 1)."""
+    """Mean / std of `reward` over prompts x seeds (seeds seed0 .. seed0 + seeds_per_prompt - 1),
+    with the trainer's default solver (DPM-Solver++ 2M) so both report the same number."""
     ps = [p for p in prompts for _ in range(seeds_per_prompt)]
     seeds = [seed0 + j for _ in prompts for j in range(seeds_per_prompt)]
-    images = generate(model, ps, seeds, steps, batch_size=batch_size)
+    images = generate(model, ps, seeds, steps, batch_size=batch_size, solver=solver)
     r = reward(images, ps).float()
     return {"reward_mean": r.mean().item(), "reward_std": r.std().item(), "n": len(ps)}
+
+
+def eval_grid(res: EvalResult, seeds_per_prompt: int, header: str, max_images: int = 16) -> Any:
+    """A grid of the first seed of up to 16 prompts, each captioned with its reward and prompt."""
+    from solrl_engine.viz import image_grid
+
+    pick = list(range(0, len(res.prompts), max(1, seeds_per_prompt)))[:max_images]
+    captions = [f"{res.rewards[i].item():.3f} {res.prompts[i]}" for i in pick]
+    return image_grid(res.images[pick], captions, ncol=4, header=header)

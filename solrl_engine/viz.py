@@ -13,9 +13,20 @@ if TYPE_CHECKING:
 
 
 def image_grid(
-    images: torch.Tensor, captions: Sequence[str] | None = None, ncol: int = 8, scale: int = 4, header: str = ""
+    images: torch.Tensor,
+    captions: Sequence[str] | None = None,
+    ncol: int = 8,
+    scale: int | None = None,
+    header: str = "",
+    tile: int = 256,
 ) -> Image:
-    """[B, 3, H, W] in [0, 1] -> a PIL image: nearest-upscaled tiles, each with its caption below."""
+    """[B, 3, H, W] in [0, 1] -> a PIL image of tiles, each with its caption (wrapped) below.
+
+    Small images are upscaled by `scale` (nearest; default: up to about `tile` px), large ones
+    (1024 px samples) are downscaled to `tile` px, so a grid of 16 stays a few MB.
+    """
+    import textwrap
+
     from PIL import Image as PILImage
     from PIL import ImageDraw
 
@@ -23,8 +34,11 @@ def image_grid(
     b, _, h, w = imgs.shape
     ncol = max(1, min(ncol, b))
     nrow = (b + ncol - 1) // ncol
-    th, tw = h * scale, w * scale
-    cap_h = 14 if captions is not None else 0
+    if scale is None:
+        scale = max(1, tile // max(h, w)) if max(h, w) < tile else 0
+    th, tw = (h * scale, w * scale) if scale else (tile * h // max(h, w), tile * w // max(h, w))
+    wrapped = [textwrap.wrap(str(c), max(8, tw // 6))[:4] for c in captions] if captions is not None else None
+    cap_h = 12 * max(1, max(len(x) for x in wrapped)) + 2 if wrapped else 0
     head_h = 16 if header else 0
     pad = 2
     grid = PILImage.new("RGB", (ncol * (tw + pad) + pad, head_h + nrow * (th + cap_h + pad) + pad), (255, 255, 255))
@@ -33,19 +47,25 @@ def image_grid(
         draw.text((pad, 2), header, fill=(0, 0, 0))
     for i in range(b):
         r, c = divmod(i, ncol)
-        tile = (imgs[i].permute(1, 2, 0).numpy() * 255).round().astype("uint8")
-        tile_img = PILImage.fromarray(tile).resize((tw, th), PILImage.NEAREST)
+        arr = (imgs[i].permute(1, 2, 0).numpy() * 255).round().astype("uint8")
+        tile_img = PILImage.fromarray(arr).resize((tw, th), PILImage.NEAREST if scale else PILImage.LANCZOS)
         x, y = pad + c * (tw + pad), head_h + pad + r * (th + cap_h + pad)
         grid.paste(tile_img, (x, y))
-        if captions is not None:
-            draw.text((x + 1, y + th + 1), str(captions[i])[: max(4, tw // 6)], fill=(0, 0, 0))
+        if wrapped is not None:
+            draw.text((x + 1, y + th + 1), "\n".join(wrapped[i]), fill=(0, 0, 0), spacing=1)
     return grid
 
 
 def line_plot(
-    path: str | Path, series: dict[str, tuple[Sequence[float], Sequence[float]]], title: str, xlabel: str, ylabel: str
+    path: str | Path,
+    series: dict[str, tuple[Sequence[float], Sequence[float]]],
+    title: str,
+    xlabel: str,
+    ylabel: str,
+    bands: dict[str, Sequence[float]] | None = None,
 ) -> Path:
-    """Write a PNG line plot of named (x, y) series; written to a temporary file, then renamed."""
+    """Write a PNG line plot of named (x, y) series, with a +-1 standard-error band for the series
+    named in `bands`; written to a temporary file, then renamed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -53,7 +73,11 @@ def line_plot(
 
     fig, ax = plt.subplots(figsize=(6, 3.6), dpi=110)
     for name, (xs, ys) in series.items():
-        ax.plot(list(xs), list(ys), label=name, linewidth=1.2)
+        (line,) = ax.plot(list(xs), list(ys), label=name, linewidth=1.2)
+        if bands and name in bands:
+            lo = [y - e for y, e in zip(ys, bands[name], strict=True)]
+            hi = [y + e for y, e in zip(ys, bands[name], strict=True)]
+            ax.fill_between(list(xs), lo, hi, color=line.get_color(), alpha=0.2, linewidth=0)
     ax.set_title(title)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)

@@ -3,7 +3,7 @@
 Never imports Triton or the extension directly: all numerics go through solrl_engine.kernels.
 """
 
-from solrl_engine.nn.quant_linear import QuantLinear
+from solrl_engine.nn.quant_linear import QuantConv1x1, QuantLinear
 from solrl_engine.nn.quantize import LayerDecision, QuantReport, quantize_model, requantize_
 
-__all__ = ["QuantLinear", "QuantReport", "LayerDecision", "quantize_model", "requantize_"]
+__all__ = ["QuantConv1x1", "QuantLinear", "QuantReport", "LayerDecision", "quantize_model", "requantize_"]

@@ -63,13 +63,15 @@ class QuantLinear(nn.Module):
 
     @classmethod
     def from_linear(
-        cls, linear: nn.Linear, recipe: str | QuantRecipe = "nvfp4", keep_master: bool = False
+        cls, linear: nn.Linear | nn.Conv2d, recipe: str | QuantRecipe = "nvfp4", keep_master: bool = False
     ) -> QuantLinear:
-        """Quantize an nn.Linear; with `keep_master`, remember its weight for `requantize_()`."""
+        """Quantize an nn.Linear (or a 1x1 nn.Conv2d, for QuantConv1x1); with `keep_master`, remember
+        its weight for `requantize_()`."""
         w = linear.weight
+        in_f, out_f = (w.shape[1], w.shape[0])
         q = cls(
-            linear.in_features,
-            linear.out_features,
+            in_f,
+            out_f,
             bias=linear.bias is not None,
             recipe=recipe,
             device=w.device,
@@ -91,6 +93,8 @@ class QuantLinear(nn.Module):
     @torch.no_grad()
     def set_weight_(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         """Quantize `weight` into this layer's existing buffers (same storage, no reallocation)."""
+        if weight.dim() == 4 and tuple(weight.shape[2:]) == (1, 1):  # a 1x1 convolution's [out, in, 1, 1]
+            weight = weight.reshape(weight.shape[0], weight.shape[1])
         if tuple(weight.shape) != (self.out_features, self.in_features):
             raise ValueError(
                 f"weight of shape {tuple(weight.shape)} does not fit a QuantLinear of "
@@ -137,3 +141,13 @@ class QuantLinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"bias={self.bias is not None}, recipe={self.recipe.name}"
         )
+
+
+class QuantConv1x1(QuantLinear):
+    """A 1x1 nn.Conv2d (stride 1, no padding, no groups) with a quantized weight: a linear over the
+    channels of an NCHW input, computed by the same quantized GEMM (SANA's GLUMBConv FFN)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 4 or x.shape[1] != self.in_features:
+            raise ValueError(f"QuantConv1x1 expects [B, {self.in_features}, H, W]; got {tuple(x.shape)}")
+        return super().forward(x.permute(0, 2, 3, 1).contiguous()).permute(0, 3, 1, 2)

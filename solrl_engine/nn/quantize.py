@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from solrl_engine.nn.quant_linear import QuantLinear
+from solrl_engine.nn.quant_linear import QuantConv1x1, QuantLinear
 from solrl_engine.quant.recipe import QuantRecipe, get_recipe
 
 
@@ -24,6 +24,7 @@ class LayerDecision:
     out_features: int
     quantized: bool
     reason: str
+    kind: str = "linear"  # "linear" or "conv1x1" (a 1x1 convolution quantized as a linear over channels)
 
 
 @dataclass
@@ -54,31 +55,67 @@ class QuantReport:
                 ]
         return before, after
 
-    def __str__(self) -> str:
+    def _head(self) -> str:
         before, after = self.weight_bytes()
-        lines = [
+        convs = sum(d.quantized and d.kind == "conv1x1" for d in self.layers)
+        conv_note = f", {convs} of them 1x1 convolutions" if convs else ""
+        return (
             f"quantize_model[{self.recipe.name}]: {len(self.quantized)} of {len(self.layers)} Linear "
-            f"layers quantized ({before / 2**20:.2f} MiB bf16 -> {after / 2**20:.2f} MiB)"
-        ]
-        for name, why in self.skipped.items():
-            lines.append(f"  skipped {name}: {why}")
+            f"layers quantized{conv_note} ({before / 2**20:.2f} MiB bf16 -> {after / 2**20:.2f} MiB)"
+        )
+
+    def summary(self) -> str:
+        """The first line plus one line per reason with its count: what a start-up log shows."""
+        counts: dict[str, int] = {}
+        for d in self.layers:
+            if not d.quantized:
+                counts[d.reason] = counts.get(d.reason, 0) + 1
+        lines = [self._head()] + [f"  kept in high precision, {n} layer(s): {why}" for why, n in counts.items()]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, object]:
+        """Every decision, for a JSON file."""
+        from dataclasses import asdict
+
+        return {"recipe": asdict(self.recipe), "layers": [asdict(d) for d in self.layers]}
+
+    def __str__(self) -> str:
+        lines = [self._head()]
+        for d in self.layers:
+            lines.append(f"  {'quantized' if d.quantized else 'skipped'} {d.name}: {d.reason}")
         return "\n".join(lines)
 
 
-def _decide(name: str, lin: nn.Linear, recipe: QuantRecipe) -> str | None:
-    """Why `lin` stays unquantized, or None to quantize it."""
+def _decide(name: str, in_f: int, out_f: int, recipe: QuantRecipe) -> str | None:
+    """Why a layer of in_f -> out_f stays unquantized, or None to quantize it."""
     reason = recipe.skip_reason(name)
     if reason:
         return reason
-    small = min(lin.in_features, lin.out_features)
+    small = min(in_f, out_f)
     if small < recipe.min_dim:
         return f"smallest dim {small} < min_dim {recipe.min_dim}"
-    large = max(lin.in_features, lin.out_features)
+    large = max(in_f, out_f)
     if large <= recipe.skip_max_dim:
         return f"largest dim {large} <= skip_max_dim {recipe.skip_max_dim}"
-    if recipe.format == "nvfp4" and lin.in_features % 16:
-        return f"in_features {lin.in_features} is not a multiple of 16"
+    if recipe.format == "nvfp4" and in_f % 16:
+        return f"in_features {in_f} is not a multiple of 16"
     return None
+
+
+def is_conv1x1(m: nn.Module) -> bool:
+    """A Conv2d that is a linear over channels: 1x1 kernel, stride 1, no padding, no groups."""
+    return (
+        type(m) is nn.Conv2d
+        and m.kernel_size == (1, 1)
+        and m.stride == (1, 1)
+        and m.dilation == (1, 1)
+        and m.groups == 1
+        and m.padding in ((0, 0), 0, "valid")
+    )
+
+
+def _dims(m: nn.Module) -> tuple[int, int]:
+    return (m.in_features, m.out_features) if isinstance(m, nn.Linear) else (m.in_channels, m.out_channels)
 
 
 @torch.no_grad()
@@ -96,17 +133,19 @@ def quantize_model(model: nn.Module, recipe: str | QuantRecipe = "nvfp4", keep_m
     targets: list[tuple[nn.Module, str, nn.Linear, str]] = []
     for parent_name, parent in model.named_modules():
         for child_name, child in parent.named_children():
-            if type(child) is not nn.Linear:
+            conv = recipe.convs_1x1 and is_conv1x1(child)
+            if type(child) is not nn.Linear and not conv:
                 continue
             name = f"{parent_name}.{child_name}" if parent_name else child_name
-            why = _decide(name, child, recipe)
-            report.layers.append(
-                LayerDecision(name, child.in_features, child.out_features, why is None, why or recipe.name)
-            )
+            in_f, out_f = _dims(child)
+            why = _decide(name, in_f, out_f, recipe)
+            kind = "conv1x1" if conv else "linear"
+            report.layers.append(LayerDecision(name, in_f, out_f, why is None, why or recipe.name, kind))
             if why is None:
                 targets.append((parent, child_name, child, name))
     for parent, child_name, child, _ in targets:
-        setattr(parent, child_name, QuantLinear.from_linear(child, recipe, keep_master=keep_master))
+        cls = QuantConv1x1 if isinstance(child, nn.Conv2d) else QuantLinear
+        setattr(parent, child_name, cls.from_linear(child, recipe, keep_master=keep_master))
     return report
 
 
@@ -135,6 +174,9 @@ def _source_weights(
             except AttributeError:
                 missing.append(name)
                 continue
+            if hasattr(mod, "base_layer") and hasattr(mod, "lora_A"):  # a PEFT LoRA layer: base + active deltas
+                out[name] = (_peft_weight(name, mod), getattr(mod.base_layer, "bias", None))
+                continue
             if isinstance(mod, QuantLinear) or not isinstance(getattr(mod, "weight", None), torch.Tensor):
                 raise TypeError(f"source module {name} is {type(mod).__name__}; it must hold a BF16 .weight.")
             out[name] = (mod.weight, getattr(mod, "bias", None))
@@ -143,6 +185,38 @@ def _source_weights(
             f"source lacks {len(missing)} quantized layer(s), e.g. {missing[:3]}; pass the model the "
             "quantized copy was made from (same module names), or a state dict with those keys."
         )
+    return out
+
+
+def _peft_weight(name: str, mod: nn.Module) -> torch.Tensor:
+    """What a PEFT LoRA layer computes with: its base weight plus the delta of each active adapter
+    (none when adapters are disabled or merged into the base already)."""
+    base = mod.base_layer.weight
+    if getattr(mod, "disable_adapters", False) or getattr(mod, "merged", False):
+        return base
+    active = [a for a in getattr(mod, "active_adapters", []) if a in mod.lora_A]
+    if not hasattr(mod, "get_delta_weight"):
+        raise TypeError(
+            f"source layer {name} is a {type(mod).__name__} whose LoRA delta cannot be computed; merge the adapter "
+            "(merge_and_unload) or pass a state dict of merged weights."
+        )
+    w = base.float()
+    for a in active:
+        w = w + mod.get_delta_weight(a).float()
+    return w.to(base.dtype)
+
+
+def _source_tensors(source: nn.Module) -> dict[str, torch.Tensor]:
+    """A module source's tensors under the names of the model it was copied from: PEFT's
+    `.base_layer` hop removed, its LoRA matrices left out."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in [*source.named_parameters(), *source.named_buffers()]:
+        if ".lora_" in name:
+            continue
+        out[name.replace(".base_layer.", ".")] = t
+    for name, mod in source.named_modules():  # a LoRA layer's weight is what it computes with
+        if hasattr(mod, "base_layer") and hasattr(mod, "lora_A"):
+            out[f"{name}.weight"] = _peft_weight(name, mod)
     return out
 
 
@@ -173,8 +247,11 @@ def requantize_(
     """
     layers = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
     weights = _source_weights(layers, source, strict)
-    for name, (w, b) in weights.items():
+    for name, (w, b) in list(weights.items()):
         ql = layers[name]
+        if w.dim() == 4 and tuple(w.shape[2:]) == (1, 1):  # a 1x1 convolution's weight
+            w = w.reshape(w.shape[0], w.shape[1])
+            weights[name] = (w, b)
         if tuple(w.shape) != (ql.out_features, ql.in_features):
             raise ValueError(
                 f"source weight for {name} has shape {tuple(w.shape)}, the layer is "
@@ -184,7 +261,7 @@ def requantize_(
             raise ValueError(f"source bias for {name} has shape {tuple(b.shape)}, expected {tuple(ql.bias.shape)}.")
     plain: list[tuple[torch.Tensor, torch.Tensor]] = []
     if source is not None:
-        src = source if isinstance(source, Mapping) else dict([*source.named_parameters(), *source.named_buffers()])
+        src = source if isinstance(source, Mapping) else _source_tensors(source)
         for name, t in _plain_tensors(model).items():
             if name not in src:
                 if not isinstance(source, Mapping):

@@ -15,12 +15,17 @@ FORMATS: tuple[str, ...] = ("nvfp4", "fp8", "bf16")
 # Layers kept in high precision by default: embedders (timestep, caption, patch), the adaLN
 # modulation and final projection. They are small, run once per step, and errors there shift every
 # token at once; the FP4 literature and the Sol-RL code keep them out of the quantized set.
+# `proj_out` is the final projection only: FLUX's single-stream blocks have their own `proj_out`
+# (about 15% of its parameters), an ordinary MLP/attention output that is quantized. Every adaLN
+# modulation linear (norm1, norm1_context, FLUX's single-block `norm`, norm_out) is kept.
 DEFAULT_SKIP: tuple[str, ...] = (
     "*embed*",
+    "*caption_projection*",
     "*norm_out*",
-    "*proj_out*",
+    "proj_out",
     "*adaLN*",
     "*adaln*",
+    "*.norm.linear",
     "*.norm1.linear",
     "*.norm1_context.linear",
     "*lm_head*",
@@ -39,6 +44,10 @@ class QuantRecipe:
     skip_max_dim: layers whose larger dimension is <= this stay in high precision (0: off). This is
         Sol-RL's own rule (2432 on SD3.5-L and SANA: their attention projections stay BF16 and only
         the wider MLP layers go to 4 bits); on a model of width w, skip_max_dim = w does the same.
+    include: fnmatch patterns; when given, only matching layers are candidates (the per-family
+        rules of solrl_engine.models: e.g. SD3.5-L's image-stream MLPs "transformer_blocks.*.ff.*").
+    convs_1x1: also quantize 1x1 Conv2d layers (stride 1, no padding, groups 1) as linears over
+        channels: SANA's FFN is made of them.
     """
 
     format: Format = "nvfp4"
@@ -46,14 +55,16 @@ class QuantRecipe:
     skip: tuple[str, ...] = field(default=DEFAULT_SKIP)
     min_dim: int = 32
     skip_max_dim: int = 0
+    include: tuple[str, ...] = ()
+    convs_1x1: bool = True
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
             raise ValueError(f"unknown quantization format {self.format!r}; choose one of {FORMATS}.")
         if self.min_dim < 1:
             raise ValueError(f"min_dim must be >= 1; got {self.min_dim}.")
-        if isinstance(self.skip, str):
-            raise TypeError("skip must be a tuple of patterns, not one string; write skip=('*proj*',).")
+        if isinstance(self.skip, str) or isinstance(self.include, str):
+            raise TypeError("skip and include must be tuples of patterns, not one string; write skip=('*proj*',).")
 
     @property
     def name(self) -> str:
@@ -66,10 +77,15 @@ class QuantRecipe:
         for pat in self.skip:
             if fnmatch.fnmatchcase(name, pat):
                 return f"matches skip pattern {pat!r}"
+        if self.include and not any(fnmatch.fnmatchcase(name, pat) for pat in self.include):
+            return f"not matched by include patterns {self.include}"
         return None
 
     def with_(self, **changes: object) -> QuantRecipe:
-        """A copy with some fields changed."""
+        """A copy with some fields changed; `extra_skip` patterns are added to `skip`."""
+        extra = tuple(changes.pop("extra_skip", ()))  # type: ignore[arg-type]
+        if extra:
+            changes["skip"] = tuple(changes.get("skip", self.skip)) + extra  # type: ignore[arg-type]
         return replace(self, **changes)  # type: ignore[arg-type]
 
 

@@ -110,17 +110,37 @@ class LoraAdapters:
         m = self.layers[name]
         return m.lora_A[adapter].weight, m.lora_B[adapter].weight, float(m.scaling[adapter])
 
-    def state_dict(self) -> dict[str, list[torch.Tensor]]:
+    def names(self) -> list[str]:
+        """Names of the LoRA matrices, in the order of `params` ("<layer>.lora_A", "<layer>.lora_B")."""
+        return [f"{n}.{ab}" for n in self.layers for ab in ("lora_A", "lora_B")]
+
+    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Named tensors of the trained, old and EMA adapters (readable by any tool: names are the
+        layers' module names)."""
+        named = self.names()
         return {
-            TRAIN: [p.detach().cpu().clone() for p in self.params(TRAIN)],
-            OLD: [p.detach().cpu().clone() for p in self.params(OLD)],
-            "ema": [e.cpu().clone() for e in self.ema],
+            TRAIN: {n: p.detach().cpu().clone() for n, p in zip(named, self.params(TRAIN), strict=True)},
+            OLD: {n: p.detach().cpu().clone() for n, p in zip(named, self.params(OLD), strict=True)},
+            "ema": {n: e.cpu().clone() for n, e in zip(named, self.ema, strict=True)},
         }
 
     @torch.no_grad()
-    def load_state_dict(self, state: dict[str, list[torch.Tensor]]) -> None:
-        for key, params in ((TRAIN, self.params(TRAIN)), (OLD, self.params(OLD)), ("ema", self.ema)):
-            if len(state[key]) != len(params):
-                raise ValueError(f"checkpoint has {len(state[key])} {key} LoRA tensors, the model {len(params)}")
-            for p, v in zip(params, state[key], strict=True):
-                p.copy_(v)
+    def load_state_dict(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Check every name and shape first, then copy (a mismatched checkpoint changes nothing)."""
+        named = self.names()
+        groups = ((TRAIN, self.params(TRAIN)), (OLD, self.params(OLD)), ("ema", self.ema))
+        for key, params in groups:
+            got = state[key]
+            if set(got) != set(named):
+                missing, extra = sorted(set(named) - set(got)), sorted(set(got) - set(named))
+                raise ValueError(
+                    f"checkpoint's {key} adapter does not match the model's LoRA layers: missing {missing[:3]}, "
+                    f"unexpected {extra[:3]} (was it written with other lora_targets or another model?)"
+                )
+            for n, p in zip(named, params, strict=True):
+                if got[n].shape != p.shape:
+                    shapes = f"{tuple(got[n].shape)}, the model {tuple(p.shape)}"
+                    raise ValueError(f"checkpoint's {key} {n} has shape {shapes}")
+        for key, params in groups:
+            for n, p in zip(named, params, strict=True):
+                p.copy_(state[key][n])

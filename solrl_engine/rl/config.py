@@ -18,18 +18,33 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ("diffusionnft", "naive_scaling", "compile", "naive_quant", "sol_rl")
+
+@dataclass(frozen=True)
+class FamilyRule:
+    """What one training family does differently; the trainer reads this table, never family names.
+
+    quantized_explore: explore with the quantized copy (else the policy in BF16);
+    preview: explore at preview_steps (else full_steps); regenerate: regenerate the selected
+    seeds with the policy and train on those (else train on the explored samples); compiled: always
+    sample through the compiled, graph-captured sampler (on GPU); all_rollouts: N must equal K.
+    """
+
+    quantized_explore: bool = False
+    preview: bool = False
+    regenerate: bool = False
+    compiled: bool = False
+    all_rollouts: bool = False
+
+
+FAMILY_TABLE: dict[str, FamilyRule] = {
+    "diffusionnft": FamilyRule(all_rollouts=True),  # K BF16 rollouts, all trained on
+    "naive_scaling": FamilyRule(),  # N BF16 rollouts -> K
+    "compile": FamilyRule(compiled=True),  # as naive_scaling, compiled + graph-captured
+    "naive_quant": FamilyRule(quantized_explore=True),  # N quantized rollouts -> K, trained on directly
+    "sol_rl": FamilyRule(quantized_explore=True, preview=True, regenerate=True),  # previews -> K regenerated
+}
+FAMILIES = tuple(FAMILY_TABLE)
 EXPLORE_PRECISIONS = ("auto", "nvfp4", "nvfp4_weight_only", "fp8", "fp8_weight_only", "bf16", "te_nvfp4")
-SD3_LORA_TARGETS = (
-    "attn.to_q",
-    "attn.to_k",
-    "attn.to_v",
-    "attn.to_out.0",
-    "attn.add_q_proj",
-    "attn.add_k_proj",
-    "attn.add_v_proj",
-    "attn.to_add_out",
-)
 
 
 class ConfigError(ValueError):
@@ -42,9 +57,15 @@ class RLConfig:
 
     name: str = "run"
     family: str = "sol_rl"
+    # the model: a family of solrl_engine.models.MODELS (tiny, sd3, flux, sana); model_path is a local
+    # pipeline directory or a hub id (None: the family's default weights); resolution in pixels
+    # (None: the family's default, the paper's: SD3.5-L 1024, FLUX 512, SANA 1024)
     model: str = "tiny"
     model_path: str | None = None
+    resolution: int | None = None
+    # a reward name or a weighted sum ("pickscore:1.0,clipscore:0.5"); reward_args as name.key=value
     reward: str = "shapes"
+    reward_args: tuple[str, ...] = ()
     train_prompts: str = "shapes/train"
     eval_prompts: str = "shapes/heldout"
     # rollout: N seeds explored per prompt, K trained on (top K/2 + bottom K/2)
@@ -54,17 +75,24 @@ class RLConfig:
     preview_steps: int = 6
     full_steps: int = 10
     solver: str = "dpm2"
-    shift: float = 1.0
-    guidance_scale: float = 1.0
+    shift: float | None = None  # sigma-schedule shift; None: the model's own schedule (its scheduler config)
+    guidance_scale: float | None = None  # None: the model's default (CFG for sd3/sana, distilled for flux)
     explore_precision: str = "auto"
-    explore_skip: tuple[str, ...] = ()  # extra layer-name patterns kept out of the explore quantization
+    # Which layers the explore copy quantizes: None takes the model's rule (models/, the paper's choice);
+    # explore_layers are include patterns, explore_skip extra patterns kept in high precision,
+    # explore_skip_max_dim keeps layers no wider than it (Sol-RL's 2432 rule; 0: off).
+    explore_layers: tuple[str, ...] | None = None
+    explore_skip: tuple[str, ...] | None = None
+    explore_skip_max_dim: int | None = None
     compiled_sampler: bool = False  # torch.compile + CUDA graphs for rollouts on GPU (always on for `compile`)
-    explore_skip_max_dim: int = 0  # Sol-RL's rule: layers no wider than this stay BF16 (2432 on SD3.5-L/SANA)
     rollout_batch_size: int = 96
+    decode_batch_size: int = 8  # images per VAE decode call (memory at 1024 px)
+    offload_text_encoders: bool = True  # move the text encoders to CPU after the prompts are encoded
+    gradient_checkpointing: bool = False  # trade compute for activation memory in the trained transformer
     # policy update (DiffusionNFT)
     lora_rank: int = 32
     lora_alpha: int = 64
-    lora_targets: tuple[str, ...] = SD3_LORA_TARGETS
+    lora_targets: tuple[str, ...] | None = None  # None: the model's default LoRA targets
     merge_lora: bool = True
     lr: float = 3e-4
     weight_decay: float = 1e-4
@@ -84,6 +112,7 @@ class RLConfig:
     eval_seeds: int = 2
     save_every: int = 5
     keep_checkpoints: int = 2
+    log_with: tuple[str, ...] = ()  # experiment trackers besides metrics.jsonl: tensorboard, wandb
     seed: int = 0
     device: str = "auto"
     policy_dtype: str = "auto"
@@ -97,14 +126,18 @@ class RLConfig:
 
         if self.family not in FAMILIES:
             raise bad("family", f"unknown family; choose one of {FAMILIES}")
+        from solrl_engine.models import MODELS
+
+        if self.model not in MODELS:
+            raise bad("model", f"unknown model family; choose one of {tuple(MODELS)}")
         if self.n < 1 or self.k < 2:
             raise bad("k", "need n >= 1 and k >= 2")
         if self.k > self.n:
             raise bad("k", f"cannot train on more seeds than are explored (n = {self.n}); set k <= n")
         if self.k % 2:
             raise bad("k", "k must be even: the top k/2 and bottom k/2 seeds are kept")
-        if self.family == "diffusionnft" and self.n != self.k:
-            raise bad("n", f"diffusionnft trains on every rollout, so n must equal k ({self.k})")
+        if FAMILY_TABLE[self.family].all_rollouts and self.n != self.k:
+            raise bad("n", f"{self.family} trains on every rollout, so n must equal k ({self.k})")
         if not 1 <= self.preview_steps <= self.full_steps:
             raise bad("preview_steps", f"must be between 1 and full_steps ({self.full_steps})")
         if self.solver not in ("euler", "dpm2"):
@@ -115,8 +148,14 @@ class RLConfig:
             raise bad("timestep_fraction", "must be in (0, 1]")
         if self.beta <= 0:
             raise bad("beta", "must be > 0 (the loss divides by it)")
-        if self.explore_skip_max_dim < 0:
+        if self.explore_skip_max_dim is not None and self.explore_skip_max_dim < 0:
             raise bad("explore_skip_max_dim", "must be >= 0 (0 quantizes layers of every width)")
+        if self.resolution is not None and self.resolution < 16:
+            raise bad("resolution", "must be a pixel size >= 16 (None: the model's default)")
+        if self.shift is not None and self.shift <= 0:
+            raise bad("shift", "must be > 0 (None: the model's own schedule)")
+        if self.guidance_scale is not None and self.guidance_scale < 0:
+            raise bad("guidance_scale", "must be >= 0 (1.0: no classifier-free guidance; None: the model's default)")
         for key in (
             "prompts_per_iter",
             "iterations",
@@ -127,11 +166,16 @@ class RLConfig:
             "lora_rank",
             "keep_checkpoints",
             "eval_seeds",
+            "decode_batch_size",
         ):
             if getattr(self, key) < 1:
                 raise bad(key, "must be >= 1")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise bad("device", "use auto, cpu, cuda or cuda:N")
+        from solrl_engine.rl.tracking import TRACKERS
+
+        if any(b not in TRACKERS for b in self.log_with):
+            raise bad("log_with", f"choose trackers from {TRACKERS} (comma-separated), or leave it empty")
         if self.policy_dtype not in ("auto", "bfloat16", "float32"):
             raise bad("policy_dtype", "use auto, bfloat16 or float32")
         return self

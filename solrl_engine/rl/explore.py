@@ -9,11 +9,12 @@ the live "old" adapter (nothing to refresh).
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import torch
 from torch import nn
 
-from solrl_engine.nn import QuantReport, quantize_model, requantize_
+from solrl_engine.nn import QuantLinear, QuantReport, quantize_model, requantize_
 from solrl_engine.quant.recipe import auto_explore_recipe, get_recipe
 from solrl_engine.rl.adapters import OLD, LoraAdapters
 
@@ -27,8 +28,16 @@ def resolve_explore_recipe(precision: str, device: torch.device) -> str:
 
 
 class ExploreCopy:
+    """The quantized twin. `changes` are QuantRecipe changes (the model family's layer rule:
+    include, extra_skip, skip_max_dim, ...); `extra_skip`/`skip_max_dim` are the older spelling."""
+
     def __init__(
-        self, base_transformer: nn.Module, recipe: str, extra_skip: tuple[str, ...] = (), skip_max_dim: int = 0
+        self,
+        base_transformer: nn.Module,
+        recipe: str,
+        extra_skip: tuple[str, ...] = (),
+        skip_max_dim: int = 0,
+        changes: dict[str, Any] | None = None,
     ) -> None:
         if any(hasattr(m, "lora_A") for m in base_transformer.modules()):
             raise RuntimeError("build the explore copy before attaching LoRA to the policy")
@@ -36,7 +45,8 @@ class ExploreCopy:
         self.transformer = copy.deepcopy(base_transformer).eval().requires_grad_(False)
         self.te = recipe == "te_nvfp4"  # Transformer Engine's NVFP4 layers, a peer to compare with
         full = get_recipe("nvfp4" if self.te else recipe)
-        full = full.with_(skip=full.skip + tuple(extra_skip), skip_max_dim=skip_max_dim)
+        rule = {"extra_skip": tuple(extra_skip), "skip_max_dim": skip_max_dim, **(changes or {})}
+        full = full.with_(**rule)
         if self.te:
             from solrl_engine.nn.te import TEAutocast, to_te_
 
@@ -64,12 +74,29 @@ class ExploreCopy:
 
     @torch.no_grad()
     def refresh(self, adapters: LoraAdapters) -> int:
-        """Write the updated "old" policy into the copy; returns the number of layers rewritten."""
+        """Write the updated "old" policy into the copy; returns the number of layers rewritten.
+
+        Every LoRA-merged weight must land somewhere: quantized layers are re-quantized, layers kept
+        in high precision get the merged weight copied in. A merged weight whose layer the copy
+        lacks (e.g. QKV projections fused on the copy) is an error, not a silent skip.
+        """
         if not self.merge:
             return 0
+        merged = adapters.merged_weights(OLD)
         if self.te:
             from solrl_engine.nn.te import refresh_te_
 
-            merged = {f"module.{k}": v for k, v in adapters.merged_weights(OLD).items()}
-            return refresh_te_(self.transformer, merged)
-        return requantize_(self.transformer, source=adapters.merged_weights(OLD), strict=False)
+            return refresh_te_(self.transformer, {f"module.{k}": v for k, v in merged.items()})
+        mods = dict(self.transformer.named_modules())
+        lost = [k for k in merged if k.removesuffix(".weight") not in mods]
+        if lost:
+            raise RuntimeError(
+                f"the explore copy has no layer for {len(lost)} LoRA-updated weight(s), e.g. {lost[:3]}: its modules "
+                "differ from the policy's (were QKV projections fused on the copy?); build the copy from the "
+                "unmodified policy transformer so every update reaches it"
+            )
+        quant = {k: v for k, v in merged.items() if isinstance(mods[k.removesuffix(".weight")], QuantLinear)}
+        for k, v in merged.items():
+            if k not in quant:
+                mods[k.removesuffix(".weight")].weight.copy_(v)
+        return requantize_(self.transformer, source=quant, strict=False) + len(merged) - len(quant)

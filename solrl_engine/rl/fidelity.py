@@ -17,59 +17,45 @@ import torch
 from tqdm.auto import tqdm
 
 from solrl_engine.data import load_prompts
-from solrl_engine.models import load_model
-from solrl_engine.rewards import load_reward
-from solrl_engine.rl.config import RLConfig, autocast_for, resolve_runtime
-from solrl_engine.rl.explore import ExploreCopy, resolve_explore_recipe
+from solrl_engine.rl.config import RLConfig
 from solrl_engine.rl.ranking import kendall, overlap, spearman
-from solrl_engine.sampling import sample
+from solrl_engine.rollout import Rollouts
 
 
 @torch.no_grad()
 def fidelity(cfg: RLConfig, prompts: int = 32, n: int = 96, k: int = 24, progress: bool = True) -> dict[str, Any]:
     if k > n or k % 2:
         raise ValueError(f"need an even k <= n; got n={n}, k={k}")
-    dev, dtype = resolve_runtime(cfg)
-    model = load_model(cfg.model, cfg.model_path, dev, dtype)
-    reward = load_reward(cfg.reward)
-    recipe = resolve_explore_recipe(cfg.explore_precision, dev)
-    explore = ExploreCopy(model.transformer, recipe, cfg.explore_skip, cfg.explore_skip_max_dim)
+    ro = Rollouts(cfg, explore=True)
+    assert ro.explore is not None
+    dev = ro.device
+    recipe = ro.explore.recipe
     pool = load_prompts(cfg.train_prompts)
     chosen = random.Random(cfg.seed).sample(pool, min(prompts, len(pool)))
     proxy_r, full_r = [], []
     t_proxy = t_full = 0.0
 
-    def timed(cond: object, seeds: list[int], steps: int, transformer: object = None) -> tuple[torch.Tensor, float]:
+    def timed(cond: Any, seeds: list[int], steps: int, transformer: Any = None) -> tuple[torch.Tensor, float]:
         t0 = time.perf_counter()
-        with autocast_for(dev):
-            x = sample(
-                model,
-                cond,
-                seeds,
-                steps,
-                cfg.shift,
-                cfg.solver,
-                batch_size=cfg.rollout_batch_size,
-                dtype=dtype,
-                transformer=transformer,
-            )
+        x = ro.sample(cond, seeds, steps, transformer=transformer, tag="explore" if transformer is not None else "")
         return x, time.perf_counter() - t0
 
     for i, p in enumerate(tqdm(chosen, disable=not progress, desc="fidelity")):
         seeds = [1000 * i + j for j in range(n)]
-        cond = model.encode_prompts([p] * n)
-        xp, dt_proxy = timed(cond, seeds, cfg.preview_steps, explore.transformer)
+        cond = ro.encode([p] * n)
+        xp, dt_proxy = timed(cond, seeds, cfg.preview_steps, ro.explore.transformer)
         xf, dt_full = timed(cond, seeds, cfg.full_steps)
         t_proxy += dt_proxy
         t_full += dt_full
-        proxy_r.append(reward(model.decode(xp), [p] * n).float().cpu())
-        full_r.append(reward(model.decode(xf), [p] * n).float().cpu())
+        proxy_r.append(ro.score(xp, [p] * n).rewards.cpu())
+        full_r.append(ro.score(xf, [p] * n).rewards.cpu())
     pr, fr = torch.stack(proxy_r), torch.stack(full_r)
     top, bottom = overlap(pr, fr, k)
     return {
         "config": cfg.name,
         "model": cfg.model,
         "explore_recipe": recipe,
+        "quantized_layers": len(ro.explore.report.quantized),
         "solver": cfg.solver,
         "preview_steps": cfg.preview_steps,
         "full_steps": cfg.full_steps,

@@ -23,15 +23,29 @@ def select_contrastive(rewards: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def group_advantages(
-    rewards: torch.Tensor, clip: float = 5.0, global_rewards: torch.Tensor | None = None
+    rewards: torch.Tensor,
+    clip: float = 5.0,
+    global_rewards: torch.Tensor | None = None,
+    prompts: list[str] | None = None,
 ) -> torch.Tensor:
     """(r - per-prompt mean) / global std over the iteration, clipped to +-clip.
 
-    rewards: [P, K] for this process's prompts. With prompts sharded over ranks, pass every rank's
-    rewards as `global_rewards` so the std is the global one.
+    rewards: [P, K] for this process's prompts. Groups are prompt texts: with `prompts` (one per
+    row), rows of the same prompt drawn twice in one iteration share one mean, as the official
+    code groups by prompt. With prompts sharded over ranks, pass every rank's rewards as
+    `global_rewards` so the std is the global one.
     """
     std = (rewards if global_rewards is None else global_rewards).float().std(unbiased=False) + 1e-4
-    adv = (rewards - rewards.mean(dim=1, keepdim=True)) / std
+    means = rewards.mean(dim=1, keepdim=True)
+    if prompts is not None:
+        if len(prompts) != rewards.shape[0]:
+            raise ValueError(f"{len(prompts)} prompts for {rewards.shape[0]} reward rows")
+        ids = torch.tensor([list(dict.fromkeys(prompts)).index(p) for p in prompts], device=rewards.device)
+        sums = torch.zeros(int(ids.max()) + 1, dtype=rewards.dtype, device=rewards.device)
+        sums.index_add_(0, ids, rewards.sum(dim=1))
+        counts = torch.bincount(ids).to(rewards.dtype) * rewards.shape[1]
+        means = (sums / counts)[ids].unsqueeze(1)
+    adv = (rewards - means) / std
     return adv.clamp(-clip, clip)
 
 

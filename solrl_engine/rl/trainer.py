@@ -24,17 +24,18 @@ import torch
 from tqdm.auto import tqdm
 
 from solrl_engine.data import load_prompts
-from solrl_engine.models import load_model
+from solrl_engine.evaluation import eval_grid, evaluate_rollouts
 from solrl_engine.models.base import Conditioning
-from solrl_engine.rewards import load_reward
 from solrl_engine.rl import checkpoint
 from solrl_engine.rl.adapters import OLD, TRAIN, LoraAdapters
-from solrl_engine.rl.config import RLConfig, autocast_for, resolve_runtime
-from solrl_engine.rl.explore import ExploreCopy, resolve_explore_recipe
+from solrl_engine.rl.config import FAMILY_TABLE, RLConfig, autocast_for
+from solrl_engine.rl.explore import ExploreCopy
+from solrl_engine.rl.export import save_lora
 from solrl_engine.rl.loss import nft_loss
 from solrl_engine.rl.ranking import group_advantages, kendall, select_contrastive, spearman
-from solrl_engine.sampling import GraphedSampler, sigma_schedule
-from solrl_engine.viz import image_grid, line_plot
+from solrl_engine.rl.tracking import Tracker
+from solrl_engine.rollout import Rollouts
+from solrl_engine.viz import line_plot
 
 log = logging.getLogger("solrl_engine.rl")
 
@@ -63,46 +64,38 @@ class PromptSampler:
         self.order = list(st["order"])
 
 
-def _repeat(cond: Conditioning, n: int) -> Conditioning:
-    return Conditioning(cond.hidden.repeat_interleave(n, 0), cond.pooled.repeat_interleave(n, 0))
-
-
 class Trainer:
     def __init__(self, cfg: RLConfig, progress: bool = True) -> None:
         self.cfg = cfg.validate()
+        self.rule = FAMILY_TABLE[cfg.family]
         self.out = Path(cfg.output or f"runs/{cfg.name}")
         self.progress = progress
-        self.device, self.dtype = resolve_runtime(cfg)
-        self.model = load_model(cfg.model, cfg.model_path, self.device, self.dtype)
-        self.model.requires_grad_(False)
-        self.reward = load_reward(cfg.reward)
         self.train_prompts = load_prompts(cfg.train_prompts)
         self.eval_prompts = load_prompts(cfg.eval_prompts)[: cfg.eval_prompt_count]
+        self.rollouts = Rollouts(cfg, explore=self.rule.quantized_explore)
+        self.model, self.device, self.dtype = self.rollouts.model, self.rollouts.device, self.rollouts.dtype
+        self.reward = self.rollouts.reward
         self.reward(torch.zeros(1, 3, 8, 8), self.train_prompts[:1])  # fail early on prompts the reward rejects
-        self.explore: ExploreCopy | None = None
-        if cfg.family in ("naive_quant", "sol_rl"):
-            recipe = resolve_explore_recipe(cfg.explore_precision, self.device)
-            self.explore = ExploreCopy(self.model.transformer, recipe, cfg.explore_skip, cfg.explore_skip_max_dim)
+        self.explore: ExploreCopy | None = self.rollouts.explore
+        spec = self.rollouts.spec
+        targets = spec.lora_targets if cfg.lora_targets is None else cfg.lora_targets
         with torch.random.fork_rng(devices=[]):  # the LoRA init depends on cfg.seed only
             torch.manual_seed(cfg.seed)
-            self.adapters = LoraAdapters(self.model.transformer, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
+            self.adapters = LoraAdapters(self.model.transformer, cfg.lora_rank, cfg.lora_alpha, targets)
         for p in self.adapters.params(TRAIN) + self.adapters.params(OLD):
             p.data = p.data.float()  # LoRA and its optimizer state in FP32; the base stays in policy dtype
         self.adapters.ema = [e.float() for e in self.adapters.ema]
+        if cfg.gradient_checkpointing:
+            self.model.transformer.enable_gradient_checkpointing()
         if self.explore is not None:
             self.explore.attach(self.adapters, merge=cfg.merge_lora)
-        # `compile` (and sol_rl by default) sample through torch.compile + one CUDA graph per batch
-        # shape; the graphs read the weights in place, so updates need no re-capture.
-        graphed = cfg.family == "compile" or cfg.compiled_sampler
-        if graphed and self.device.type != "cuda":
-            log.info("compiled sampler: needs a CUDA device; sampling eagerly on %s.", self.device.type)
-        self.sampler = GraphedSampler(self.model, enabled=graphed and self.device.type == "cuda")
         self.opt = torch.optim.AdamW(self.adapters.params(TRAIN), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.prompt_sampler = PromptSampler(self.train_prompts, cfg.seed)
         self.seed_rng = random.Random(cfg.seed + 1)
         self.gen = torch.Generator().manual_seed(cfg.seed + 2)
         self.iteration = 0
-        self.evals: list[tuple[int, float]] = []
+        self.evals: list[tuple[int, float, float]] = []  # (iteration, mean, standard error)
+        self.tracker: Tracker | None = None
 
     # --- rollouts ----------------------------------------------------------------------------------
 
@@ -113,64 +106,58 @@ class Trainer:
         self, cond: Conditioning, seeds: list[int], steps: int, transformer: Any = None, tag: str = OLD
     ) -> torch.Tensor:
         """Rollouts of the policy (`tag` = its active adapter) or of the explore copy."""
-        c = self.cfg
-        with self._autocast():
-            return self.sampler.sample(
-                cond,
-                seeds,
-                steps,
-                shift=c.shift,
-                solver=c.solver,
-                batch_size=c.rollout_batch_size,
-                dtype=self.dtype,
-                transformer=transformer,
-                tag=tag,
-            )
+        return self.rollouts.sample(cond, seeds, steps, transformer=transformer, tag=tag)
 
-    def _score(self, x0: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-        return self.reward(self.model.decode(x0), prompts).float().to(self.device)
+    def _score(self, x0: torch.Tensor, prompts: list[str]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        scored = self.rollouts.score(x0, prompts)
+        return scored.rewards, scored.components
 
     # --- one iteration -----------------------------------------------------------------------------
 
     def step(self) -> dict[str, Any]:
-        c = self.cfg
+        c, rule = self.cfg, self.rule
         t0 = time.perf_counter()
         prompts = self.prompt_sampler.next(c.prompts_per_iter)
         seeds = [[self.seed_rng.randrange(2**31) for _ in range(c.n)] for _ in prompts]
-        with torch.no_grad():
-            cond = self.model.encode_prompts(prompts)
+        cond = self.rollouts.encode(prompts)
         flat_prompts = [p for p in prompts for _ in range(c.n)]
 
         # 1. explore: N seeds per prompt, quantized previews (sol_rl, naive_quant) or the BF16 policy
+        steps = c.preview_steps if rule.preview else c.full_steps
+        all_cond, all_seeds = cond.repeat_interleave(c.n), sum(seeds, [])
         if self.explore is not None:
-            steps = c.preview_steps if c.family == "sol_rl" else c.full_steps
-            x_all = self._sample(_repeat(cond, c.n), sum(seeds, []), steps, self.explore.transformer, tag="explore")
+            x_all = self._sample(all_cond, all_seeds, steps, self.explore.transformer, "explore")
         else:
             with self.adapters.using(OLD):
-                x_all = self._sample(_repeat(cond, c.n), sum(seeds, []), c.full_steps)
-        r_all = self._score(x_all, flat_prompts).view(len(prompts), c.n)
+                x_all = self._sample(all_cond, all_seeds, steps)
+        r_all, comps = self._score(x_all, flat_prompts)
+        r_all = r_all.view(len(prompts), c.n)
         t1 = time.perf_counter()
 
         # 2. select the top K/2 and bottom K/2 seeds by (proxy) reward
         idx = select_contrastive(r_all, c.k)
         sel_seeds = [[s[i] for i in row] for s, row in zip(seeds, idx.tolist(), strict=True)]
         sel_prompts = [p for p in prompts for _ in range(c.k)]
-        sel_cond = _repeat(cond, c.k)
+        sel_cond = cond.repeat_interleave(c.k)
         proxy = r_all.gather(1, idx)
 
         # 3. regenerate the selected seeds in BF16 at the full step budget (sol_rl only)
-        if c.family == "sol_rl":
+        if rule.regenerate:
             with self.adapters.using(OLD):
                 x0 = self._sample(sel_cond, sum(sel_seeds, []), c.full_steps)
-            rewards = self._score(x0, sel_prompts).view(len(prompts), c.k)
+            rewards, comps = self._score(x0, sel_prompts)
+            rewards = rewards.view(len(prompts), c.k)
         else:
             rows = torch.arange(len(prompts), device=idx.device)[:, None]
             x0 = x_all.view(len(prompts), c.n, *x_all.shape[1:])[rows, idx].flatten(0, 1)
             rewards = proxy
+            flat_idx = (rows.cpu() * c.n + idx.cpu()).flatten()
+            comps = {k: v[flat_idx] for k, v in comps.items()}
         t2 = time.perf_counter()
 
-        # 4. update the policy on the selected samples, advantages from their (BF16) rewards
-        adv = group_advantages(rewards, c.adv_clip).flatten()
+        # 4. update the policy on the selected samples, advantages from their (BF16) rewards,
+        #    grouped by prompt text
+        adv = group_advantages(rewards, c.adv_clip, prompts=prompts).flatten()
         stats = self._update(x0, sel_cond, adv)
 
         # 5. refresh the explore copy with the new "old" policy, in place
@@ -179,15 +166,17 @@ class Trainer:
         t3 = time.perf_counter()
 
         self.iteration += 1
+        proxy_stats = rule.regenerate and self.explore is not None
         m: dict[str, Any] = {
             "iter": self.iteration,
             "family": c.family,
             "reward_mean": rewards.mean().item(),
             "reward_std": rewards.std().item(),
+            **({f"reward_{k}_mean": v.mean().item() for k, v in comps.items()} if len(comps) > 1 else {}),
             "explore_reward_mean": r_all.mean().item(),
             "proxy_reward_mean": proxy.mean().item() if self.explore is not None else None,
-            "proxy_spearman": spearman(proxy, rewards).mean().item() if c.family == "sol_rl" else None,
-            "proxy_kendall": kendall(proxy, rewards).mean().item() if c.family == "sol_rl" else None,
+            "proxy_spearman": spearman(proxy, rewards).mean().item() if proxy_stats else None,
+            "proxy_kendall": kendall(proxy, rewards).mean().item() if proxy_stats else None,
             "time_explore_s": t1 - t0,
             "time_regen_s": t2 - t1,
             "time_train_s": t3 - t2,
@@ -199,7 +188,7 @@ class Trainer:
     def _update(self, x0: torch.Tensor, cond: Conditioning, adv: torch.Tensor) -> dict[str, float]:
         """One optimizer step over all samples x the chosen rollout timesteps (gradient accumulation)."""
         c = self.cfg
-        sig = sigma_schedule(c.full_steps, c.shift)[:-1]  # the rollout times, t in (0, 1]
+        sig = self.rollouts.training_sigmas()  # the rollout times, t in (0, 1]
         n_t = max(1, int(c.full_steps * c.timestep_fraction))
         b = x0.shape[0]
         perms = torch.stack([torch.randperm(c.full_steps, generator=self.gen)[:n_t] for _ in range(b)])
@@ -228,7 +217,7 @@ class Trainer:
         gn = torch.nn.utils.clip_grad_norm_(self.adapters.params(TRAIN), c.grad_clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        self.adapters.update_ema(self.iteration, c.ema_decay_max)
+        self.adapters.update_ema(self.iteration + 1, c.ema_decay_max)  # the update count after this update
         d = self.adapters.update_old(self.iteration + 1, c.old_decay_rate, c.old_decay_max)
         return {**totals, "grad_norm": float(gn), "old_decay": d}
 
@@ -236,21 +225,20 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean reward on the held-out prompts with the EMA adapter; writes an image grid."""
+        """Mean reward on the held-out prompts with the EMA adapter (fixed seeds 0 .. eval_seeds - 1);
+        writes an image grid with each image's prompt and reward."""
         c = self.cfg
-        ps = [p for p in self.eval_prompts for _ in range(c.eval_seeds)]
-        seeds = [j for _ in self.eval_prompts for j in range(c.eval_seeds)]
         with self.adapters.ema_weights():
-            x0 = self._sample(self.model.encode_prompts(ps), seeds, c.full_steps, tag=TRAIN)
-        images = self.model.decode(x0)
-        r = self.reward(images, ps).float()
-        pick = list(range(0, len(ps), c.eval_seeds))[:16]
-        head = f"iter {self.iteration}: held-out reward {r.mean().item():.3f} (EMA adapter)"
-        image_grid(images[pick], [f"{v:.2f}" for v in r[pick].tolist()], ncol=8, header=head).save(
-            self.out / f"eval_{self.iteration:05d}.png"
-        )
-        self.evals.append((self.iteration, r.mean().item()))
-        return r.mean().item()
+            res = evaluate_rollouts(self.rollouts, self.eval_prompts, c.eval_seeds, tag=TRAIN)
+        mean, sem = res.mean, res.stderr
+        n = len(res.rewards)
+        head = f"iter {self.iteration}: held-out reward {mean:.3f} +- {sem:.3f} (EMA adapter, {n} images)"
+        grid = eval_grid(res, c.eval_seeds, head)
+        grid.save(self.out / f"eval_{self.iteration:05d}.png")
+        if self.tracker is not None:
+            self.tracker.image("eval/grid", grid, self.iteration)
+        self.evals.append((self.iteration, mean, sem))
+        return mean
 
     def _state(self) -> dict[str, Any]:
         return {
@@ -271,15 +259,24 @@ class Trainer:
         self.prompt_sampler.load_state(st["prompts"])
         self.seed_rng.setstate(st["seed_rng"])
         self.gen.set_state(st["gen"])
-        self.evals = [tuple(e) for e in st["evals"]]
+        self.evals = [tuple(e) for e in st["evals"]]  # type: ignore[misc]
         if self.explore is not None:
             self.explore.refresh(self.adapters)
 
     def _plot(self, history: list[dict[str, Any]]) -> None:
         series = {"train reward (BF16 samples)": ([h["iter"] for h in history], [h["reward_mean"] for h in history])}
+        bands = {}
         if self.evals:
-            series["held-out reward (EMA)"] = ([i for i, _ in self.evals], [v for _, v in self.evals])
-        line_plot(self.out / "reward.png", series, f"{self.cfg.name}", "iteration", f"{self.cfg.reward} reward")
+            name = "held-out reward (EMA)"
+            series[name] = ([e[0] for e in self.evals], [e[1] for e in self.evals])
+            bands[name] = [e[2] for e in self.evals]
+        line_plot(self.out / "reward.png", series, f"{self.cfg.name}", "iteration", f"{self.cfg.reward} reward", bands)
+
+    def export(self) -> None:
+        """The trained adapter and its EMA as diffusers LoRA directories: OUT/lora, OUT/lora_ema."""
+        pipeline = self.rollouts.spec.pipeline
+        save_lora(self.adapters, self.out / "lora", pipeline)
+        save_lora(self.adapters, self.out / "lora_ema", pipeline, ema=True)
 
     def run(self, resume: bool = False) -> dict[str, Any]:
         """Train for cfg.iterations; with `resume`, continue from the newest complete checkpoint."""
@@ -288,6 +285,7 @@ class Trainer:
         metrics_path = self.out / "metrics.jsonl"
         history: list[dict[str, Any]] = []
         ck = checkpoint.latest(self.out / "checkpoints") if resume else None
+        self.tracker = Tracker(self.out, c.log_with, c.name, dataclasses.asdict(c))
         if ck is not None:
             self._restore(checkpoint.load(ck))
             if metrics_path.exists():  # drop records written after the checkpoint
@@ -304,21 +302,30 @@ class Trainer:
             m = self.step()
             if self.iteration % c.eval_every == 0 or self.iteration == c.iterations:
                 m["heldout_reward"] = self.evaluate()
+                m["heldout_stderr"] = self.evals[-1][2]
             history.append(m)
             with metrics_path.open("a") as f:
                 f.write(json.dumps(m) + "\n")
+            self.tracker.log(m, self.iteration)
             self._plot(history)
             if self.iteration % c.save_every == 0 or self.iteration == c.iterations:
                 checkpoint.save(self.out / "checkpoints", self.iteration, self._state(), c.keep_checkpoints)
+                self.export()
             bar.update(1)
             bar.set_postfix(reward=f"{m['reward_mean']:.3f}", heldout=f"{self.evals[-1][1]:.3f}")
         bar.close()
+        if not (self.out / "lora").exists():  # e.g. resumed at the end: the adapter is still exported
+            self.export()
+        self.tracker.close()
         summary = {
             "name": c.name,
             "family": c.family,
             "iterations": self.iteration,
             "heldout_reward_start": self.evals[0][1] if self.evals and self.evals[0][0] == 0 else None,
             "heldout_reward_final": self.evals[-1][1] if self.evals else None,
+            "heldout_stderr_final": self.evals[-1][2] if self.evals else None,
+            "lora": str(self.out / "lora"),
+            "lora_ema": str(self.out / "lora_ema"),
             "explore_recipe": self.explore.recipe if self.explore else "bf16",
             "mean_time_total_s": sum(h["time_total_s"] for h in history) / max(1, len(history)),
         }

@@ -1,0 +1,146 @@
+"""Real pipelines end to end: tiny random-weight SD3 / FLUX / SANA pipelines of the real diffusers
+classes (tests/tiny_pipelines.py), saved with save_pretrained and loaded through the same
+`from_pretrained` code a user's weights go through; `solrl train` on each for two sol_rl
+iterations with a tiny CLIPModel as the clipscore reward; the exported LoRA loaded into the stock
+pipeline."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_pipelines import SIZES, build_clip_reward, build_flux, build_sana, build_sd3
+
+from solrl_engine.cli import load_lora_into, main
+from solrl_engine.models import load_model, model_spec
+from solrl_engine.rl.explore import ExploreCopy
+
+BUILDERS = {"sd3": build_sd3, "flux": build_flux, "sana": build_sana}
+PRESET = {"sd3": "configs/sd3.py:sd3_sol_rl_clipscore", "flux": "configs/flux1.py:flux1_sol_rl_clipscore",
+          "sana": "configs/sana.py:sana_sol_rl_clipscore"}  # fmt: skip
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def pipes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("pipes")
+    out = {name: build(root / name) for name, build in BUILDERS.items()}
+    out["clip"] = build_clip_reward(root / "clip")
+    return out
+
+
+def _tiny_run(name: str, pipes: dict[str, Path], out: Path, family: str = "sol_rl") -> list[str]:
+    return [
+        f"model_path={pipes[name]}", f"resolution={SIZES[name]}", f"reward_args=clipscore.model={pipes['clip']}",
+        f"family={family}", "n=4", "k=2", "prompts_per_iter=2", "iterations=2", "preview_steps=1", "full_steps=2",
+        "eval_prompt_count=2", "eval_seeds=1", "eval_every=2", "save_every=1", "rollout_batch_size=8",
+        "train_batch_size=4", "lora_rank=4", "lora_alpha=8", "lr=1e-2", "explore_precision=nvfp4", "device=cpu",
+        "decode_batch_size=3",
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_solrl_train_on_a_saved_pipeline_and_load_its_lora_into_the_stock_pipeline(name, pipes, tmp_path):
+    out = tmp_path / "run"
+    args = ["train", str(ROOT / PRESET[name]), "--output", str(out)]
+    for s in _tiny_run(name, pipes, out):
+        args += ["--set", s]
+    assert main(args) == 0
+    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iter"] for r in recs] == [1, 2]
+    assert all(r["proxy_spearman"] is not None and r["loss"] == r["loss"] for r in recs)
+    assert "heldout_reward" in recs[-1] and (out / "eval_00002.png").exists()
+    quant = (out / "quantization.txt").read_text()
+    assert "quantized" in quant
+    for d in ("lora", "lora_ema"):
+        assert (out / d / "pytorch_lora_weights.safetensors").exists()
+
+    import diffusers
+
+    spec = model_spec(name)
+    pipe = getattr(diffusers, spec.pipeline).from_pretrained(pipes[name], torch_dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    kw = {"use_resolution_binning": False} if name == "sana" else {}
+
+    def images() -> torch.Tensor:
+        g = torch.Generator().manual_seed(0)
+        return pipe("a red apple", num_inference_steps=2, height=SIZES[name], width=SIZES[name], generator=g,
+                    output_type="pt", guidance_scale=1.0, **kw).images  # fmt: skip
+
+    before = images()
+    pipe.load_lora_weights(out / "lora")
+    after = images()
+    assert before.shape == after.shape and torch.isfinite(after).all()
+    assert (after - before).abs().max() > 1e-4  # the trained adapter changes what the stock pipeline draws
+    scaling = {v for m in pipe.transformer.modules() if hasattr(m, "scaling") for v in m.scaling.values()}
+    assert scaling == {2.0}  # alpha / rank = 8 / 4 travelled with the weights
+
+
+def test_exported_lora_reproduces_the_policy_in_the_stock_transformer(pipes, tmp_path):
+    """The exported EMA adapter, loaded by diffusers, gives the trainer's EMA velocity exactly."""
+    from solrl_engine.rl.config import load_config
+    from solrl_engine.rl.trainer import Trainer
+
+    cfg = load_config(str(ROOT / PRESET["sd3"]), _tiny_run("sd3", pipes, tmp_path) + [f"output={tmp_path}"])
+    tr = Trainer(cfg, progress=False)
+    tr.step()
+    tr.export()
+    x = torch.randn(2, *tr.model.latent_shape)
+    cond = tr.model.encode_prompts(["a red apple", "a blue cup"])
+    t = torch.tensor([0.7, 0.3])
+    with torch.no_grad(), tr.adapters.ema_weights():
+        want = tr.model.velocity(x, t, cond)
+    fresh = load_model("sd3", pipes["sd3"], dtype=torch.float32, resolution=SIZES["sd3"])
+    load_lora_into(fresh.transformer, str(tmp_path / "lora_ema"))  # what `solrl eval --lora` does
+    with torch.no_grad():
+        got = fresh.velocity(x, t, cond)
+        plain = load_model("sd3", pipes["sd3"], dtype=torch.float32, resolution=SIZES["sd3"]).velocity(x, t, cond)
+    assert (want - plain).abs().max() > 1e-5  # the adapter is not a no-op ...
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # ... and it survives export and reload
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_explore_copy_quantizes_the_family_rule(name, pipes):
+    model = load_model(name, pipes[name], dtype=torch.float32, resolution=SIZES[name])
+    spec = model_spec(name)
+    ex = ExploreCopy(model.transformer, "nvfp4", changes=spec.explore_rule)
+    q = ex.report.quantized
+    assert q, ex.report
+    if name == "sd3":
+        assert all(n.startswith("transformer_blocks.") and ".ff." in n for n in q)
+    if name == "sana":
+        assert any(n.endswith("ff.conv_inverted") for n in q) and any(n.endswith("ff.conv_point") for n in q)
+        assert any(n.endswith("attn2.to_k") for n in q) and not any(".attn1." in n for n in q)
+    if name == "flux":
+        assert any(n.startswith("single_transformer_blocks.") and n.endswith("proj_out") for n in q)
+        assert not any(n.endswith("norm.linear") or n == "proj_out" for n in q)
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_the_model_follows_the_pipeline_schedule_latents_and_decode(name, pipes):
+    """Our sampler with the pipeline's scheduler sigmas and Euler equals the stock pipeline's output."""
+    import diffusers
+
+    from solrl_engine.sampling import sample
+
+    model = load_model(name, pipes[name], dtype=torch.float32, resolution=SIZES[name])
+    pipe = model.pipe
+    if name == "sana":
+        pipe.scheduler = diffusers.FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config, shift=3.0)
+    steps = 3
+    cond = model.encode_prompts(["a red apple"])
+    ours = model.decode(sample(model, cond, [7], steps, solver="euler"))
+    kw = {"use_resolution_binning": False} if name == "sana" else {}
+    g = torch.Generator().manual_seed(7)
+    stock = pipe("a red apple", num_inference_steps=steps, height=SIZES[name], width=SIZES[name], generator=g,
+                 output_type="pt", guidance_scale=1.0 if name != "flux" else 3.5, **kw).images  # fmt: skip
+    torch.testing.assert_close(ours, stock.float(), rtol=1e-4, atol=1e-4)
+
+
+def test_missing_model_path_fails_with_the_path_and_no_traceback(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["train", str(ROOT / PRESET["sd3"]), "--output", str(tmp_path / "o"),
+              "--set", f"model_path={tmp_path / 'nope'}"])  # fmt: skip
+    assert str(tmp_path / "nope") in str(e.value) and "does not exist" in str(e.value)
