@@ -144,3 +144,38 @@ def test_missing_model_path_fails_with_the_path_and_no_traceback(tmp_path, capsy
         main(["train", str(ROOT / PRESET["sd3"]), "--output", str(tmp_path / "o"),
               "--set", f"model_path={tmp_path / 'nope'}"])  # fmt: skip
     assert str(tmp_path / "nope") in str(e.value) and "does not exist" in str(e.value)
+
+
+def test_solrl_eval_and_sample_with_a_trained_lora_and_tensorboard_logs(pipes, tmp_path, capsys):
+    out = tmp_path / "run"
+    sets = _tiny_run("sana", pipes, out) + ["log_with=tensorboard", "iterations=1", "eval_every=1"]
+    args = ["train", str(ROOT / PRESET["sana"]), "--output", str(out)]
+    for s in sets:
+        args += ["--set", s]
+    assert main(args) == 0
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))  # scalars and the eval grid
+    common = [f"--set={s}" for s in _tiny_run("sana", pipes, out)]
+    ev = tmp_path / "eval"
+    assert main(["eval", str(ROOT / PRESET["sana"]), "--lora", str(out / "lora_ema"), "--prompts", "sample/test",
+                 "--max-prompts", "3", "--seeds", "2", "--output", str(ev), *common]) == 0  # fmt: skip
+    res = json.loads((ev / "eval.json").read_text())
+    assert res["n"] == 6 and res["reward_stderr"] >= 0 and (ev / "grid.png").exists()
+    assert len((ev / "samples.jsonl").read_text().splitlines()) == 6
+    base = tmp_path / "base"
+    assert main(["eval", str(ROOT / PRESET["sana"]), "--prompts", "sample/test", "--max-prompts", "3",
+                 "--seeds", "2", "--output", str(base), *common]) == 0  # fmt: skip
+    assert json.loads((base / "eval.json").read_text())["reward_mean"] != res["reward_mean"]  # the LoRA is used
+    grid = tmp_path / "g.png"
+    assert main(["sample", "--config", str(ROOT / PRESET["sana"]), *common, "--lora", str(out / "lora"),
+                 "--prompt", "a red apple", "--seeds", "0-1", "--out", str(grid)]) == 0  # fmt: skip
+    assert grid.exists()
+    with pytest.raises(SystemExit, match="pytorch_lora_weights"):
+        main(["eval", str(ROOT / PRESET["sana"]), "--lora", str(tmp_path), *common])
+
+
+def test_a_missing_reward_weight_fails_before_the_model_loads(pipes, tmp_path):
+    args = ["train", str(ROOT / PRESET["sd3"]), "--output", str(tmp_path / "o")]
+    for s in _tiny_run("sd3", pipes, tmp_path) + [f"reward_args=clipscore.model={tmp_path / 'no-clip'}"]:
+        args += ["--set", s]
+    with pytest.raises(SystemExit, match="no-clip"):
+        main(args)

@@ -88,7 +88,14 @@ class ExploreCopy:
 
             return refresh_te_(self.transformer, {f"module.{k}": v for k, v in merged.items()})
         mods = dict(self.transformer.named_modules())
-        lost = [k for k in merged if k.removesuffix(".weight") not in mods]
+        fused = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj")
+
+        def unreachable(key: str) -> bool:  # no such layer, or one that a fused QKV projection bypasses
+            name = key.removesuffix(".weight")
+            parent, _, leaf = name.rpartition(".")
+            return name not in mods or (leaf in fused and getattr(mods.get(parent), "fused_projections", False))
+
+        lost = [k for k in merged if unreachable(k)]
         if lost:
             raise RuntimeError(
                 f"the explore copy has no layer for {len(lost)} LoRA-updated weight(s), e.g. {lost[:3]}: its modules "
