@@ -4,6 +4,14 @@ Never imports Triton or the extension directly: all numerics go through solrl_en
 """
 
 from solrl_engine.nn.quant_linear import QuantConv1x1, QuantLinear
-from solrl_engine.nn.quantize import LayerDecision, QuantReport, quantize_model, requantize_
+from solrl_engine.nn.quantize import LayerDecision, QuantReport, plan_quantization, quantize_model, requantize_
 
-__all__ = ["QuantConv1x1", "QuantLinear", "QuantReport", "LayerDecision", "quantize_model", "requantize_"]
+__all__ = [
+    "QuantConv1x1",
+    "QuantLinear",
+    "QuantReport",
+    "LayerDecision",
+    "plan_quantization",
+    "quantize_model",
+    "requantize_",
+]

@@ -118,19 +118,9 @@ def _dims(m: nn.Module) -> tuple[int, int]:
     return (m.in_features, m.out_features) if isinstance(m, nn.Linear) else (m.in_channels, m.out_channels)
 
 
-@torch.no_grad()
-def quantize_model(model: nn.Module, recipe: str | QuantRecipe = "nvfp4", keep_master: bool = False) -> QuantReport:
-    """Replace eligible nn.Linear layers of `model` by QuantLinear, in place; report every decision.
-
-    `recipe` is a QuantRecipe or a name from solrl_engine.quant.RECIPES ("nvfp4", "fp8", ...).
-    With `keep_master=True` each QuantLinear remembers the nn.Linear weight it came from, so that
-    `requantize_(model)` can refresh it after that weight is updated.
-    """
-    recipe = get_recipe(recipe)
-    if isinstance(model, nn.Linear):
-        raise TypeError("quantize_model replaces Linear layers inside a model; wrap a lone Linear in nn.Sequential.")
+def _plan(model: nn.Module, recipe: QuantRecipe) -> tuple[QuantReport, list[tuple[nn.Module, str, nn.Module]]]:
     report = QuantReport(recipe)
-    targets: list[tuple[nn.Module, str, nn.Linear, str]] = []
+    targets: list[tuple[nn.Module, str, nn.Module]] = []
     for parent_name, parent in model.named_modules():
         for child_name, child in parent.named_children():
             conv = recipe.convs_1x1 and is_conv1x1(child)
@@ -142,8 +132,29 @@ def quantize_model(model: nn.Module, recipe: str | QuantRecipe = "nvfp4", keep_m
             kind = "conv1x1" if conv else "linear"
             report.layers.append(LayerDecision(name, in_f, out_f, why is None, why or recipe.name, kind))
             if why is None:
-                targets.append((parent, child_name, child, name))
-    for parent, child_name, child, _ in targets:
+                targets.append((parent, child_name, child))
+    return report, targets
+
+
+def plan_quantization(model: nn.Module, recipe: str | QuantRecipe = "nvfp4") -> QuantReport:
+    """What quantize_model would do, without touching the model (works on the meta device: sizes
+    of a 12B model's explore copy cost no memory)."""
+    return _plan(model, get_recipe(recipe))[0]
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module, recipe: str | QuantRecipe = "nvfp4", keep_master: bool = False) -> QuantReport:
+    """Replace eligible nn.Linear layers of `model` by QuantLinear, in place; report every decision.
+
+    `recipe` is a QuantRecipe or a name from solrl_engine.quant.RECIPES ("nvfp4", "fp8", ...).
+    With `keep_master=True` each QuantLinear remembers the nn.Linear weight it came from, so that
+    `requantize_(model)` can refresh it after that weight is updated.
+    """
+    recipe = get_recipe(recipe)
+    if isinstance(model, nn.Linear):
+        raise TypeError("quantize_model replaces Linear layers inside a model; wrap a lone Linear in nn.Sequential.")
+    report, targets = _plan(model, recipe)
+    for parent, child_name, child in targets:
         cls = QuantConv1x1 if isinstance(child, nn.Conv2d) else QuantLinear
         setattr(parent, child_name, cls.from_linear(child, recipe, keep_master=keep_master))
     return report

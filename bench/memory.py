@@ -1,0 +1,78 @@
+"""Weight memory per model family: the trained transformer in BF16, its explore copy under the
+family's layer rule (NVFP4 layers at 4.5 bits per weight with scales, the rest in BF16), the LoRA,
+and the text encoders that `offload_text_encoders` moves to the CPU between prompt encodes.
+
+Transformer sizes are counted on the meta device from the published configs (no memory, no
+download); text-encoder and VAE sizes are the published parameter counts. Activations and the
+optimizer's LoRA state come on top (small LoRA; activations depend on batch sizes and resolution).
+
+    python bench/memory.py            # prints a table, writes bench/results/<date>-memory.json
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from pathlib import Path
+
+import torch
+
+from solrl_engine.models import model_spec
+from solrl_engine.nn import plan_quantization
+from solrl_engine.quant.recipe import get_recipe
+
+# published parameter counts (billions) of the parts we do not build here
+TEXT_ENCODERS = {"sd3": {"CLIP-L": 0.124, "CLIP-G": 0.695, "T5-XXL encoder": 4.76},
+                 "flux": {"CLIP-L": 0.123, "T5-XXL encoder": 4.76}, "sana": {"Gemma-2-2B": 2.61}}  # fmt: skip
+VAE = {"sd3": 0.084, "flux": 0.084, "sana": 0.312}
+
+
+def family_memory(name: str, lora_rank: int = 32) -> dict[str, float]:
+    import diffusers
+
+    spec = model_spec(name)
+    mod = __import__(f"solrl_engine.models.{name}", fromlist=["x"])
+    adapter = next(v for v in vars(mod).values() if isinstance(v, type) and getattr(v, "FULL_CONFIG", None))
+    with torch.device("meta"):
+        net = getattr(diffusers, adapter.TRANSFORMER_CLASS)(**adapter.FULL_CONFIG)
+    params = sum(p.numel() for p in net.parameters())
+    rep = plan_quantization(net, get_recipe("nvfp4").with_(**spec.explore_rule))
+    q = sum(d.in_features * d.out_features for d in rep.layers if d.quantized)
+    lora = 0
+    for n, m in net.named_modules():
+        if any(n.endswith(t) for t in spec.lora_targets) and hasattr(m, "in_features"):
+            lora += lora_rank * (m.in_features + m.out_features)
+    gib = 2**30
+    return {
+        "transformer_params_b": params / 1e9,
+        "policy_bf16_gib": 2 * params / gib,
+        "explore_quantized_params_b": q / 1e9,
+        "explore_quantized_share": q / params,
+        "explore_copy_gib": (2 * (params - q) + q * (0.5 + 1 / 16)) / gib,
+        "lora_params_m": lora / 1e6,
+        "lora_train_old_ema_fp32_with_adam_gib": 4 * lora * (3 + 2) / gib,
+        "text_encoders_bf16_gib": 2e9 * sum(TEXT_ENCODERS[name].values()) / gib,
+        "vae_bf16_gib": 2e9 * VAE[name] / gib,
+        "quantized_layers": len(rep.quantized),
+        "linear_layers": len(rep.layers),
+    }
+
+
+def main() -> None:
+    rows = {n: family_memory(n) for n in ("sd3", "flux", "sana")}
+    for n, r in rows.items():
+        parts = ("policy_bf16_gib", "explore_copy_gib", "lora_train_old_ema_fp32_with_adam_gib", "vae_bf16_gib")
+        resident = sum(r[p] for p in parts)
+        r["resident_weights_gib_text_offloaded"] = resident
+        r["resident_weights_gib_text_on_gpu"] = resident + r["text_encoders_bf16_gib"]
+        print(f"{n:5s} transformer {r['transformer_params_b']:.2f}B: policy {r['policy_bf16_gib']:.1f} GiB, "
+              f"explore copy {r['explore_copy_gib']:.1f} GiB ({100 * r['explore_quantized_share']:.0f}% of weights "
+              f"in NVFP4), text encoders {r['text_encoders_bf16_gib']:.1f} GiB (offloaded), resident {resident:.1f}")
+    out = Path(__file__).parent / "results" / f"{dt.date.today()}-memory.json"
+    what = "weight memory per family (estimates from configs; no GPU)"
+    out.write_text(json.dumps({"what": what, "rows": rows}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
