@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from solrl_engine.models import ModelSpec, load_model, model_spec
-from solrl_engine.models.base import Conditioning
-from solrl_engine.rewards import check_reward, load_reward, parse_reward_args
+from solrl_engine.models.base import Conditioning, FlowModel
+from solrl_engine.rewards import RewardFn, check_reward, load_reward, parse_reward_args
 from solrl_engine.rl.config import RLConfig, autocast_for, resolve_runtime
 from solrl_engine.sampling import GraphedSampler
 
@@ -50,24 +50,38 @@ class Scored:
 class Rollouts:
     """Build once from a config; see the module docstring."""
 
-    def __init__(self, cfg: RLConfig, explore: bool = False) -> None:
+    def __init__(
+        self,
+        cfg: RLConfig,
+        explore: bool = False,
+        model: FlowModel | None = None,
+        reward: RewardFn | None = None,
+    ) -> None:
+        """`model` and `reward` given: use those (a caller's pipeline, wrapped; any reward callable)
+        instead of loading what the config names."""
         self.cfg = cfg
         self.spec = model_spec(cfg.model)
         self.reward_args = parse_reward_args(cfg.reward_args)
-        check_reward(cfg.reward, self.reward_args)  # a missing weight fails here, before any model loads
-        self.device, self.dtype = resolve_runtime(cfg)
-        self.model = load_model(
-            cfg.model,
-            cfg.model_path,
-            self.device,
-            self.dtype,
-            resolution=cfg.resolution,
-            offload_text_encoders=cfg.offload_text_encoders,
-            decode_batch_size=cfg.decode_batch_size,
-            guidance_scale=self._guidance() if self.spec.guidance == "embedded" else None,
-        )
-        self.model.requires_grad_(False)
-        self.reward = load_reward(cfg.reward, self.reward_args)
+        if reward is None:
+            check_reward(cfg.reward, self.reward_args)  # a missing weight fails here, before any model loads
+        if model is None:
+            self.device, self.dtype = resolve_runtime(cfg)
+            model = load_model(
+                cfg.model,
+                cfg.model_path,
+                self.device,
+                self.dtype,
+                resolution=cfg.resolution,
+                offload_text_encoders=cfg.offload_text_encoders,
+                decode_batch_size=cfg.decode_batch_size,
+                guidance_scale=self._guidance() if self.spec.guidance == "embedded" else None,
+            )
+            model.requires_grad_(False)
+        else:
+            p = next(model.transformer.parameters())
+            self.device, self.dtype = p.device, p.dtype
+        self.model = model
+        self.reward = load_reward(cfg.reward, self.reward_args) if reward is None else reward
         self.explore = None
         if explore:
             from solrl_engine.rl.explore import ExploreCopy, resolve_explore_recipe
@@ -150,7 +164,7 @@ class Rollouts:
         if not isinstance(r, torch.Tensor) or r.shape != (len(prompts),) or not r.is_floating_point():
             got = f"{type(r).__name__} {tuple(r.shape)} {r.dtype}" if isinstance(r, torch.Tensor) else type(r).__name__
             raise TypeError(f"reward {self.cfg.reward!r} returned {got}; it must return a float Tensor[{len(prompts)}]")
-        comps = getattr(self.reward, "last_components", None) or {self.cfg.reward: r}
+        comps = getattr(self.reward, "last_components", None) or {"reward": r.detach()}
         return Scored(images, r.float().to(self.device), {k: v.float().cpu() for k, v in comps.items()})
 
     def generate(
@@ -159,3 +173,200 @@ class Rollouts:
         """Images and rewards for (prompts[i], seeds[i]) with the policy as it is (its active adapter)."""
         x0 = self.sample(self.encode(prompts), seeds, steps or self.cfg.full_steps, tag=tag)
         return self.score(x0, prompts)
+
+
+# --- the drop-in explorer: Sol-RL's explore -> select as a library call ------------------------------
+
+
+@dataclass
+class Regenerated:
+    """The caller's pipeline run on the selected seeds' noise: images [P*K, 3, H, W], rewards [P, K]."""
+
+    images: torch.Tensor
+    rewards: torch.Tensor
+
+
+@dataclass
+class Selection:
+    """What `Explorer.select` found, per prompt: the top K/2 then the bottom K/2 seeds by proxy reward.
+
+    seeds: [P][K] ints; proxy_rewards / ranks: [P, K] (rank 0 = best of the N explored);
+    noise: [P*K, ...] prompt-major, each row the initial latent of its seed in the layout the
+    pipeline's `latents=` argument takes (torch.Generator().manual_seed(seed) noise);
+    all_seeds / all_rewards: the N explored seeds and their proxy rewards [P, N].
+    """
+
+    prompts: list[str]
+    seeds: list[list[int]]
+    proxy_rewards: torch.Tensor
+    ranks: torch.Tensor
+    noise: torch.Tensor
+    all_seeds: list[list[int]]
+    all_rewards: torch.Tensor
+    index: torch.Tensor
+    explorer: Explorer | None = None
+    samples: torch.Tensor | None = None  # the selected previews' final latents, when asked for
+
+    @property
+    def flat_prompts(self) -> list[str]:
+        k = len(self.seeds[0]) if self.seeds else 0
+        return [p for p in self.prompts for _ in range(k)]
+
+    @property
+    def flat_seeds(self) -> list[int]:
+        return [s for row in self.seeds for s in row]
+
+    def regenerate(self, pipe: Any, steps: int = 10, batch_size: int = 8, **call_kwargs: Any) -> Regenerated:
+        """Run the caller's pipeline on the selected seeds' noise (`latents=`) and score the images
+        with the explorer's reward: the full-precision twins of the previews, for trainers that
+        train on ODE samples (DiffusionNFT-style)."""
+        import inspect
+
+        ex = self.explorer
+        if ex is None:
+            raise ValueError("this Selection has no explorer to take the resolution and reward from")
+        kw: dict[str, Any] = {"num_inference_steps": steps, "output_type": "pt", "height": ex.resolution,
+                              "width": ex.resolution, "guidance_scale": ex.pipeline_guidance}  # fmt: skip
+        if "use_resolution_binning" in inspect.signature(type(pipe).__call__).parameters:
+            kw["use_resolution_binning"] = False
+        kw.update(call_kwargs)
+        prompts, images = self.flat_prompts, []
+        for i in range(0, len(prompts), batch_size):
+            noise = self.noise[i : i + batch_size]
+            dtype = next(pipe.transformer.parameters()).dtype
+            out = pipe(prompt=prompts[i : i + batch_size], latents=noise.to(dtype), **kw)
+            images.append(out.images.float().cpu())
+        imgs = torch.cat(images)
+        r = ex.reward(imgs, prompts)
+        return Regenerated(imgs, torch.as_tensor(r).float().cpu().view(len(self.prompts), -1))
+
+    def fidelity(self, bf16_rewards: torch.Tensor) -> dict[str, Any]:
+        """How faithfully the proxy ranked the selected seeds against the caller's full-precision
+        rewards [P, K]: mean Spearman and Kendall over prompts (and per prompt)."""
+        from solrl_engine.rl.ranking import kendall, spearman
+
+        full = torch.as_tensor(bf16_rewards).float().cpu().view_as(self.proxy_rewards)
+        sp, kd = spearman(self.proxy_rewards.cpu(), full), kendall(self.proxy_rewards.cpu(), full)
+        return {"spearman": sp.mean().item(), "kendall": kd.mean().item(), "per_prompt_spearman": sp.tolist(),
+                "per_prompt_kendall": kd.tolist()}  # fmt: skip
+
+
+class Explorer:
+    """Sol-RL's explore-and-select for any trainer: explore N seeds per prompt cheaply in the explore
+    precision at `preview_steps`, keep the top K/2 and bottom K/2 by `reward`, hand back their seeds
+    and initial noise so the caller's own sampler (ODE or SDE, with its own log-probs) regenerates
+    exactly those.
+
+        explorer = Explorer(pipe, reward, n=96, k=24, preview_steps=6)   # a stock diffusers pipeline
+        sel = explorer.select(prompts)                                    # sel.seeds, sel.noise, ...
+        ... your update of pipe.transformer ...
+        explorer.sync_(pipe.transformer)                                  # the explore copy follows
+
+    The quantized copy is built once from the pipeline's transformer with the family's layer rule
+    (`quantize` overrides it: QuantRecipe changes such as {"include": (...)}); the caller's pipeline
+    is never changed. `reward` is any `(images [B, 3, H, W] in [0, 1], prompts) -> Tensor[B]`.
+    """
+
+    def __init__(
+        self,
+        pipeline_or_model: Any,
+        reward: RewardFn,
+        n: int = 96,
+        k: int = 24,
+        preview_steps: int = 6,
+        explore_precision: str = "auto",
+        quantize: dict[str, Any] | None = None,
+        resolution: int | None = None,
+        solver: str = "dpm2",
+        guidance_scale: float | None = None,
+        batch_size: int = 96,
+        seed: int = 0,
+    ) -> None:
+        import random
+
+        from solrl_engine.models import wrap_pipeline
+
+        model, family = wrap_pipeline(pipeline_or_model, resolution=resolution, guidance_scale=guidance_scale)
+        cfg = RLConfig(
+            name="explorer", family="sol_rl", model=family, n=n, k=k, preview_steps=preview_steps,
+            full_steps=max(preview_steps, 10), solver=solver, guidance_scale=guidance_scale,
+            explore_precision=explore_precision, rollout_batch_size=batch_size,
+            explore_layers=None if quantize is None else quantize.get("include"),
+            explore_skip=None if quantize is None else quantize.get("extra_skip"),
+            explore_skip_max_dim=None if quantize is None else quantize.get("skip_max_dim"),
+        ).validate()  # fmt: skip
+        self.rollouts = Rollouts(cfg, explore=explore_precision != "bf16", model=model, reward=reward)
+        self._init(self.rollouts, n, k, preview_steps, random.Random(seed))
+        self.resolution = resolution or getattr(model, "resolution", None)
+
+    def _init(self, ro: Rollouts, n: int, k: int, steps: int, rng: Any, tag: str = "explore") -> None:
+        self.rollouts, self.model, self.reward = ro, ro.model, ro.reward
+        self.n, self.k, self.steps, self.rng, self.tag = n, k, steps, rng, tag
+        self.transformer = ro.explore.transformer if ro.explore is not None else None
+
+    @classmethod
+    def from_rollouts(cls, ro: Rollouts, n: int, k: int, steps: int, rng: Any, quantized: bool = True) -> Explorer:
+        """The trainer's explorer: its Rollouts, exploring with the explore copy (`quantized`) or
+        with the policy itself (its active adapter) at `steps`."""
+        self = cls.__new__(cls)
+        self._init(ro, n, k, steps, rng, tag="explore" if quantized else "old")
+        if not quantized:
+            self.transformer = None
+        self.resolution = getattr(ro.model, "resolution", None)
+        return self
+
+    @property
+    def pipeline_guidance(self) -> float:
+        """The guidance_scale a stock pipeline call needs to match this explorer's sampling."""
+        ro = self.rollouts
+        return ro._guidance() if ro.spec.guidance == "embedded" else ro.cfg_guidance
+
+    def draw_seeds(self, prompts: Sequence[str]) -> list[list[int]]:
+        return [[self.rng.randrange(2**31) for _ in range(self.n)] for _ in prompts]
+
+    @torch.no_grad()
+    def select(
+        self,
+        prompts: Sequence[str],
+        seeds: Sequence[Sequence[int]] | None = None,
+        cond: Conditioning | None = None,
+        keep_samples: bool = False,
+    ) -> Selection:
+        """Explore N seeds per prompt (given, or drawn from the explorer's seeded generator), score
+        the previews, keep the most contrastive K. `keep_samples` keeps the selected previews'
+        latents (for training on the quantized samples themselves, as naive_quant does)."""
+        from solrl_engine.rl.ranking import select_contrastive
+        from solrl_engine.sampling import seeded_noise
+
+        prompts = list(prompts)
+        seeds = [list(map(int, s)) for s in seeds] if seeds is not None else self.draw_seeds(prompts)
+        if len(seeds) != len(prompts) or any(len(s) != self.n for s in seeds):
+            raise ValueError(f"give {self.n} seeds for each of the {len(prompts)} prompts")
+        cond = self.rollouts.encode(prompts) if cond is None else cond
+        flat = [s for row in seeds for s in row]
+        x = self.rollouts.sample(cond.repeat_interleave(self.n), flat, self.steps, self.transformer, self.tag)
+        scored = self.rollouts.score(x, [p for p in prompts for _ in range(self.n)])
+        r = scored.rewards.view(len(prompts), self.n)
+        idx = select_contrastive(r, self.k)
+        ranks = torch.sort(r, dim=1, descending=True, stable=True).indices.argsort(dim=1).gather(1, idx)
+        sel = [[row[i] for i in ix] for row, ix in zip(seeds, idx.tolist(), strict=True)]
+        lat = seeded_noise([s for row in sel for s in row], tuple(self.model.latent_shape))
+        noise = self.model.pipeline_latents(lat) if hasattr(self.model, "pipeline_latents") else lat
+        samples = None
+        if keep_samples:
+            rows = torch.arange(len(prompts), device=idx.device)[:, None]
+            samples = x.view(len(prompts), self.n, *x.shape[1:])[rows, idx].flatten(0, 1)
+        self.last_components = {k: v.view(len(prompts), self.n) for k, v in scored.components.items()}
+        return Selection(prompts, sel, r.gather(1, idx), ranks, noise, seeds, r, idx, self, samples)
+
+    @torch.no_grad()
+    def sync_(self, policy: Any) -> int:
+        """Write the caller's updated weights into the explore copy, in place (no re-capture, no
+        recompile): `policy` is the transformer (a PEFT LoRA on it is merged on the fly), a pipeline,
+        or a state dict of the transformer's weights. Returns the number of quantized layers rewritten."""
+        from solrl_engine.nn import requantize_
+
+        if self.transformer is None:
+            return 0
+        src = getattr(policy, "transformer", policy)
+        return requantize_(self.transformer, source=src)

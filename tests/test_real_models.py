@@ -120,23 +120,30 @@ def test_explore_copy_quantizes_the_family_rule(name, pipes):
 
 @pytest.mark.parametrize("name", sorted(BUILDERS))
 def test_the_model_follows_the_pipeline_schedule_latents_and_decode(name, pipes):
-    """Our sampler with the pipeline's scheduler sigmas and Euler equals the stock pipeline's output."""
+    """Our sampler with the pipeline's scheduler sigmas equals the stock pipeline's output: Euler for
+    SD3 / FLUX's FlowMatchEuler, and for SANA both its native DPM-Solver++ 2M and a swapped-in Euler."""
     import diffusers
 
     from solrl_engine.sampling import sample
 
     model = load_model(name, pipes[name], dtype=torch.float32, resolution=SIZES[name])
     pipe = model.pipe
-    if name == "sana":
-        pipe.scheduler = diffusers.FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config, shift=3.0)
     steps = 3
     cond = model.encode_prompts(["a red apple"])
-    ours = model.decode(sample(model, cond, [7], steps, solver="euler"))
     kw = {"use_resolution_binning": False} if name == "sana" else {}
-    g = torch.Generator().manual_seed(7)
-    stock = pipe("a red apple", num_inference_steps=steps, height=SIZES[name], width=SIZES[name], generator=g,
-                 output_type="pt", guidance_scale=1.0 if name != "flux" else 3.5, **kw).images  # fmt: skip
-    torch.testing.assert_close(ours, stock.float(), rtol=1e-4, atol=1e-4)
+
+    def stock() -> torch.Tensor:
+        g = torch.Generator().manual_seed(7)
+        return pipe("a red apple", num_inference_steps=steps, height=SIZES[name], width=SIZES[name], generator=g,
+                    output_type="pt", guidance_scale=1.0 if name != "flux" else 3.5, **kw).images.float()  # fmt: skip
+
+    solver = "dpm2" if name == "sana" else "euler"
+    ours = model.decode(sample(model, cond, [7], steps, solver=solver))
+    torch.testing.assert_close(ours, stock(), rtol=1e-4, atol=1e-4)
+    if name == "sana":
+        pipe.scheduler = diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0)
+        ours = model.decode(sample(model, cond, [7], steps, solver="euler"))
+        torch.testing.assert_close(ours, stock(), rtol=1e-4, atol=1e-4)
 
 
 def test_missing_model_path_fails_with_the_path_and_no_traceback(tmp_path, capsys):

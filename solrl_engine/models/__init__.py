@@ -84,4 +84,37 @@ def load_model(
     return spec.build(path if path is not None else spec.default_path, device, dtype, **options)
 
 
-__all__ = ["ARCH_ALIASES", "Conditioning", "FlowModel", "MODELS", "ModelSpec", "load_model", "model_spec"]
+def wrap_pipeline(
+    pipe: Any, resolution: int | None = None, guidance_scale: float | None = None, decode_batch_size: int = 8
+) -> tuple[FlowModel, str]:
+    """(FlowModel, family) over a caller's stock diffusers pipeline (or a FlowModel of ours, passed
+    through), on the pipeline's own device and dtype and without moving anything: the caller keeps
+    the pipeline as it was."""
+    if getattr(pipe, "FAMILY", "") in MODELS and hasattr(pipe, "velocity"):
+        return pipe, pipe.FAMILY
+    import diffusers
+
+    for name in MODELS:
+        spec = model_spec(name)
+        cls = getattr(diffusers, spec.pipeline, None)
+        if name != "tiny" and cls is not None and isinstance(pipe, cls):
+            adapter = importlib.import_module(spec.adapter.split(":")[0]).ADAPTER
+            p = next(pipe.transformer.parameters())
+            model = adapter(pipe, device=p.device, dtype=p.dtype, resolution=resolution, offload_text_encoders=False,
+                            decode_batch_size=decode_batch_size, guidance_scale=guidance_scale,
+                            place=False)  # fmt: skip
+            return model, name
+    known = [model_spec(n).pipeline for n in MODELS if n != "tiny"]
+    raise TypeError(f"{type(pipe).__name__} is not a pipeline this engine knows; pass one of {known} or a FlowModel")
+
+
+__all__ = [
+    "ARCH_ALIASES",
+    "Conditioning",
+    "FlowModel",
+    "MODELS",
+    "ModelSpec",
+    "load_model",
+    "model_spec",
+    "wrap_pipeline",
+]

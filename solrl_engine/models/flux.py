@@ -33,6 +33,7 @@ FLUX_LORA_TARGETS = (
 
 
 class FluxModel(PipelineFlowModel):
+    FAMILY = "flux"
     PIPELINE_CLASS = "FluxPipeline"
     TRANSFORMER_CLASS = "FluxTransformer2DModel"
     DEFAULT_RESOLUTION = 512
@@ -93,7 +94,7 @@ class FluxModel(PipelineFlowModel):
             guidance = torch.full((b,), float(g), device=x.device, dtype=torch.float32)
         out = net(
             hidden_states=tokens,
-            timestep=t,
+            timestep=self.model_timestep(t, 1000.0) / 1000,
             guidance=guidance,
             pooled_projections=cond.pooled.to(x.dtype),  # type: ignore[union-attr]
             encoder_hidden_states=cond.hidden.to(x.dtype),
@@ -103,10 +104,18 @@ class FluxModel(PipelineFlowModel):
         )[0]
         return out.view(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, c, h, w)
 
+    def pipeline_latents(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, 16, h, w] -> the packed [B, h/2 * w/2, 64] that FluxPipeline's `latents=` takes."""
+        b, c, h, w = x.shape
+        return x.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
+
     def _decode_latents(self, x: torch.Tensor) -> torch.Tensor:
         vae = self.pipe.vae
         z = x.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
         return vae.decode(z, return_dict=False)[0]
+
+
+ADAPTER = FluxModel
 
 
 def load(path: str | None, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16, **options: Any

@@ -69,6 +69,7 @@ class PipelineFlowModel(nn.Module):
     `_latent_shape`, and optionally `_timestep_kwargs` (arguments of scheduler.set_timesteps).
     """
 
+    FAMILY: ClassVar[str] = ""
     FULL_CONFIG: ClassVar[dict[str, Any]] = {}
     TRANSFORMER_CLASS: ClassVar[str] = ""
     PIPELINE_CLASS: ClassVar[str] = ""
@@ -85,7 +86,9 @@ class PipelineFlowModel(nn.Module):
         decode_batch_size: int = 8,
         cache_size: int = 4096,
         guidance_scale: float | None = None,
+        place: bool = True,
     ) -> None:
+        """place=False leaves every module where the caller put it (a wrapped stock pipeline)."""
         super().__init__()
         self.pipe = pipe
         self.transformer = pipe.transformer  # registered as a submodule: .to() and LoRA see it
@@ -105,11 +108,13 @@ class PipelineFlowModel(nn.Module):
                 "in pixels); pick a multiple"
             )
         self.latent_shape = self._latent_shape()
-        self.transformer.to(self.device_)
-        if getattr(pipe, "vae", None) is not None:
-            pipe.vae.to(self.device_)
-        for enc in self._text_encoders():
-            enc.to("cpu" if self.offload else self.device_)
+        self.integer_timesteps = self._integer_timesteps()
+        if place:
+            self.transformer.to(self.device_)
+            if getattr(pipe, "vae", None) is not None:
+                pipe.vae.to(self.device_)
+            for enc in self._text_encoders():
+                enc.to("cpu" if self.offload else self.device_)
 
     # --- building -----------------------------------------------------------------------------------
 
@@ -203,6 +208,23 @@ class PipelineFlowModel(nn.Module):
             out.append((img.float() / 2 + 0.5).clamp(0, 1))
         return torch.cat(out)
 
+    def _integer_timesteps(self) -> bool:
+        """Whether the pipeline's scheduler hands the transformer integer timesteps (DPM-Solver's
+        flow sigmas do: floor(1000 sigma)); the model then sees what the stock pipeline shows it."""
+        sched = self.pipe.scheduler
+        probe = type(sched).from_config(sched.config)
+        probe.set_timesteps(**self._timestep_kwargs(2, probe))
+        return not torch.as_tensor(probe.timesteps).is_floating_point()
+
+    def model_timestep(self, t: torch.Tensor, scale: float = 1000.0) -> torch.Tensor:
+        """Flow time t in [0, 1] -> the transformer's timestep input, as the pipeline computes it."""
+        ts = t * scale
+        return ts.floor() if self.integer_timesteps else ts
+
+    def pipeline_latents(self, x: torch.Tensor) -> torch.Tensor:
+        """Our latents in the layout the pipeline's `latents=` argument takes (the same here)."""
+        return x
+
     def sigmas(self, steps: int, shift: float | None = None) -> torch.Tensor:
         """The pipeline's own scheduler's sigmas for `steps` (as its `__call__` would use them)."""
         sched = self.pipe.scheduler
@@ -210,6 +232,7 @@ class PipelineFlowModel(nn.Module):
         sched = type(sched).from_config(sched.config, **over)
         kwargs = self._timestep_kwargs(steps, sched)
         sched.set_timesteps(**kwargs)
+        self.integer_timesteps = not torch.as_tensor(sched.timesteps).is_floating_point()  # follows a swapped scheduler
         sig = torch.as_tensor(sched.sigmas, dtype=torch.float64).flatten().cpu()
         if len(sig) != steps + 1:
             raise ValueError(f"{type(sched).__name__} gave {len(sig)} sigmas for {steps} steps; expected {steps + 1}")

@@ -26,6 +26,7 @@ SANA_EXPLORE_RULE: dict[str, Any] = {
 
 
 class SanaModel(PipelineFlowModel):
+    FAMILY = "sana"
     PIPELINE_CLASS = "SanaPipeline"
     TRANSFORMER_CLASS = "SanaTransformer2DModel"
     DEFAULT_RESOLUTION = 1024
@@ -71,7 +72,7 @@ class SanaModel(PipelineFlowModel):
             x,
             encoder_hidden_states=cond.hidden.to(x.dtype),
             encoder_attention_mask=cond.mask,
-            timestep=t * 1000 * scale,
+            timestep=self.model_timestep(t) * scale,
             return_dict=False,
         )[0]
         if out.shape[1] == 2 * x.shape[1]:  # learned sigma: the first half is the prediction
@@ -81,6 +82,9 @@ class SanaModel(PipelineFlowModel):
     def _decode_latents(self, x: torch.Tensor) -> torch.Tensor:
         vae = self.pipe.vae
         return vae.decode(x.to(vae.dtype) / vae.config.scaling_factor, return_dict=False)[0]
+
+
+ADAPTER = SanaModel
 
 
 def load(path: str | None, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16, **options: Any

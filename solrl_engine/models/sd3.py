@@ -30,6 +30,7 @@ SD3_EXPLORE_RULE: dict[str, Any] = {"include": ("transformer_blocks.*.ff.*",)}
 
 
 class SD3Model(PipelineFlowModel):
+    FAMILY = "sd3"
     PIPELINE_CLASS = "StableDiffusion3Pipeline"
     TRANSFORMER_CLASS = "SD3Transformer2DModel"
     DEFAULT_RESOLUTION = 1024
@@ -64,7 +65,7 @@ class SD3Model(PipelineFlowModel):
     def _forward(self, net: nn.Module, x: torch.Tensor, t: torch.Tensor, cond: Conditioning) -> torch.Tensor:
         return net(
             hidden_states=x,
-            timestep=t * 1000,
+            timestep=self.model_timestep(t),
             encoder_hidden_states=cond.hidden.to(x.dtype),
             pooled_projections=cond.pooled.to(x.dtype),  # type: ignore[union-attr]
             return_dict=False,
@@ -74,6 +75,9 @@ class SD3Model(PipelineFlowModel):
         vae = self.pipe.vae
         z = x.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
         return vae.decode(z, return_dict=False)[0]
+
+
+ADAPTER = SD3Model
 
 
 def load(path: str | None, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16, **options: Any

@@ -27,6 +27,19 @@ def resolve_explore_recipe(precision: str, device: torch.device) -> str:
     return auto_explore_recipe(cap)
 
 
+def _merge_lora_into_copy(model: nn.Module) -> None:
+    """Replace every PEFT LoRA layer of `model` (a private copy) by its base layer holding base +
+    the active adapters' delta: the copy then starts from what the policy computes now."""
+    from solrl_engine.nn.quantize import _peft_weight
+
+    for name, m in list(model.named_modules()):
+        if hasattr(m, "base_layer") and hasattr(m, "lora_A"):
+            base = m.base_layer
+            base.weight.data.copy_(_peft_weight(name, m))
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, leaf, base)
+
+
 class ExploreCopy:
     """The quantized twin. `changes` are QuantRecipe changes (the model family's layer rule:
     include, extra_skip, skip_max_dim, ...); `extra_skip`/`skip_max_dim` are the older spelling."""
@@ -39,10 +52,9 @@ class ExploreCopy:
         skip_max_dim: int = 0,
         changes: dict[str, Any] | None = None,
     ) -> None:
-        if any(hasattr(m, "lora_A") for m in base_transformer.modules()):
-            raise RuntimeError("build the explore copy before attaching LoRA to the policy")
         self.recipe = recipe
         self.transformer = copy.deepcopy(base_transformer).eval().requires_grad_(False)
+        _merge_lora_into_copy(self.transformer)  # a caller's transformer may already carry a LoRA
         self.te = recipe == "te_nvfp4"  # Transformer Engine's NVFP4 layers, a peer to compare with
         full = get_recipe("nvfp4" if self.te else recipe)
         rule = {"extra_skip": tuple(extra_skip), "skip_max_dim": skip_max_dim, **(changes or {})}

@@ -32,9 +32,9 @@ from solrl_engine.rl.config import FAMILY_TABLE, RLConfig, autocast_for
 from solrl_engine.rl.explore import ExploreCopy
 from solrl_engine.rl.export import save_lora
 from solrl_engine.rl.loss import nft_loss
-from solrl_engine.rl.ranking import group_advantages, kendall, select_contrastive, spearman
+from solrl_engine.rl.ranking import group_advantages, kendall, spearman
 from solrl_engine.rl.tracking import Tracker
-from solrl_engine.rollout import Rollouts
+from solrl_engine.rollout import Explorer, Rollouts
 from solrl_engine.viz import line_plot
 
 log = logging.getLogger("solrl_engine.rl")
@@ -89,6 +89,8 @@ class Trainer:
             self.model.transformer.enable_gradient_checkpointing()
         if self.explore is not None:
             self.explore.attach(self.adapters, merge=cfg.merge_lora)
+        steps = cfg.preview_steps if self.rule.preview else cfg.full_steps
+        self.explorer = Explorer.from_rollouts(self.rollouts, cfg.n, cfg.k, steps, None, self.explore is not None)
         self.opt = torch.optim.AdamW(self.adapters.params(TRAIN), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.prompt_sampler = PromptSampler(self.train_prompts, cfg.seed)
         self.seed_rng = random.Random(cfg.seed + 1)
@@ -120,39 +122,25 @@ class Trainer:
         prompts = self.prompt_sampler.next(c.prompts_per_iter)
         seeds = [[self.seed_rng.randrange(2**31) for _ in range(c.n)] for _ in prompts]
         cond = self.rollouts.encode(prompts)
-        flat_prompts = [p for p in prompts for _ in range(c.n)]
 
-        # 1. explore: N seeds per prompt, quantized previews (sol_rl, naive_quant) or the BF16 policy
-        steps = c.preview_steps if rule.preview else c.full_steps
-        all_cond, all_seeds = cond.repeat_interleave(c.n), sum(seeds, [])
-        if self.explore is not None:
-            x_all = self._sample(all_cond, all_seeds, steps, self.explore.transformer, "explore")
-        else:
-            with self.adapters.using(OLD):
-                x_all = self._sample(all_cond, all_seeds, steps)
-        r_all, comps = self._score(x_all, flat_prompts)
-        r_all = r_all.view(len(prompts), c.n)
-        t1 = time.perf_counter()
-
-        # 2. select the top K/2 and bottom K/2 seeds by (proxy) reward
-        idx = select_contrastive(r_all, c.k)
-        sel_seeds = [[s[i] for i in row] for s, row in zip(seeds, idx.tolist(), strict=True)]
-        sel_prompts = [p for p in prompts for _ in range(c.k)]
+        # 1. explore: N seeds per prompt, quantized previews (sol_rl, naive_quant) or the BF16 policy,
+        # 2. and select the top K/2 and bottom K/2 seeds by (proxy) reward: the public Explorer's path
+        with self.adapters.using(OLD):  # the policy explores with its "old" adapter when it explores
+            sel = self.explorer.select(prompts, seeds, cond=cond, keep_samples=not rule.regenerate)
+        r_all, idx, proxy = sel.all_rewards, sel.index, sel.proxy_rewards
+        comps = {k: v.gather(1, idx.cpu()).flatten() for k, v in self.explorer.last_components.items()}
+        sel_prompts = sel.flat_prompts
         sel_cond = cond.repeat_interleave(c.k)
-        proxy = r_all.gather(1, idx)
+        t1 = time.perf_counter()
 
         # 3. regenerate the selected seeds in BF16 at the full step budget (sol_rl only)
         if rule.regenerate:
             with self.adapters.using(OLD):
-                x0 = self._sample(sel_cond, sum(sel_seeds, []), c.full_steps)
+                x0 = self._sample(sel_cond, sel.flat_seeds, c.full_steps)
             rewards, comps = self._score(x0, sel_prompts)
             rewards = rewards.view(len(prompts), c.k)
         else:
-            rows = torch.arange(len(prompts), device=idx.device)[:, None]
-            x0 = x_all.view(len(prompts), c.n, *x_all.shape[1:])[rows, idx].flatten(0, 1)
-            rewards = proxy
-            flat_idx = (rows.cpu() * c.n + idx.cpu()).flatten()
-            comps = {k: v[flat_idx] for k, v in comps.items()}
+            x0, rewards = sel.samples, proxy
         t2 = time.perf_counter()
 
         # 4. update the policy on the selected samples, advantages from their (BF16) rewards,

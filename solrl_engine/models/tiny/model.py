@@ -34,6 +34,8 @@ class TinyConfig:
 class TinyT2I(nn.Module):
     """Text encoder + SD3 transformer; pixel space in [-1, 1]."""
 
+    FAMILY = "tiny"
+
     def __init__(self, config: TinyConfig | None = None) -> None:
         super().__init__()
         from diffusers import SD3Transformer2DModel

@@ -1,0 +1,119 @@
+"""The drop-in rollout backend (solrl_engine.rollout.Explorer) on tiny pipelines of the real classes:
+it selects what our trainer selects, its noise regenerates through the stock pipeline the image our
+trainer regenerates, sync_ makes the explore copy equal a fresh one of the updated policy, and the
+caller's pipeline is never changed."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_pipelines import SIZES, build_clip_reward, build_flux, build_sana, build_sd3
+
+from solrl_engine.rl.config import load_config
+from solrl_engine.rl.trainer import Trainer
+from solrl_engine.rollout import Explorer
+
+BUILDERS = {"sd3": build_sd3, "flux": build_flux, "sana": build_sana}
+PRESET = {"sd3": "configs/sd3.py:sd3_sol_rl_clipscore", "flux": "configs/flux1.py:flux1_sol_rl_clipscore",
+          "sana": "configs/sana.py:sana_sol_rl_clipscore"}  # fmt: skip
+# the stock pipeline's own scheduler step is Euler (SD3, FLUX) or DPM-Solver++ 2M (SANA): ours must match it
+SOLVER = {"sd3": "euler", "flux": "euler", "sana": "dpm2"}
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = ["a red apple", "a blue car"]
+
+
+@pytest.fixture(scope="module")
+def pipes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("xpipes")
+    out = {name: build(root / name) for name, build in BUILDERS.items()}
+    out["clip"] = build_clip_reward(root / "clip")
+    return out
+
+
+def _stock(name: str, path: Path):  # noqa: ANN202 - a diffusers pipeline
+    import diffusers
+
+    from solrl_engine.models import model_spec
+
+    pipe = getattr(diffusers, model_spec(name).pipeline).from_pretrained(path, torch_dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _trainer(name: str, pipes: dict[str, Path], out: Path) -> Trainer:
+    sets = [f"model_path={pipes[name]}", f"resolution={SIZES[name]}", f"reward_args=clipscore.model={pipes['clip']}",
+            "n=6", "k=4", "prompts_per_iter=2", "preview_steps=2", "full_steps=3", f"solver={SOLVER[name]}",
+            "explore_precision=nvfp4", "device=cpu", "lora_rank=4", "lora_alpha=8", f"output={out}"]  # fmt: skip
+    return Trainer(load_config(str(ROOT / PRESET[name]), sets), progress=False)
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_explorer_selects_and_regenerates_what_the_trainer_does(name, pipes, tmp_path):
+    tr = _trainer(name, pipes, tmp_path)
+    pipe = _stock(name, pipes[name])
+    before = {k: v.clone() for k, v in pipe.transformer.state_dict().items()}
+    ex = Explorer(pipe, tr.reward, n=6, k=4, preview_steps=2, explore_precision="nvfp4", solver=SOLVER[name],
+                  resolution=SIZES[name])  # fmt: skip
+    seeds = [[11, 22, 33, 44, 55, 66], [7, 8, 9, 10, 12, 13]]
+    sel = ex.select(PROMPTS, seeds)
+    with tr.adapters.using("old"):
+        want = tr.explorer.select(PROMPTS, seeds)
+    assert sel.seeds == want.seeds and len(sel.seeds[0]) == 4
+    torch.testing.assert_close(sel.proxy_rewards, want.proxy_rewards)
+    # top K/2 first, then bottom K/2; ranks among the N explored
+    assert sel.ranks[:, :2].max() < 2 and sel.ranks[:, 2:].min() >= 4
+    assert sel.noise.shape[0] == 8
+    # the stock pipeline, fed the returned noise, draws the trainer's full-precision regeneration
+    regen = sel.regenerate(pipe, steps=3)
+    with tr.adapters.using("old"), torch.no_grad():
+        x0 = tr._sample(tr.rollouts.encode(sel.flat_prompts), sel.flat_seeds, 3)
+        ours = tr.model.decode(x0)
+    assert regen.images.shape == ours.shape and regen.rewards.shape == (2, 4)
+    torch.testing.assert_close(regen.images, ours, rtol=2e-4, atol=2e-4)
+    fid = sel.fidelity(regen.rewards)
+    assert -1 <= fid["spearman"] <= 1 and len(fid["per_prompt_kendall"]) == 2
+    # the caller's pipeline is untouched
+    after = pipe.transformer.state_dict()
+    assert set(after) == set(before) and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_sync_makes_the_explore_copy_equal_a_fresh_one_of_the_updated_policy(pipes):
+    from peft import LoraConfig
+
+    from solrl_engine.nn import QuantLinear
+
+    pipe = _stock("sd3", pipes["sd3"])
+    reward = lambda images, prompts: images.mean(dim=(1, 2, 3))  # noqa: E731 - any callable works
+    ex = Explorer(pipe, reward, n=4, k=2, preview_steps=2, explore_precision="nvfp4", resolution=SIZES["sd3"])
+    pipe.transformer.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=["ff.net.0.proj", "attn.to_q"]))
+    with torch.no_grad():
+        for n, p in pipe.transformer.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.3)  # "the caller's update"
+    buffers = [b.data_ptr() for b in ex.transformer.buffers()]
+    assert ex.sync_(pipe) > 0
+    assert [b.data_ptr() for b in ex.transformer.buffers()] == buffers  # in place: graphs stay valid
+    fresh = Explorer(pipe, reward, n=4, k=2, preview_steps=2, explore_precision="nvfp4", resolution=SIZES["sd3"])
+    for (name, a), (_, b) in zip(ex.transformer.named_modules(), fresh.transformer.named_modules(), strict=True):
+        if isinstance(a, QuantLinear):
+            assert torch.equal(a.w_qdata, b.w_qdata), name
+    x = torch.randn(2, *ex.model.latent_shape)
+    cond = ex.model.encode_prompts(PROMPTS)
+    with torch.no_grad():
+        va = ex.model.velocity(x, torch.tensor([0.6, 0.3]), cond, transformer=ex.transformer)
+        vb = fresh.model.velocity(x, torch.tensor([0.6, 0.3]), cond, transformer=fresh.transformer)
+    torch.testing.assert_close(va, vb, rtol=0, atol=0)
+    sel = ex.select(["a red apple"])  # seeds drawn from the explorer's own seeded generator
+    assert len(sel.all_seeds[0]) == 4 and len(sel.seeds[0]) == 2
+
+
+def test_explorer_refuses_what_it_cannot_use(pipes):
+    with pytest.raises(TypeError, match="not a pipeline"):
+        Explorer(object(), lambda i, p: i.mean((1, 2, 3)))
+    pipe = _stock("sd3", pipes["sd3"])
+    ex = Explorer(copy.copy(pipe), lambda i, p: i.mean((1, 2, 3)), n=4, k=2, preview_steps=2, resolution=64)
+    with pytest.raises(ValueError, match="4 seeds"):
+        ex.select(["a"], [[1, 2, 3]])
