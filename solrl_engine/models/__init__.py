@@ -100,6 +100,9 @@ def wrap_pipeline(
         if name != "tiny" and cls is not None and isinstance(pipe, cls):
             adapter = importlib.import_module(spec.adapter.split(":")[0]).ADAPTER
             p = next(pipe.transformer.parameters())
+            if resolution is None:  # the pipeline's own default size, as pipe(prompt) would draw
+                cells = getattr(pipe, "default_sample_size", None) or pipe.transformer.config.sample_size
+                resolution = int(cells) * int(pipe.vae_scale_factor)
             model = adapter(pipe, device=p.device, dtype=p.dtype, resolution=resolution, offload_text_encoders=False,
                             decode_batch_size=decode_batch_size, guidance_scale=guidance_scale,
                             place=False)  # fmt: skip
