@@ -31,8 +31,7 @@ def family_memory(name: str, lora_rank: int = 32) -> dict[str, float]:
     import diffusers
 
     spec = model_spec(name)
-    mod = __import__(f"solrl_engine.models.{name}", fromlist=["x"])
-    adapter = next(v for v in vars(mod).values() if isinstance(v, type) and getattr(v, "FULL_CONFIG", None))
+    adapter = spec.adapter_object()
     with torch.device("meta"):
         net = getattr(diffusers, adapter.TRANSFORMER_CLASS)(**adapter.FULL_CONFIG)
     params = sum(p.numel() for p in net.parameters())

@@ -42,8 +42,7 @@ def test_published_configs_have_the_published_sizes():
 
     want = {"sd35-large": (7.8e9, 8.4e9), "flux-dev": (11.5e9, 12.2e9), "sana-1.6b": (1.5e9, 1.7e9)}
     for alias, family in ARCH_ALIASES.items():
-        cls = __import__(f"solrl_engine.models.{family}", fromlist=["x"])
-        adapter = next(v for v in vars(cls).values() if isinstance(v, type) and getattr(v, "FULL_CONFIG", None))
+        adapter = model_spec(family).adapter_object()
         with torch.device("meta"):
             net = getattr(diffusers, adapter.TRANSFORMER_CLASS)(**adapter.FULL_CONFIG)
         n = sum(p.numel() for p in net.parameters())

@@ -59,10 +59,11 @@ def test_bf16_rollout_computes_each_solver_update_in_fp32():
     """The state between steps is BF16, the update is FP32 from FP32 velocities (as diffusers'
     schedulers compute it), which is closer to the FP64 solution than all-BF16 arithmetic."""
     toy = _Toy()
-    cond = Conditioning(torch.randn(2, 5, 8), torch.randn(2, 8))
+    g = torch.Generator().manual_seed(0)
+    cond = Conditioning(torch.randn(64, 5, 8, generator=g), torch.randn(64, 8, generator=g))
     for solver in ("euler", "dpm2"):
         sig, host = schedule_pair(toy, 10, 3.0, "cpu")
-        x0 = torch.randn(2, *toy.latent_shape)
+        x0 = torch.randn(64, *toy.latent_shape, generator=g)
         got = _solve(toy, x0.bfloat16(), cond, sig, host, solver, 1.0, None, None)
         ref = _solve(toy, x0.double(), cond, sig, host, solver, 1.0, None, None)
         assert got.dtype == torch.bfloat16
@@ -86,7 +87,8 @@ def test_bf16_rollout_computes_each_solver_update_in_fp32():
             prev = x0p
         err_fp32 = (got.double() - ref).abs().mean()
         err_bf16 = (x.double() - ref).abs().mean()
-        assert err_fp32 < err_bf16, (solver, err_fp32, err_bf16)
+        # DPM2's update mixes two data predictions and the state: rounding it in BF16 costs the most
+        assert err_fp32 < (0.95 if solver == "dpm2" else 1.0) * err_bf16, (solver, err_fp32, err_bf16)
 
 
 def test_seeded_noise_is_the_pipelines_generator_noise():

@@ -45,7 +45,7 @@ class ModelSpec:
     """
 
     name: str
-    adapter: str  # "module:callable" building the FlowModel: (path, device, dtype, **options)
+    adapter: str  # "module:name": an adapter class (its .load) or a function: (path, device, dtype, **options)
     pipeline: str
     default_path: str | None
     resolution: int
@@ -56,8 +56,12 @@ class ModelSpec:
 
     def build(self, path: str | Path | None, device: torch.device | str, dtype: torch.dtype, **options: Any
               ) -> FlowModel:  # fmt: skip
+        obj = self.adapter_object()
+        return getattr(obj, "load", obj)(path, device=device, dtype=dtype, **options)
+
+    def adapter_object(self) -> Any:
         mod, attr = self.adapter.split(":")
-        return getattr(importlib.import_module(mod), attr)(path, device=device, dtype=dtype, **options)
+        return getattr(importlib.import_module(mod), attr)
 
 
 def model_spec(name: str) -> ModelSpec:
@@ -98,7 +102,7 @@ def wrap_pipeline(
         spec = model_spec(name)
         cls = getattr(diffusers, spec.pipeline, None)
         if name != "tiny" and cls is not None and isinstance(pipe, cls):
-            adapter = importlib.import_module(spec.adapter.split(":")[0]).ADAPTER
+            adapter = spec.adapter_object()
             p = next(pipe.transformer.parameters())
             if resolution is None:  # the pipeline's own default size, as pipe(prompt) would draw
                 cells = getattr(pipe, "default_sample_size", None) or pipe.transformer.config.sample_size

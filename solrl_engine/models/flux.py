@@ -83,7 +83,7 @@ class FluxModel(PipelineFlowModel):
 
     def _forward(self, net: nn.Module, x: torch.Tensor, t: torch.Tensor, cond: Conditioning) -> torch.Tensor:
         b, c, h, w = x.shape
-        tokens = x.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
+        tokens = self.pipeline_latents(x)
         ids = torch.zeros(h // 2, w // 2, 3, device=x.device, dtype=x.dtype)
         ids[..., 1] = torch.arange(h // 2, device=x.device, dtype=x.dtype)[:, None]
         ids[..., 2] = torch.arange(w // 2, device=x.device, dtype=x.dtype)[None, :]
@@ -109,23 +109,11 @@ class FluxModel(PipelineFlowModel):
         b, c, h, w = x.shape
         return x.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
 
-    def _decode_latents(self, x: torch.Tensor) -> torch.Tensor:
-        vae = self.pipe.vae
-        z = x.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
-        return vae.decode(z, return_dict=False)[0]
-
-
-ADAPTER = FluxModel
-
-
-def load(path: str | None, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16, **options: Any
-         ) -> FluxModel:  # fmt: skip
-    return FluxModel.load(path, device=device, dtype=dtype, **options)  # type: ignore[return-value]
 
 
 SPEC = ModelSpec(
     name="flux",
-    adapter="solrl_engine.models.flux:load",
+    adapter="solrl_engine.models.flux:FluxModel",
     pipeline="FluxPipeline",
     default_path="black-forest-labs/FLUX.1-dev",
     resolution=512,

@@ -256,7 +256,11 @@ class PipelineFlowModel(nn.Module):
         raise NotImplementedError
 
     def _decode_latents(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """Through the pipeline's VAE with its scaling (and shift, where it has one: SD3's and FLUX's
+        KL VAEs; SANA's DC-AE has none)."""
+        vae = self.pipe.vae
+        shift = getattr(vae.config, "shift_factor", None) or 0.0
+        return vae.decode(x.to(vae.dtype) / vae.config.scaling_factor + shift, return_dict=False)[0]
 
     def _standin_dims(self) -> tuple[int, int | None]:
         """(hidden width, pooled width or None) of the conditioning the transformer expects."""

@@ -79,22 +79,11 @@ class SanaModel(PipelineFlowModel):
             out = out[:, : x.shape[1]]
         return out
 
-    def _decode_latents(self, x: torch.Tensor) -> torch.Tensor:
-        vae = self.pipe.vae
-        return vae.decode(x.to(vae.dtype) / vae.config.scaling_factor, return_dict=False)[0]
-
-
-ADAPTER = SanaModel
-
-
-def load(path: str | None, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16, **options: Any
-         ) -> SanaModel:  # fmt: skip
-    return SanaModel.load(path, device=device, dtype=dtype, **options)  # type: ignore[return-value]
 
 
 SPEC = ModelSpec(
     name="sana",
-    adapter="solrl_engine.models.sana:load",
+    adapter="solrl_engine.models.sana:SanaModel",
     pipeline="SanaPipeline",
     default_path="Efficient-Large-Model/Sana_1600M_1024px_diffusers",
     resolution=1024,

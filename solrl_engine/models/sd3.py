@@ -71,23 +71,11 @@ class SD3Model(PipelineFlowModel):
             return_dict=False,
         )[0]
 
-    def _decode_latents(self, x: torch.Tensor) -> torch.Tensor:
-        vae = self.pipe.vae
-        z = x.to(vae.dtype) / vae.config.scaling_factor + vae.config.shift_factor
-        return vae.decode(z, return_dict=False)[0]
-
-
-ADAPTER = SD3Model
-
-
-def load(path: str | None, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16, **options: Any
-         ) -> SD3Model:  # fmt: skip
-    return SD3Model.load(path, device=device, dtype=dtype, **options)  # type: ignore[return-value]
 
 
 SPEC = ModelSpec(
     name="sd3",
-    adapter="solrl_engine.models.sd3:load",
+    adapter="solrl_engine.models.sd3:SD3Model",
     pipeline="StableDiffusion3Pipeline",
     default_path="stabilityai/stable-diffusion-3.5-large",
     resolution=1024,
