@@ -13,6 +13,7 @@ one rank; pass the gathered rewards to `group_advantages` for the global std).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import random
@@ -24,17 +25,19 @@ import torch
 from tqdm.auto import tqdm
 
 from solrl_engine.data import load_prompts
-from solrl_engine.evaluation import eval_grid, evaluate_rollouts
+from solrl_engine.evaluation import EvalResult, eval_grid, evaluate_rollouts
 from solrl_engine.models.base import Conditioning
 from solrl_engine.rl import checkpoint
 from solrl_engine.rl.adapters import OLD, TRAIN, LoraAdapters
-from solrl_engine.rl.config import FAMILY_TABLE, RLConfig, autocast_for
+from solrl_engine.rl.config import FAMILY_TABLE, ConfigError, RLConfig, autocast_for
+from solrl_engine.rl.distributed import Dist
 from solrl_engine.rl.explore import ExploreCopy
 from solrl_engine.rl.export import save_lora
 from solrl_engine.rl.loss import nft_loss
 from solrl_engine.rl.ranking import group_advantages, kendall, spearman
 from solrl_engine.rl.tracking import Tracker
 from solrl_engine.rollout import Explorer, Rollouts
+from solrl_engine.sampling import seeded_noise
 from solrl_engine.viz import line_plot
 
 log = logging.getLogger("solrl_engine.rl")
@@ -69,9 +72,18 @@ class Trainer:
         self.cfg = cfg.validate()
         self.rule = FAMILY_TABLE[cfg.family]
         self.out = Path(cfg.output or f"runs/{cfg.name}")
-        self.progress = progress
         self.train_prompts = load_prompts(cfg.train_prompts)
         self.eval_prompts = load_prompts(cfg.eval_prompts)[: cfg.eval_prompt_count]
+        on_gpu = cfg.device != "cpu" and torch.cuda.is_available()
+        self.dist = Dist.from_env("cuda" if on_gpu else "cpu")
+        if on_gpu and self.dist.world > 1:
+            torch.cuda.set_device(self.dist.local_rank)  # "cuda" is this rank's GPU from here on
+        if cfg.prompts_per_iter % self.dist.world:
+            raise ConfigError(
+                f"config {cfg.name!r}: prompts_per_iter = {cfg.prompts_per_iter} does not split over {self.dist.world} "
+                "ranks: make it a multiple of the number of processes (it is the global number of prompts)"
+            )
+        self.progress = progress and self.dist.main
         self.rollouts = Rollouts(cfg, explore=self.rule.quantized_explore)
         self.model, self.device, self.dtype = self.rollouts.model, self.rollouts.device, self.rollouts.dtype
         self.reward = self.rollouts.reward
@@ -117,10 +129,14 @@ class Trainer:
     # --- one iteration -----------------------------------------------------------------------------
 
     def step(self) -> dict[str, Any]:
-        c, rule = self.cfg, self.rule
+        c, rule, dist = self.cfg, self.rule, self.dist
         t0 = time.perf_counter()
-        prompts = self.prompt_sampler.next(c.prompts_per_iter)
-        seeds = [[self.seed_rng.randrange(2**31) for _ in range(c.n)] for _ in prompts]
+        # every rank draws the global prompts and seeds (the run depends on `seed`, not the world
+        # size) and takes its contiguous share: all N seeds of a prompt stay on one rank
+        all_prompts = self.prompt_sampler.next(c.prompts_per_iter)
+        all_seeds = [[self.seed_rng.randrange(2**31) for _ in range(c.n)] for _ in all_prompts]
+        mine = dist.shard(len(all_prompts))
+        prompts, seeds = all_prompts[mine], all_seeds[mine]
         cond = self.rollouts.encode(prompts)
 
         # 1. explore: N seeds per prompt, quantized previews (sol_rl, naive_quant) or the BF16 policy,
@@ -128,8 +144,7 @@ class Trainer:
         with self.adapters.using(OLD):  # the policy explores with its "old" adapter when it explores
             sel = self.explorer.select(prompts, seeds, cond=cond, keep_samples=not rule.regenerate)
         r_all, idx, proxy = sel.all_rewards, sel.index, sel.proxy_rewards
-        comps = {k: v.gather(1, idx.cpu()).flatten() for k, v in self.explorer.last_components.items()}
-        sel_prompts = sel.flat_prompts
+        comps = {k: v.gather(1, idx.cpu()).to(self.device) for k, v in self.explorer.last_components.items()}
         sel_cond = cond.repeat_interleave(c.k)
         t1 = time.perf_counter()
 
@@ -137,16 +152,18 @@ class Trainer:
         if rule.regenerate:
             with self.adapters.using(OLD):
                 x0 = self._sample(sel_cond, sel.flat_seeds, c.full_steps)
-            rewards, comps = self._score(x0, sel_prompts)
+            rewards, comps = self._score(x0, sel.flat_prompts)
             rewards = rewards.view(len(prompts), c.k)
+            comps = {k: v.view(len(prompts), c.k).to(self.device) for k, v in comps.items()}
         else:
             x0, rewards = sel.samples, proxy
         t2 = time.perf_counter()
 
-        # 4. update the policy on the selected samples, advantages from their (BF16) rewards,
-        #    grouped by prompt text
-        adv = group_advantages(rewards, c.adv_clip, prompts=prompts).flatten()
-        stats = self._update(x0, sel_cond, adv)
+        # 4. update the policy on the selected samples, advantages from the (BF16) rewards of every
+        #    rank: grouped by prompt text, divided by the global std
+        g_rewards = dist.gather_rows(rewards)
+        adv = group_advantages(g_rewards, c.adv_clip, prompts=all_prompts)[mine].flatten()
+        stats = self._update(x0, sel_cond, adv, len(all_prompts) * c.k, mine.start * c.k)
 
         # 5. refresh the explore copy with the new "old" policy, in place
         if self.explore is not None:
@@ -154,17 +171,22 @@ class Trainer:
         t3 = time.perf_counter()
 
         self.iteration += 1
+        g_proxy, g_r_all = dist.gather_rows(proxy), dist.gather_rows(r_all)
+        g_comps = {k: dist.gather_rows(v) for k, v in comps.items()}
+        g_sel = dist.gather_rows(torch.tensor(sel.seeds, dtype=torch.int64, device=self.device))
         proxy_stats = rule.regenerate and self.explore is not None
         m: dict[str, Any] = {
             "iter": self.iteration,
             "family": c.family,
-            "reward_mean": rewards.mean().item(),
-            "reward_std": rewards.std().item(),
-            **({f"reward_{k}_mean": v.mean().item() for k, v in comps.items()} if len(comps) > 1 else {}),
-            "explore_reward_mean": r_all.mean().item(),
-            "proxy_reward_mean": proxy.mean().item() if self.explore is not None else None,
-            "proxy_spearman": spearman(proxy, rewards).mean().item() if proxy_stats else None,
-            "proxy_kendall": kendall(proxy, rewards).mean().item() if proxy_stats else None,
+            "reward_mean": g_rewards.mean().item(),
+            "reward_std": g_rewards.std().item(),
+            **({f"reward_{k}_mean": v.mean().item() for k, v in g_comps.items()} if len(g_comps) > 1 else {}),
+            "explore_reward_mean": g_r_all.mean().item(),
+            "proxy_reward_mean": g_proxy.mean().item() if self.explore is not None else None,
+            "proxy_spearman": spearman(g_proxy, g_rewards).mean().item() if proxy_stats else None,
+            "proxy_kendall": kendall(g_proxy, g_rewards).mean().item() if proxy_stats else None,
+            "selection_digest": hashlib.sha1(g_sel.cpu().numpy().tobytes()).hexdigest()[:16],
+            "world_size": dist.world,
             "time_explore_s": t1 - t0,
             "time_regen_s": t2 - t1,
             "time_train_s": t3 - t2,
@@ -173,22 +195,30 @@ class Trainer:
         }
         return m
 
-    def _update(self, x0: torch.Tensor, cond: Conditioning, adv: torch.Tensor) -> dict[str, float]:
-        """One optimizer step over all samples x the chosen rollout timesteps (gradient accumulation)."""
+    def _update(
+        self, x0: torch.Tensor, cond: Conditioning, adv: torch.Tensor, b_global: int, row0: int
+    ) -> dict[str, float]:
+        """One optimizer step over all samples x the chosen rollout timesteps (gradient accumulation).
+
+        The timesteps and the re-noising of every sample are drawn for the whole global batch (rows
+        row0 .. row0 + len(x0) are this rank's), and each sample's loss is weighed by 1 / (global
+        batch x timesteps), so the summed gradients equal a one-process run's."""
         c = self.cfg
         sig = self.rollouts.training_sigmas()  # the rollout times, t in (0, 1]
         n_t = max(1, int(c.full_steps * c.timestep_fraction))
         b = x0.shape[0]
-        perms = torch.stack([torch.randperm(c.full_steps, generator=self.gen)[:n_t] for _ in range(b)])
-        micro = list(range(0, b, c.train_batch_size))
-        totals = {"loss": 0.0, "policy_loss": 0.0, "kl": 0.0}
+        rows = slice(row0, row0 + b)
+        perms = torch.stack([torch.randperm(c.full_steps, generator=self.gen)[:n_t] for _ in range(b_global)])[rows]
+        noise_seeds = torch.randint(0, 2**62, (b_global, n_t), generator=self.gen)[rows]
+        weight = 1.0 / (b_global * n_t)
+        totals = torch.zeros(3, dtype=torch.float64)
         self.opt.zero_grad(set_to_none=True)
         for j in range(n_t):
-            for s in micro:
+            for s in range(0, b, c.train_batch_size):
                 sl = slice(s, s + c.train_batch_size)
                 xb, cb, ab = x0[sl], cond[sl], adv[sl]
                 t = sig[perms[sl, j]].to(self.device)
-                noise = torch.randn(xb.shape, generator=self.gen).to(self.device, xb.dtype)
+                noise = seeded_noise(noise_seeds[sl, j].tolist(), tuple(xb.shape[1:]), self.device, xb.dtype)
                 tb = t.view(-1, *([1] * (xb.dim() - 1))).to(xb.dtype)
                 xt = (1 - tb) * xb + tb * noise
                 with torch.no_grad(), self._autocast():
@@ -199,15 +229,19 @@ class Trainer:
                 with self._autocast():
                     v = self.model.velocity(xt, t, cb).float()
                 loss, st = nft_loss(v, v_old, v_ref, xb.float(), xt.float(), t, ab, c.beta, c.kl_beta, c.adv_clip)
-                (loss / (n_t * len(micro))).backward()
-                for k in totals:
-                    totals[k] += st[k] / (n_t * len(micro))
-        gn = torch.nn.utils.clip_grad_norm_(self.adapters.params(TRAIN), c.grad_clip)
+                (loss * (len(xb) * weight)).backward()
+                parts = torch.tensor([st["loss"], st["policy_loss"], st["kl"]], dtype=torch.float64)
+                totals += parts * (len(xb) * weight)
+        params = self.adapters.params(TRAIN)
+        self.dist.sum_grads_(params)
+        totals = self.dist.sum_(totals.to(self.device)).cpu()
+        gn = torch.nn.utils.clip_grad_norm_(params, c.grad_clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.adapters.update_ema(self.iteration + 1, c.ema_decay_max)  # the update count after this update
         d = self.adapters.update_old(self.iteration + 1, c.old_decay_rate, c.old_decay_max)
-        return {**totals, "grad_norm": float(gn), "old_decay": d}
+        loss, policy, kl = totals.tolist()
+        return {"loss": loss, "policy_loss": policy, "kl": kl, "grad_norm": float(gn), "old_decay": d}
 
     # --- evaluation, checkpoints, the loop ---------------------------------------------------------
 
@@ -215,16 +249,22 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean reward on the held-out prompts with the EMA adapter (fixed seeds 0 .. eval_seeds - 1);
         writes an image grid with each image's prompt and reward."""
-        c = self.cfg
+        c, dist = self.cfg, self.dist
+        prompts = self.eval_prompts
+        per = -(-len(prompts) // dist.world)  # each rank evaluates a contiguous share, the last one padded
+        padded = prompts + [prompts[-1]] * (per * dist.world - len(prompts))
+        mine = padded[dist.rank * per : (dist.rank + 1) * per]
         with self.adapters.ema_weights():
-            res = evaluate_rollouts(self.rollouts, self.eval_prompts, c.eval_seeds, tag=TRAIN)
-        mean, sem = res.mean, res.stderr
-        n = len(res.rewards)
-        head = f"iter {self.iteration}: held-out reward {mean:.3f} +- {sem:.3f} (EMA adapter, {n} images)"
-        grid = eval_grid(res, c.eval_seeds, head)
-        grid.save(self.out / f"eval_{self.iteration:05d}.png")
-        if self.tracker is not None:
-            self.tracker.image("eval/grid", grid, self.iteration)
+            res = evaluate_rollouts(self.rollouts, mine, c.eval_seeds, tag=TRAIN)
+        n = len(prompts) * c.eval_seeds
+        full = EvalResult(list(prompts), [], res.images, dist.gather_rows(res.rewards.to(self.device)).cpu()[:n])
+        mean, sem = full.mean, full.stderr
+        if dist.main:
+            head = f"iter {self.iteration}: held-out reward {mean:.3f} +- {sem:.3f} (EMA adapter, {n} images)"
+            grid = eval_grid(res, c.eval_seeds, head)
+            grid.save(self.out / f"eval_{self.iteration:05d}.png")
+            if self.tracker is not None:
+                self.tracker.image("eval/grid", grid, self.iteration)
         self.evals.append((self.iteration, mean, sem))
         return mean
 
@@ -268,22 +308,25 @@ class Trainer:
 
     def run(self, resume: bool = False) -> dict[str, Any]:
         """Train for cfg.iterations; with `resume`, continue from the newest complete checkpoint."""
-        c = self.cfg
+        c, main = self.cfg, self.dist.main  # rank 0 alone writes; every rank computes
         self.out.mkdir(parents=True, exist_ok=True)
         metrics_path = self.out / "metrics.jsonl"
         history: list[dict[str, Any]] = []
         ck = checkpoint.latest(self.out / "checkpoints") if resume else None
-        self.tracker = Tracker(self.out, c.log_with, c.name, dataclasses.asdict(c))
+        self.tracker = Tracker(self.out, c.log_with if main else (), c.name, dataclasses.asdict(c))
         if ck is not None:
             self._restore(checkpoint.load(ck))
             if metrics_path.exists():  # drop records written after the checkpoint
                 lines = metrics_path.read_text().splitlines()
                 history = [json.loads(x) for x in lines if json.loads(x)["iter"] <= self.iteration]
-                metrics_path.write_text("".join(json.dumps(h) + "\n" for h in history))
+                self.dist.barrier()  # every rank has read it before rank 0 rewrites it
+                if main:
+                    metrics_path.write_text("".join(json.dumps(h) + "\n" for h in history))
             log.info("resumed from %s at iteration %d", ck, self.iteration)
         else:
-            metrics_path.write_text("")
-            (self.out / "config.json").write_text(json.dumps(dataclasses.asdict(c), indent=2))
+            if main:
+                metrics_path.write_text("")
+                (self.out / "config.json").write_text(json.dumps(dataclasses.asdict(c), indent=2))
             self.evaluate()
         bar = tqdm(total=c.iterations, initial=self.iteration, disable=not self.progress, desc=c.name)
         while self.iteration < c.iterations:
@@ -292,17 +335,20 @@ class Trainer:
                 m["heldout_reward"] = self.evaluate()
                 m["heldout_stderr"] = self.evals[-1][2]
             history.append(m)
-            with metrics_path.open("a") as f:
-                f.write(json.dumps(m) + "\n")
-            self.tracker.log(m, self.iteration)
-            self._plot(history)
+            if main:
+                with metrics_path.open("a") as f:
+                    f.write(json.dumps(m) + "\n")
+                self.tracker.log(m, self.iteration)
+                self._plot(history)
             if self.iteration % c.save_every == 0 or self.iteration == c.iterations:
-                checkpoint.save(self.out / "checkpoints", self.iteration, self._state(), c.keep_checkpoints)
-                self.export()
+                if main:
+                    checkpoint.save(self.out / "checkpoints", self.iteration, self._state(), c.keep_checkpoints)
+                    self.export()
+                self.dist.barrier()
             bar.update(1)
             bar.set_postfix(reward=f"{m['reward_mean']:.3f}", heldout=f"{self.evals[-1][1]:.3f}")
         bar.close()
-        if not (self.out / "lora").exists():  # e.g. resumed at the end: the adapter is still exported
+        if main and not (self.out / "lora").exists():  # e.g. resumed at the end: still exported
             self.export()
         self.tracker.close()
         summary = {
@@ -317,5 +363,7 @@ class Trainer:
             "explore_recipe": self.explore.recipe if self.explore else "bf16",
             "mean_time_total_s": sum(h["time_total_s"] for h in history) / max(1, len(history)),
         }
-        (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
+        if main:
+            (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
+        self.dist.barrier()
         return summary

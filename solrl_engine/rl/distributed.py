@@ -1,0 +1,86 @@
+"""Data parallelism on torch.distributed, launched by torchrun (gloo on CPU, nccl on GPUs).
+
+    torchrun --nproc_per_node 8 --no-python solrl train CONFIG_SPEC ...
+
+Every rank draws the same global prompts and seeds from the same generators (so the run depends on
+`seed` alone, not on the world size), takes its contiguous share of the prompts (all N seeds of a
+prompt on one rank, as the paper does), and gathers rewards so advantages and metrics are the
+global ones; gradients are summed across ranks after each rank weighs its samples by the global
+batch, so every rank applies the same update as a one-process run would (up to summation order).
+Rank 0 alone writes metrics, plots, checkpoints and exports. A one-process run is world size 1
+through the same code.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @staticmethod
+    def from_env(device_type: str) -> Dist:
+        """The process group torchrun describes in the environment (WORLD_SIZE, RANK, LOCAL_RANK),
+        initialised once; world size 1 without it."""
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world == 1:
+            return Dist()
+        import torch.distributed as td
+
+        if not td.is_initialized():
+            td.init_process_group("nccl" if device_type == "cuda" else "gloo")
+        return Dist(td.get_rank(), td.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
+
+    def shard(self, n: int) -> slice:
+        """This rank's contiguous share of n items (n must divide evenly)."""
+        if n % self.world:
+            raise ValueError(f"{n} items do not split evenly over {self.world} ranks")
+        per = n // self.world
+        return slice(self.rank * per, (self.rank + 1) * per)
+
+    def gather_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's rows, concatenated in rank order (equal row counts)."""
+        if self.world == 1:
+            return x
+        import torch.distributed as td
+
+        parts = [torch.empty_like(x) for _ in range(self.world)]
+        td.all_gather(parts, x.contiguous())
+        return torch.cat(parts)
+
+    def sum_(self, x: torch.Tensor) -> torch.Tensor:
+        """In-place sum over ranks."""
+        if self.world > 1:
+            import torch.distributed as td
+
+            td.all_reduce(x, op=td.ReduceOp.SUM)
+        return x
+
+    def sum_grads_(self, params: list[torch.nn.Parameter]) -> None:
+        """Sum the gradients of `params` over ranks, flattened into one collective."""
+        if self.world == 1:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = self.sum_(torch.cat([g.flatten().float() for g in grads]))
+        i = 0
+        for p, g in zip(params, grads, strict=True):
+            n = g.numel()
+            p.grad = flat[i : i + n].view_as(g).to(g.dtype)
+            i += n
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            import torch.distributed as td
+
+            td.barrier()
