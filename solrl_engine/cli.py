@@ -171,7 +171,7 @@ def _checked(fn):  # noqa: ANN001, ANN202 - a thunk and its value
     """Run `fn`; a missing file or a bad value exits with its message, without a traceback."""
     try:
         return fn()
-    except (FileNotFoundError, ValueError, ImportError, TypeError) as e:
+    except (OSError, ValueError, ImportError, TypeError) as e:
         from solrl_engine.rl import ConfigError
 
         prefix = "config error" if isinstance(e, ConfigError) else "error"
@@ -194,21 +194,28 @@ def _train(args: argparse.Namespace) -> int:
     from solrl_engine.rl.trainer import Trainer
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    import os
+
+    from solrl_engine.rl.checkpoint import prepare_output
+    from solrl_engine.rl.trainer import NonFiniteError
+
     cfg = _load_cfg(args)
     if args.output:
         cfg = dataclasses.replace(cfg, output=args.output)
+    if os.environ.get("RANK", "0") == "0":  # before any model loads: an existing run is never clobbered
+        _checked(lambda: prepare_output(cfg.output or f"runs/{cfg.name}", args.resume, args.overwrite))
     trainer = _checked(lambda: Trainer(cfg))
     print(
         f"{cfg.name}: model {cfg.model}, family {cfg.family}, N={cfg.n} -> K={cfg.k}, {cfg.prompts_per_iter} "
         f"prompts/iter, {cfg.iterations} iterations, output {trainer.out}"
     )
-    if trainer.explore is not None:
-        trainer.out.mkdir(parents=True, exist_ok=True)
-        report = trainer.explore.report
-        (trainer.out / "quantization.txt").write_text(str(report) + "\n")
-        print(report.summary() if hasattr(report, "summary") else report)
+    if trainer.explore is not None and trainer.dist.main:
+        print(trainer.explore.report.summary())
         print(f"(every layer's decision: {trainer.out / 'quantization.txt'})")
-    summary = trainer.run(resume=args.resume)
+    try:
+        summary = trainer.run(resume=args.resume, overwrite=args.overwrite)
+    except (NonFiniteError, ValueError) as e:
+        raise SystemExit(f"error: {e}") from None
     print(json.dumps(summary, indent=2))
     return 0
 
@@ -271,6 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field (repeatable)")
     tr.add_argument("--output", default=None, help="run directory (default: runs/<config name>)")
     tr.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+    tr.add_argument("--overwrite", action="store_true", help="start over in an output directory that holds a run")
     tr.set_defaults(func=_train)
 
     ev = sub.add_parser("eval", help="mean of each reward over a prompt set, with a trained LoRA: grids + JSON")

@@ -113,6 +113,14 @@ class RLConfig:
     save_every: int = 5
     keep_checkpoints: int = 2
     log_with: tuple[str, ...] = ()  # experiment trackers besides metrics.jsonl: tensorboard, wandb
+    # trust: what a non-finite latent, velocity, loss or reward does ("skip" the iteration's update, or
+    # "abort" the run), and the proxy-drift guard: when the mean proxy_spearman over the last
+    # proxy_window iterations falls below proxy_floor, warn, and with proxy_fallback "steps" explore
+    # at full_steps, with "bf16" explore with the policy itself, until the quantized proxy recovers
+    nonfinite_policy: str = "skip"
+    proxy_floor: float = 0.5
+    proxy_window: int = 10
+    proxy_fallback: str = "warn"
     seed: int = 0
     device: str = "auto"
     policy_dtype: str = "auto"
@@ -172,6 +180,14 @@ class RLConfig:
                 raise bad(key, "must be >= 1")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise bad("device", "use auto, cpu, cuda or cuda:N")
+        if self.nonfinite_policy not in ("skip", "abort"):
+            raise bad("nonfinite_policy", "choose skip (drop the iteration's update) or abort (stop the run)")
+        if self.proxy_fallback not in ("warn", "steps", "bf16"):
+            raise bad("proxy_fallback", "choose warn, steps (explore at full_steps) or bf16 (explore with the policy)")
+        if not -1 <= self.proxy_floor <= 1:
+            raise bad("proxy_floor", "a Spearman correlation: between -1 and 1 (-1 turns the guard off)")
+        if self.proxy_window < 1:
+            raise bad("proxy_window", "must be >= 1")
         from solrl_engine.rl.tracking import TRACKERS
 
         if any(b not in TRACKERS for b in self.log_with):

@@ -67,6 +67,31 @@ class PromptSampler:
         self.order = list(st["order"])
 
 
+class NonFiniteError(RuntimeError):
+    """A NaN or Inf in a latent, velocity, loss, gradient or reward; the message names the stage,
+    the prompt and the seed."""
+
+    def __init__(self, stage: str, detail: str) -> None:
+        super().__init__(f"non-finite values in {stage}: {detail}")
+        self.stage = stage
+
+
+def _check_finite(stage: str, x: torch.Tensor, prompts: list[str], seeds: list[int]) -> None:
+    """Raise NonFiniteError naming the first bad row's prompt and seed (rows: prompt-major samples)."""
+    bad = ~torch.isfinite(x.detach().float().reshape(len(prompts), -1)).all(dim=1)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        raise NonFiniteError(stage, f"{int(bad.sum())} of {len(prompts)} samples, first: prompt {prompts[i]!r}, "
+                                    f"seed {seeds[i]}")  # fmt: skip
+
+
+SAFE_TO_CHANGE_ON_RESUME = {
+    "name", "output", "iterations", "device", "eval_every", "save_every", "keep_checkpoints", "log_with",
+    "compiled_sampler", "rollout_batch_size", "decode_batch_size", "offload_text_encoders", "gradient_checkpointing",
+    "proxy_floor", "proxy_window", "proxy_fallback", "nonfinite_policy",
+}  # fmt: skip  (what does not change which seeds, samples or updates come next)
+
+
 class Trainer:
     def __init__(self, cfg: RLConfig, progress: bool = True) -> None:
         self.cfg = cfg.validate()
@@ -110,6 +135,10 @@ class Trainer:
         self.iteration = 0
         self.evals: list[tuple[int, float, float]] = []  # (iteration, mean, standard error)
         self.tracker: Tracker | None = None
+        self.nonfinite = 0  # iterations whose update was skipped for non-finite values
+        self.proxy_history: list[float] = []  # the quantized proxy's Spearman per iteration (drift guard)
+        self.fallback = False  # the drift guard's switch: exploring in full precision or at full steps
+        self._stop = False
 
     # --- rollouts ----------------------------------------------------------------------------------
 
@@ -129,6 +158,21 @@ class Trainer:
     # --- one iteration -----------------------------------------------------------------------------
 
     def step(self) -> dict[str, Any]:
+        """One iteration; non-finite values skip its update (nonfinite_policy=skip) or raise."""
+        t0 = time.perf_counter()
+        try:
+            return self._step()
+        except NonFiniteError as e:
+            self.opt.zero_grad(set_to_none=True)
+            if self.cfg.nonfinite_policy == "abort":
+                raise
+            self.iteration += 1
+            self.nonfinite += 1
+            log.warning("iteration %d: %s; its update is skipped (nonfinite_policy=skip)", self.iteration, e)
+            return {"iter": self.iteration, "family": self.cfg.family, "skipped": str(e),
+                    "nonfinite_skipped": self.nonfinite, "time_total_s": time.perf_counter() - t0}  # fmt: skip
+
+    def _step(self) -> dict[str, Any]:
         c, rule, dist = self.cfg, self.rule, self.dist
         t0 = time.perf_counter()
         # every rank draws the global prompts and seeds (the run depends on `seed`, not the world
@@ -144,6 +188,8 @@ class Trainer:
         with self.adapters.using(OLD):  # the policy explores with its "old" adapter when it explores
             sel = self.explorer.select(prompts, seeds, cond=cond, keep_samples=not rule.regenerate)
         r_all, idx, proxy = sel.all_rewards, sel.index, sel.proxy_rewards
+        flat_all = [p for p in prompts for _ in range(c.n)]
+        _check_finite("explore rewards", r_all.flatten(), flat_all, [x for row in seeds for x in row])
         comps = {k: v.gather(1, idx.cpu()).to(self.device) for k, v in self.explorer.last_components.items()}
         sel_cond = cond.repeat_interleave(c.k)
         t1 = time.perf_counter()
@@ -152,18 +198,23 @@ class Trainer:
         if rule.regenerate:
             with self.adapters.using(OLD):
                 x0 = self._sample(sel_cond, sel.flat_seeds, c.full_steps)
+            _check_finite("regenerated latents", x0, sel.flat_prompts, sel.flat_seeds)
             rewards, comps = self._score(x0, sel.flat_prompts)
+            _check_finite("rewards of the regenerated samples", rewards, sel.flat_prompts, sel.flat_seeds)
             rewards = rewards.view(len(prompts), c.k)
             comps = {k: v.view(len(prompts), c.k).to(self.device) for k, v in comps.items()}
         else:
             x0, rewards = sel.samples, proxy
+            _check_finite("explored latents", x0, sel.flat_prompts, sel.flat_seeds)
         t2 = time.perf_counter()
 
         # 4. update the policy on the selected samples, advantages from the (BF16) rewards of every
         #    rank: grouped by prompt text, divided by the global std
-        g_rewards = dist.gather_rows(rewards)
+        g_rewards, g_proxy = dist.gather_rows(rewards), dist.gather_rows(proxy)
+        proxy_stats = rule.regenerate and self.explore is not None
+        guard = self._guard(g_proxy, g_rewards, sel, cond) if proxy_stats else {}  # before the copy moves on
         adv = group_advantages(g_rewards, c.adv_clip, prompts=all_prompts)[mine].flatten()
-        stats = self._update(x0, sel_cond, adv, len(all_prompts) * c.k, mine.start * c.k)
+        stats = self._update(x0, sel_cond, adv, len(all_prompts) * c.k, mine.start * c.k, sel)
 
         # 5. refresh the explore copy with the new "old" policy, in place
         if self.explore is not None:
@@ -171,10 +222,9 @@ class Trainer:
         t3 = time.perf_counter()
 
         self.iteration += 1
-        g_proxy, g_r_all = dist.gather_rows(proxy), dist.gather_rows(r_all)
+        g_r_all = dist.gather_rows(r_all)
         g_comps = {k: dist.gather_rows(v) for k, v in comps.items()}
         g_sel = dist.gather_rows(torch.tensor(sel.seeds, dtype=torch.int64, device=self.device))
-        proxy_stats = rule.regenerate and self.explore is not None
         m: dict[str, Any] = {
             "iter": self.iteration,
             "family": c.family,
@@ -186,6 +236,8 @@ class Trainer:
             "proxy_spearman": spearman(g_proxy, g_rewards).mean().item() if proxy_stats else None,
             "proxy_kendall": kendall(g_proxy, g_rewards).mean().item() if proxy_stats else None,
             "selection_digest": hashlib.sha1(g_sel.cpu().numpy().tobytes()).hexdigest()[:16],
+            "nonfinite_skipped": self.nonfinite,
+            **guard,
             "world_size": dist.world,
             "time_explore_s": t1 - t0,
             "time_regen_s": t2 - t1,
@@ -195,8 +247,53 @@ class Trainer:
         }
         return m
 
+    def _guard(self, g_proxy: torch.Tensor, g_rewards: torch.Tensor, sel: Any, cond: Conditioning) -> dict[str, Any]:
+        """The proxy-drift guard: the quantized previews' rank fidelity over the last proxy_window
+        iterations; below proxy_floor it warns and, as proxy_fallback says, explores at full steps
+        or in full precision until the quantized proxy (still measured on the selected seeds) recovers."""
+        c = self.cfg
+        if self.fallback:  # exploration is not quantized now: measure the quantized proxy on the selection
+            assert self.explore is not None
+            with torch.no_grad():
+                x = self._sample(cond.repeat_interleave(c.k), sel.flat_seeds, c.preview_steps, self.explore.transformer,
+                                 "explore")  # fmt: skip
+                q = self._score(x, sel.flat_prompts)[0].view(len(sel.prompts), c.k)
+            g_proxy = self.dist.gather_rows(q)
+        rho = spearman(g_proxy, g_rewards).mean().item()
+        self.proxy_history.append(rho)
+        window = self.proxy_history[-c.proxy_window :]
+        mean = sum(window) / len(window)
+        event = None
+        full = len(window) == c.proxy_window
+        if full and mean < c.proxy_floor and not self.fallback:
+            log.warning(
+                "proxy drift: the quantized previews' mean Spearman over the last %d iterations is %.3f < "
+                "proxy_floor %.3f (last: %s)%s", c.proxy_window, mean, c.proxy_floor,
+                ", ".join(f"{v:.2f}" for v in window),
+                "" if c.proxy_fallback == "warn" else f"; proxy_fallback={c.proxy_fallback} until it recovers",
+            )  # fmt: skip
+            event = "warn"
+            if c.proxy_fallback != "warn":
+                self._set_fallback(True)
+                event = f"fallback:{c.proxy_fallback}"
+        elif self.fallback and full and mean >= c.proxy_floor:
+            log.warning("proxy recovered: mean Spearman %.3f >= %.3f; exploring in %s again", mean, c.proxy_floor,
+                        self.explore.recipe if self.explore else "the explore precision")  # fmt: skip
+            self._set_fallback(False)
+            event = "recovered"
+        mode = ("full_steps" if c.proxy_fallback == "steps" else "bf16") if self.fallback else "quantized"
+        return {"proxy_spearman": rho, "proxy_window_mean": mean, "explore_mode": mode, "proxy_guard": event}
+
+    def _set_fallback(self, on: bool) -> None:
+        c = self.cfg
+        self.fallback = on
+        bf16 = on and c.proxy_fallback == "bf16"
+        self.explorer.steps = c.full_steps if on else c.preview_steps
+        self.explorer.transformer = None if bf16 or self.explore is None else self.explore.transformer
+        self.explorer.tag = "old" if bf16 else "explore"
+
     def _update(
-        self, x0: torch.Tensor, cond: Conditioning, adv: torch.Tensor, b_global: int, row0: int
+        self, x0: torch.Tensor, cond: Conditioning, adv: torch.Tensor, b_global: int, row0: int, sel: Any = None
     ) -> dict[str, float]:
         """One optimizer step over all samples x the chosen rollout timesteps (gradient accumulation).
 
@@ -228,12 +325,19 @@ class Trainer:
                         v_ref = self.model.velocity(xt, t, cb).float() if c.kl_beta > 0 else None
                 with self._autocast():
                     v = self.model.velocity(xt, t, cb).float()
+                if sel is not None:
+                    names = (sel.flat_prompts[sl], sel.flat_seeds[sl])
+                    _check_finite(f"the velocities at t={t.tolist()}", v, *names)
                 loss, st = nft_loss(v, v_old, v_ref, xb.float(), xt.float(), t, ab, c.beta, c.kl_beta, c.adv_clip)
+                if not torch.isfinite(loss):
+                    raise NonFiniteError("the loss", f"samples {s}..{s + len(xb) - 1} of this rank, loss {loss.item()}")
                 (loss * (len(xb) * weight)).backward()
                 parts = torch.tensor([st["loss"], st["policy_loss"], st["kl"]], dtype=torch.float64)
                 totals += parts * (len(xb) * weight)
         params = self.adapters.params(TRAIN)
         self.dist.sum_grads_(params)
+        if not all(bool(torch.isfinite(p.grad).all()) for p in params if p.grad is not None):
+            raise NonFiniteError("the LoRA gradients", "after accumulation over the batch")
         totals = self.dist.sum_(totals.to(self.device)).cpu()
         gn = torch.nn.utils.clip_grad_norm_(params, c.grad_clip)
         self.opt.step()
@@ -278,9 +382,24 @@ class Trainer:
             "gen": self.gen.get_state(),
             "evals": list(self.evals),
             "config": dataclasses.asdict(self.cfg),
+            "world_size": self.dist.world,
+            "nonfinite": self.nonfinite,
+            "proxy_history": list(self.proxy_history),
+            "fallback": self.fallback,
         }
 
     def _restore(self, st: dict[str, Any]) -> None:
+        """Continue from a checkpoint; a config that would change what comes next is refused, naming
+        what differs. A different world size is fine: the run does not depend on it."""
+        now, then = dataclasses.asdict(self.cfg), st.get("config", {})
+        diff = {k: (then.get(k), v) for k, v in now.items() if k not in SAFE_TO_CHANGE_ON_RESUME and then.get(k) != v}
+        diff = {k: d for k, d in diff.items() if not (isinstance(d[0], list) and tuple(d[0]) == d[1])}
+        if diff:
+            raise ConfigError(
+                "cannot resume: the config differs from the checkpoint's in "
+                + ", ".join(f"{k} (checkpoint {a!r}, now {b!r})" for k, (a, b) in diff.items())
+                + "; resume with the run's own config, or start a new run (--overwrite or another --output)"
+            )
         self.iteration = st["iteration"]
         self.adapters.load_state_dict(st["adapters"])
         self.opt.load_state_dict(st["opt"])
@@ -288,11 +407,30 @@ class Trainer:
         self.seed_rng.setstate(st["seed_rng"])
         self.gen.set_state(st["gen"])
         self.evals = [tuple(e) for e in st["evals"]]  # type: ignore[misc]
+        self.nonfinite = st.get("nonfinite", 0)
+        self.proxy_history = list(st.get("proxy_history", []))
+        if st.get("fallback"):
+            self._set_fallback(True)
         if self.explore is not None:
             self.explore.refresh(self.adapters)
 
+    def _stop_requested(self) -> bool:
+        """A signal on any rank stops every rank after the same iteration."""
+        flag = torch.tensor([float(self._stop)], device=self.device)
+        return bool(self.dist.sum_(flag).item() > 0)
+
+    def _checkpoint(self, main: bool) -> None:
+        """Write a checkpoint and the exported adapters; never from a poisoned (non-finite) state."""
+        if not all(bool(torch.isfinite(p).all()) for p in self.adapters.params(TRAIN) + self.adapters.ema):
+            raise NonFiniteError("the adapters", "refusing to checkpoint them; the last good checkpoint stays")
+        if main:
+            checkpoint.save(self.out / "checkpoints", self.iteration, self._state(), self.cfg.keep_checkpoints)
+            self.export()
+        self.dist.barrier()
+
     def _plot(self, history: list[dict[str, Any]]) -> None:
-        series = {"train reward (BF16 samples)": ([h["iter"] for h in history], [h["reward_mean"] for h in history])}
+        done = [h for h in history if "reward_mean" in h]  # skipped iterations have no rewards
+        series = {"train reward (BF16 samples)": ([h["iter"] for h in done], [h["reward_mean"] for h in done])}
         bands = {}
         if self.evals:
             name = "held-out reward (EMA)"
@@ -306,10 +444,34 @@ class Trainer:
         save_lora(self.adapters, self.out / "lora", pipeline)
         save_lora(self.adapters, self.out / "lora_ema", pipeline, ema=True)
 
-    def run(self, resume: bool = False) -> dict[str, Any]:
-        """Train for cfg.iterations; with `resume`, continue from the newest complete checkpoint."""
-        c, main = self.cfg, self.dist.main  # rank 0 alone writes; every rank computes
-        self.out.mkdir(parents=True, exist_ok=True)
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        log.warning("signal %d: stopping after this iteration with a checkpoint (resume with --resume)", signum)
+        self._stop = True
+
+    def run(self, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
+        """Train for cfg.iterations; with `resume`, continue from the newest complete checkpoint (from the
+        start when there is none). SIGINT / SIGTERM stop after the current iteration with a checkpoint."""
+        import signal
+        import threading
+
+        main = self.dist.main  # rank 0 alone writes; every rank computes
+        if main:
+            checkpoint.prepare_output(self.out, resume, overwrite)
+            if self.explore is not None:  # why each layer of the explore copy was or was not quantized
+                (self.out / "quantization.txt").write_text(str(self.explore.report) + "\n")
+        self.dist.barrier()
+        handlers = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                handlers[sig] = signal.signal(sig, self._on_signal)
+        try:
+            return self._run(resume)
+        finally:
+            for sig, h in handlers.items():
+                signal.signal(sig, h)
+
+    def _run(self, resume: bool) -> dict[str, Any]:
+        c, main = self.cfg, self.dist.main
         metrics_path = self.out / "metrics.jsonl"
         history: list[dict[str, Any]] = []
         ck = checkpoint.latest(self.out / "checkpoints") if resume else None
@@ -340,13 +502,15 @@ class Trainer:
                     f.write(json.dumps(m) + "\n")
                 self.tracker.log(m, self.iteration)
                 self._plot(history)
-            if self.iteration % c.save_every == 0 or self.iteration == c.iterations:
-                if main:
-                    checkpoint.save(self.out / "checkpoints", self.iteration, self._state(), c.keep_checkpoints)
-                    self.export()
-                self.dist.barrier()
+            stop = self._stop_requested()
+            if self.iteration % c.save_every == 0 or self.iteration == c.iterations or stop:
+                self._checkpoint(main)
             bar.update(1)
-            bar.set_postfix(reward=f"{m['reward_mean']:.3f}", heldout=f"{self.evals[-1][1]:.3f}")
+            if "reward_mean" in m:
+                bar.set_postfix(reward=f"{m['reward_mean']:.3f}", heldout=f"{self.evals[-1][1]:.3f}")
+            if stop:
+                log.warning("stopped at iteration %d; `--resume` continues from here", self.iteration)
+                break
         bar.close()
         if main and not (self.out / "lora").exists():  # e.g. resumed at the end: still exported
             self.export()
@@ -362,6 +526,8 @@ class Trainer:
             "lora_ema": str(self.out / "lora_ema"),
             "explore_recipe": self.explore.recipe if self.explore else "bf16",
             "mean_time_total_s": sum(h["time_total_s"] for h in history) / max(1, len(history)),
+            "nonfinite_skipped": self.nonfinite,
+            "stopped_early": self.iteration < c.iterations,
         }
         if main:
             (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
