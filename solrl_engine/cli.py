@@ -197,7 +197,7 @@ def _train(args: argparse.Namespace) -> int:
     import os
 
     from solrl_engine.rl.checkpoint import prepare_output
-    from solrl_engine.rl.trainer import NonFiniteError
+    from solrl_engine.rl.guards import NonFiniteError
 
     cfg = _load_cfg(args)
     if args.output:

@@ -21,7 +21,8 @@ import torch
 from solrl_engine.cli import main
 from solrl_engine.models.tiny import TinyConfig, TinyT2I
 from solrl_engine.rl import ConfigError, load_config
-from solrl_engine.rl.trainer import NonFiniteError, Trainer
+from solrl_engine.rl.guards import NonFiniteError
+from solrl_engine.rl.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = str(ROOT / "configs/tiny.py:tiny_sol_rl_shapes")

@@ -33,6 +33,7 @@ from solrl_engine.rl.config import FAMILY_TABLE, ConfigError, RLConfig, autocast
 from solrl_engine.rl.distributed import Dist
 from solrl_engine.rl.explore import ExploreCopy
 from solrl_engine.rl.export import save_lora
+from solrl_engine.rl.guards import NonFiniteError, ProxyGuard, check_finite, check_resume_config
 from solrl_engine.rl.loss import nft_loss
 from solrl_engine.rl.ranking import group_advantages, kendall, spearman
 from solrl_engine.rl.tracking import Tracker
@@ -65,31 +66,6 @@ class PromptSampler:
     def load_state(self, st: dict[str, Any]) -> None:
         self.rng.setstate(st["rng"])
         self.order = list(st["order"])
-
-
-class NonFiniteError(RuntimeError):
-    """A NaN or Inf in a latent, velocity, loss, gradient or reward; the message names the stage,
-    the prompt and the seed."""
-
-    def __init__(self, stage: str, detail: str) -> None:
-        super().__init__(f"non-finite values in {stage}: {detail}")
-        self.stage = stage
-
-
-def _check_finite(stage: str, x: torch.Tensor, prompts: list[str], seeds: list[int]) -> None:
-    """Raise NonFiniteError naming the first bad row's prompt and seed (rows: prompt-major samples)."""
-    bad = ~torch.isfinite(x.detach().float().reshape(len(prompts), -1)).all(dim=1)
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0])
-        raise NonFiniteError(stage, f"{int(bad.sum())} of {len(prompts)} samples, first: prompt {prompts[i]!r}, "
-                                    f"seed {seeds[i]}")  # fmt: skip
-
-
-SAFE_TO_CHANGE_ON_RESUME = {
-    "name", "output", "iterations", "device", "eval_every", "save_every", "keep_checkpoints", "log_with",
-    "compiled_sampler", "rollout_batch_size", "decode_batch_size", "offload_text_encoders", "gradient_checkpointing",
-    "proxy_floor", "proxy_window", "proxy_fallback", "nonfinite_policy",
-}  # fmt: skip  (what does not change which seeds, samples or updates come next)
 
 
 class Trainer:
@@ -136,8 +112,7 @@ class Trainer:
         self.evals: list[tuple[int, float, float]] = []  # (iteration, mean, standard error)
         self.tracker: Tracker | None = None
         self.nonfinite = 0  # iterations whose update was skipped for non-finite values
-        self.proxy_history: list[float] = []  # the quantized proxy's Spearman per iteration (drift guard)
-        self.fallback = False  # the drift guard's switch: exploring in full precision or at full steps
+        self.guard = ProxyGuard(cfg)
         self._stop = False
 
     # --- rollouts ----------------------------------------------------------------------------------
@@ -189,7 +164,7 @@ class Trainer:
             sel = self.explorer.select(prompts, seeds, cond=cond, keep_samples=not rule.regenerate)
         r_all, idx, proxy = sel.all_rewards, sel.index, sel.proxy_rewards
         flat_all = [p for p in prompts for _ in range(c.n)]
-        _check_finite("explore rewards", r_all.flatten(), flat_all, [x for row in seeds for x in row])
+        check_finite("explore rewards", r_all.flatten(), flat_all, [x for row in seeds for x in row])
         comps = {k: v.gather(1, idx.cpu()).to(self.device) for k, v in self.explorer.last_components.items()}
         sel_cond = cond.repeat_interleave(c.k)
         t1 = time.perf_counter()
@@ -198,14 +173,14 @@ class Trainer:
         if rule.regenerate:
             with self.adapters.using(OLD):
                 x0 = self._sample(sel_cond, sel.flat_seeds, c.full_steps)
-            _check_finite("regenerated latents", x0, sel.flat_prompts, sel.flat_seeds)
+            check_finite("regenerated latents", x0, sel.flat_prompts, sel.flat_seeds)
             rewards, comps = self._score(x0, sel.flat_prompts)
-            _check_finite("rewards of the regenerated samples", rewards, sel.flat_prompts, sel.flat_seeds)
+            check_finite("rewards of the regenerated samples", rewards, sel.flat_prompts, sel.flat_seeds)
             rewards = rewards.view(len(prompts), c.k)
             comps = {k: v.view(len(prompts), c.k).to(self.device) for k, v in comps.items()}
         else:
             x0, rewards = sel.samples, proxy
-            _check_finite("explored latents", x0, sel.flat_prompts, sel.flat_seeds)
+            check_finite("explored latents", x0, sel.flat_prompts, sel.flat_seeds)
         t2 = time.perf_counter()
 
         # 4. update the policy on the selected samples, advantages from the (BF16) rewards of every
@@ -248,49 +223,28 @@ class Trainer:
         return m
 
     def _guard(self, g_proxy: torch.Tensor, g_rewards: torch.Tensor, sel: Any, cond: Conditioning) -> dict[str, Any]:
-        """The proxy-drift guard: the quantized previews' rank fidelity over the last proxy_window
-        iterations; below proxy_floor it warns and, as proxy_fallback says, explores at full steps
-        or in full precision until the quantized proxy (still measured on the selected seeds) recovers."""
+        """The proxy-drift guard's view of this iteration (guards.ProxyGuard). While it has exploration
+        in full precision, the quantized proxy is still measured on the selected seeds, so it can recover."""
         c = self.cfg
-        if self.fallback:  # exploration is not quantized now: measure the quantized proxy on the selection
+        if self.guard.fallback:
             assert self.explore is not None
             with torch.no_grad():
                 x = self._sample(cond.repeat_interleave(c.k), sel.flat_seeds, c.preview_steps, self.explore.transformer,
                                  "explore")  # fmt: skip
-                q = self._score(x, sel.flat_prompts)[0].view(len(sel.prompts), c.k)
-            g_proxy = self.dist.gather_rows(q)
+                g_proxy = self.dist.gather_rows(self._score(x, sel.flat_prompts)[0].view(len(sel.prompts), c.k))
         rho = spearman(g_proxy, g_rewards).mean().item()
-        self.proxy_history.append(rho)
-        window = self.proxy_history[-c.proxy_window :]
-        mean = sum(window) / len(window)
-        event = None
-        full = len(window) == c.proxy_window
-        if full and mean < c.proxy_floor and not self.fallback:
-            log.warning(
-                "proxy drift: the quantized previews' mean Spearman over the last %d iterations is %.3f < "
-                "proxy_floor %.3f (last: %s)%s", c.proxy_window, mean, c.proxy_floor,
-                ", ".join(f"{v:.2f}" for v in window),
-                "" if c.proxy_fallback == "warn" else f"; proxy_fallback={c.proxy_fallback} until it recovers",
-            )  # fmt: skip
-            event = "warn"
-            if c.proxy_fallback != "warn":
-                self._set_fallback(True)
-                event = f"fallback:{c.proxy_fallback}"
-        elif self.fallback and full and mean >= c.proxy_floor:
-            log.warning("proxy recovered: mean Spearman %.3f >= %.3f; exploring in %s again", mean, c.proxy_floor,
-                        self.explore.recipe if self.explore else "the explore precision")  # fmt: skip
-            self._set_fallback(False)
-            event = "recovered"
-        mode = ("full_steps" if c.proxy_fallback == "steps" else "bf16") if self.fallback else "quantized"
-        return {"proxy_spearman": rho, "proxy_window_mean": mean, "explore_mode": mode, "proxy_guard": event}
+        mean, event = self.guard.update(rho)
+        if event in ("recovered",) or (event or "").startswith("fallback"):
+            self._set_fallback(self.guard.fallback)
+        return {"proxy_spearman": rho, "proxy_window_mean": mean, "explore_mode": self.guard.mode, "proxy_guard": event}
 
     def _set_fallback(self, on: bool) -> None:
-        c = self.cfg
-        self.fallback = on
+        """Point the explorer at full steps or at the policy (on), or back at the family's own explore."""
+        c, quantized = self.cfg, self.explore is not None
         bf16 = on and c.proxy_fallback == "bf16"
-        self.explorer.steps = c.full_steps if on else c.preview_steps
-        self.explorer.transformer = None if bf16 or self.explore is None else self.explore.transformer
-        self.explorer.tag = "old" if bf16 else "explore"
+        self.explorer.steps = c.full_steps if on or not self.rule.preview else c.preview_steps
+        self.explorer.transformer = self.explore.transformer if quantized and not bf16 else None
+        self.explorer.tag = "explore" if quantized and not bf16 else "old"
 
     def _update(
         self, x0: torch.Tensor, cond: Conditioning, adv: torch.Tensor, b_global: int, row0: int, sel: Any = None
@@ -327,7 +281,7 @@ class Trainer:
                     v = self.model.velocity(xt, t, cb).float()
                 if sel is not None:
                     names = (sel.flat_prompts[sl], sel.flat_seeds[sl])
-                    _check_finite(f"the velocities at t={t.tolist()}", v, *names)
+                    check_finite(f"the velocities at t={t.tolist()}", v, *names)
                 loss, st = nft_loss(v, v_old, v_ref, xb.float(), xt.float(), t, ab, c.beta, c.kl_beta, c.adv_clip)
                 if not torch.isfinite(loss):
                     raise NonFiniteError("the loss", f"samples {s}..{s + len(xb) - 1} of this rank, loss {loss.item()}")
@@ -384,22 +338,13 @@ class Trainer:
             "config": dataclasses.asdict(self.cfg),
             "world_size": self.dist.world,
             "nonfinite": self.nonfinite,
-            "proxy_history": list(self.proxy_history),
-            "fallback": self.fallback,
+            "proxy_guard": self.guard.state(),
         }
 
     def _restore(self, st: dict[str, Any]) -> None:
         """Continue from a checkpoint; a config that would change what comes next is refused, naming
         what differs. A different world size is fine: the run does not depend on it."""
-        now, then = dataclasses.asdict(self.cfg), st.get("config", {})
-        diff = {k: (then.get(k), v) for k, v in now.items() if k not in SAFE_TO_CHANGE_ON_RESUME and then.get(k) != v}
-        diff = {k: d for k, d in diff.items() if not (isinstance(d[0], list) and tuple(d[0]) == d[1])}
-        if diff:
-            raise ConfigError(
-                "cannot resume: the config differs from the checkpoint's in "
-                + ", ".join(f"{k} (checkpoint {a!r}, now {b!r})" for k, (a, b) in diff.items())
-                + "; resume with the run's own config, or start a new run (--overwrite or another --output)"
-            )
+        check_resume_config(st.get("config", {}), self.cfg)
         self.iteration = st["iteration"]
         self.adapters.load_state_dict(st["adapters"])
         self.opt.load_state_dict(st["opt"])
@@ -408,8 +353,8 @@ class Trainer:
         self.gen.set_state(st["gen"])
         self.evals = [tuple(e) for e in st["evals"]]  # type: ignore[misc]
         self.nonfinite = st.get("nonfinite", 0)
-        self.proxy_history = list(st.get("proxy_history", []))
-        if st.get("fallback"):
+        self.guard.load_state(st["proxy_guard"])
+        if self.guard.fallback:
             self._set_fallback(True)
         if self.explore is not None:
             self.explore.refresh(self.adapters)
