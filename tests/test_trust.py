@@ -226,3 +226,18 @@ def test_trust_config_errors_name_the_key():
         load_config(SPEC, ["nonfinite_policy=ignore"])
     with pytest.raises(ConfigError, match="proxy_fallback"):
         load_config(SPEC, ["proxy_fallback=fp8"])
+
+
+def test_nonfinite_velocities_in_the_update_skip_it_and_leave_the_adapter_clean(small_model, tmp_path):
+    tr = _trainer(small_model, tmp_path / "v", iterations=1)
+    before = [p.detach().clone() for p in tr.adapters.params("default")]
+    velocity = tr.model.velocity
+
+    def poisoned(x, t, cond, transformer=None):  # noqa: ANN001, ANN202 - NaN only where gradients flow
+        v = velocity(x, t, cond, transformer=transformer)
+        return v * float("nan") if torch.is_grad_enabled() else v
+
+    tr.model.velocity = poisoned
+    rec = tr.step()
+    assert "velocities" in rec["skipped"] and "seed" in rec["skipped"]
+    assert all(torch.equal(a, b) for a, b in zip(before, tr.adapters.params("default"), strict=True))
