@@ -29,13 +29,26 @@ class NonFiniteError(RuntimeError):
         self.stage = stage
 
 
-def check_finite(stage: str, x: torch.Tensor, prompts: list[str], seeds: list[int]) -> None:
-    """Raise NonFiniteError naming the first bad row's prompt and seed (rows: prompt-major samples)."""
+def nonfinite_detail(x: torch.Tensor, prompts: list[str], seeds: list[int]) -> str | None:
+    """None when every row of x is finite, else which samples are not (rows: prompt-major samples)."""
     bad = ~torch.isfinite(x.detach().float().reshape(len(prompts), -1)).all(dim=1)
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0])
-        raise NonFiniteError(stage, f"{int(bad.sum())} of {len(prompts)} samples, first: prompt {prompts[i]!r}, "
-                                    f"seed {seeds[i]}")  # fmt: skip
+    if not bool(bad.any()):
+        return None
+    i = int(bad.nonzero()[0])
+    return f"{int(bad.sum())} of {len(prompts)} samples, first: prompt {prompts[i]!r}, seed {seeds[i]}"
+
+
+def check_finite(stage: str, x: torch.Tensor, prompts: list[str], seeds: list[int], dist: Any = None) -> None:
+    """Raise NonFiniteError naming the first bad row's prompt and seed. With `dist` (a Dist) the
+    verdict is collective: every rank raises when any rank found one, so no rank waits alone in a
+    collective."""
+    detail = nonfinite_detail(x, prompts, seeds)
+    if dist is not None and dist.world > 1:
+        flag = torch.tensor([0.0 if detail is None else 1.0], device=x.device)
+        if dist.sum_(flag).item() > 0 and detail is None:
+            detail = "on another rank (see its log)"
+    if detail is not None:
+        raise NonFiniteError(stage, detail)
 
 
 def check_resume_config(then: dict[str, Any], now: RLConfig) -> None:

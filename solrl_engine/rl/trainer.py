@@ -164,7 +164,7 @@ class Trainer:
             sel = self.explorer.select(prompts, seeds, cond=cond, keep_samples=not rule.regenerate)
         r_all, idx, proxy = sel.all_rewards, sel.index, sel.proxy_rewards
         flat_all = [p for p in prompts for _ in range(c.n)]
-        check_finite("explore rewards", r_all.flatten(), flat_all, [x for row in seeds for x in row])
+        check_finite("explore rewards", r_all.flatten(), flat_all, [x for row in seeds for x in row], dist)
         comps = {k: v.gather(1, idx.cpu()).to(self.device) for k, v in self.explorer.last_components.items()}
         sel_cond = cond.repeat_interleave(c.k)
         t1 = time.perf_counter()
@@ -173,14 +173,14 @@ class Trainer:
         if rule.regenerate:
             with self.adapters.using(OLD):
                 x0 = self._sample(sel_cond, sel.flat_seeds, c.full_steps)
-            check_finite("regenerated latents", x0, sel.flat_prompts, sel.flat_seeds)
+            check_finite("regenerated latents", x0, sel.flat_prompts, sel.flat_seeds, dist)
             rewards, comps = self._score(x0, sel.flat_prompts)
-            check_finite("rewards of the regenerated samples", rewards, sel.flat_prompts, sel.flat_seeds)
+            check_finite("rewards of the regenerated samples", rewards, sel.flat_prompts, sel.flat_seeds, dist)
             rewards = rewards.view(len(prompts), c.k)
             comps = {k: v.view(len(prompts), c.k).to(self.device) for k, v in comps.items()}
         else:
             x0, rewards = sel.samples, proxy
-            check_finite("explored latents", x0, sel.flat_prompts, sel.flat_seeds)
+            check_finite("explored latents", x0, sel.flat_prompts, sel.flat_seeds, dist)
         t2 = time.perf_counter()
 
         # 4. update the policy on the selected samples, advantages from the (BF16) rewards of every
@@ -281,10 +281,11 @@ class Trainer:
                     v = self.model.velocity(xt, t, cb).float()
                 if sel is not None:
                     names = (sel.flat_prompts[sl], sel.flat_seeds[sl])
-                    check_finite(f"the velocities at t={t.tolist()}", v, *names)
+                    check_finite(f"the velocities at t={t.tolist()}", v, *names, self.dist)
                 loss, st = nft_loss(v, v_old, v_ref, xb.float(), xt.float(), t, ab, c.beta, c.kl_beta, c.adv_clip)
-                if not torch.isfinite(loss):
-                    raise NonFiniteError("the loss", f"samples {s}..{s + len(xb) - 1} of this rank, loss {loss.item()}")
+                bad_loss = torch.tensor([0.0 if torch.isfinite(loss) else 1.0], device=self.device)
+                if self.dist.sum_(bad_loss).item() > 0:
+                    raise NonFiniteError("the loss", f"samples {s}..{s + len(xb) - 1} of a rank's batch")
                 (loss * (len(xb) * weight)).backward()
                 parts = torch.tensor([st["loss"], st["policy_loss"], st["kl"]], dtype=torch.float64)
                 totals += parts * (len(xb) * weight)
