@@ -64,7 +64,9 @@ def to_te_(model: nn.Module, recipe: str | QuantRecipe = "nvfp4") -> QuantReport
     rec = get_recipe(recipe)
     report = QuantReport(rec)
     for name, lin in [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]:
-        why = _decide(name, lin, rec) or (None if lin.in_features % 32 == 0 else "in_features % 32 != 0 (TE NVFP4)")
+        why = _decide(name, lin.in_features, lin.out_features, rec) or (
+            None if lin.in_features % 32 == 0 else "in_features % 32 != 0 (TE NVFP4; 1x1 convolutions stay as they are)"
+        )
         report.layers.append(LayerDecision(name, lin.in_features, lin.out_features, why is None, why or "te_nvfp4"))
         if why:
             continue
