@@ -1,5 +1,6 @@
 """Weight memory per model family: the trained transformer in BF16, its explore copy under the
-family's layer rule (NVFP4 layers at 4.5 bits per weight with scales, the rest in BF16), the LoRA,
+family's layer rule (NVFP4 layers at 4.5 bits per weight with scales; of the rest only the LoRA
+layers that take merged weights are copied, the others share the policy's frozen base), the LoRA,
 and the text encoders that `offload_text_encoders` moves to the CPU between prompt encodes.
 
 Transformer sizes are counted on the meta device from the published configs (no memory, no
@@ -37,17 +38,22 @@ def family_memory(name: str, lora_rank: int = 32) -> dict[str, float]:
     params = sum(p.numel() for p in net.parameters())
     rep = plan_quantization(net, get_recipe("nvfp4").with_(**spec.explore_rule))
     q = sum(d.in_features * d.out_features for d in rep.layers if d.quantized)
-    lora = 0
+    lora = lora_hp = 0
+    kept = {d.name for d in rep.layers if not d.quantized}
     for n, m in net.named_modules():
         if any(n.endswith(t) for t in spec.lora_targets) and hasattr(m, "in_features"):
             lora += lora_rank * (m.in_features + m.out_features)
+            if n in kept:  # merged LoRA lands in this high-precision layer: the copy keeps its own weight
+                lora_hp += m.in_features * m.out_features
     gib = 2**30
     return {
         "transformer_params_b": params / 1e9,
         "policy_bf16_gib": 2 * params / gib,
         "explore_quantized_params_b": q / 1e9,
         "explore_quantized_share": q / params,
-        "explore_copy_gib": (2 * (params - q) + q * (0.5 + 1 / 16)) / gib,
+        # the copy shares every other high-precision tensor with the policy's frozen base (explore.py)
+        "explore_copy_gib": (2 * lora_hp + q * (0.5 + 1 / 16)) / gib,
+        "explore_copy_unshared_gib": (2 * (params - q) + q * (0.5 + 1 / 16)) / gib,
         "lora_params_m": lora / 1e6,
         "lora_train_old_ema_fp32_with_adam_gib": 4 * lora * (3 + 2) / gib,
         "text_encoders_bf16_gib": 2e9 * sum(TEXT_ENCODERS[name].values()) / gib,

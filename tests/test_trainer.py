@@ -162,3 +162,23 @@ def test_explore_skip_keeps_more_layers_out_of_the_quantized_copy(small_model, t
     skipped = tr.explore.report.skipped
     assert any(name.endswith("attn.to_q") and "skip pattern" in why for name, why in skipped.items())
     assert not any(name.endswith("attn.to_q") for name in tr.explore.report.quantized)
+
+
+def test_explore_copy_shares_the_frozen_base_and_keeps_its_own_lora_layers(small_model, tmp_path):
+    tr = Trainer(_cfg(small_model, tmp_path, lr=5e-2), progress=False)
+    ex, pol = tr.explore.transformer, tr.model.transformer
+    assert tr.explore.shared_bytes > 0
+    shared = dict(ex.named_parameters())
+    base = {n.replace(".base_layer.", "."): t for n, t in pol.named_parameters() if ".lora_" not in n}
+    # a frozen high-precision layer (an adaLN modulation) is the policy's own storage ...
+    name = "transformer_blocks.0.norm1.linear.weight"
+    assert shared[name].data_ptr() == base[name].data_ptr()
+    # ... while a LoRA layer kept in high precision holds the merged weight, its own storage
+    name = "transformer_blocks.0.attn.to_q.weight"
+    assert shared[name].data_ptr() != base[name].data_ptr()
+    before = {n: t.clone() for n, t in base.items()}
+    tr.step()
+    tr.step()
+    assert all(torch.equal(before[n], t) for n, t in base.items())  # the policy's base is untouched by refresh
+    merged = tr.adapters.merged_weights("old")[name]
+    torch.testing.assert_close(shared[name], merged)  # the explore copy follows the old adapter
