@@ -13,8 +13,10 @@ missing weight file or an offline cache miss fails at start-up with the exact fi
 
 from __future__ import annotations
 
+import contextlib
 import importlib
-from collections.abc import Callable
+import inspect
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -32,7 +34,7 @@ REWARDS: dict[str, str] = {
 
 
 def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
-    """"pickscore:1.0,clipscore:0.5" -> [("pickscore", 1.0), ("clipscore", 0.5)]; a bare name has weight 1."""
+    """ "pickscore:1.0,clipscore:0.5" -> [("pickscore", 1.0), ("clipscore", 0.5)]; a bare name has weight 1."""
     out: list[tuple[str, float]] = []
     for part in spec.split(","):
         name, _, w = part.strip().partition(":")
@@ -55,7 +57,7 @@ def parse_reward_args(items: tuple[str, ...] | list[str]) -> dict[str, dict[str,
     for item in items:
         key, eq, value = item.partition("=")
         name, dot, arg = key.strip().partition(".")
-        if not eq or not dot or not name or not arg:
+        if not eq or not dot or not name or not arg.strip() or not value.strip():
             raise ValueError(f"reward_args item {item!r}: write name.key=value, e.g. pickscore.model=/w/pickscore")
         if name not in REWARDS:
             raise ValueError(f"reward_args item {item!r}: unknown reward {name!r}; available: {sorted(REWARDS)}")
@@ -65,22 +67,78 @@ def parse_reward_args(items: tuple[str, ...] | list[str]) -> dict[str, dict[str,
 
 def _module(name: str) -> Any:
     mod, _ = REWARDS[name].split(":")
-    try:
+    with _needs_packages(name):
         return importlib.import_module(mod)
-    except ImportError as e:
-        raise ImportError(f"reward {name!r} needs {e.name or e}: pip install -e \".[rewards]\"") from e
+
+
+@contextlib.contextmanager
+def _needs_packages(name: str) -> Iterator[None]:
+    """A missing package (imported lazily by a reward) names the extra that installs it."""
+    try:
+        yield
+    except ModuleNotFoundError as e:
+        raise ImportError(f'reward {name!r} needs the package {e.name!r}: pip install -e ".[rewards]"') from e
+
+
+def _factory(name: str) -> Callable[..., RewardFn]:
+    return getattr(_module(name), REWARDS[name].split(":")[1])
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _reward_kwargs(name: str, kw: dict[str, Any]) -> dict[str, Any]:
+    """Check `kw` against the reward's constructor (a misspelt key fails at start-up, listing the valid
+    ones) and convert the strings reward_args gives: to the type of the parameter's default (bool, int,
+    float), and dtype names ("bfloat16") to torch dtypes."""
+    sig = inspect.signature(_factory(name))
+    params = sig.parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        valid = [k for k, p in params.items() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        for key in kw:
+            if key not in valid:
+                known = ", ".join(valid) or "(none)"
+                raise ValueError(f"reward {name!r} has no argument {key!r}; its arguments: {known}")
+    out = dict(kw)
+    for key, value in kw.items():
+        if not isinstance(value, str):
+            continue
+        default = params[key].default if key in params else None
+        try:
+            if key == "dtype":
+                dt = getattr(torch, value.removeprefix("torch."), None)
+                if not isinstance(dt, torch.dtype):
+                    raise ValueError
+                out[key] = dt
+            elif isinstance(default, bool):
+                if value.lower() not in _TRUE + _FALSE:
+                    raise ValueError
+                out[key] = value.lower() in _TRUE
+            elif isinstance(default, int | float):
+                out[key] = type(default)(value)
+        except ValueError:
+            want = "a torch dtype (float32, bfloat16, ...)" if key == "dtype" else type(default).__name__
+            raise ValueError(f"reward argument {name}.{key}={value!r}: expected {want}") from None
+    return out
 
 
 def check_reward(spec: str, args: dict[str, dict[str, str]] | None = None) -> None:
-    """Validate the spec and that every component's weights can be found, before anything loads."""
+    """Validate the spec, every component's arguments, and that its weights can be found (each reward
+    module's cheap `check_weights`), before any model loads."""
     args = args or {}
     names = [n for n, _ in parse_reward_spec(spec)]
-    for extra in set(args) - set(names):
+    for extra in sorted(set(args) - set(names)):
         raise ValueError(f"reward_args names {extra!r}, which is not part of reward {spec!r}")
     for name in names:
+        kw = _reward_kwargs(name, args.get(name, {}))
         check = getattr(_module(name), "check_weights", None)
-        if check is not None:
-            check(**args.get(name, {}))
+        if check is None:
+            continue
+        params = inspect.signature(check).parameters
+        if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            kw = {k: v for k, v in kw.items() if k in params}
+        with _needs_packages(name):
+            check(**kw)
 
 
 class WeightedReward:
@@ -108,7 +166,7 @@ class WeightedReward:
         return " + ".join(f"{w:g} * {n}" for n, w, _ in self.parts)
 
 
-def load_reward(spec: str, args: dict[str, dict[str, str]] | None = None, **kwargs: object) -> RewardFn:
+def load_reward(spec: str, args: dict[str, dict[str, str]] | None = None, **kwargs: object) -> WeightedReward:
     """Build the reward `spec` (a name from REWARDS or a weighted sum). `args` are per-reward keyword
     arguments; plain `kwargs` go to a single named reward (load_reward("shapes"))."""
     parts = parse_reward_spec(spec)
@@ -117,10 +175,18 @@ def load_reward(spec: str, args: dict[str, dict[str, str]] | None = None, **kwar
         raise ValueError("keyword arguments apply to a single reward; use args={name: {...}} for a sum")
     built = []
     for name, w in parts:
-        _, attr = REWARDS[name].split(":")
-        kw = {**args.get(name, {}), **kwargs}
-        built.append((name, w, getattr(_module(name), attr)(**kw)))
+        kw = _reward_kwargs(name, {**args.get(name, {}), **kwargs})
+        with _needs_packages(name):
+            built.append((name, w, _factory(name)(**kw)))
     return WeightedReward(built)
 
 
-__all__ = ["REWARDS", "RewardFn", "WeightedReward", "check_reward", "load_reward", "parse_reward_args"]
+__all__ = [
+    "REWARDS",
+    "RewardFn",
+    "WeightedReward",
+    "check_reward",
+    "load_reward",
+    "parse_reward_args",
+    "parse_reward_spec",
+]
