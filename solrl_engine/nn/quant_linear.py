@@ -145,9 +145,16 @@ class QuantLinear(nn.Module):
 
 class QuantConv1x1(QuantLinear):
     """A 1x1 nn.Conv2d (stride 1, no padding, no groups) with a quantized weight: a linear over the
-    channels of an NCHW input, computed by the same quantized GEMM (SANA's GLUMBConv FFN)."""
+    channels of an NCHW input, computed by the same quantized GEMM (SANA's GLUMBConv FFN). Same
+    buffers as QuantLinear ([out, in] weight), so requantize_ and state dicts treat both alike."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 3:  # unbatched [C, H, W], as nn.Conv2d accepts
+            return self.forward(x.unsqueeze(0)).squeeze(0)
         if x.dim() != 4 or x.shape[1] != self.in_features:
             raise ValueError(f"QuantConv1x1 expects [B, {self.in_features}, H, W]; got {tuple(x.shape)}")
+        # NCHW -> NHWC (contiguous rows for every GEMM backend); the result goes back as an NCHW view.
         return super().forward(x.permute(0, 2, 3, 1).contiguous()).permute(0, 3, 1, 2)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, kernel_size=(1, 1)"

@@ -7,8 +7,9 @@ requantize_(explore_copy, source=policy)         # same buffers, new weights
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import nn
@@ -19,12 +20,16 @@ from solrl_engine.quant.recipe import QuantRecipe, get_recipe
 
 @dataclass
 class LayerDecision:
+    """One layer's fate. `reason` is the full sentence (with this layer's sizes); `rule` is the rule
+    alone, the same for every layer it kept, so that summaries can count per rule."""
+
     name: str
     in_features: int
     out_features: int
     quantized: bool
     reason: str
     kind: str = "linear"  # "linear" or "conv1x1" (a 1x1 convolution quantized as a linear over channels)
+    rule: str = ""  # the rule that kept it, e.g. "matches skip pattern '*embed*'"; "" when quantized
 
 
 @dataclass
@@ -64,20 +69,39 @@ class QuantReport:
             f"layers quantized{conv_note} ({before / 2**20:.2f} MiB bf16 -> {after / 2**20:.2f} MiB)"
         )
 
-    def summary(self) -> str:
-        """The first line plus one line per reason with its count: what a start-up log shows."""
+    def counts(self) -> dict[str, int]:
+        """How many layers each rule kept in high precision (the reason stands in where a decision
+        carries no rule), most frequent first."""
         counts: dict[str, int] = {}
         for d in self.layers:
             if not d.quantized:
-                counts[d.reason] = counts.get(d.reason, 0) + 1
-        lines = [self._head()] + [f"  kept in high precision, {n} layer(s): {why}" for why, n in counts.items()]
+                key = d.rule or d.reason
+                counts[key] = counts.get(key, 0) + 1
+        return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+    def summary(self) -> str:
+        """The first line plus one line per rule with its count: what a start-up log shows."""
+        kinds: dict[str, int] = {}
+        for d in self.layers:
+            if d.quantized:
+                kinds[d.kind] = kinds.get(d.kind, 0) + 1
+        lines = [self._head()]
+        if len(kinds) > 1:
+            lines.append("  quantized: " + ", ".join(f"{n} {k}" for k, n in kinds.items()))
+        lines += [f"  kept in high precision, {n} layer(s): {why}" for why, n in self.counts().items()]
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, object]:
-        """Every decision, for a JSON file."""
-        from dataclasses import asdict
-
-        return {"recipe": asdict(self.recipe), "layers": [asdict(d) for d in self.layers]}
+        """Every decision plus the totals, JSON-ready (tuples become lists under json.dump)."""
+        before, after = self.weight_bytes()
+        return {
+            "recipe": {"name": self.recipe.name, **asdict(self.recipe)},
+            "quantized": len(self.quantized),
+            "layers_seen": len(self.layers),
+            "weight_bytes": {"bf16": before, "stored": after},
+            "kept": self.counts(),
+            "layers": [asdict(d) for d in self.layers],
+        }
 
     def __str__(self) -> str:
         lines = [self._head()]
@@ -86,20 +110,28 @@ class QuantReport:
         return "\n".join(lines)
 
 
-def _decide(name: str, in_f: int, out_f: int, recipe: QuantRecipe) -> str | None:
-    """Why a layer of in_f -> out_f stays unquantized, or None to quantize it."""
-    reason = recipe.skip_reason(name)
-    if reason:
-        return reason
+def _decide_rule(name: str, in_f: int, out_f: int, recipe: QuantRecipe) -> tuple[str, str] | None:
+    """(rule, reason) for a layer of in_f -> out_f that stays unquantized, or None to quantize it.
+    The rule is the same text for every layer it keeps; the reason adds this layer's sizes."""
+    by_name = recipe.skip_reason(name)
+    if by_name:
+        return by_name, by_name
     small = min(in_f, out_f)
     if small < recipe.min_dim:
-        return f"smallest dim {small} < min_dim {recipe.min_dim}"
+        return f"smallest dim < min_dim {recipe.min_dim}", f"smallest dim {small} < min_dim {recipe.min_dim}"
     large = max(in_f, out_f)
     if large <= recipe.skip_max_dim:
-        return f"largest dim {large} <= skip_max_dim {recipe.skip_max_dim}"
+        rule = f"largest dim <= skip_max_dim {recipe.skip_max_dim}"
+        return rule, f"largest dim {large} <= skip_max_dim {recipe.skip_max_dim}"
     if recipe.format == "nvfp4" and in_f % 16:
-        return f"in_features {in_f} is not a multiple of 16"
+        return "in_features not a multiple of 16 (NVFP4)", f"in_features {in_f} is not a multiple of 16"
     return None
+
+
+def _decide(name: str, in_f: int, out_f: int, recipe: QuantRecipe) -> str | None:
+    """Why a layer of in_f -> out_f stays unquantized, or None to quantize it."""
+    got = _decide_rule(name, in_f, out_f, recipe)
+    return None if got is None else got[1]
 
 
 def is_conv1x1(m: nn.Module) -> bool:
@@ -110,7 +142,7 @@ def is_conv1x1(m: nn.Module) -> bool:
         and m.stride == (1, 1)
         and m.dilation == (1, 1)
         and m.groups == 1
-        and m.padding in ((0, 0), 0, "valid")
+        and m.padding in ((0, 0), "valid", "same")  # "same" pads nothing with a 1x1 kernel
     )
 
 
@@ -128,10 +160,11 @@ def _plan(model: nn.Module, recipe: QuantRecipe) -> tuple[QuantReport, list[tupl
                 continue
             name = f"{parent_name}.{child_name}" if parent_name else child_name
             in_f, out_f = _dims(child)
-            why = _decide(name, in_f, out_f, recipe)
+            kept = _decide_rule(name, in_f, out_f, recipe)
             kind = "conv1x1" if conv else "linear"
-            report.layers.append(LayerDecision(name, in_f, out_f, why is None, why or recipe.name, kind))
-            if why is None:
+            rule, why = kept if kept else ("", recipe.name)
+            report.layers.append(LayerDecision(name, in_f, out_f, kept is None, why, kind, rule))
+            if kept is None:
                 targets.append((parent, child_name, child))
     return report, targets
 
@@ -144,7 +177,8 @@ def plan_quantization(model: nn.Module, recipe: str | QuantRecipe = "nvfp4") -> 
 
 @torch.no_grad()
 def quantize_model(model: nn.Module, recipe: str | QuantRecipe = "nvfp4", keep_master: bool = False) -> QuantReport:
-    """Replace eligible nn.Linear layers of `model` by QuantLinear, in place; report every decision.
+    """Replace eligible nn.Linear layers (and, with `recipe.convs_1x1`, 1x1 nn.Conv2d layers) of
+    `model` by QuantLinear / QuantConv1x1, in place; report every decision.
 
     `recipe` is a QuantRecipe or a name from solrl_engine.quant.RECIPES ("nvfp4", "fp8", ...).
     With `keep_master=True` each QuantLinear remembers the nn.Linear weight it came from, so that
@@ -158,6 +192,82 @@ def quantize_model(model: nn.Module, recipe: str | QuantRecipe = "nvfp4", keep_m
         cls = QuantConv1x1 if isinstance(child, nn.Conv2d) else QuantLinear
         setattr(parent, child_name, cls.from_linear(child, recipe, keep_master=keep_master))
     return report
+
+
+# --- sources: a plain model, a PEFT-wrapped one, a state dict, or the master weights ---------------
+
+
+def is_lora_layer(m: nn.Module) -> bool:
+    """A PEFT LoRA layer (lora.Linear, lora.Conv2d, ...): its own .weight is not what it computes with."""
+    return hasattr(m, "base_layer") and hasattr(m, "lora_A")
+
+
+def _unwrap_source(source: nn.Module) -> nn.Module:
+    """A peft.PeftModel nests the model under base_model.model; its names match the copy only inside."""
+    peft = sys.modules.get("peft")  # a PeftModel exists only if peft is imported already
+    if peft is not None and isinstance(source, getattr(peft, "PeftModel", ())):
+        return source.get_base_model()
+    return source
+
+
+def _peft_weight(name: str, mod: nn.Module) -> torch.Tensor:
+    """What a PEFT LoRA layer computes with, as PEFT's own forward does: its base weight plus the
+    delta of each active adapter; the bare base when adapters are disabled; the base as is when
+    adapters are merged into it. Raises where that is not base + get_delta_weight (DoRA and other
+    variants, LoRA biases), rather than return a weight the policy does not use."""
+    base = mod.base_layer.weight
+    merged = list(getattr(mod, "merged_adapters", []))
+    if getattr(mod, "disable_adapters", False):  # PEFT unmerges, then runs the base layer alone
+        use, sign = list(reversed(merged)), -1.0
+    elif merged:  # PEFT runs the merged base layer alone
+        return base
+    else:
+        use, sign = [a for a in getattr(mod, "active_adapters", []) if a in mod.lora_A], 1.0
+    if not use:
+        return base
+    for a in use:
+        variant = getattr(mod, "lora_variant", {}).get(a) or getattr(mod, "use_dora", {}).get(a)
+        if not hasattr(mod, "get_delta_weight") or variant or getattr(mod, "lora_bias", {}).get(a):
+            what = "a DoRA/variant" if variant else ("a lora_bias" if hasattr(mod, "get_delta_weight") else "an")
+            raise TypeError(
+                f"source layer {name} ({type(mod).__name__}) has {what} adapter {a!r} whose effect is not its base "
+                "weight + get_delta_weight(); merge the adapters first (model.merge_and_unload()) or pass a state "
+                "dict of merged weights as the source."
+            )
+    w = base
+    for a in use:
+        delta = mod.get_delta_weight(a)
+        if delta.shape != base.shape:
+            raise ValueError(
+                f"source layer {name}: adapter {a!r} gives a delta of shape {tuple(delta.shape)} for a base weight of "
+                f"{tuple(base.shape)}; merge the adapters first (merge_and_unload) or pass a state dict."
+            )
+        w = (w.float() + sign * delta.float()).to(base.dtype)  # one rounding per adapter, as PEFT's merge
+    return w
+
+
+def _plain_name(key: str) -> str:
+    """A PEFT-wrapped model's tensor name as in the model it wraps (its `.base_layer` hop removed)."""
+    return key.replace(".base_layer.", ".")
+
+
+def _lora_key(key: str) -> bool:
+    return ".lora_" in key or key.startswith("lora_")
+
+
+def _normalize_mapping(source: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    """Accept a PEFT model's state dict only when it holds no unmerged LoRA matrices (their scale is
+    not in it, so the weights it implies cannot be rebuilt); strip `.base_layer` from the names."""
+    lora = [k for k in source if _lora_key(k)]
+    if lora:
+        raise ValueError(
+            f"the source state dict holds {len(lora)} unmerged LoRA tensor(s), e.g. {lora[:2]}; its weights are "
+            "not what the model computes with. Pass the PEFT-wrapped module itself, or a state dict of merged "
+            "weights (merge_and_unload() first)."
+        )
+    if not any(".base_layer." in k for k in source):
+        return source
+    return {_plain_name(k): v for k, v in source.items()}
 
 
 def _source_weights(
@@ -185,7 +295,7 @@ def _source_weights(
             except AttributeError:
                 missing.append(name)
                 continue
-            if hasattr(mod, "base_layer") and hasattr(mod, "lora_A"):  # a PEFT LoRA layer: base + active deltas
+            if is_lora_layer(mod):  # a PEFT LoRA layer: base + active deltas
                 out[name] = (_peft_weight(name, mod), getattr(mod.base_layer, "bias", None))
                 continue
             if isinstance(mod, QuantLinear) or not isinstance(getattr(mod, "weight", None), torch.Tensor):
@@ -199,34 +309,17 @@ def _source_weights(
     return out
 
 
-def _peft_weight(name: str, mod: nn.Module) -> torch.Tensor:
-    """What a PEFT LoRA layer computes with: its base weight plus the delta of each active adapter
-    (none when adapters are disabled or merged into the base already)."""
-    base = mod.base_layer.weight
-    if getattr(mod, "disable_adapters", False) or getattr(mod, "merged", False):
-        return base
-    active = [a for a in getattr(mod, "active_adapters", []) if a in mod.lora_A]
-    if not hasattr(mod, "get_delta_weight"):
-        raise TypeError(
-            f"source layer {name} is a {type(mod).__name__} whose LoRA delta cannot be computed; merge the adapter "
-            "(merge_and_unload) or pass a state dict of merged weights."
-        )
-    w = base.float()
-    for a in active:
-        w = w + mod.get_delta_weight(a).float()
-    return w.to(base.dtype)
-
-
-def _source_tensors(source: nn.Module) -> dict[str, torch.Tensor]:
-    """A module source's tensors under the names of the model it was copied from: PEFT's
-    `.base_layer` hop removed, its LoRA matrices left out."""
+def _source_tensors(source: nn.Module, wanted: set[str]) -> dict[str, torch.Tensor]:
+    """The `wanted` tensors of a module source, under the names of the model it was copied from:
+    PEFT's `.base_layer` hop removed, its LoRA matrices left out, and a LoRA layer's weight the one
+    it computes with (built only for the layers asked for)."""
     out: dict[str, torch.Tensor] = {}
-    for name, t in [*source.named_parameters(), *source.named_buffers()]:
-        if ".lora_" in name:
-            continue
-        out[name.replace(".base_layer.", ".")] = t
-    for name, mod in source.named_modules():  # a LoRA layer's weight is what it computes with
-        if hasattr(mod, "base_layer") and hasattr(mod, "lora_A"):
+    for key, t in [*source.named_parameters(), *source.named_buffers()]:
+        name = _plain_name(key)
+        if name in wanted and not _lora_key(key):
+            out[name] = t
+    for name, mod in source.named_modules():
+        if is_lora_layer(mod) and f"{name}.weight" in wanted:
             out[f"{name}.weight"] = _peft_weight(name, mod)
     return out
 
@@ -250,13 +343,21 @@ def requantize_(
 
     Every QuantLinear is re-quantized into its existing buffers; with a `source`, the layers kept in
     high precision are copied too (all of a module source's tensors, those present in a state dict).
-    `source` is the BF16 model (matched by name) or a state dict; None uses the master weights kept
-    by quantize_model(keep_master=True). With `strict=False` a state dict may hold only the layers
-    that changed (e.g. the LoRA-merged ones); the others are left as they are. All shapes are checked
-    before anything is written, so a bad source leaves the model unchanged. Returns the number of
-    quantized layers refreshed.
+    `source` is the BF16 model (matched by name), a state dict, or None for the master weights kept
+    by quantize_model(keep_master=True). A module source may carry PEFT LoRA adapters (also inside a
+    peft.PeftModel): each layer then contributes what it computes with, base weight plus its active
+    adapters' deltas. A 1x1 nn.Conv2d source layer (or a [out, in, 1, 1] tensor) feeds a
+    QuantConv1x1. With `strict=False` a state dict may hold only the layers that changed (e.g. the
+    LoRA-merged ones); the others are left as they are. Everything is checked before anything is
+    written, so a bad source leaves the model unchanged. Returns the number of quantized layers
+    refreshed.
     """
     layers = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    if isinstance(source, Mapping):
+        source = _normalize_mapping(source)
+    elif source is not None:
+        source = _unwrap_source(source)
+    module_source = source is not None and not isinstance(source, Mapping)
     weights = _source_weights(layers, source, strict)
     for name, (w, b) in list(weights.items()):
         ql = layers[name]
@@ -268,14 +369,20 @@ def requantize_(
                 f"source weight for {name} has shape {tuple(w.shape)}, the layer is "
                 f"{ql.out_features}x{ql.in_features}; the source is not the model this copy was made from."
             )
+        if module_source and (b is None) != (ql.bias is None):
+            which = ("the source layer", "the quantized layer") if b is None else ("the quantized layer", "the source")
+            raise ValueError(
+                f"{which[0]} {name} has no bias but {which[1]} has one; not the model this copy was made from."
+            )
         if b is not None and ql.bias is not None and tuple(b.shape) != tuple(ql.bias.shape):
             raise ValueError(f"source bias for {name} has shape {tuple(b.shape)}, expected {tuple(ql.bias.shape)}.")
     plain: list[tuple[torch.Tensor, torch.Tensor]] = []
     if source is not None:
-        src = source if isinstance(source, Mapping) else _source_tensors(source)
-        for name, t in _plain_tensors(model).items():
+        own = _plain_tensors(model)
+        src = source if isinstance(source, Mapping) else _source_tensors(source, set(own))
+        for name, t in own.items():
             if name not in src:
-                if not isinstance(source, Mapping):
+                if module_source:
                     raise KeyError(f"source module has no {name}; pass the model this copy was made from.")
                 continue
             if src[name].shape != t.shape:

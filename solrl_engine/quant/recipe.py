@@ -6,7 +6,7 @@ A recipe is data, not code, so configs can name one by string ("nvfp4") and test
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Literal
 
 Format = Literal["nvfp4", "fp8", "bf16"]
@@ -73,7 +73,7 @@ class QuantRecipe:
         return self.format if self.quantize_activations else f"{self.format}_weight_only"
 
     def skip_reason(self, name: str) -> str | None:
-        """The pattern that excludes `name`, formatted as a reason, or None."""
+        """The name rule (a skip pattern, or the include patterns) that keeps `name` out, or None."""
         for pat in self.skip:
             if fnmatch.fnmatchcase(name, pat):
                 return f"matches skip pattern {pat!r}"
@@ -82,7 +82,14 @@ class QuantRecipe:
         return None
 
     def with_(self, **changes: object) -> QuantRecipe:
-        """A copy with some fields changed; `extra_skip` patterns are added to `skip`."""
+        """A copy with some fields changed (a model family's rule is such a dict of changes);
+        `extra_skip` patterns are added to `skip`; lists of patterns are taken as tuples."""
+        unknown = set(changes) - {f.name for f in fields(self)} - {"extra_skip"}
+        if unknown:
+            raise TypeError(f"unknown QuantRecipe field(s) {sorted(unknown)}; fields: {[f.name for f in fields(self)]}")
+        for key in ("skip", "include", "extra_skip"):
+            if isinstance(changes.get(key), list):
+                changes[key] = tuple(changes[key])  # type: ignore[arg-type]
         extra = tuple(changes.pop("extra_skip", ()))  # type: ignore[arg-type]
         if extra:
             changes["skip"] = tuple(changes.get("skip", self.skip)) + extra  # type: ignore[arg-type]

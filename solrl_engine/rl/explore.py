@@ -9,13 +9,15 @@ the live "old" adapter (nothing to refresh).
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
 from solrl_engine.nn import QuantLinear, QuantReport, quantize_model, requantize_
-from solrl_engine.quant.recipe import auto_explore_recipe, get_recipe
+from solrl_engine.nn.quantize import _peft_weight, is_lora_layer
+from solrl_engine.quant.recipe import QuantRecipe, auto_explore_recipe, get_recipe
 from solrl_engine.rl.adapters import OLD, LoraAdapters
 
 
@@ -30,53 +32,111 @@ def resolve_explore_recipe(precision: str, device: torch.device) -> str:
 def _merge_lora_into_copy(model: nn.Module) -> None:
     """Replace every PEFT LoRA layer of `model` (a private copy) by its base layer holding base +
     the active adapters' delta: the copy then starts from what the policy computes now."""
-    from solrl_engine.nn.quantize import _peft_weight
-
     for name, m in list(model.named_modules()):
-        if hasattr(m, "base_layer") and hasattr(m, "lora_A"):
+        if is_lora_layer(m):
             base = m.base_layer
             base.weight.data.copy_(_peft_weight(name, m))
             parent, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, leaf, base)
 
 
+# Projections that diffusers' fuse_projections() concatenates into to_qkv / to_kv / to_added_qkv: once an
+# attention module has `fused_projections`, its forward reads the fused layer and never these.
+_FUSABLE = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj")
+
+
+def _has_weight(m: nn.Module) -> bool:
+    """A layer with its own weight (nn.Linear, nn.Conv2d, te.Linear, QuantLinear), found without
+    decoding a QuantLinear's weight."""
+    return isinstance(m, QuantLinear) or any(n == "weight" for n, _ in m.named_parameters(recurse=False))
+
+
+def unreachable_lora_layers(copy_root: nn.Module, policy: nn.Module, lora_layers: Iterable[str]) -> list[str]:
+    """Why some of the policy's LoRA layers would never reach `copy_root`: each entry names a layer and
+    what is wrong. Empty when every LoRA layer has a counterpart the copy computes with."""
+    mods = dict(copy_root.named_modules())
+    names = list(lora_layers)
+    policy_names = {n.replace(".base_layer", "") for n, _ in policy.named_modules() if ".lora_" not in n}
+    problems = []
+    parents = {n.rpartition(".")[0] for n in names}
+    for name, m in mods.items():  # layers of the copy that no policy layer feeds, beside a LoRA layer
+        if name and name not in policy_names and name.rpartition(".")[0] in parents and _has_weight(m):
+            fused = getattr(mods.get(name.rpartition(".")[0]), "fused_projections", False)
+            problems.append(f"{'fused ' if fused else ''}layer {name} has no source in the policy")
+    for name in names:
+        parent, _, leaf = name.rpartition(".")
+        if name not in mods:
+            problems.append(f"LoRA layer {name} has no counterpart in the copy")
+        elif leaf in _FUSABLE and getattr(mods.get(parent), "fused_projections", False):
+            problems.append(f"LoRA layer {name} is bypassed by its module's fused projections")
+    return problems
+
+
 class ExploreCopy:
-    """The quantized twin. `changes` are QuantRecipe changes (the model family's layer rule:
-    include, extra_skip, skip_max_dim, ...); `extra_skip`/`skip_max_dim` are the older spelling."""
+    """The quantized twin of the policy's transformer.
+
+    `recipe` is a recipe name ("nvfp4", "fp8", ..., or "te_nvfp4" for Transformer Engine's layers) or
+    a full QuantRecipe; `changes` are QuantRecipe changes applied on top (the model family's layer
+    rule: include, extra_skip, skip_max_dim, ...). `extra_skip` / `skip_max_dim` are the older
+    spelling of two of those changes (None leaves the recipe's own skip_max_dim). `self.recipe` is
+    the recipe's name (for logs), `self.quant_recipe` the full recipe used.
+    """
 
     def __init__(
         self,
         base_transformer: nn.Module,
-        recipe: str,
+        recipe: str | QuantRecipe,
         extra_skip: tuple[str, ...] = (),
-        skip_max_dim: int = 0,
-        changes: dict[str, Any] | None = None,
+        skip_max_dim: int | None = None,
+        changes: Mapping[str, Any] | None = None,
     ) -> None:
-        self.recipe = recipe
+        self.te = isinstance(recipe, str) and recipe == "te_nvfp4"  # Transformer Engine's NVFP4, a peer
+        base = get_recipe("nvfp4" if self.te else recipe)
+        rule = dict(changes or {})
+        if extra_skip:
+            rule["extra_skip"] = tuple(extra_skip) + tuple(rule.get("extra_skip", ()))
+        if skip_max_dim is not None:
+            rule.setdefault("skip_max_dim", skip_max_dim)
+        self.quant_recipe: QuantRecipe = base.with_(**rule)
+        self.recipe: str = "te_nvfp4" if self.te else base.name
         self.transformer = copy.deepcopy(base_transformer).eval().requires_grad_(False)
         _merge_lora_into_copy(self.transformer)  # a caller's transformer may already carry a LoRA
-        self.te = recipe == "te_nvfp4"  # Transformer Engine's NVFP4 layers, a peer to compare with
-        full = get_recipe("nvfp4" if self.te else recipe)
-        rule = {"extra_skip": tuple(extra_skip), "skip_max_dim": skip_max_dim, **(changes or {})}
-        full = full.with_(**rule)
         if self.te:
             from solrl_engine.nn.te import TEAutocast, to_te_
 
-            self.report: QuantReport = to_te_(self.transformer, full)
+            self.report: QuantReport = to_te_(self.transformer, self.quant_recipe)
             self.transformer = TEAutocast(self.transformer)
         else:
-            self.report = quantize_model(self.transformer, full)
+            self.report = quantize_model(self.transformer, self.quant_recipe)
         self.merge = True
         self.shared_bytes = 0
 
+    @property
+    def _root(self) -> nn.Module:
+        return self.transformer.module if self.te else self.transformer
+
+    def check_follows(self, adapters: LoraAdapters) -> None:
+        """Raise unless every LoRA layer of the policy is a layer the copy computes with, and no layer
+        of the copy beside one (a fused QKV projection) lacks a source: otherwise updates would
+        silently never reach the explore copy."""
+        problems = unreachable_lora_layers(self._root, adapters.transformer, adapters.layers)
+        if problems:
+            more = f" (and {len(problems) - 6} more)" if len(problems) > 6 else ""
+            raise RuntimeError(
+                f"the explore copy cannot follow the policy's LoRA: {'; '.join(problems[:6])}{more}. Do not fuse QKV "
+                "projections (fuse_qkv_projections) on the explore copy only: build it from the policy transformer "
+                "as it is, so that every LoRA layer has a counterpart of the same name in the copy and every layer "
+                "beside one has a source in the policy (or fuse both before the LoRA is attached and target to_qkv)."
+            )
+
     def attach(self, adapters: LoraAdapters, merge: bool = True) -> None:
         """Follow the policy's "old" adapter: merged + requantized, or as a live BF16 side branch."""
+        self.check_follows(adapters)
         self.merge = merge
         if not merge:
             for name in adapters.layers:
                 a, b, scale = adapters.side_branch(name, OLD)
-                root = self.transformer.module if self.te else self.transformer
-                layer = root.get_submodule(name)
+                layer = self._root.get_submodule(name)
 
                 def hook(_m: nn.Module, inp: tuple[torch.Tensor], out: torch.Tensor, a=a, b=b, scale=scale):
                     x = inp[0].to(a.dtype)
@@ -112,33 +172,21 @@ class ExploreCopy:
         """Write the updated "old" policy into the copy; returns the number of layers rewritten.
 
         Every LoRA-merged weight must land somewhere: quantized layers are re-quantized, layers kept
-        in high precision get the merged weight copied in. A merged weight whose layer the copy
-        lacks (e.g. QKV projections fused on the copy) is an error, not a silent skip.
+        in high precision get the merged weight copied in, all checked before anything is written. A
+        LoRA layer the copy lacks or bypasses, or a layer of the copy with no source beside one (QKV
+        projections fused on the copy), is an error, not a silent skip.
         """
         if not self.merge:
             return 0
+        self.check_follows(adapters)
         merged = adapters.merged_weights(OLD)
         if self.te:
             from solrl_engine.nn.te import refresh_te_
 
             return refresh_te_(self.transformer, {f"module.{k}": v for k, v in merged.items()})
         mods = dict(self.transformer.named_modules())
-        fused = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj")
-
-        def unreachable(key: str) -> bool:  # no such layer, or one that a fused QKV projection bypasses
-            name = key.removesuffix(".weight")
-            parent, _, leaf = name.rpartition(".")
-            return name not in mods or (leaf in fused and getattr(mods.get(parent), "fused_projections", False))
-
-        lost = [k for k in merged if unreachable(k)]
-        if lost:
-            raise RuntimeError(
-                f"the explore copy has no layer for {len(lost)} LoRA-updated weight(s), e.g. {lost[:3]}: its modules "
-                "differ from the policy's (were QKV projections fused on the copy?); build the copy from the "
-                "unmodified policy transformer so every update reaches it"
-            )
-        quant = {k: v for k, v in merged.items() if isinstance(mods[k.removesuffix(".weight")], QuantLinear)}
-        for k, v in merged.items():
-            if k not in quant:
-                mods[k.removesuffix(".weight")].weight.copy_(v)
-        return requantize_(self.transformer, source=quant, strict=False) + len(merged) - len(quant)
+        quant = sum(isinstance(mods[k.removesuffix(".weight")], QuantLinear) for k in merged)
+        done = requantize_(self.transformer, source=merged, strict=False)  # high-precision layers copied too
+        if done != quant:  # cannot happen once check_follows passed; a guard against silent partial refreshes
+            raise RuntimeError(f"refreshed {done} of the {quant} quantized LoRA layers of the explore copy")
+        return len(merged)
