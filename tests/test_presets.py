@@ -1,70 +1,110 @@
-"""The paper presets: every <model>_<family>_<reward> function loads through load_config (the user's
-path) and validates without weights; prompt sets in every accepted form."""
+"""The paper presets: all 60 <model>_<family>_<reward> functions load through load_config (the path a
+user's `solrl train configs/<file>.py:<name>` takes) and validate without loading any weights, with the
+paper's hyper-parameters; overrides and unknown names behave."""
 
 from __future__ import annotations
 
-import json
+import importlib.util
 from pathlib import Path
 
 import pytest
 
-from solrl_engine.data import load_prompts
 from solrl_engine.rl import FAMILIES, ConfigError, load_config
-from solrl_engine.rl.presets import PAPER, REWARD_NAMES
+from solrl_engine.rl.config import RLConfig
+from solrl_engine.rl.presets import PAPER, REWARDS, define_presets, paper_config
 
 ROOT = Path(__file__).resolve().parents[1]
 FILES = {"sd3": ("sd3.py", "sd3"), "flux": ("flux1.py", "flux1"), "sana": ("sana.py", "sana")}
+# the paper's per-model values (official NVlabs/Sana configs/sol_rl/*.py), written out, not read from PAPER
+PER_MODEL = {
+    "sd3": dict(timestep_fraction=0.6, grad_clip=0.002, solver="dpm2"),
+    "flux": dict(timestep_fraction=0.4, grad_clip=1.0, solver="dpm2"),
+    "sana": dict(timestep_fraction=0.6, grad_clip=1.0, solver="euler"),
+}
+SHARED = dict(
+    k=24, prompts_per_iter=48, preview_steps=6, full_steps=10, lora_rank=32, lora_alpha=64, lr=3e-4,
+    weight_decay=1e-4, kl_beta=1e-4, beta=1.0, resolution=None, model_path=None, train_prompts="sample/train",
+    eval_prompts="sample/test", eval_every=20, save_every=5, iterations=300, explore_layers=None,
+    explore_skip=None, explore_skip_max_dim=None,
+)  # fmt: skip
 
 
-def test_all_sixty_presets_load_validate_and_carry_the_papers_settings():
-    import importlib.util
+def _module(fname: str):  # noqa: ANN202 - a config module
+    spec = importlib.util.spec_from_file_location(f"presets_{fname}", ROOT / "configs" / fname)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
+
+def _names(fname: str, prefix: str) -> list[str]:
+    """The config functions load_config offers: its error for an unknown name lists them."""
+    with pytest.raises(ConfigError, match="has no config function") as e:
+        load_config(f"{ROOT / 'configs' / fname}:{prefix}_no_such_preset")
+    return str(e.value).split("it has: ", 1)[1].split(", ")
+
+
+def test_the_config_files_offer_exactly_the_sixty_presets():
     seen = []
-    for model, (fname, prefix) in FILES.items():
-        spec = importlib.util.spec_from_file_location(f"preset_{prefix}", ROOT / "configs" / fname)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        names = sorted(n for n in vars(mod) if n.startswith(prefix + "_"))
-        assert names == sorted(f"{prefix}_{f}_{r}" for f in FAMILIES for r in REWARD_NAMES)
-        for name in names:
+    for fname, prefix in FILES.values():
+        expected = sorted(f"{prefix}_{f}_{r}" for f in FAMILIES for r in REWARDS)
+        assert sorted(_names(fname, prefix)) == expected  # nothing else is listed (no helpers)
+        assert sorted(_module(fname).__all__) == expected
+        seen += expected
+    assert len(seen) == len(set(seen)) == 60
+
+
+@pytest.mark.parametrize("model", sorted(FILES))
+def test_every_preset_validates_with_the_papers_settings(model):
+    fname, prefix = FILES[model]
+    for family in FAMILIES:
+        for reward in REWARDS:
+            name = f"{prefix}_{family}_{reward}"
             cfg = load_config(f"{ROOT / 'configs' / fname}:{name}")
-            family = name[len(prefix) + 1 :].rsplit("_", 1)[0]
-            assert (cfg.model, cfg.family, cfg.reward, cfg.name) == (model, family, name.rsplit("_", 1)[1], name)
-            assert (cfg.k, cfg.prompts_per_iter, cfg.preview_steps, cfg.full_steps) == (24, 48, 6, 10)
+            assert (cfg.name, cfg.model, cfg.family, cfg.reward) == (name, model, family, reward)
+            assert {k: getattr(cfg, k) for k in SHARED} == SHARED, name
+            assert {k: getattr(cfg, k) for k in PER_MODEL[model]} == PER_MODEL[model], name
             assert cfg.n == (24 if family == "diffusionnft" else 96)
-            assert (cfg.lora_rank, cfg.lora_alpha) == (32, 64)
-            assert cfg.timestep_fraction == PAPER[model]["timestep_fraction"]
-            assert cfg.grad_clip == PAPER[model]["grad_clip"]
-            seen.append(name)
-    assert len(seen) == 60
-    assert load_config(f"{ROOT}/configs/flux1.py:flux1_sol_rl_pickscore").timestep_fraction == 0.4
-    assert load_config(f"{ROOT}/configs/sd3.py:sd3_sol_rl_pickscore").grad_clip == 0.002
+            assert cfg.compiled_sampler == (family == "sol_rl")
+            assert cfg.rollout_batch_size >= 1 and cfg.train_batch_size >= 1
 
 
-def test_presets_take_overrides_and_unknown_names_list_what_exists():
+def test_flux_trains_the_papers_lora_targets_with_gradient_checkpointing():
+    flux = load_config(f"{ROOT}/configs/flux1.py:flux1_sol_rl_pickscore")
+    assert flux.lora_targets == ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0")
+    assert flux.gradient_checkpointing
+    sd3 = load_config(f"{ROOT}/configs/sd3.py:sd3_sol_rl_pickscore")
+    assert sd3.lora_targets is None and sd3.guidance_scale is None and sd3.shift is None  # the model's own
+
+
+def test_overrides_through_set_and_through_keyword_arguments():
     cfg = load_config(f"{ROOT}/configs/sana.py:sana_sol_rl_hpsv2", ["n=32", "k=8", "model_path=/w/sana"])
-    assert (cfg.n, cfg.k, cfg.model_path) == (32, 8, "/w/sana")
-    with pytest.raises(ConfigError, match="sana_sol_rl_hpsv2"):
+    assert (cfg.n, cfg.k, cfg.model_path, cfg.family) == (32, 8, "/w/sana", "sol_rl")
+    mod = _module("sd3.py")
+    cfg = mod.sd3_sol_rl_pickscore(iterations=10)
+    assert isinstance(cfg, RLConfig)
+    assert (cfg.iterations, cfg.name, cfg.grad_clip) == (10, "sd3_sol_rl_pickscore", 0.002)
+    assert "Sol-RL" in mod.sd3_sol_rl_pickscore.__doc__ and "pickscore" in mod.sd3_sol_rl_pickscore.__doc__
+    assert "DiffusionNFT" in mod.sd3_diffusionnft_hpsv2.__doc__
+    with pytest.raises(ConfigError, match="did you mean 'iterations'"):
+        mod.sd3_sol_rl_pickscore(iteration=10)
+    with pytest.raises(ConfigError, match="n must equal k"):
+        load_config(f"{ROOT}/configs/flux1.py:flux1_diffusionnft_clipscore", ["n=96"])
+
+
+def test_unknown_names_list_what_exists():
+    with pytest.raises(ConfigError, match="sana_sol_rl_hpsv2") as e:
         load_config(f"{ROOT}/configs/sana.py:sana_sol_rl_nothing")
+    assert "sana_diffusionnft_imagereward" in str(e.value)
+    with pytest.raises(ConfigError, match="choose one of"):
+        paper_config("sdxl", "sol_rl", "pickscore")
+    with pytest.raises(ConfigError, match="choose one of"):
+        paper_config("sd3", "grpo", "pickscore")
+    with pytest.raises(ValueError, match="no paper presets"):
+        define_presets({}, "sdxl", "sdxl")
 
 
-def test_prompt_sets_in_every_form(tmp_path):
-    train, test = load_prompts("sample/train"), load_prompts("sample/test")
-    assert len(train) >= 40 and len(test) >= 12 and not set(train) & set(test)
-    (tmp_path / "p.txt").write_text("a cat\n\n a dog \n")
-    assert load_prompts(str(tmp_path / "p.txt")) == ["a cat", "a dog"]
-    lines = [json.dumps({"prompt": "a cat", "tag": 1}), json.dumps({"prompt": "a dog"})]
-    (tmp_path / "p.jsonl").write_text("\n".join(lines))
-    assert load_prompts(str(tmp_path / "p.jsonl")) == ["a cat", "a dog"]
-    d = tmp_path / "pickscore"
-    d.mkdir()
-    (d / "train.txt").write_text("one\ntwo\n")
-    (d / "test.jsonl").write_text(json.dumps({"prompt": "three"}) + "\n")
-    assert load_prompts(f"{d}:train") == ["one", "two"] and load_prompts(f"{d}:test") == ["three"]
-    with pytest.raises(ValueError, match="no valid.txt"):
-        load_prompts(f"{d}:valid")
-    (tmp_path / "bad.jsonl").write_text('{"text": "x"}\n')
-    with pytest.raises(ValueError, match=r"bad.jsonl:1.*prompt"):
-        load_prompts(str(tmp_path / "bad.jsonl"))
-    with pytest.raises(ValueError, match="unknown prompt set"):
-        load_prompts("pickscore/train")
+def test_the_table_is_data():
+    ns: dict = {}
+    names = define_presets(ns, "sana", "demo")
+    assert set(names) == set(ns) and len(names) == 20 and all(n.startswith("demo_") for n in names)
+    assert set(PAPER) == set(FILES)

@@ -2,147 +2,235 @@
 with save_pretrained, so the engine loads them through `DiffusionPipeline.from_pretrained` exactly
 as it loads a user's SD3.5 / FLUX.1 / SANA weights.
 
-Sizes: SD3 and FLUX at 64 px (VAE factor 8: 8x8 latents; FLUX packs them 2x2 into 16 tokens of
-64 features), SANA at 128 px (DC-AE factor 32: 4x4 latents). Text: CLIP tokenizers are byte-level
-BPE over the 256 bytes and their </w> forms, T5 a Unigram model, Gemma a byte-fallback BPE, all built
-with the `tokenizers` library through transformers' classes. Every module is a few thousand to a
-few hundred thousand parameters; a 2-step generation takes well under a second.
+Each pipeline keeps its family's real structure at toy widths: the same component classes and
+model_index.json, the same text-encoder wiring (SD3: CLIP-L + CLIP-G with projections + T5, the CLIP
+states zero-padded to the T5 width; FLUX: CLIP-L pooled + T5 tokens; SANA: Gemma-2 with an attention
+mask), the real latent channel counts (16 / 16 / 32), the real VAE factors (8 / 8 / 32), the real
+VAE scaling/shift factors and the real schedulers. Widths differ between encoders on purpose, so a
+swapped dimension fails loudly instead of passing by coincidence.
+
+Sizes (`SIZES`, `VAE_FACTOR`, `LATENT_SHAPES`): SD3 and FLUX draw 64 px (8x8 latents of 16
+channels; FLUX packs them 2x2 into 16 tokens of 64 features), SANA draws 128 px (DC-AE factor 32:
+4x4 latents of 32 channels).
+
+Text: CLIP keeps its 77 positions (SD3 / FLUX pad CLIP to `tokenizer.model_max_length`). The T5
+tokenizers say `model_max_length = MAX_SEQUENCE_LENGTH[...]` (32); the pipelines still pad T5 to
+their own `max_sequence_length` argument (defaults 256 for SD3, 512 for FLUX), which works too
+(T5 has relative positions) but is slower, so tests pass `max_sequence_length=MAX_SEQUENCE_LENGTH`.
+SANA's `__call__` prepends its long `complex_human_instruction` (about 1.6k tokens with this
+character-level vocabulary) and counts it with an untruncated encode, so the Gemma tokenizer keeps
+the encoder's 8192 positions as its `model_max_length`; the prompt budget is `max_sequence_length`.
+
+Tokenizers are built with the `tokenizers` library through transformers' own classes, no files
+downloaded: CLIP a byte-level BPE over the 256 bytes and their </w> forms (tests/tiny_clip.py), T5
+a Unigram model, Gemma a BPE with byte fallback. transformers 5 saves them as `CLIPTokenizer`,
+`T5Tokenizer` and `GemmaTokenizer` in model_index.json (the real repos say ...TokenizerFast); both
+load under `DiffusionPipeline.from_pretrained`.
 """
 
 from __future__ import annotations
 
+import string
 from pathlib import Path
+from typing import Any
 
 import torch
-from tiny_clip import _bytes_to_unicode, build_clip_reward, clip_tokenizer
+from tiny_clip import build_clip_reward, clip_tokenizer
 
-SIZES = {"sd3": 64, "flux": 64, "sana": 128}
+SIZES = {"sd3": 64, "flux": 64, "sana": 128}  # image side in pixels
+VAE_FACTOR = {"sd3": 8, "flux": 8, "sana": 32}  # pixels per latent cell (FLUX packs 2x2 cells on top)
+LATENT_CHANNELS = {"sd3": 16, "flux": 16, "sana": 32}
+LATENT_SHAPES = {k: (LATENT_CHANNELS[k], SIZES[k] // VAE_FACTOR[k], SIZES[k] // VAE_FACTOR[k]) for k in SIZES}
+MAX_SEQUENCE_LENGTH = {"sd3": 32, "flux": 32, "sana": 32}  # T5 / Gemma tokens to pass as max_sequence_length
+CLIP_TOKENS = 77  # CLIP's positions and tokenizer length, as the real CLIP-L / CLIP-G
 
-__all__ = ["SIZES", "build_clip_reward", "build_flux", "build_sana", "build_sd3"]
+__all__ = [
+    "CLIP_TOKENS",
+    "LATENT_CHANNELS",
+    "LATENT_SHAPES",
+    "MAX_SEQUENCE_LENGTH",
+    "SIZES",
+    "VAE_FACTOR",
+    "build_clip_reward",
+    "build_flux",
+    "build_sana",
+    "build_sd3",
+]
+
+_WORDS = ("a", "an", "the", "of", "on", "in", "with", "and", "red", "blue", "green", "apple", "car", "cat", "dog",
+          "cup", "photo", "image", "prompt", "user")  # fmt: skip
 
 
-def _t5():  # noqa: ANN202 - (T5EncoderModel, T5Tokenizer)
+def _t5(d_model: int, max_length: int) -> tuple[Any, Any]:
+    """A T5 encoder (gated-GELU FFN and relative positions, as T5 v1.1-XXL) and a Unigram T5Tokenizer:
+    <pad>=0, </s>=1, <unk>=2 as T5's sentencepiece model, every printable ASCII character (so
+    prompts rarely fall to <unk>), whole-word pieces that win on score, and 4 sentinel extra ids."""
     from transformers import T5Config, T5EncoderModel, T5Tokenizer
 
-    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
-    pieces += [(c, -3.0) for c in "abcdefghijklmnopqrstuvwxyz"]
-    pieces += [("\u2581" + w, -1.0) for w in ("a", "red", "blue", "apple", "car", "the", "on", "of")]
-    tok = T5Tokenizer(vocab=pieces, extra_ids=4)
-    cfg = T5Config(vocab_size=len(tok), d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
-                   relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1,
-                   decoder_start_token_id=0)  # fmt: skip
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -3.0)]
+    pieces += [(c, -6.0) for c in string.ascii_letters + string.digits + string.punctuation]
+    pieces += [("\u2581" + w, -2.0) for w in _WORDS] + [("ing", -3.0), ("ed", -3.0), ("er", -3.0)]
+    tok = T5Tokenizer(vocab=pieces, extra_ids=4, model_max_length=max_length)
+    cfg = T5Config(vocab_size=len(tok), d_model=d_model, d_kv=8, d_ff=2 * d_model, num_layers=2, num_heads=4,
+                   feed_forward_proj="gated-gelu", relative_attention_num_buckets=8,
+                   relative_attention_max_distance=32, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                   decoder_start_token_id=tok.pad_token_id)  # fmt: skip
     return T5EncoderModel(cfg).eval(), tok
 
 
-def _clip_text(hidden: int, projection: bool):  # noqa: ANN202 - (CLIP text model, CLIPTokenizer)
+def _clip_text(hidden: int, projection: bool, act: str = "quick_gelu") -> tuple[Any, Any]:
+    """A CLIP text encoder (with or without the projection head) and its byte-level BPE tokenizer."""
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
-    tok = clip_tokenizer()
+    tok = clip_tokenizer(CLIP_TOKENS)
     ids = dict(eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id)
     cfg = CLIPTextConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-                         num_attention_heads=2, max_position_embeddings=77, projection_dim=hidden, **ids)  # fmt: skip
+                         num_attention_heads=2, max_position_embeddings=CLIP_TOKENS, projection_dim=hidden,
+                         hidden_act=act, **ids)  # fmt: skip
     cls = CLIPTextModelWithProjection if projection else CLIPTextModel
     return cls(cfg).eval(), tok
 
 
-def _vae_kl(latent_channels: int, scaling: float, shift: float):  # noqa: ANN202
+def _vae_kl(latent_channels: int, scaling: float, shift: float) -> Any:
+    """An AutoencoderKL with 4 blocks (3 downsamples: factor 8) and no quant convs, as SD3's and FLUX's."""
     from diffusers import AutoencoderKL
 
     return AutoencoderKL(
-        in_channels=3, out_channels=3, latent_channels=latent_channels,
+        in_channels=3, out_channels=3, latent_channels=latent_channels, sample_size=64,
         down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
         block_out_channels=(8, 8, 16, 16), layers_per_block=1, norm_num_groups=4,
-        scaling_factor=scaling, shift_factor=shift,
-    ).eval()  # fmt: skip  (4 blocks: a factor of 8, as SD3's and FLUX's VAEs)
+        scaling_factor=scaling, shift_factor=shift, use_quant_conv=False, use_post_quant_conv=False,
+    ).eval()  # fmt: skip
 
 
-def _save(pipe: object, path: str | Path) -> Path:
+def _save(pipe: Any, path: str | Path) -> Path:
     path = Path(path)
-    pipe.save_pretrained(path)  # type: ignore[attr-defined]
+    pipe.save_pretrained(path)
     return path
 
 
 def build_sd3(path: str | Path, seed: int = 0) -> Path:
-    """StableDiffusion3Pipeline: CLIP-L + CLIP-G (with projections) + T5, SD3's VAE factors, shift 3."""
+    """Save a tiny StableDiffusion3Pipeline (SD3.5-Large layout) into `path`.
+
+    CLIP-L (16 wide) + CLIP-G (32 wide), both with projections: pooled 16 + 32 = 48; their penultimate
+    states concatenated (48) and zero-padded to T5's 64, then T5's 32 tokens appended: 77 + 32 = 109
+    text tokens of 64 features. MMDiT with 2 joint blocks, 2 heads of 16, qk RMSNorm, patch 2 over
+    16 x 8 x 8 latents; VAE factors 1.5305 / 0.0609 and FlowMatchEuler shift 3, as SD3.5.
+    """
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
 
     torch.manual_seed(seed)
     te1, tok1 = _clip_text(16, projection=True)
-    te2, tok2 = _clip_text(16, projection=True)
-    te3, tok3 = _t5()
+    te2, tok2 = _clip_text(32, projection=True, act="gelu")
+    te3, tok3 = _t5(64, MAX_SEQUENCE_LENGTH["sd3"])
+    side = SIZES["sd3"] // VAE_FACTOR["sd3"]  # pos_embed_max_size 2 * side patches: up to 4 * 64 = 256 px
     transformer = SD3Transformer2DModel(
-        sample_size=8, patch_size=2, in_channels=4, out_channels=4, num_layers=2, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=32, pooled_projection_dim=32,
-        pos_embed_max_size=8, qk_norm="rms_norm",
+        sample_size=side, patch_size=2, in_channels=LATENT_CHANNELS["sd3"], out_channels=LATENT_CHANNELS["sd3"],
+        num_layers=2, attention_head_dim=16, num_attention_heads=2, joint_attention_dim=64,
+        caption_projection_dim=32, pooled_projection_dim=16 + 32, pos_embed_max_size=2 * side, qk_norm="rms_norm",
     )  # fmt: skip
     pipe = StableDiffusion3Pipeline(
         transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-        vae=_vae_kl(4, 1.5305, 0.0609), text_encoder=te1, tokenizer=tok1, text_encoder_2=te2, tokenizer_2=tok2,
-        text_encoder_3=te3, tokenizer_3=tok3,
+        vae=_vae_kl(LATENT_CHANNELS["sd3"], 1.5305, 0.0609), text_encoder=te1, tokenizer=tok1,
+        text_encoder_2=te2, tokenizer_2=tok2, text_encoder_3=te3, tokenizer_3=tok3,
     )  # fmt: skip
     return _save(pipe, path)
 
 
 def build_flux(path: str | Path, seed: int = 0) -> Path:
-    """FluxPipeline: CLIP-L (pooled) + T5 (tokens), 16 latent channels packed 2x2, distilled guidance,
-    the dynamic-shift scheduler of FLUX.1-dev."""
+    """Save a tiny FluxPipeline (FLUX.1-dev layout) into `path`.
+
+    CLIP-L (16 wide, no projection: FLUX pools `pooler_output`) + T5 (32 wide, 32 tokens). 2 double-
+    and 2 single-stream blocks, 2 heads of 16 with RoPE axes (4, 6, 6), distilled guidance embedding;
+    16 latent channels packed 2x2 into 64 features; VAE factors 0.3611 / 0.1159 and the dynamic-shift
+    FlowMatchEuler scheduler of FLUX.1-dev (mu from the image token count, 256 -> 0.5, 4096 -> 1.15).
+    """
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 
     torch.manual_seed(seed)
     te1, tok1 = _clip_text(16, projection=False)
-    te2, tok2 = _t5()
+    te2, tok2 = _t5(32, MAX_SEQUENCE_LENGTH["flux"])
     transformer = FluxTransformer2DModel(
-        patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=16, guidance_embeds=True,
-        axes_dims_rope=(4, 6, 6),
+        patch_size=1, in_channels=4 * LATENT_CHANNELS["flux"], num_layers=2, num_single_layers=2,
+        attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=16,
+        guidance_embeds=True, axes_dims_rope=(4, 6, 6),
     )  # fmt: skip
     scheduler = FlowMatchEulerDiscreteScheduler(
         shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
         max_image_seq_len=4096,
     )  # fmt: skip
     pipe = FluxPipeline(
-        scheduler=scheduler, vae=_vae_kl(16, 0.3611, 0.1159), text_encoder=te1, tokenizer=tok1,
-        text_encoder_2=te2, tokenizer_2=tok2, transformer=transformer,
+        scheduler=scheduler, vae=_vae_kl(LATENT_CHANNELS["flux"], 0.3611, 0.1159), text_encoder=te1,
+        tokenizer=tok1, text_encoder_2=te2, tokenizer_2=tok2, transformer=transformer,
     )  # fmt: skip
     return _save(pipe, path)
 
 
-def _gemma():  # noqa: ANN202 - (Gemma2Model, GemmaTokenizer)
+def _gemma(hidden: int) -> tuple[Any, Any]:
+    """A Gemma-2 encoder (grouped KV heads, alternating sliding/global layers, logit soft-capping)
+    and a GemmaTokenizer: BPE over single characters with a few merges and byte fallback for the
+    rest (newlines and non-ASCII become <0x..> pieces), ids <pad>=0 <eos>=1 <bos>=2 <unk>=3
+    <mask>=4 as Gemma's. It prepends <bos> as Gemma's does (transformers 5's GemmaTokenizer adds
+    none unless `add_bos_token=True` is passed, whatever its docstring says)."""
     from transformers import Gemma2Config, Gemma2Model, GemmaTokenizer
 
-    special = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"]
-    vocab = {t: i for i, t in enumerate(special)}
-    for b in range(256):  # byte fallback pieces
-        vocab[f"<0x{b:02X}>"] = len(vocab)
-    for c in sorted(set(_bytes_to_unicode().values()) | set("abcdefghijklmnopqrstuvwxyz \u2581")):
-        vocab.setdefault(c, len(vocab))
-    tok = GemmaTokenizer(vocab=vocab, merges=[])
-    cfg = Gemma2Config(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                       num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=2048,
-                       pad_token_id=0, eos_token_id=1, bos_token_id=2)  # fmt: skip
+    vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"])}
+    vocab.update({f"<0x{b:02X}>": len(vocab) + b for b in range(256)})
+    for c in "\u2581" + string.ascii_letters + string.digits + string.punctuation:
+        vocab[c] = len(vocab)
+    merges = [("\u2581", "a"), ("\u2581", "t"), ("h", "e"), ("\u2581t", "he"), ("r", "e"), ("e", "d"), ("i", "n")]
+    for a, b in merges:
+        vocab.setdefault(a + b, len(vocab))
+    tok = GemmaTokenizer(vocab=vocab, merges=merges, model_max_length=8192, add_bos_token=True)  # False unless told
+    cfg = Gemma2Config(vocab_size=len(vocab), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16,
+                       max_position_embeddings=8192, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                       bos_token_id=tok.bos_token_id)  # fmt: skip
     return Gemma2Model(cfg).eval(), tok
 
 
+def _dc_ae(latent_channels: int) -> Any:
+    """An AutoencoderDC with SANA's DC-AE layout at toy width: 6 stages (5 downsamples: factor 32),
+    ResBlocks then EfficientViT (linear attention) blocks, strided-conv down / interpolate up,
+    batch-norm/ReLU then RMSNorm/SiLU in the decoder, scaling factor 0.41407."""
+    from diffusers import AutoencoderDC
+
+    res, vit = ("ResBlock",) * 3, ("EfficientViTBlock",) * 3
+    return AutoencoderDC(
+        in_channels=3, latent_channels=latent_channels, attention_head_dim=8, encoder_block_types=res + vit,
+        decoder_block_types=res + vit, encoder_block_out_channels=(8, 8, 16, 16, 32, 32),
+        decoder_block_out_channels=(8, 8, 16, 16, 32, 32), encoder_layers_per_block=(1,) * 6,
+        decoder_layers_per_block=(1,) * 6, encoder_qkv_multiscales=((),) * 3 + ((5,),) * 3,
+        decoder_qkv_multiscales=((),) * 3 + ((5,),) * 3, upsample_block_type="interpolate",
+        downsample_block_type="Conv", decoder_norm_types=("batch_norm",) * 3 + ("rms_norm",) * 3,
+        decoder_act_fns=("relu",) * 3 + ("silu",) * 3, scaling_factor=0.41407,
+    ).eval()  # fmt: skip
+
+
 def build_sana(path: str | Path, seed: int = 0) -> Path:
-    """SanaPipeline: Gemma-2 text encoder, the 32x DC-AE, a SANA transformer whose FFN is GLUMBConv
-    (1x1 convolutions; width 32 so they pass the quantizer's min_dim), the DPM-Solver++ flow
-    scheduler SANA ships with (flow_shift 3)."""
-    from diffusers import AutoencoderDC, DPMSolverMultistepScheduler, SanaPipeline, SanaTransformer2DModel
+    """Save a tiny SanaPipeline (SANA-1600M-1024px layout) into `path`.
+
+    Gemma-2 (48 wide) states with their mask; a SANA transformer of 2 blocks, 2 heads of 16 (linear
+    self-attention, cross-attention 2 x 16) whose FFN is GLUMBConv (1x1 convolutions around a
+    depthwise 3x3; inner width 32 so they pass the quantizer's min_dim), patch 1 over 32 x 4 x 4
+    latents; the 32x DC-AE; and the scheduler SANA ships with: DPMSolverMultistepScheduler
+    (DPM-Solver++ 2M) on flow sigmas, flow_prediction, flow_shift 3.
+
+    `SanaPipeline.__call__` bins the size to its aspect-ratio table unless `use_resolution_binning=
+    False`, and prepends `complex_human_instruction` unless that is None; `encode_prompt` defaults
+    to None.
+    """
+    from diffusers import DPMSolverMultistepScheduler, SanaPipeline, SanaTransformer2DModel
 
     torch.manual_seed(seed)
-    te, tok = _gemma()
-    vae = AutoencoderDC(
-        in_channels=3, latent_channels=4, attention_head_dim=8, encoder_block_types="ResBlock",
-        decoder_block_types="ResBlock", encoder_block_out_channels=(8, 8, 8, 8, 8, 8),
-        decoder_block_out_channels=(8, 8, 8, 8, 8, 8), encoder_layers_per_block=(1, 1, 1, 1, 1, 1),
-        decoder_layers_per_block=(1, 1, 1, 1, 1, 1), encoder_qkv_multiscales=((),) * 6,
-        decoder_qkv_multiscales=((),) * 6, scaling_factor=0.41407,
-    ).eval()  # fmt: skip  (6 blocks: a factor of 32, as SANA's DC-AE)
+    te, tok = _gemma(48)
     transformer = SanaTransformer2DModel(
-        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16, num_layers=2,
-        num_cross_attention_heads=2, cross_attention_head_dim=16, cross_attention_dim=32, caption_channels=32,
-        mlp_ratio=2.5, sample_size=4, patch_size=1,
+        in_channels=LATENT_CHANNELS["sana"], out_channels=LATENT_CHANNELS["sana"], num_attention_heads=2,
+        attention_head_dim=16, num_layers=2, num_cross_attention_heads=2, cross_attention_head_dim=16,
+        cross_attention_dim=32, caption_channels=48, mlp_ratio=2.5, sample_size=SIZES["sana"] // VAE_FACTOR["sana"],
+        patch_size=1, norm_elementwise_affine=False, norm_eps=1e-6,
     )  # fmt: skip
     scheduler = DPMSolverMultistepScheduler(flow_shift=3.0, use_flow_sigmas=True, prediction_type="flow_prediction")
-    pipe = SanaPipeline(tokenizer=tok, text_encoder=te, vae=vae, transformer=transformer, scheduler=scheduler)
+    pipe = SanaPipeline(tokenizer=tok, text_encoder=te, vae=_dc_ae(LATENT_CHANNELS["sana"]), transformer=transformer,
+                        scheduler=scheduler)  # fmt: skip
     return _save(pipe, path)

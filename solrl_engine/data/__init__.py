@@ -1,11 +1,12 @@
-"""Prompt sets by name:
+"""Prompt sets by name, so a config names its prompts with one string (`train_prompts`, `eval_prompts`):
 
 - "shapes/train", "shapes/heldout": the bundled procedural world (the tiny model's);
-- "sample/train", "sample/test": a small bundled set in the style of the paper's prompts
-  (written for this project), for trying the real-model presets;
-- a file: one prompt per line (.txt), or JSON lines with a "prompt" field (.jsonl);
-- "DIR:train" / "DIR:test": DIR/train.txt or DIR/train.jsonl, the layout of Flow-GRPO and
-  DiffusionNFT's prompt sets (dataset/pickscore/train.txt, test.txt).
+- "sample/train", "sample/test": a small bundled set in the style of the paper's prompts (written for
+  this project), so the real-model presets run without a download;
+- a file: one prompt per line (.txt or any other suffix), or JSON lines with a "prompt" field (.jsonl;
+  other fields are ignored);
+- "DIR:train" / "DIR:test" (any split name): DIR/<split>.txt or DIR/<split>.jsonl, the layout of
+  Flow-GRPO's and DiffusionNFT's prompt sets (dataset/pickscore/train.txt, test.txt).
 """
 
 from __future__ import annotations
@@ -14,47 +15,74 @@ import json
 from pathlib import Path
 
 BUNDLED = Path(__file__).parent / "prompts"
+SHAPES_SPLITS = ("train", "heldout")
+SAMPLE_SPLITS = ("train", "test")
+SPLIT_SUFFIXES = (".txt", ".jsonl")
 ACCEPTED = (
     "shapes/train, shapes/heldout, sample/train, sample/test, a .txt file (one prompt per line), "
-    "a .jsonl file ({\"prompt\": ...} per line), or DIR:SPLIT for DIR/SPLIT.txt or DIR/SPLIT.jsonl"
+    'a .jsonl file ({"prompt": ...} per line), or DIR:SPLIT for DIR/SPLIT.txt or DIR/SPLIT.jsonl'
 )
 
 
-def _read(path: Path) -> list[str]:
+def _read_jsonl(path: Path, text: str) -> list[str]:
+    prompts = []
+    for i, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{i}: not a JSON line ({e.msg})") from None
+        if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str):
+            raise ValueError(f'{path}:{i}: a JSON line needs a "prompt" string; got {line[:80]!r}')
+        if not rec["prompt"].strip():
+            raise ValueError(f'{path}:{i}: the "prompt" is empty')
+        prompts.append(rec["prompt"].strip())
+    return prompts
+
+
+def read_prompt_file(path: str | Path) -> list[str]:
+    """Prompts of one file: JSON lines for .jsonl, else one per line (blank lines skipped)."""
+    path = Path(path)
+    text = path.read_text(encoding="utf-8")
     if path.suffix == ".jsonl":
-        prompts = []
-        for i, line in enumerate(path.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{i}: not a JSON line ({e.msg})") from None
-            if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str):
-                raise ValueError(f'{path}:{i}: a JSON line needs a "prompt" string; got {line[:80]!r}')
-            prompts.append(rec["prompt"].strip())
+        prompts = _read_jsonl(path, text)
     else:
-        prompts = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+        prompts = [line.strip() for line in text.splitlines() if line.strip()]
     if not prompts:
         raise ValueError(f"prompt file {path} has no prompts")
     return prompts
 
 
+def _split_file(root: Path, split: str, spec: str) -> Path:
+    for suffix in SPLIT_SUFFIXES:
+        if (root / f"{split}{suffix}").is_file():
+            return root / f"{split}{suffix}"
+    have = sorted(p.name for p in root.iterdir() if p.suffix in SPLIT_SUFFIXES)
+    raise ValueError(
+        f"prompt set {spec!r}: {root} has no {split}.txt or {split}.jsonl "
+        f"(it has: {', '.join(have) or 'no .txt or .jsonl files'}); accepted: {ACCEPTED}"
+    )
+
+
 def load_prompts(spec: str) -> list[str]:
-    """The prompts named by `spec` (see the module docstring); a clear error when there are none."""
-    if spec.startswith("shapes/"):
+    """The prompts named by `spec` (see the module docstring); an error naming the spec and what is
+    accepted when it names nothing, and the file and line of a malformed JSON line."""
+    head, _, split = spec.partition("/")
+    if head == "shapes" and split in SHAPES_SPLITS:
         from solrl_engine.data import shapes
 
-        return shapes.prompts(spec.split("/", 1)[1])
-    if spec in ("sample/train", "sample/test"):
-        return _read(BUNDLED / f"sample_{spec.split('/')[1]}.txt")
+        return shapes.prompts(split)
+    if head == "sample" and split in SAMPLE_SPLITS:
+        return read_prompt_file(BUNDLED / f"sample_{split}.txt")
     path = Path(spec)
     if path.is_file():
-        return _read(path)
+        return read_prompt_file(path)
+    if path.is_dir():
+        raise ValueError(f"prompt set {spec!r} is a directory: name a split, e.g. {spec}:train; accepted: {ACCEPTED}")
     root, sep, split = spec.rpartition(":")
-    if sep and Path(root).is_dir():
-        for ext in (".txt", ".jsonl"):
-            if (Path(root) / f"{split}{ext}").is_file():
-                return _read(Path(root) / f"{split}{ext}")
-        raise ValueError(f"prompt set {spec!r}: {root} has no {split}.txt or {split}.jsonl")
-    raise ValueError(f"unknown prompt set {spec!r}: use {ACCEPTED}")
+    if sep and root and split and Path(root).is_dir():
+        return read_prompt_file(_split_file(Path(root), split, spec))
+    if path.suffix in SPLIT_SUFFIXES:
+        raise ValueError(f"prompt file {spec!r} does not exist; accepted: {ACCEPTED}")
+    raise ValueError(f"unknown prompt set {spec!r}; accepted: {ACCEPTED}")

@@ -1,20 +1,30 @@
-"""The paper's presets for the real models, as data: one table of hyper-parameters per model family,
-expanded into a config function per (family, reward) by `define_presets`, so configs/sd3.py,
-configs/flux1.py and configs/sana.py are each one call and no two presets are copies of each other.
+"""The paper's presets for the real models, kept as data: one table of hyper-parameters shared by every
+run and one per model, expanded by `define_presets` into a config function per (family, reward). So
+configs/sd3.py, configs/flux1.py and configs/sana.py are each one call, no two presets can drift
+apart, and a change of the paper's numbers is one edit here.
 
-Sol-RL's settings (arXiv 2604.06916, on DiffusionNFT's): 48 prompts per iteration, N = 96 seeds
-explored, K = 24 trained on, 6 preview and 10 full steps, LoRA r32 / a64; the share of rollout
-timesteps trained on is 0.6 for SD3.5 and SANA and 0.4 for FLUX; SD3.5 clips gradients at 0.002.
+Sources: Sol-RL (arXiv 2604.06916) and its official configs (NVlabs/Sana, configs/sol_rl/{base,sd3,
+flux1,sana}.py, on DiffusionNFT's), cited per value below.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+from collections.abc import Callable
 from typing import Any
 
-from solrl_engine.rl.config import FAMILIES, FAMILY_TABLE, RLConfig
+from solrl_engine.rl.config import FAMILIES, FAMILY_TABLE, ConfigError, RLConfig
 
-REWARD_NAMES = ("imagereward", "clipscore", "pickscore", "hpsv2")
+REWARDS = ("imagereward", "clipscore", "pickscore", "hpsv2")
 
+# What every paper run shares (official configs/sol_rl/base.py and the per-model _set_bon_combo):
+# 48 prompt groups per iteration, N = 96 explored ("num_image_per_prompt"), K = 24 trained on
+# ("best_of_n", top 12 + bottom 12), 6 preview and 10 full steps, LoRA r32 / a64 on the attention
+# projections, AdamW lr 3e-4, weight decay 1e-4, DiffusionNFT beta 1, KL 1e-4, advantages clipped at 5,
+# the "old" adapter's decay_type 1 (rate 0.001, at most 0.5). Checkpoints every 5 iterations and an
+# evaluation every 20 (base.py save_freq, eval_freq). The official runs have no iteration count (they
+# run until stopped); 300 is this project's choice.
 COMMON: dict[str, Any] = dict(
     n=96,
     k=24,
@@ -24,53 +34,149 @@ COMMON: dict[str, Any] = dict(
     lora_rank=32,
     lora_alpha=64,
     lr=3e-4,
-    solver="dpm2",
-    train_prompts="sample/train",
+    weight_decay=1e-4,
+    beta=1.0,
+    kl_beta=1e-4,
+    adv_clip=5.0,
+    old_decay_rate=0.001,
+    old_decay_max=0.5,
+    model_path=None,  # the model's default weights (its hub id)
+    resolution=None,  # the model's default, the paper's: SD3.5-L 1024, FLUX.1 512, SANA 1024
+    train_prompts="sample/train",  # the paper's: DiffusionNFT's dataset/pickscore (train.txt, test.txt)
     eval_prompts="sample/test",
-    eval_prompt_count=16,
+    eval_prompt_count=16,  # the bundled test split; a larger set is cut to this many prompts
     eval_seeds=2,
-    eval_every=10,
-    save_every=10,
+    eval_every=20,
+    save_every=5,
     iterations=300,
-    log_with=("tensorboard",),
 )
 
-# Per family: the paper's differences, and batch sizes for one 80 GB GPU at the default resolution
-# (rollouts are inference: larger batches; the update holds activations for backward: small ones).
+# Per model. Timestep fraction 0.4 for FLUX (flux1.py), 0.6 else (base.py); gradient clip 0.002 from
+# base.py for SD3.5, 1.0 set by flux1.py and sana.py. The official sampler is the DPM-Solver-2 ODE for
+# SD3.5 and FLUX (sample.solver "dpm2") and deterministic Euler for SANA (solver "flow", eta 0). FLUX's
+# LoRA targets are to_q/k/v/out.0 only (no context-stream add_* projections); SD3.5's and SANA's are
+# the models' defaults, as are resolution and sigma schedule.
+# Guidance and shift stay the models' (None), so the trainer samples as `Explorer` on the same
+# pipeline does. The official runs are CFG-free (guidance 1.0 for rollouts, the update and
+# evaluation): the SD3.5 and SANA defaults are 1.0, but FLUX.1-dev's distilled-guidance default here is
+# 3.5 where the official value is 1.0 (pass guidance_scale=1.0 to match), and the official SANA sampler
+# uses the unshifted linspace(1, 0, steps + 1) schedule (shift=1.0) on its Linear-FFN SANA.
+#
+# Batch sizes for one 80 GB GPU (the official ones are per GPU of 8 B200s, 180 GB: rollouts 24,
+# updates SD3.5 4, FLUX 12 with gradient checkpointing, SANA 16). Both are micro-batches (the update
+# accumulates gradients into one optimizer step), so they change memory and speed, never the result.
+# Estimates, not measurements (no real weights have run yet): weights on the GPU are SD3.5-L 20 GiB,
+# FLUX 28 GiB, SANA 6 GiB (README's memory table) plus a reward model of 1-4 GB. Rollouts are
+# inference without CFG, a few hundred MB of activations per image at these sizes: 24 for all (the
+# official size, already compute-bound at 1024-4096 image tokens). The update keeps every block's
+# activations for backward: about 13-15 GB per 1024 px SD3.5-L sample (38 joint blocks of width 2432
+# over 4096 + 333 tokens), so 2 (4 would need about 55 GB beside the weights); FLUX keeps the
+# official gradient checkpointing (about 0.6 GB per 512 px sample) and its 12; SANA-1.6B at 1024 px
+# (1024 tokens after the 32x autoencoder, 20 blocks of width 2240) needs about 2 GB per sample, so the
+# official 16. VAE decodes at 1024 px take a few GB per image: 4 at a time for SD3.5 and SANA, 8 for
+# FLUX at 512 px.
 PAPER: dict[str, dict[str, Any]] = {
-    "sd3": dict(model="sd3", timestep_fraction=0.6, grad_clip=0.002, rollout_batch_size=16, train_batch_size=4),
-    "flux": dict(model="flux", timestep_fraction=0.4, grad_clip=1.0, rollout_batch_size=24, train_batch_size=4),
-    "sana": dict(model="sana", timestep_fraction=0.6, grad_clip=1.0, rollout_batch_size=32, train_batch_size=8),
+    "sd3": dict(
+        model="sd3",
+        solver="dpm2",
+        guidance_scale=None,
+        shift=None,
+        timestep_fraction=0.6,
+        grad_clip=0.002,
+        rollout_batch_size=24,
+        train_batch_size=2,
+        gradient_checkpointing=False,
+        decode_batch_size=4,
+    ),
+    "flux": dict(
+        model="flux",
+        solver="dpm2",
+        guidance_scale=None,
+        shift=None,
+        timestep_fraction=0.4,
+        grad_clip=1.0,
+        lora_targets=("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"),
+        rollout_batch_size=24,
+        train_batch_size=12,
+        gradient_checkpointing=True,
+        decode_batch_size=8,
+    ),
+    "sana": dict(
+        model="sana",
+        solver="euler",
+        guidance_scale=None,
+        shift=None,
+        timestep_fraction=0.6,
+        grad_clip=1.0,
+        rollout_batch_size=24,
+        train_batch_size=16,
+        gradient_checkpointing=False,
+        decode_batch_size=4,
+    ),
+}
+
+MODEL_NAMES = {"sd3": "SD3.5-Large", "flux": "FLUX.1-dev", "sana": "SANA-1.6B"}
+FAMILY_SUMMARY = {
+    "diffusionnft": "DiffusionNFT: K BF16 rollouts per prompt, all trained on (N = K)",
+    "naive_scaling": "naive scaling: N BF16 rollouts per prompt at the full step count, top/bottom K/2 trained on",
+    "compile": "naive scaling through the compiled, graph-captured sampler",
+    "naive_quant": "naive quantization: N rollouts in the explore precision (NVFP4 / FP8) at the full step "
+    "count, top/bottom K/2 trained on directly",
+    "sol_rl": "Sol-RL: N previews in the explore precision at preview_steps, the top/bottom K/2 seeds "
+    "regenerated in BF16 at full_steps and trained on",
 }
 
 
+def _check_overrides(overrides: dict[str, Any], where: str) -> None:
+    names = [f.name for f in dataclasses.fields(RLConfig)]
+    for key in overrides:
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(names)}"
+            raise ConfigError(f"{where}: unknown config key {key!r}{hint}")
+
+
 def paper_config(model: str, family: str, reward: str, **overrides: Any) -> RLConfig:
-    """The paper's run of `family` on `model` with `reward`; keyword arguments override fields."""
-    if model not in PAPER:
-        raise ValueError(f"no paper preset for model {model!r}; choose one of {sorted(PAPER)}")
+    """The paper's run of `family` on `model` with `reward` (keyword arguments override RLConfig
+    fields), not validated: load_config validates after the --set overrides."""
+    for what, value, known in (("model", model, tuple(PAPER)), ("family", family, FAMILIES)):
+        if value not in known:
+            raise ConfigError(f"no paper preset for {what} {value!r}; choose one of {known}")
+    _check_overrides(overrides, f"{model}/{family}/{reward} preset")
     kw: dict[str, Any] = {**COMMON, **PAPER[model], "family": family, "reward": reward}
     if FAMILY_TABLE[family].all_rollouts:  # DiffusionNFT trains on every rollout: N = K
         kw["n"] = kw["k"]
-    if family == "sol_rl":
+    if family == "sol_rl":  # previews and regenerations both through the compiled sampler on GPU
         kw["compiled_sampler"] = True
+    # naive_quant and sol_rl quantize the model's default layers: explore_layers / explore_skip /
+    # explore_skip_max_dim stay None (solrl_engine/models/, the official nvfp4_skip_modules / min_dim)
     return RLConfig(**{**kw, **overrides})
 
 
+def _preset(model: str, family: str, reward: str, name: str) -> Callable[..., RLConfig]:
+    def preset(**overrides: Any) -> RLConfig:
+        return paper_config(model, family, reward, **{"name": name, **overrides})
+
+    preset.__name__ = preset.__qualname__ = name
+    preset.__doc__ = (
+        f"{FAMILY_SUMMARY[family]}; {MODEL_NAMES[model]} with the {reward} reward and the paper's "
+        f"hyper-parameters (solrl_engine/rl/presets.py). Keyword arguments override RLConfig fields."
+    )
+    return preset
+
+
 def define_presets(namespace: dict[str, Any], model: str, prefix: str) -> list[str]:
-    """Write `<prefix>_<family>_<reward>` config functions into `namespace` (a config file's globals)."""
+    """Write one config function `<prefix>_<family>_<reward>` per family and reward into `namespace` (a
+    config file's globals(), so `solrl train configs/<file>.py:<name>` finds them); returns the names."""
+    if model not in PAPER:
+        raise ValueError(f"no paper presets for model {model!r}; choose one of {tuple(PAPER)}")
     names = []
     for family in FAMILIES:
-        for reward in REWARD_NAMES:
+        for reward in REWARDS:
             name = f"{prefix}_{family}_{reward}"
-
-            def preset(_f: str = family, _r: str = reward, _n: str = name, **overrides: Any) -> RLConfig:
-                return paper_config(model, _f, _r, name=_n, **overrides)
-
-            preset.__name__ = preset.__qualname__ = name
-            preset.__doc__ = f"The paper's {family} run on {model} with the {reward} reward (solrl_engine.rl.presets)."
-            namespace[name] = preset
+            namespace[name] = _preset(model, family, reward, name)
             names.append(name)
     return names
 
 
-__all__ = ["COMMON", "PAPER", "REWARD_NAMES", "define_presets", "paper_config"]
+__all__ = ["COMMON", "PAPER", "REWARDS", "define_presets", "paper_config"]
