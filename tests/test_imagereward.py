@@ -172,7 +172,7 @@ def test_loads_from_local_dir(golden: dict, tok_dir: Path, tmp_path: Path) -> No
 
 
 def test_check_weights_names_missing_local_files(tmp_path: Path, tok_dir: Path) -> None:
-    with pytest.raises(FileNotFoundError, match=re.escape(str(tmp_path / "ImageReward.pt")) + ".*huggingface-cli"):
+    with pytest.raises(FileNotFoundError, match=re.escape(str(tmp_path / "ImageReward.pt")) + ".*hf download"):
         ir.check_weights(str(tmp_path), tokenizer=str(tok_dir))
     with pytest.raises(FileNotFoundError, match=re.escape(str(tmp_path / "nope.pt"))):
         ir.check_weights(checkpoint=str(tmp_path / "nope.pt"), tokenizer=str(tok_dir))

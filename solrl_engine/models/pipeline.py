@@ -42,7 +42,7 @@ def check_model_path(path: str | Path, what: str = "model_path") -> None:
         if not p.is_dir():
             raise FileNotFoundError(
                 f"{what} {str(path)!r} does not exist or is not a directory: pass a diffusers pipeline directory "
-                "(one with model_index.json, e.g. written by `huggingface-cli download <hub id> --local-dir DIR`) "
+                "(one with model_index.json, e.g. written by `hf download <hub id> --local-dir DIR`) "
                 "or a hub id such as stabilityai/stable-diffusion-3.5-large"
             )
         if not (p / "model_index.json").exists():
@@ -57,7 +57,7 @@ def check_model_path(path: str | Path, what: str = "model_path") -> None:
         if not isinstance(try_to_load_from_cache(str(path), "model_index.json"), str):
             raise FileNotFoundError(
                 f"{what} {str(path)!r} is a hub id that is not in the local Hugging Face cache and HF_HUB_OFFLINE "
-                f"is set: download it first (`huggingface-cli download {path}`) or pass a local directory"
+                f"is set: download it first (`hf download {path}`) or pass a local directory"
             )
 
 
@@ -135,7 +135,7 @@ class PipelineFlowModel(nn.Module):
         except (OSError, ValueError) as e:  # hub errors are OSErrors; a broken directory a ValueError
             raise FileNotFoundError(
                 f"could not load a diffusers pipeline from {str(path)!r}: {e}\nPass a local pipeline directory "
-                f"or a hub id that is downloaded (`huggingface-cli download {path}`)"
+                f"or a hub id that is downloaded (`hf download {path}`)"
             ) from e
         want = getattr(diffusers, cls.PIPELINE_CLASS)
         if not isinstance(pipe, want):

@@ -233,11 +233,11 @@ def _resolve(name: str, filename: str, what: str, how: str) -> str | None:
 
 
 _GET_CHECKPOINT = (
-    f"Get the ImageReward v1.0 checkpoint with `huggingface-cli download {HUB_REPO} {CHECKPOINT}` "
+    f"Get the ImageReward v1.0 checkpoint with `hf download {HUB_REPO} {CHECKPOINT}` "
     f"(add `--local-dir DIR` and pass model=DIR), or pass checkpoint=/path/to/{CHECKPOINT}."
 )
 _GET_TOKENIZER = (
-    f"Get the BERT tokenizer with `huggingface-cli download {TOKENIZER} vocab.txt tokenizer_config.json` "
+    f"Get the BERT tokenizer with `hf download {TOKENIZER} vocab.txt tokenizer_config.json` "
     "(add `--local-dir DIR` and pass tokenizer=DIR)."
 )
 
