@@ -221,15 +221,36 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _fidelity(args: argparse.Namespace) -> int:
-    from solrl_engine.rl.fidelity import fidelity, write_report
+    from solrl_engine.rl.fidelity import fidelity, search, write_report
 
     cfg = _load_cfg(args)
-    res = _checked(lambda: fidelity(cfg, prompts=args.prompts, n=args.n, k=args.k))
+    if args.search:
+        res = _checked(lambda: search(cfg, target=args.target, prompts=args.prompts, n=args.n, k=args.k,
+                                      oracle_cache=args.oracle_cache, on_point=_print_point))  # fmt: skip
+        path = write_report(res, args.output)
+        snippet = Path(args.output).with_suffix(".snippet.py")
+        snippet.write_text(f"# solrl fidelity --search: Spearman >= {args.target} on {res['prompts']} prompts x "
+                           f"{res['n']} seeds\n{res['config_snippet']}\n")  # fmt: skip
+        ch = res["chosen"]
+        if ch["include"]:
+            print(f"chosen: {len(ch['include'])} layer group(s), "
+                  f"quantized_flop_share={ch['quantized_flop_share']:.3f}, spearman_mean={ch['spearman_mean']:.3f}")
+        else:
+            print(f"no layer group keeps Spearman >= {args.target}; the table in {path} shows how close each came")
+        print(f"use it: {res['set_arg']}\nwrote {path} and {snippet}")
+        return 0
+    res = _checked(lambda: fidelity(cfg, prompts=args.prompts, n=args.n, k=args.k, oracle_cache=args.oracle_cache))
     path = write_report(res, args.output)
-    keys = ("spearman_mean", "kendall_mean", "top_overlap_mean", "bottom_overlap_mean", "time_proxy_s", "time_full_s")
+    keys = ("spearman_mean", "kendall_mean", "top_overlap_mean", "bottom_overlap_mean", "quantized_flop_share",
+            "time_proxy_s", "time_full_s")  # fmt: skip
     print("  ".join(f"{k}={res[k]:.3f}" for k in keys))
     print(f"wrote {path}")
     return 0
+
+
+def _print_point(p: dict) -> None:
+    print(f"  {p['groups']} group(s): quantized_flop_share={p['quantized_flop_share']:.3f} "
+          f"spearman={p['spearman_mean']:.3f} kendall={p['kendall_mean']:.3f}", flush=True)  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -298,6 +319,13 @@ def build_parser() -> argparse.ArgumentParser:
     fi.add_argument("--n", type=int, default=96)
     fi.add_argument("--k", type=int, default=24)
     fi.add_argument("--output", default="fidelity.json")
+    fi.add_argument("--oracle-cache", default=None, metavar="FILE",
+                    help="keep the full-step oracle rewards in FILE (JSON): later runs with the same weights "
+                         "and settings measure the previews only")  # fmt: skip
+    fi.add_argument("--search", action="store_true",
+                    help="pick the layer groups to quantize: the largest 4-bit FLOP share at --target Spearman; "
+                         "writes OUTPUT and OUTPUT's .snippet.py with the explore_layers rule")  # fmt: skip
+    fi.add_argument("--target", type=float, default=0.93, help="Spearman the searched rule must keep (default 0.93)")
     fi.set_defaults(func=_fidelity)
     return p
 
