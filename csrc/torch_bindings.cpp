@@ -103,10 +103,20 @@ at::Tensor nvfp4_gemm_sm100(const at::Tensor& a, const at::Tensor& sfa, const at
 
 }  // namespace
 
+// The ops are registered with the dispatcher (TORCH_LIBRARY), not as plain Python functions, so that
+// torch.compile sees them as ops with a schema (their fake implementations, for tracing, are in
+// solrl_engine/kernels/dispatch.py) and calls them as torch.ops.solrl_C.<name>.
+TORCH_LIBRARY(solrl_C, m) {
+  m.def("nvfp4_quantize(Tensor x, Tensor? amax, bool swizzle, int stream) -> Tensor[]");
+  m.def("nvfp4_gemm_sm100(Tensor a, Tensor sfa, Tensor b, Tensor sfb, Tensor alpha, Tensor? bias, int stream) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(solrl_C, CUDA, m) {
+  m.impl("nvfp4_quantize", &nvfp4_quantize);
+  m.impl("nvfp4_gemm_sm100", &nvfp4_gemm_sm100);
+}
+
+// Importing solrl_engine._C loads the library and runs the registrations above; it defines nothing else.
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "solrl-engine CUDA kernels (NVFP4 quantize with fused amax, CUTLASS sm100 NVFP4 GEMM)";
-  m.def("nvfp4_quantize", &nvfp4_quantize, "NVFP4 quantize with fused amax", py::arg("x"), py::arg("amax"),
-        py::arg("swizzle"), py::arg("stream"));
-  m.def("nvfp4_gemm_sm100", &nvfp4_gemm_sm100, "CUTLASS sm100 block-scaled NVFP4 GEMM", py::arg("a"),
-        py::arg("sfa"), py::arg("b"), py::arg("sfb"), py::arg("alpha"), py::arg("bias"), py::arg("stream"));
+  m.doc() = "solrl-engine CUDA kernels, registered as torch.ops.solrl_C (NVFP4 quantize, CUTLASS sm100 GEMM)";
 }

@@ -41,10 +41,33 @@ def triton_module(name: str) -> ModuleType:
     return mod
 
 
-def cuda_extension() -> ModuleType | None:
-    """The compiled extension solrl_engine._C, or None when it was not built."""
+@functools.cache
+def cuda_extension() -> Any | None:
+    """The compiled extension's ops (torch.ops.solrl_C, registered with the dispatcher when
+    solrl_engine._C is imported), or None when it was not built."""
     mod = _import("solrl_engine._C")
-    return None if isinstance(mod, str) else mod
+    if isinstance(mod, str):
+        return None
+    _register_fakes()
+    return torch.ops.solrl_C
+
+
+def _register_fakes() -> None:
+    """Shapes of the extension's ops for torch.compile's tracing (no kernel runs)."""
+
+    @torch.library.register_fake("solrl_C::nvfp4_quantize")
+    def _(x, amax, swizzle, stream):  # noqa: ANN001, ANN202 - shape function
+        rows, cols = (x.numel() // x.shape[-1] if x.shape[-1] else 0), x.shape[-1]
+        q = x.new_empty((*x.shape[:-1], cols // 2), dtype=torch.uint8)
+        if swizzle:
+            s = x.new_empty(((rows + 127) // 128 * 128 * ((cols // 16 + 3) // 4 * 4),), dtype=torch.uint8)
+        else:
+            s = x.new_empty((*x.shape[:-1], cols // 16), dtype=torch.uint8)
+        return [q, s, x.new_empty((), dtype=torch.float32)]
+
+    @torch.library.register_fake("solrl_C::nvfp4_gemm_sm100")
+    def _(a, sfa, b, sfb, alpha, bias, stream):  # noqa: ANN001, ANN202 - shape function
+        return a.new_empty((a.shape[0], b.shape[0]), dtype=torch.bfloat16)
 
 
 def interpreting() -> bool:
