@@ -72,6 +72,11 @@ def test_every_family_runs_and_writes_its_artifacts(small_model, tmp_path, famil
     for f in ("reward.png", "eval_00000.png", "eval_00002.png", "summary.json", "config.json"):
         assert (tmp_path / f).exists(), f
     assert summary["iterations"] == 2 and summary["heldout_reward_start"] is not None
+    # the gain is paired with the first evaluation (same prompts, same seeds): its mean is the difference
+    # of the means, its standard error that of the per-image differences
+    gain = recs[-1]["heldout_gain"]
+    assert gain == pytest.approx(recs[-1]["heldout_reward"] - summary["heldout_reward_start"], abs=1e-6)
+    assert summary["heldout_gain_final"] == gain and recs[-1]["heldout_gain_stderr"] >= 0
     assert summary["explore_recipe"] == ("nvfp4" if family in ("sol_rl", "naive_quant") else "bf16")
 
 

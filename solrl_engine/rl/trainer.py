@@ -110,6 +110,10 @@ class Trainer:
         self.gen = torch.Generator().manual_seed(cfg.seed + 2)
         self.iteration = 0
         self.evals: list[tuple[int, float, float]] = []  # (iteration, mean, standard error)
+        # The first evaluation's per-image rewards: later ones (same prompts, same seeds) are compared
+        # image by image, a paired difference whose noise is far below the mean's own standard error.
+        self.eval_base: torch.Tensor | None = None
+        self.gains: list[tuple[int, float, float]] = []  # (iteration, mean paired gain, its standard error)
         self.tracker: Tracker | None = None
         self.nonfinite = 0  # iterations whose update was skipped for non-finite values
         self.guard = ProxyGuard(cfg)
@@ -318,8 +322,14 @@ class Trainer:
         n = len(prompts) * c.eval_seeds
         full = EvalResult(list(prompts), [], res.images, dist.gather_rows(res.rewards.to(self.device)).cpu()[:n])
         mean, sem = full.mean, full.stderr
+        if self.eval_base is None or len(self.eval_base) != n:
+            self.eval_base = full.rewards.clone()
+        diff = full.rewards - self.eval_base
+        gain, gain_sem = diff.mean().item(), (diff.std().item() / n**0.5 if n > 1 else 0.0)
+        self.gains.append((self.iteration, gain, gain_sem))
         if dist.main:
-            head = f"iter {self.iteration}: held-out reward {mean:.3f} +- {sem:.3f} (EMA adapter, {n} images)"
+            head = (f"iter {self.iteration}: held-out reward {mean:.3f} +- {sem:.3f}, "
+                    f"gain {gain:+.3f} +- {gain_sem:.3f} (EMA adapter, {n} images, same seeds)")  # fmt: skip
             grid = eval_grid(res, c.eval_seeds, head)
             grid.save(self.out / f"eval_{self.iteration:05d}.png")
             if self.tracker is not None:
@@ -336,6 +346,8 @@ class Trainer:
             "seed_rng": self.seed_rng.getstate(),
             "gen": self.gen.get_state(),
             "evals": list(self.evals),
+            "eval_base": None if self.eval_base is None else self.eval_base.tolist(),
+            "gains": list(self.gains),
             "config": dataclasses.asdict(self.cfg),
             "world_size": self.dist.world,
             "nonfinite": self.nonfinite,
@@ -353,6 +365,9 @@ class Trainer:
         self.seed_rng.setstate(st["seed_rng"])
         self.gen.set_state(st["gen"])
         self.evals = [tuple(e) for e in st["evals"]]  # type: ignore[misc]
+        base = st.get("eval_base")  # absent in checkpoints of older versions: gains restart from here
+        self.eval_base = None if base is None else torch.tensor(base)
+        self.gains = [tuple(g) for g in st.get("gains", [])]  # type: ignore[misc]
         self.nonfinite = st.get("nonfinite", 0)
         self.guard.load_state(st["proxy_guard"])
         if self.guard.fallback:
@@ -442,6 +457,7 @@ class Trainer:
             if self.iteration % c.eval_every == 0 or self.iteration == c.iterations:
                 m["heldout_reward"] = self.evaluate()
                 m["heldout_stderr"] = self.evals[-1][2]
+                m["heldout_gain"], m["heldout_gain_stderr"] = self.gains[-1][1:]
             history.append(m)
             if main:
                 with metrics_path.open("a") as f:
@@ -468,6 +484,9 @@ class Trainer:
             "heldout_reward_start": self.evals[0][1] if self.evals and self.evals[0][0] == 0 else None,
             "heldout_reward_final": self.evals[-1][1] if self.evals else None,
             "heldout_stderr_final": self.evals[-1][2] if self.evals else None,
+            # paired over the same prompts and seeds as the first evaluation
+            "heldout_gain_final": self.gains[-1][1] if self.gains else None,
+            "heldout_gain_stderr_final": self.gains[-1][2] if self.gains else None,
             "lora": str(self.out / "lora"),
             "lora_ema": str(self.out / "lora_ema"),
             "explore_recipe": self.explore.recipe if self.explore else "bf16",
