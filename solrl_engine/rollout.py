@@ -18,6 +18,7 @@ from torch import nn
 
 from solrl_engine.models import ModelSpec, load_model, model_spec
 from solrl_engine.models.base import Conditioning, FlowModel
+from solrl_engine.quant.recipe import get_recipe
 from solrl_engine.rewards import RewardFn, check_reward, load_reward, parse_reward_args
 from solrl_engine.rl.config import RLConfig, autocast_for, resolve_runtime
 from solrl_engine.sampling import GraphedSampler
@@ -35,6 +36,9 @@ def explore_rule(cfg: RLConfig, spec: ModelSpec) -> dict[str, Any]:
         rule["extra_skip"] = tuple(cfg.explore_skip)
     if cfg.explore_skip_max_dim is not None:
         rule["skip_max_dim"] = cfg.explore_skip_max_dim
+    for field in ("rht", "four_over_six", "lowrank"):  # NVFP4 recipe options (QuantRecipe fields)
+        if getattr(cfg, f"explore_{field}"):
+            rule[field] = getattr(cfg, f"explore_{field}")
     return rule
 
 
@@ -87,7 +91,14 @@ class Rollouts:
             from solrl_engine.rl.explore import ExploreCopy, resolve_explore_recipe
 
             recipe = resolve_explore_recipe(cfg.explore_precision, self.device)
-            self.explore = ExploreCopy(self.model.transformer, recipe, changes=explore_rule(cfg, self.spec))
+            rule = explore_rule(cfg, self.spec)
+            nvfp4_only = [k for k in ("rht", "four_over_six", "lowrank") if k in rule]
+            if nvfp4_only and get_recipe(recipe).format != "nvfp4":  # `auto` chose FP8 on this device
+                log.warning("explore_precision=auto chose %s on this device: %s apply to NVFP4 only and are "
+                            "not used", recipe, ", ".join(f"explore_{k}" for k in nvfp4_only))  # fmt: skip
+                for k in nvfp4_only:
+                    rule.pop(k)
+            self.explore = ExploreCopy(self.model.transformer, recipe, changes=rule)
             if not self.explore.report.quantized and recipe != "bf16":
                 log.warning(
                     "the explore copy quantizes no layer of %s under its rule (%s): exploration runs at full "
@@ -263,8 +274,8 @@ class Explorer:
         explorer.sync_(pipe.transformer)                                  # the explore copy follows
 
     The quantized copy is built once from the pipeline's transformer with the family's layer rule
-    (`quantize` overrides it: QuantRecipe changes such as {"include": (...)}); the caller's pipeline
-    is never changed. `reward` is any `(images [B, 3, H, W] in [0, 1], prompts) -> Tensor[B]`.
+    (`quantize` overrides it: QuantRecipe changes such as {"include": (...)} or {"rht": 16,
+    "four_over_six": True}); the caller's pipeline is never changed. `reward` is any `(images [B, 3, H, W] in [0, 1], prompts) -> Tensor[B]`.
     """
 
     def __init__(
@@ -287,6 +298,7 @@ class Explorer:
         from solrl_engine.models import wrap_pipeline
 
         model, family = wrap_pipeline(pipeline_or_model, resolution=resolution, guidance_scale=guidance_scale)
+        q = quantize or {}
         cfg = RLConfig(
             name="explorer", family="sol_rl", model=family, n=n, k=k, preview_steps=preview_steps,
             full_steps=max(preview_steps, 10), solver=solver, guidance_scale=guidance_scale,
@@ -294,6 +306,8 @@ class Explorer:
             explore_layers=None if quantize is None else quantize.get("include"),
             explore_skip=None if quantize is None else quantize.get("extra_skip"),
             explore_skip_max_dim=None if quantize is None else quantize.get("skip_max_dim"),
+            explore_rht=q.get("rht", 0), explore_four_over_six=q.get("four_over_six", False),
+            explore_lowrank=q.get("lowrank", 0),
         ).validate()  # fmt: skip
         self.rollouts = Rollouts(cfg, explore=explore_precision != "bf16", model=model, reward=reward)
         self._init(self.rollouts, n, k, preview_steps, random.Random(seed))

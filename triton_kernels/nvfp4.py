@@ -63,26 +63,111 @@ def _quantize_blocks(x, s_enc, g):
 
 
 @triton.jit
+def _butterfly_stage(y, G: tl.constexpr, N: tl.constexpr, H: tl.constexpr):
+    """One stage of the Walsh-Hadamard butterfly on [G, N]: (a, b) -> (a + b, a - b) for elements
+    H apart, in pairs of 2H (the reference's order: solrl_engine.quant.hadamard)."""
+    y = tl.permute(tl.reshape(y, [G, N // (2 * H), 2, H]), (0, 1, 3, 2))
+    a, b = tl.split(y)
+    return tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), [G, N])
+
+
+@triton.jit
+def _rotate(x, d_ptr, inv_sqrt, NB: tl.constexpr, ROT: tl.constexpr):
+    """x [NB, 16] (consecutive blocks of one tensor) rotated by D H / sqrt(ROT) per group of ROT."""
+    G: tl.constexpr = NB * 16 // ROT
+    y = tl.reshape(x, [G, ROT]) * tl.load(d_ptr + tl.arange(0, ROT))[None, :]
+    y = _butterfly_stage(y, G, ROT, 1)
+    y = _butterfly_stage(y, G, ROT, 2)
+    y = _butterfly_stage(y, G, ROT, 4)
+    y = _butterfly_stage(y, G, ROT, 8)
+    if ROT >= 32:
+        y = _butterfly_stage(y, G, ROT, 16)
+    if ROT >= 64:
+        y = _butterfly_stage(y, G, ROT, 32)
+    if ROT >= 128:
+        y = _butterfly_stage(y, G, ROT, 64)
+    return tl.reshape(y * inv_sqrt, [NB, 16])
+
+
+@triton.jit
+def _pair_tree_sum16(v, NB: tl.constexpr):
+    """Row sums of [NB, 16] by adjacent pairs (16 -> 8 -> 4 -> 2 -> 1), the reference's order."""
+    a, b = tl.split(tl.reshape(v, [NB, 8, 2]))
+    a, b = tl.split(tl.reshape(a + b, [NB, 4, 2]))
+    a, b = tl.split(tl.reshape(a + b, [NB, 2, 2]))
+    a, b = tl.split(a + b)
+    return a + b
+
+
+@triton.jit
+def _encode_with(x, s_val, g):
+    mult = tl.minimum(tl.div_rn(1.0, s_val * g), 3.4028234663852886e38)
+    return e2m1_encode(tl.minimum(tl.maximum(x * mult[:, None], -6.0), 6.0))
+
+
+@triton.jit
+def _four_over_six(x, codes, s_code, s_val, s_enc, g, NB: tl.constexpr):
+    """Per block, the scale mapping the block max to 4 where its decode is closer (sum of squared
+    errors; ties keep 6), as solrl_engine.quant.nvfp4._four_over_six."""
+    finite = tl.min(is_finite(x).to(tl.int32), axis=1) == 1
+    blk_amax = tl.where(finite, tl.max(tl.abs(x), axis=1), 0.0)
+    c4, v4 = e4m3_round_magnitude(tl.minimum(blk_amax * (s_enc * 0.25), 448.0))
+    v4 = tl.where(finite, v4, float("nan"))
+    codes4 = tl.where(finite[:, None], _encode_with(x, v4, g), 0)
+    d6 = (e2m1_decode(codes) * s_val[:, None]) * g - x
+    d4 = (e2m1_decode(codes4) * v4[:, None]) * g - x
+    use4 = _pair_tree_sum16(d4 * d4, NB) < _pair_tree_sum16(d6 * d6, NB)
+    codes = tl.where(use4[:, None], codes4, codes)
+    return codes, tl.where(use4, c4, s_code), tl.where(use4, v4, s_val)
+
+
+@triton.jit
+def _load_blocks(x_ptr, d_ptr, inv_sqrt, blk, bmask, NB: tl.constexpr, ROT: tl.constexpr, IN_BF16: tl.constexpr):
+    offs = blk[:, None] * 16 + tl.arange(0, 16)[None, :]
+    x = load_f32(x_ptr + offs, bmask[:, None], IN_BF16)
+    if ROT > 0:
+        x = _rotate(x, d_ptr, inv_sqrt, NB, ROT)
+    return x, offs
+
+
+@triton.jit
+def _rot_amax_kernel(x_ptr, d_ptr, inv_sqrt, amax_ptr, n_blocks, NB: tl.constexpr, ROT: tl.constexpr,
+                     IN_BF16: tl.constexpr):  # fmt: skip
+    """The amax of the rotated tensor (the rotation is recomputed by the quantize kernel: no
+    rotated copy ever reaches memory)."""
+    pid = tl.program_id(0).to(tl.int64)
+    blk = pid * NB + tl.arange(0, NB).to(tl.int64)
+    x, _ = _load_blocks(x_ptr, d_ptr, inv_sqrt, blk, blk < n_blocks, NB, ROT, IN_BF16)
+    a = tl.where(is_finite(x), tl.abs(x), 0.0)
+    tl.atomic_max(amax_ptr, tl.max(tl.max(a, axis=1), axis=0))
+
+
+@triton.jit
 def _quantize_kernel(
     x_ptr,
     q_ptr,
     s_ptr,
     amax_ptr,
     g_ptr,
+    d_ptr,
+    inv_sqrt,
     n_blocks,
     NB: tl.constexpr,
     DEQUANT: tl.constexpr,
     OUT_KIND: tl.constexpr,
     IN_BF16: tl.constexpr,
+    ROT: tl.constexpr = 0,
+    FOUR_OVER_SIX: tl.constexpr = False,
 ):
     pid = tl.program_id(0).to(tl.int64)
     blk = pid * NB + tl.arange(0, NB).to(tl.int64)
     bmask = blk < n_blocks
-    offs = blk[:, None] * 16 + tl.arange(0, 16)[None, :]
-    x = load_f32(x_ptr + offs, bmask[:, None], IN_BF16)
+    x, offs = _load_blocks(x_ptr, d_ptr, inv_sqrt, blk, bmask, NB, ROT, IN_BF16)
     s_enc = global_encode_scale(tl.load(amax_ptr))
     g = tl.div_rn(1.0, s_enc)
     codes, s_code, s_val = _quantize_blocks(x, s_enc, g)
+    if FOUR_OVER_SIX:
+        codes, s_code, s_val = _four_over_six(x, codes, s_code, s_val, s_enc, g, NB)
     if DEQUANT:
         # Fake-quant: decode in registers and write the input's dtype; codes never reach memory.
         out = (e2m1_decode(codes) * s_val[:, None]) * g
@@ -138,21 +223,58 @@ def amax(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _amax_arg(x: torch.Tensor, amax_value: torch.Tensor | float | None) -> torch.Tensor:
-    if amax_value is None:
+def _amax_arg(x: torch.Tensor, amax_value: torch.Tensor | float | None, rot: tuple[torch.Tensor, float] | None
+              ) -> torch.Tensor:  # fmt: skip
+    if amax_value is not None:
+        return torch.as_tensor(amax_value, dtype=torch.float32, device=x.device).reshape(())
+    if rot is None:
         return amax(x)
-    return torch.as_tensor(amax_value, dtype=torch.float32, device=x.device).reshape(())
+    out = torch.zeros((), dtype=torch.float32, device=x.device)
+    n_blocks = x.numel() // 16
+    nb = _blocks_per_program()
+    _rot_amax_kernel[(triton.cdiv(n_blocks, nb),)](_src(x), rot[0], rot[1], out, n_blocks, NB=nb,
+                                                   ROT=rot[0].numel(), IN_BF16=_is_bf16(x))  # fmt: skip
+    return out
+
+
+def _rotation(x: torch.Tensor, rht_signs: torch.Tensor | None) -> tuple[torch.Tensor, float] | None:
+    """(signs on x's device in FP32, 1/sqrt(n)) for a rotated quantize, checked; None without one."""
+    if rht_signs is None:
+        return None
+    n = rht_signs.numel()
+    if n not in (16, 32, 64, 128) or x.shape[-1] % n:
+        raise ValueError(f"a {n}-point rotation needs a last dimension that is a multiple of it; got {tuple(x.shape)}")
+    return rht_signs.to(x.device, torch.float32).contiguous(), float(torch.tensor(n**-0.5, dtype=torch.float32))
+
+
+def _launch(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, g: torch.Tensor, amax_value: torch.Tensor | float | None,
+            dequant: bool, out_kind: int, four_over_six: bool, rht_signs: torch.Tensor | None) -> None:  # fmt: skip
+    n_blocks = x.numel() // 16
+    if not n_blocks:
+        return
+    nb = _blocks_per_program()
+    rot = _rotation(x, rht_signs)
+    am = _amax_arg(x, amax_value, rot)
+    d, inv = rot if rot is not None else (am, 1.0)  # d_ptr is never read without a rotation
+    _quantize_kernel[(triton.cdiv(n_blocks, nb),)](
+        _src(x), q, s, am, g if not dequant else am, d, inv, n_blocks, NB=nb, DEQUANT=dequant, OUT_KIND=out_kind,
+        IN_BF16=_is_bf16(x), ROT=0 if rot is None else rot[0].numel(), FOUR_OVER_SIX=four_over_six,
+    )  # fmt: skip
 
 
 def quantize(
     x: torch.Tensor,
     amax_value: torch.Tensor | float | None = None,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    four_over_six: bool = False,
+    rht_signs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize x -> (qdata uint8 [..., K/2], scale uint8 bytes of E4M3 [..., K/16], g fp32 0-dim).
 
     Without `amax_value` the amax kernel runs first (two launches, no host sync). `out` lets the
-    caller pass existing buffers, which are written in place.
+    caller pass existing buffers, which are written in place. `rht_signs` ([n] +-1) quantizes x
+    rotated by the n-point random Hadamard transform (fused: the rotated x is never stored; a given
+    `amax_value` is the rotated tensor's); `four_over_six` picks each block's 4- or 6-scale.
     """
     _check(x)
     x = x.contiguous()
@@ -164,38 +286,23 @@ def quantize(
         g = torch.empty((), dtype=torch.float32, device=x.device)
     else:
         q, s, g = out
-    n_blocks = x.numel() // 16
-    if n_blocks:
-        nb = _blocks_per_program()
-        am = _amax_arg(x, amax_value)
-        _quantize_kernel[(triton.cdiv(n_blocks, nb),)](
-            _src(x), q, s, am, g, n_blocks, NB=nb, DEQUANT=False, OUT_KIND=0, IN_BF16=_is_bf16(x)
-        )
+    _launch(x, q, s, g, amax_value, False, 0, four_over_six, rht_signs)
     return q, s, g
 
 
-def fake_quantize(x: torch.Tensor, amax_value: torch.Tensor | float | None = None) -> torch.Tensor:
-    """Quantize and dequantize in one pass: same shape and dtype as x, no codes in memory."""
+def fake_quantize(
+    x: torch.Tensor,
+    amax_value: torch.Tensor | float | None = None,
+    four_over_six: bool = False,
+    rht_signs: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Quantize and dequantize in one pass: same shape and dtype as x, no codes in memory (with
+    `rht_signs`, the result stays in the rotated basis)."""
     _check(x)
     x = x.contiguous()
     out = torch.empty_like(x)
-    n_blocks = x.numel() // 16
-    if n_blocks:
-        nb = _blocks_per_program()
-        am = _amax_arg(x, amax_value)
-        dst = out.view(torch.int16) if x.dtype == torch.bfloat16 else out
-        _quantize_kernel[(triton.cdiv(n_blocks, nb),)](
-            _src(x),
-            dst,
-            dst,
-            am,
-            am,
-            n_blocks,
-            NB=nb,
-            DEQUANT=True,
-            OUT_KIND=_OUT_KIND[x.dtype],
-            IN_BF16=_is_bf16(x),
-        )
+    dst = out.view(torch.int16) if x.dtype == torch.bfloat16 else out
+    _launch(x, dst, dst, dst, amax_value, True, _OUT_KIND[x.dtype], four_over_six, rht_signs)
     return out
 
 

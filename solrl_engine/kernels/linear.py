@@ -22,8 +22,14 @@ import os
 import torch
 
 from solrl_engine.kernels.dispatch import call, cuda_extension, register, triton_module
-from solrl_engine.kernels.ops import cuda_quantize, fp8_quantize_rowwise, nvfp4_dequantize, nvfp4_quantize
-from solrl_engine.quant import nvfp4
+from solrl_engine.kernels.ops import (
+    _ref_quantize,
+    cuda_quantize,
+    fp8_quantize_rowwise,
+    nvfp4_dequantize,
+    nvfp4_quantize,
+)
+from solrl_engine.quant import hadamard, nvfp4
 from solrl_engine.quant.fp8 import FP8Tensor
 from solrl_engine.quant.nvfp4 import NVFP4Tensor
 
@@ -55,35 +61,45 @@ def _unit_scale_values(t: NVFP4Tensor) -> torch.Tensor:
     return nvfp4_dequantize(NVFP4Tensor(t.qdata, t.scale, one, t.orig_dtype), torch.float32)
 
 
+def _rotated(x2: torch.Tensor, rht_signs: torch.Tensor | None) -> torch.Tensor:
+    """Weight-only activations rotated along K (in FP32, then back to their dtype), or x2 as is."""
+    return x2 if rht_signs is None else hadamard.rotate(x2, rht_signs).to(x2.dtype)
+
+
 def _ref_nvfp4_linear(
-    x: torch.Tensor, weight: NVFP4Tensor, bias: torch.Tensor | None, quantize_input: bool
-) -> torch.Tensor:
+    x: torch.Tensor, weight: NVFP4Tensor, bias: torch.Tensor | None, quantize_input: bool,
+    rht_signs: torch.Tensor | None = None, four_over_six: bool = False,
+) -> torch.Tensor:  # fmt: skip
     x2 = _flat(x)
     w = _unit_scale_values(weight)
-    if quantize_input:
+    if quantize_input and rht_signs is None and not four_over_six:
         xv, xg = nvfp4.fake_quantize_unit(x2)
         acc = (xv @ w.t()) * (xg * weight.global_scale)
+    elif quantize_input:  # the rotation and the 4/6 choice inside the activation quantize
+        xq = _ref_quantize(x2, None, four_over_six, rht_signs)
+        acc = (_unit_scale_values(xq) @ w.t()) * (xq.global_scale * weight.global_scale)
     else:
-        acc = (x2.float() @ w.t()) * weight.global_scale
+        acc = (_rotated(x2, rht_signs).float() @ w.t()) * weight.global_scale
     if bias is not None:
         acc = acc + bias.float()
     return _finish(acc, x)
 
 
 def _tr_nvfp4_linear(
-    x: torch.Tensor, weight: NVFP4Tensor, bias: torch.Tensor | None, quantize_input: bool
-) -> torch.Tensor:
+    x: torch.Tensor, weight: NVFP4Tensor, bias: torch.Tensor | None, quantize_input: bool,
+    rht_signs: torch.Tensor | None = None, four_over_six: bool = False,
+) -> torch.Tensor:  # fmt: skip
     gemm = triton_module("gemm")
     x2 = _flat(x)
     if quantize_input:
-        xq = nvfp4_quantize(x2)
+        xq = nvfp4_quantize(x2, None, four_over_six, rht_signs)
         y = gemm.w4a4_gemm(
             xq.qdata, xq.scale, xq.global_scale, weight.qdata, weight.scale, weight.global_scale, bias, x.dtype
         )
     elif x.dtype in (torch.bfloat16, torch.float16):
-        y = gemm.w4a16_gemm(x2, weight.qdata, weight.scale, weight.global_scale, bias, x.dtype)
+        y = gemm.w4a16_gemm(_rotated(x2, rht_signs), weight.qdata, weight.scale, weight.global_scale, bias, x.dtype)
     else:  # FP32 activations: the weight-only kernel would have to round them; keep them exact
-        return _ref_nvfp4_linear(x, weight, bias, quantize_input)
+        return _ref_nvfp4_linear(x, weight, bias, quantize_input, rht_signs, four_over_six)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -93,10 +109,13 @@ def scaled_mm_fp4_operands(t: NVFP4Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _cuda_nvfp4_linear(
-    x: torch.Tensor, weight: NVFP4Tensor, bias: torch.Tensor | None, quantize_input: bool
-) -> torch.Tensor:
-    if not quantize_input:
-        return _tr_nvfp4_linear(x, weight, bias, quantize_input)
+    x: torch.Tensor, weight: NVFP4Tensor, bias: torch.Tensor | None, quantize_input: bool,
+    rht_signs: torch.Tensor | None = None, four_over_six: bool = False,
+) -> torch.Tensor:  # fmt: skip
+    if not quantize_input or rht_signs is not None or four_over_six:
+        # weight-only: no FP4 x BF16 tensor-core instruction; rotation / 4-over-6: the Triton quantize
+        # feeds the same FP4 GEMM (through cuBLASLt below once the extension's quantize learns them)
+        return _tr_nvfp4_linear(x, weight, bias, quantize_input, rht_signs, four_over_six)
     ext = cuda_extension()
     n, k = weight.shape
     want_cutlass = os.environ.get("SOLRL_FP4_GEMM", "cublaslt").lower() == "cutlass"
@@ -148,23 +167,32 @@ def _nvfp4_linear_op(
     global_scale: torch.Tensor,
     bias: torch.Tensor | None,
     quantize_input: bool,
+    rht_signs: torch.Tensor | None = None,
+    four_over_six: bool = False,
 ) -> torch.Tensor:
     w = NVFP4Tensor(qdata, scale, global_scale, torch.float32)
-    return call("nvfp4_linear", x.device, x, w, bias, quantize_input)
+    if rht_signs is None and not four_over_six:
+        return call("nvfp4_linear", x.device, x, w, bias, quantize_input)
+    return call("nvfp4_linear", x.device, x, w, bias, quantize_input, rht_signs, four_over_six)
 
 
 @_nvfp4_linear_op.register_fake
-def _(x, qdata, scale, global_scale, bias, quantize_input):  # noqa: ANN001, ANN202 - shape function
+def _(x, qdata, scale, global_scale, bias, quantize_input, rht_signs=None, four_over_six=False):  # noqa: ANN001, ANN202
     return x.new_empty((*x.shape[:-1], qdata.shape[0]))
 
 
-def nvfp4_linear(x: torch.Tensor, weight: NVFP4Tensor, bias: torch.Tensor | None, quantize_input: bool) -> torch.Tensor:
+def nvfp4_linear(
+    x: torch.Tensor, weight: NVFP4Tensor, bias: torch.Tensor | None, quantize_input: bool,
+    rht_signs: torch.Tensor | None = None, four_over_six: bool = False,
+) -> torch.Tensor:  # fmt: skip
     """y = x W^T + b with W in NVFP4; x NVFP4-quantized per call (W4A4) or kept as is (W4A16).
 
     The exact NVFP4 GEMM: products of decoded block values summed in FP32, then times the two
-    global scales, plus bias, in x's dtype.
+    global scales, plus bias, in x's dtype. With `rht_signs` the weight is stored rotated along K
+    (W R) and x is rotated inside its quantize (x R); `four_over_six` picks x's block scales 4-or-6.
     """
-    return _nvfp4_linear_op(x, weight.qdata, weight.scale, weight.global_scale, bias, quantize_input)
+    return _nvfp4_linear_op(x, weight.qdata, weight.scale, weight.global_scale, bias, quantize_input, rht_signs,
+                            four_over_six)  # fmt: skip
 
 
 # --- FP8 -----------------------------------------------------------------------------------------

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from solrl_engine.kernels.dispatch import call, cuda_extension, register, triton_module
-from solrl_engine.quant import fp8, nvfp4
+from solrl_engine.kernels.dispatch import _warn_once, call, cuda_extension, register, triton_module
+from solrl_engine.quant import fp8, hadamard, nvfp4
 from solrl_engine.quant.fp8 import FP8Tensor
 from solrl_engine.quant.nvfp4 import NVFP4Tensor
 
@@ -24,23 +24,56 @@ def _checked_amax(x: torch.Tensor, amax: AmaxLike) -> AmaxLike:
     return None if amax is None else nvfp4.resolve_amax(amax, x)
 
 
-def _tr_quantize(x: torch.Tensor, amax: AmaxLike = None) -> NVFP4Tensor:
-    q, s, g = triton_module("nvfp4").quantize(x, _checked_amax(x, amax))
+def _ref_quantize(
+    x: torch.Tensor, amax: AmaxLike = None, four_over_six: bool = False, rht_signs: torch.Tensor | None = None
+) -> NVFP4Tensor:
+    """The reference quantize, of x rotated by the Hadamard transform when `rht_signs` is given."""
+    xr = x if rht_signs is None else hadamard.rotate(x, rht_signs)
+    t = nvfp4.quantize(xr, amax, four_over_six)
+    t.orig_dtype = x.dtype
+    return t
+
+
+def _tr_quantize(
+    x: torch.Tensor, amax: AmaxLike = None, four_over_six: bool = False, rht_signs: torch.Tensor | None = None
+) -> NVFP4Tensor:
+    if rht_signs is not None:
+        hadamard.check_size(rht_signs.numel(), x.shape[-1])
+    q, s, g = triton_module("nvfp4").quantize(x, _checked_amax(x, amax), four_over_six=four_over_six,
+                                              rht_signs=rht_signs)  # fmt: skip
     return NVFP4Tensor(q, s.view(torch.float8_e4m3fn), g, x.dtype)
 
 
-def cuda_quantize(x: torch.Tensor, amax: AmaxLike = None, swizzle: bool = False) -> NVFP4Tensor:
-    """The extension's one-launch quantize (amax fused); `swizzle` writes cuBLASLt/CUTLASS's scale layout."""
+def cuda_quantize(
+    x: torch.Tensor,
+    amax: AmaxLike = None,
+    swizzle: bool = False,
+    four_over_six: bool = False,
+    rht_signs: torch.Tensor | None = None,
+) -> NVFP4Tensor:
+    """The extension's one-launch quantize (amax fused); `swizzle` writes cuBLASLt/CUTLASS's scale layout.
+    The extension implements the TE recipe only: a rotation or 4-over-6 runs the Triton kernel (logged once)."""
+    if four_over_six or rht_signs is not None:
+        if swizzle:
+            raise ValueError("the swizzled-scale quantize implements the TE recipe only (no rht / four_over_six)")
+        _warn_once("the CUDA extension's quantize implements the TE recipe only; rht / four_over_six use Triton")
+        return _tr_quantize(x, amax, four_over_six, rht_signs)
     stream = torch.cuda.current_stream(x.device).cuda_stream
     q, s, g = cuda_extension().nvfp4_quantize(x.contiguous(), _checked_amax(x, amax), swizzle, stream)
     return NVFP4Tensor(q, s.view(torch.float8_e4m3fn), g, x.dtype)
 
 
-register("nvfp4_quantize", {"reference": nvfp4.quantize, "triton": _tr_quantize, "cuda": cuda_quantize})
+register("nvfp4_quantize", {"reference": _ref_quantize, "triton": _tr_quantize, "cuda": cuda_quantize})
 
 
-def nvfp4_quantize(x: torch.Tensor, amax: AmaxLike = None) -> NVFP4Tensor:
-    """NVFP4-quantize `x` along its last dimension through the selected backend."""
+def nvfp4_quantize(
+    x: torch.Tensor, amax: AmaxLike = None, four_over_six: bool = False, rht_signs: torch.Tensor | None = None
+) -> NVFP4Tensor:
+    """NVFP4-quantize `x` along its last dimension through the selected backend; with `rht_signs`,
+    x rotated by that Hadamard transform (see solrl_engine.quant.hadamard), with `four_over_six`,
+    each block's scale chosen between its max on 6 and on 4."""
+    if four_over_six or rht_signs is not None:
+        return call("nvfp4_quantize", x.device, x, amax, four_over_six=four_over_six, rht_signs=rht_signs)
     return call("nvfp4_quantize", x.device, x, amax)
 
 
@@ -77,27 +110,40 @@ def nvfp4_dequantize(t: NVFP4Tensor, dtype: torch.dtype | None = None) -> torch.
 # --- in-place requantize (keeps storage, so captured graphs stay valid) --------------------------
 
 
-def _ref_quantize_into(t: NVFP4Tensor, x: torch.Tensor, amax: AmaxLike = None) -> NVFP4Tensor:
-    new = nvfp4.quantize(x, amax)
+def _ref_quantize_into(
+    t: NVFP4Tensor, x: torch.Tensor, amax: AmaxLike = None, four_over_six: bool = False,
+    rht_signs: torch.Tensor | None = None,
+) -> NVFP4Tensor:  # fmt: skip
+    new = _ref_quantize(x, amax, four_over_six, rht_signs)
     t.qdata.copy_(new.qdata)
     t.scale.copy_(new.scale)
     t.global_scale.copy_(new.global_scale)
     return t
 
 
-def _tr_quantize_into(t: NVFP4Tensor, x: torch.Tensor, amax: AmaxLike = None) -> NVFP4Tensor:
+def _tr_quantize_into(
+    t: NVFP4Tensor, x: torch.Tensor, amax: AmaxLike = None, four_over_six: bool = False,
+    rht_signs: torch.Tensor | None = None,
+) -> NVFP4Tensor:  # fmt: skip
     out = (t.qdata, t.scale.view(torch.uint8), t.global_scale)
-    triton_module("nvfp4").quantize(x, _checked_amax(x, amax), out=out)
+    triton_module("nvfp4").quantize(x, _checked_amax(x, amax), out=out, four_over_six=four_over_six,
+                                    rht_signs=rht_signs)  # fmt: skip
     return t
 
 
 register("nvfp4_quantize_into_", {"reference": _ref_quantize_into, "triton": _tr_quantize_into})
 
 
-def nvfp4_quantize_into_(t: NVFP4Tensor, x: torch.Tensor, amax: AmaxLike = None) -> NVFP4Tensor:
-    """Quantize `x` into the existing buffers of `t` (same shapes), in place."""
+def nvfp4_quantize_into_(
+    t: NVFP4Tensor, x: torch.Tensor, amax: AmaxLike = None, four_over_six: bool = False,
+    rht_signs: torch.Tensor | None = None,
+) -> NVFP4Tensor:  # fmt: skip
+    """Quantize `x` (rotated by `rht_signs`' transform when given) into the existing buffers of `t`
+    (same shapes), in place."""
     if x.shape != t.shape:
         raise ValueError(f"cannot requantize a {tuple(x.shape)} tensor into {tuple(t.shape)} storage.")
+    if four_over_six or rht_signs is not None:
+        return call("nvfp4_quantize_into_", x.device, t, x, amax, four_over_six=four_over_six, rht_signs=rht_signs)
     return call("nvfp4_quantize_into_", x.device, t, x, amax)
 
 

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from solrl_engine import kernels
+from solrl_engine.quant import hadamard
 from solrl_engine.quant.fp8 import FP8Tensor
 from solrl_engine.quant.nvfp4 import NVFP4Tensor
 from solrl_engine.quant.recipe import QuantRecipe, get_recipe
@@ -43,6 +44,9 @@ class QuantLinear(nn.Module):
                 "Leave this layer unquantized (quantize_model does so automatically)."
             )
         if fmt == "nvfp4":
+            r = self.recipe
+            if r.rht and in_features % r.rht:
+                hadamard.check_size(r.rht, in_features)  # raises, naming the sizes and the fix
             self.register_buffer(
                 "w_qdata", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device)
             )
@@ -50,6 +54,15 @@ class QuantLinear(nn.Module):
                 "w_scale", torch.zeros(out_features, in_features // 16, dtype=torch.float8_e4m3fn, device=device)
             )
             self.register_buffer("w_global_scale", torch.ones((), dtype=torch.float32, device=device))
+            # the rotation's signs (the weight is stored rotated; inputs are rotated inside their quantize)
+            signs = hadamard.signs(r.rht, r.rht_seed, device) if r.rht else None
+            self.register_buffer("rht_signs", signs)
+            # SVDQuant's split: W = lr_up @ lr_down + residual, the residual in NVFP4, the branch in BF16
+            rank = r.lowrank
+            self.register_buffer("lr_down", torch.zeros(rank, in_features, dtype=torch.bfloat16, device=device)
+                                 if rank else None)  # fmt: skip
+            self.register_buffer("lr_up", torch.zeros(out_features, rank, dtype=torch.bfloat16, device=device)
+                                 if rank else None)  # fmt: skip
         elif fmt == "fp8":
             self.register_buffer(
                 "w_data", torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn, device=device)
@@ -104,7 +117,9 @@ class QuantLinear(nn.Module):
         dev = self.bias.device if self.bias is not None else next(self.buffers()).device
         w = weight.detach().to(dev)
         if fmt == "nvfp4":
-            kernels.nvfp4_quantize_into_(self._nvfp4(), w)
+            if self.recipe.lowrank:
+                w = self._residual_(w)
+            kernels.nvfp4_quantize_into_(self._nvfp4(), w, None, self.recipe.four_over_six, self.rht_signs)
         elif fmt == "fp8":
             q = kernels.fp8_quantize_rowwise(w)
             self.w_data.copy_(q.data)
@@ -114,12 +129,31 @@ class QuantLinear(nn.Module):
         if bias is not None and self.bias is not None:
             self.bias.copy_(bias.detach().to(dev))
 
+    def _residual_(self, w: torch.Tensor) -> torch.Tensor:
+        """W minus the low-rank branch. The branch is W's top singular directions, taken from the first
+        weight this layer quantizes and kept: later weights (RL updates) re-quantize only their residual,
+        which absorbs the update, so the split stays exact at the cost of one SVD per layer per run."""
+        wf = w.float()
+        if not self.__dict__.get("lowrank_fixed", False):
+            u, sv, vh = torch.linalg.svd(wf, full_matrices=False)
+            r = self.recipe.lowrank
+            self.lr_up.copy_(u[:, :r] * sv[:r])
+            self.lr_down.copy_(vh[:r])
+            self.__dict__["lowrank_fixed"] = True
+        return wf - self.lr_up.float() @ self.lr_down.float()
+
     @property
     def weight(self) -> torch.Tensor:
-        """The decoded weight in FP32 (for inspection; the forward never materialises it like this)."""
+        """The decoded weight in FP32, in the layer's own basis (un-rotated, with the low-rank branch
+        added back): for inspection; the forward never materialises it like this."""
         fmt = self.recipe.format
         if fmt == "nvfp4":
-            return kernels.nvfp4_dequantize(self._nvfp4(), torch.float32)
+            w = kernels.nvfp4_dequantize(self._nvfp4(), torch.float32)
+            if self.rht_signs is not None:
+                w = hadamard.unrotate(w, self.rht_signs)
+            if self.lr_up is not None:
+                w = w + self.lr_up.float() @ self.lr_down.float()
+            return w
         if fmt == "fp8":
             return self._fp8().dequantize(torch.float32)
         return self.w_bf16.float()
@@ -130,7 +164,12 @@ class QuantLinear(nn.Module):
         fmt = self.recipe.format
         act = self.recipe.quantize_activations
         if fmt == "nvfp4":
-            return kernels.nvfp4_linear(x, self._nvfp4(), self.bias, act)
+            r = self.recipe
+            y = kernels.nvfp4_linear(x, self._nvfp4(), self.bias, act, self.rht_signs, r.four_over_six)
+            if self.lr_up is not None:  # the BF16 low-rank branch on the un-rotated input
+                xb = x.to(self.lr_down.dtype)
+                y = y + nn.functional.linear(nn.functional.linear(xb, self.lr_down), self.lr_up).to(y.dtype)
+            return y
         if fmt == "fp8":
             return kernels.fp8_linear(x, self._fp8(), self.bias, act)
         b = None if self.bias is None else self.bias.to(x.dtype)

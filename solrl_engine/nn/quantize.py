@@ -58,6 +58,7 @@ class QuantReport:
                 after += {"nvfp4": n // 2 + n // 16 + 4, "fp8": n + 4 * d.out_features, "bf16": 2 * n}[
                     self.recipe.format
                 ]
+                after += 2 * self.recipe.lowrank * (d.in_features + d.out_features)  # the BF16 branch
         return before, after
 
     def _head(self) -> str:
@@ -125,6 +126,12 @@ def _decide_rule(name: str, in_f: int, out_f: int, recipe: QuantRecipe) -> tuple
         return rule, f"largest dim {large} <= skip_max_dim {recipe.skip_max_dim}"
     if recipe.format == "nvfp4" and in_f % 16:
         return "in_features not a multiple of 16 (NVFP4)", f"in_features {in_f} is not a multiple of 16"
+    if recipe.rht and in_f % recipe.rht:
+        rule = f"in_features not a multiple of the rotation size {recipe.rht}"
+        return rule, f"in_features {in_f} is not a multiple of the rotation size {recipe.rht}"
+    if recipe.lowrank and recipe.lowrank >= small:
+        rule = f"smallest dim <= lowrank {recipe.lowrank} (the branch would hold the whole layer)"
+        return rule, f"smallest dim {small} <= lowrank {recipe.lowrank}"
     return None
 
 

@@ -11,6 +11,7 @@ from typing import Literal
 
 Format = Literal["nvfp4", "fp8", "bf16"]
 FORMATS: tuple[str, ...] = ("nvfp4", "fp8", "bf16")
+RHT_SIZES: tuple[int, ...] = (16, 32, 64, 128)
 
 # Layers kept in high precision by default: embedders (timestep, caption, patch), the adaLN
 # modulation and final projection. They are small, run once per step, and errors there shift every
@@ -48,6 +49,15 @@ class QuantRecipe:
         rules of solrl_engine.models: e.g. SD3.5-L's image-stream MLPs "transformer_blocks.*.ff.*").
     convs_1x1: also quantize 1x1 Conv2d layers (stride 1, no padding, groups 1) as linears over
         channels: SANA's FFN is made of them.
+    rht: NVFP4 only: rotate both GEMM operands along K by a seeded n-point random Hadamard transform
+        (0: off; 16, 32, 64 or 128), weights once, activations inside their quantize
+        (solrl_engine.quant.hadamard). Layers whose in_features it does not divide stay unquantized.
+    rht_seed: the seed of the rotation's random signs.
+    four_over_six: NVFP4 only: each 16-block takes the scale mapping its max to 4 instead of 6 where
+        that decodes closer (weights and activations); same format, same GEMMs.
+    lowrank: NVFP4 only: W = up @ down + R with a rank-`lowrank` BF16 branch from W's SVD (taken
+        once, when the layer is first quantized) and only the residual R in NVFP4 (SVDQuant's
+        split); updates re-quantize the residual against the fixed branch. 0: off.
     """
 
     format: Format = "nvfp4"
@@ -57,10 +67,24 @@ class QuantRecipe:
     skip_max_dim: int = 0
     include: tuple[str, ...] = ()
     convs_1x1: bool = True
+    rht: int = 0
+    rht_seed: int = 0
+    four_over_six: bool = False
+    lowrank: int = 0
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
             raise ValueError(f"unknown quantization format {self.format!r}; choose one of {FORMATS}.")
+        if self.rht not in (0, *RHT_SIZES):
+            raise ValueError(f"rht must be 0 (off) or one of {RHT_SIZES}; got {self.rht}.")
+        if self.lowrank < 0:
+            raise ValueError(f"lowrank must be >= 0 (0: no low-rank branch); got {self.lowrank}.")
+        extras = [f for f in ("rht", "four_over_six", "lowrank") if getattr(self, f)]
+        if extras and self.format != "nvfp4":
+            raise ValueError(
+                f"{', '.join(extras)} apply to NVFP4 recipes only; this recipe is {self.format}. "
+                f"Use format 'nvfp4' or set {extras[0]} to its default."
+            )
         if self.min_dim < 1:
             raise ValueError(f"min_dim must be >= 1; got {self.min_dim}.")
         if isinstance(self.skip, str) or isinstance(self.include, str):
@@ -70,7 +94,9 @@ class QuantRecipe:
     def name(self) -> str:
         if self.format == "bf16":
             return "bf16"
-        return self.format if self.quantize_activations else f"{self.format}_weight_only"
+        base = self.format if self.quantize_activations else f"{self.format}_weight_only"
+        extras = (f"+rht{self.rht}" if self.rht else "") + ("+4o6" if self.four_over_six else "")
+        return base + extras + (f"+lr{self.lowrank}" if self.lowrank else "")
 
     def skip_reason(self, name: str) -> str | None:
         """The name rule (a skip pattern, or the include patterns) that keeps `name` out, or None."""
@@ -102,6 +128,10 @@ RECIPES: dict[str, QuantRecipe] = {
     "fp8": QuantRecipe("fp8", quantize_activations=True),
     "fp8_weight_only": QuantRecipe("fp8", quantize_activations=False),
     "bf16": QuantRecipe("bf16", quantize_activations=False),
+    # NVFP4 beyond the TE recipe (same format and GEMMs): a Hadamard rotation, 4-over-6 block scales
+    "nvfp4_rht16": QuantRecipe("nvfp4", rht=16),
+    "nvfp4_4o6": QuantRecipe("nvfp4", four_over_six=True),
+    "nvfp4_rht16_4o6": QuantRecipe("nvfp4", rht=16, four_over_six=True),
 }
 
 

@@ -84,6 +84,11 @@ class RLConfig:
     explore_layers: tuple[str, ...] | None = None
     explore_skip: tuple[str, ...] | None = None
     explore_skip_max_dim: int | None = None
+    # NVFP4 explore recipes beyond the TE recipe (solrl_engine.quant.recipe.QuantRecipe): a Hadamard
+    # rotation along K (0, 16, 32, 64, 128), 4-over-6 block scales, a rank-r BF16 branch (SVDQuant)
+    explore_rht: int = 0
+    explore_four_over_six: bool = False
+    explore_lowrank: int = 0
     compiled_sampler: bool = False  # torch.compile + CUDA graphs for rollouts on GPU (always on for `compile`)
     rollout_batch_size: int = 96
     decode_batch_size: int = 8  # images per VAE decode call (memory at 1024 px)
@@ -158,6 +163,14 @@ class RLConfig:
             raise bad("beta", "must be > 0 (the loss divides by it)")
         if self.explore_skip_max_dim is not None and self.explore_skip_max_dim < 0:
             raise bad("explore_skip_max_dim", "must be >= 0 (0 quantizes layers of every width)")
+        if self.explore_rht not in (0, 16, 32, 64, 128):
+            raise bad("explore_rht", "choose 0 (off), 16, 32, 64 or 128 (the rotation size along K)")
+        if self.explore_lowrank < 0:
+            raise bad("explore_lowrank", "must be >= 0 (0: no low-rank branch)")
+        for key in ("explore_rht", "explore_four_over_six", "explore_lowrank"):
+            if getattr(self, key) and self.explore_precision not in ("auto", "nvfp4", "nvfp4_weight_only"):
+                raise bad(key, f"applies to NVFP4 explore recipes; explore_precision is {self.explore_precision!r}: "
+                               "set explore_precision=nvfp4 (or auto) or leave it at its default")  # fmt: skip
         if self.resolution is not None and self.resolution < 16:
             raise bad("resolution", "must be a pixel size >= 16 (None: the model's default)")
         if self.shift is not None and self.shift <= 0:
