@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
@@ -63,4 +63,11 @@ def _ext_modules() -> list[Extension]:
     return [Extension("solrl_engine._C", sources=[])]
 
 
-setup(ext_modules=_ext_modules(), cmdclass={"build_ext": CMakeBuild})
+# The repository's triton_kernels/ folder installs as `solrl_triton`: the Triton project ships a
+# `triton_kernels` package (vLLM and SGLang import it), and installing both would shadow one.
+setup(
+    packages=find_packages(include=["solrl_engine*"]) + ["solrl_triton"],
+    package_dir={"solrl_triton": "triton_kernels"},
+    ext_modules=_ext_modules(),
+    cmdclass={"build_ext": CMakeBuild},
+)

@@ -177,7 +177,7 @@ def bench_gemm(m: int, n: int, k: int, device: torch.device, reps: int) -> dict[
     ops: dict[str, Callable[[], object]] = {"bf16_mm": lambda: torch.mm(x, w.t())}
     notes: dict[str, str] = {}
     if device.type == "cuda":
-        from triton_kernels import gemm
+        from solrl_triton import gemm
 
         ops["nvfp4_w4a4_gemm"] = lambda: gemm.w4a4_gemm(
             xq.qdata, xq.scale, xq.global_scale, wq.qdata, wq.scale, wq.global_scale

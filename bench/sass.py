@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> Path:
         sys.exit("bench/sass.py compiles real GPU code: run it without TRITON_INTERPRET=1")
     import triton
 
-    from triton_kernels import gemm
+    from solrl_triton import gemm
 
     rows = []
     for cfg in gemm._w4a4_configs():

@@ -275,7 +275,8 @@ class Explorer:
 
     The quantized copy is built once from the pipeline's transformer with the family's layer rule
     (`quantize` overrides it: QuantRecipe changes such as {"include": (...)} or {"rht": 16,
-    "four_over_six": True}); the caller's pipeline is never changed. `reward` is any `(images [B, 3, H, W] in [0, 1], prompts) -> Tensor[B]`.
+    "four_over_six": True}); the caller's pipeline is never changed. `reward` is any
+    `(images [B, 3, H, W] in [0, 1], prompts) -> Tensor[B]`.
     """
 
     def __init__(

@@ -41,3 +41,15 @@ def test_fake_implementations_match_the_schemas():
         assert d.shape == (7, 24) and d.dtype == torch.bfloat16
     finally:
         lib._destroy()
+
+
+def test_triton_kernels_install_as_solrl_triton():
+    """The repository's triton_kernels/ folder is importable as `solrl_triton` (the Triton project
+    ships its own `triton_kernels`, which vLLM and SGLang import), and the dispatch seam uses that name."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("solrl_triton")
+    assert spec is not None and Path(spec.origin).parent.name == "triton_kernels"
+    setup = (BINDINGS.parents[1] / "setup.py").read_text()
+    assert 'package_dir={"solrl_triton": "triton_kernels"}' in setup
+    assert dispatch.triton_module("nvfp4").__name__ == "solrl_triton.nvfp4"

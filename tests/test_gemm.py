@@ -82,7 +82,7 @@ def test_w4a16_keeps_fp32_activations_exact():
 
 @pytest.mark.usefixtures("triton_backend")
 def test_gemm_rejects_bad_operands():
-    from triton_kernels import gemm
+    from solrl_triton import gemm
 
     a = nvfp4.quantize(torch.randn(8, 64))
     b = nvfp4.quantize(torch.randn(16, 32))

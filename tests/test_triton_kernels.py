@@ -1,6 +1,6 @@
 """Triton kernels bit-exact against the reference (CPU interpreter here, the GPU when present).
 
-Interpreter-checked: every path in triton_kernels (amax, quantize, quantize into buffers,
+Interpreter-checked: every path in solrl_triton (the triton_kernels/ folder: amax, quantize, quantize into buffers,
 dequantize, fused fake-quant, FP8 row-wise). Rounding is done with integer bit operations in those
 kernels, so the interpreter's wrong fp32->fp8/bf16 casts are not on any tested path.
 """
@@ -86,7 +86,7 @@ def test_fp8_rowwise_bit_exact(shape, dtype, device):
 
 
 def test_amax_kernel_ignores_nonfinite(device):
-    from triton_kernels import nvfp4 as tk
+    from solrl_triton import nvfp4 as tk
 
     x = torch.randn(1000, device=device)
     want = x.abs().max()

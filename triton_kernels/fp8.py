@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_kernels._numerics import e4m3_round_magnitude, is_finite, load_f32
+from ._numerics import e4m3_round_magnitude, is_finite, load_f32
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_kernels._numerics import store_out
+from ._numerics import store_out
 
 _OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_kernels._numerics import (
+from ._numerics import (
     e2m1_decode,
     e2m1_encode,
     e4m3_decode,

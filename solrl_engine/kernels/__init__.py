@@ -1,6 +1,6 @@
 """Kernel ops behind one dispatch seam (reference | triton | cuda, see `dispatch`).
 
-Imports quant/, triton_kernels and the extension, nothing above it.
+Imports quant/, solrl_triton (the triton_kernels/ folder) and the extension, nothing above it.
 """
 
 from solrl_engine.kernels.dispatch import BACKENDS, backend_report, select

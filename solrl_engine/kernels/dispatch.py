@@ -34,8 +34,10 @@ def _import(name: str) -> ModuleType | str:
 
 
 def triton_module(name: str) -> ModuleType:
-    """Import triton_kernels.<name> (lazily: Triton is an optional dependency)."""
-    mod = _import(f"triton_kernels.{name}")
+    """Import solrl_triton.<name>, the repository's triton_kernels/ folder (lazily: Triton is an
+    optional dependency). It is installed under that name, not as `triton_kernels`: the Triton project
+    ships a package of that name (imported by vLLM and SGLang), and one would shadow the other."""
+    mod = _import(f"solrl_triton.{name}")
     if isinstance(mod, str):
         raise ImportError(f"Triton kernels unavailable ({mod}); install with: pip install triton")
     return mod
