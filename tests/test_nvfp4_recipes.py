@@ -208,3 +208,14 @@ def test_recipe_and_config_errors_name_the_key_and_the_fix():
         RLConfig(explore_precision="fp8", explore_four_over_six=True).validate()
     with pytest.raises(ConfigError, match="explore_lowrank"):
         RLConfig(explore_lowrank=-1).validate()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_fast_unit_path_makes_the_same_four_over_six_choice(kind):
+    """fake_quantize_unit (the emulated GEMMs' activation path) equals decoding quantize(), 4-over-6 included."""
+    x = _data(kind, (16, 256), seed=11)
+    v, g = nvfp4.fake_quantize_unit(x, None, four_over_six=True)
+    t = nvfp4.quantize(x, four_over_six=True)
+    want = nvfp4.dequantize(nvfp4.NVFP4Tensor(t.qdata, t.scale, torch.tensor(1.0), torch.float32))
+    assert torch.equal(v.nan_to_num(7.0), want.nan_to_num(7.0)) and torch.equal(torch.isnan(v), torch.isnan(want))
+    assert torch.equal(g, t.global_scale)

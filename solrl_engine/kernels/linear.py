@@ -23,7 +23,6 @@ import torch
 
 from solrl_engine.kernels.dispatch import call, cuda_extension, register, triton_module
 from solrl_engine.kernels.ops import (
-    _ref_quantize,
     cuda_quantize,
     fp8_quantize_rowwise,
     nvfp4_dequantize,
@@ -72,12 +71,10 @@ def _ref_nvfp4_linear(
 ) -> torch.Tensor:  # fmt: skip
     x2 = _flat(x)
     w = _unit_scale_values(weight)
-    if quantize_input and rht_signs is None and not four_over_six:
-        xv, xg = nvfp4.fake_quantize_unit(x2)
+    if quantize_input:  # the rotation and the 4/6 choice inside the activation quantize
+        xr = x2 if rht_signs is None else hadamard.rotate(x2, rht_signs)
+        xv, xg = nvfp4.fake_quantize_unit(xr, None, four_over_six)
         acc = (xv @ w.t()) * (xg * weight.global_scale)
-    elif quantize_input:  # the rotation and the 4/6 choice inside the activation quantize
-        xq = _ref_quantize(x2, None, four_over_six, rht_signs)
-        acc = (_unit_scale_values(xq) @ w.t()) * (xq.global_scale * weight.global_scale)
     else:
         acc = (_rotated(x2, rht_signs).float() @ w.t()) * weight.global_scale
     if bias is not None:

@@ -227,7 +227,9 @@ def fake_quantize(x: torch.Tensor, amax: float | torch.Tensor | None = None, fou
     return quantize(x, amax, four_over_six).dequantize(x.dtype)
 
 
-def fake_quantize_unit(x: torch.Tensor, amax: float | torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def fake_quantize_unit(
+    x: torch.Tensor, amax: float | torch.Tensor | None = None, four_over_six: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(e2m1(q) * s_blk as FP32, g): the decoded values without the global scale, and g = 1/S_enc.
 
     Equal to decoding `quantize(x)` with a global scale of 1 (tested bit for bit), but computed
@@ -250,12 +252,21 @@ def fake_quantize_unit(x: torch.Tensor, amax: float | torch.Tensor | None = None
     s_blk = torch.minimum(blk_amax * (s_enc * _f32(1.0 / 6.0, dev)), _f32(E4M3_MAX, dev))
     s_blk = s_blk.to(torch.float8_e4m3fn).float()
     g = _f32(1.0, dev) / s_enc
-    mult = torch.minimum(_f32(1.0, dev) / (s_blk * g), _f32(FP32_MAX, dev))
-    mag = (a * mult.unsqueeze(-1)).clamp_(max=E2M1_MAX)
-    inv_step = 2.0 - (mag >= 2).float() - 0.5 * (mag >= 4).float()  # 1/step: 2, 1, 0.5 (ends lie on both grids)
-    q = torch.round(mag * inv_step).div_(inv_step)
-    s_blk = torch.where(finite, s_blk, _f32(float("nan"), dev))
-    out = torch.copysign(q, blocks).mul_(s_blk.unsqueeze(-1))
+
+    def decode(s: torch.Tensor) -> torch.Tensor:  # e2m1(q) * s for the block scales s
+        mult = torch.minimum(_f32(1.0, dev) / (s * g), _f32(FP32_MAX, dev))
+        mag = (a * mult.unsqueeze(-1)).clamp_(max=E2M1_MAX)
+        inv_step = 2.0 - (mag >= 2).float() - 0.5 * (mag >= 4).float()  # 1/step: 2, 1, 0.5 (ends on both grids)
+        q = torch.round(mag * inv_step).div_(inv_step)
+        return torch.copysign(q, blocks).mul_(torch.where(finite, s, _f32(float("nan"), dev)).unsqueeze(-1))
+
+    out = decode(s_blk)
+    if four_over_six:  # as _four_over_six: the max on 4 where the block decodes closer, ties keep 6
+        s4 = torch.minimum(blk_amax * (s_enc * _f32(0.25, dev)), _f32(E4M3_MAX, dev)).to(torch.float8_e4m3fn).float()
+        out4 = decode(s4)
+        d6, d4 = out * g - blocks, out4 * g - blocks
+        use4 = _pair_tree_sum(d4 * d4) < _pair_tree_sum(d6 * d6)
+        out = torch.where(use4.unsqueeze(-1), out4, out)
     return out.reshape(xf.shape), g
 
 
