@@ -63,3 +63,39 @@ def test_unknown_op_is_a_clear_error():
 def test_register_requires_a_reference():
     with pytest.raises(ValueError, match="reference"):
         dispatch.register("x", {"triton": lambda: None})
+
+
+def test_choose_names_the_choice_and_why_the_others_were_passed_over(monkeypatch):
+    monkeypatch.delenv("SOLRL_BACKEND", raising=False)
+    assert kernels.choose("nvfp4_linear", CPU, k=256, n=64) == ("reference", "reference (default)")
+    monkeypatch.setenv("SOLRL_BACKEND", "cuda")
+    backend, why = kernels.choose("nvfp4_linear", CPU, k=256, n=64)
+    assert backend == "reference" and "passed over: cuda: the CUDA extension runs on CUDA tensors" not in why
+    assert why.startswith("reference (default); passed over: cuda: FP4 tensor-core GEMMs run on CUDA devices")
+    monkeypatch.setenv("SOLRL_BACKEND", "cutlass")  # only nvfp4_linear has a cutlass implementation
+    assert "cutlass: not implemented for this op" in kernels.choose("nvfp4_quantize", CPU)[1]
+
+
+def test_shape_rules_are_asked_before_a_backend_is_chosen():
+    from solrl_engine.kernels import linear
+
+    assert "K % 32 == 0" in linear._cuda_fits(CPU, k=48, n=64)
+    assert "weight-only" in linear._cuda_fits(CPU, k=256, n=64, quantize_input=False)
+    assert "TE recipe only" in linear._cuda_fits(CPU, k=256, n=64, rht=True)
+    assert linear._cuda_fits(CPU, k=256, n=64) is None
+    assert "N % 8 == 0" in linear._cutlass_fits(CPU, k=256, n=20)
+
+
+def test_each_quantized_layer_records_its_gemm_in_the_report(monkeypatch):
+    from torch import nn
+
+    from solrl_engine.nn import quantize_model
+
+    monkeypatch.delenv("SOLRL_BACKEND", raising=False)
+    m = nn.Sequential(nn.Linear(64, 128), nn.Linear(128, 64))
+    rep = quantize_model(m, "nvfp4")
+    assert [d.kernel for d in rep.layers] == ["reference (default)"] * 2
+    assert "GEMM of 2 layer(s): reference (default)" in rep.summary()
+    monkeypatch.setenv("SOLRL_BACKEND", "triton")  # a changed request is seen by the next forward
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert "triton: Triton kernels need a CUDA device" in m[0].choose_kernel()[1]

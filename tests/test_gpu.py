@@ -163,7 +163,7 @@ def test_extension_quantize_is_bit_exact_when_built():
 
 
 def test_blackwell_fp4_gemms_match_reference(monkeypatch):
-    """sm_100+: cuBLASLt `_scaled_mm` FP4 (default) and, when built, the CUTLASS GEMM (opt-in)."""
+    """sm_100+: cuBLASLt `_scaled_mm` FP4 (default) and, when built, the CUTLASS GEMM (SOLRL_BACKEND=cutlass)."""
     from solrl_engine.kernels import linear
     from solrl_engine.kernels.dispatch import cuda_extension
 
@@ -176,11 +176,12 @@ def test_blackwell_fp4_gemms_match_reference(monkeypatch):
     bias = torch.randn(1024, generator=g).bfloat16()
     wg = nvfp4.NVFP4Tensor(w.qdata.to(CUDA), w.scale.to(CUDA), w.global_scale.to(CUDA), w.orig_dtype)
     want = linear._ref_nvfp4_linear(x, w, bias, True).float()
-    modes = ["cublaslt"] + (["cutlass"] if cuda_extension() is not None else [])
+    modes = ["cuda"] + (["cutlass"] if cuda_extension() is not None else [])
     for mode in modes:
-        monkeypatch.setenv("SOLRL_FP4_GEMM", mode)
-        got = kernels.nvfp4_linear(x.to(CUDA), wg, bias.to(CUDA), True).float().cpu()
+        monkeypatch.setenv("SOLRL_BACKEND", mode)
+        got = kernels.nvfp4_linear(x.to(CUDA), wg, bias.to(CUDA), True, backend=mode).float().cpu()
         assert (got - want).norm() / want.norm() < 1e-2, mode
+        assert kernels.choose("nvfp4_linear", CUDA, k=2048, n=1024)[0] == mode
 
 
 def test_te_explore_copy_is_close_to_ours():

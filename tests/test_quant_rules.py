@@ -182,11 +182,12 @@ def test_include_patterns_on_sd3_and_the_report_summary():
     assert isinstance(net.transformer_blocks[0].ff.net[0].proj, QuantLinear)
     why = rep.skipped["transformer_blocks.0.attn.to_q"]
     assert why == "not matched by include patterns ('transformer_blocks.*.ff.*',)"
-    # summary: today's first line, then one count per rule (not per layer)
+    # summary: today's first line, then one count per rule (not per layer), then one per GEMM choice
     lines = rep.summary().splitlines()
     assert lines[0] == str(rep).splitlines()[0] and f"{len(rep.quantized)} of {len(rep.layers)}" in lines[0]
     counts = rep.counts()
-    assert sum(counts.values()) == len(rep.skipped) and len(lines) == 1 + len(counts)
+    kernels = {d.kernel for d in rep.layers if d.quantized}  # plus one line per GEMM choice
+    assert sum(counts.values()) == len(rep.skipped) and len(lines) == 1 + len(counts) + len(kernels)
     n_inc = sum(1 for w in rep.skipped.values() if w.startswith("not matched"))
     assert f"kept in high precision, {n_inc} layer(s): not matched by include patterns" in rep.summary()
     assert len(str(rep).splitlines()) == 1 + len(rep.layers)  # the full listing stays in __str__

@@ -1,9 +1,9 @@
-"""Kernel ops behind one dispatch seam (reference | triton | cuda, see `dispatch`).
+"""Kernel ops behind one dispatch seam (reference | triton | cuda | cutlass, see `dispatch`).
 
 Imports quant/, solrl_triton (the triton_kernels/ folder) and the extension, nothing above it.
 """
 
-from solrl_engine.kernels.dispatch import BACKENDS, backend_report, select
+from solrl_engine.kernels.dispatch import BACKENDS, backend_report, choose, requested_backend, select
 from solrl_engine.kernels.linear import fp8_linear, nvfp4_linear
 from solrl_engine.kernels.ops import (
     fp8_quantize_rowwise,
@@ -16,6 +16,8 @@ from solrl_engine.kernels.ops import (
 __all__ = [
     "BACKENDS",
     "backend_report",
+    "choose",
+    "requested_backend",
     "select",
     "fp8_linear",
     "fp8_quantize_rowwise",

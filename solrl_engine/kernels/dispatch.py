@@ -2,7 +2,7 @@
 
 Default: on a CUDA tensor the `cuda` implementation if it can run (the compiled extension's kernel,
 or for GEMMs torch's own cuBLASLt `_scaled_mm` where the GPU has the tensor cores for it), else
-Triton, else the reference; on anything else the reference. `SOLRL_BACKEND=reference|triton|cuda` asks for one
+Triton, else the reference; on anything else the reference. `SOLRL_BACKEND=reference|triton|cuda|cutlass` asks for one
 backend; when it cannot serve an op on a device, the call falls back to the default and says so once
 in the log, never silently wrong.
 """
@@ -19,7 +19,9 @@ from typing import Any
 
 import torch
 
-BACKENDS: tuple[str, ...] = ("reference", "triton", "cuda")
+# cutlass: the extension's CUTLASS sm100 block-scaled GEMM, asked for by name only (SOLRL_BACKEND=cutlass)
+# until it has run on a Blackwell GPU; ops without a cutlass implementation take their default.
+BACKENDS: tuple[str, ...] = ("reference", "triton", "cuda", "cutlass")
 ENV_VAR = "SOLRL_BACKEND"
 log = logging.getLogger("solrl_engine.kernels")
 
@@ -89,7 +91,7 @@ def unavailable_reason(backend: str, device: torch.device, op: str | None = None
         if device.type == "cuda" or interpreting():
             return None
         return f"Triton kernels need a CUDA device, or TRITON_INTERPRET=1 on {device.type}"
-    if backend == "cuda":
+    if backend in ("cuda", "cutlass"):
         if device.type != "cuda":
             return f"the CUDA extension runs on CUDA tensors, not {device.type}"
         ext = cuda_extension()
@@ -118,22 +120,27 @@ def _warn_once(msg: str) -> None:
 
 _OPS: dict[str, dict[str, Callable]] = {}
 _REQUIRES: dict[str, dict[str, Callable[[torch.device], str | None]]] = {}
+_FITS: dict[str, dict[str, Callable[..., str | None]]] = {}
 
 
 def register(
     op: str,
     impls: dict[str, Callable],
     requires: dict[str, Callable[[torch.device], str | None]] | None = None,
+    fits: dict[str, Callable[..., str | None]] | None = None,
 ) -> None:
     """Declare the implementations of `op`, keyed by backend; "reference" is required.
 
     `requires` overrides the backend's generic availability check for this op (a function of the
     device returning None or the reason it cannot run), e.g. a `cuda` GEMM that needs sm_100.
+    `fits` says whether a backend can run one call's shapes and options (keyword arguments of
+    `choose`), e.g. a GEMM that needs K % 32 == 0: None, or the reason it cannot.
     """
     if "reference" not in impls or not set(impls) <= set(BACKENDS):
         raise ValueError(f"{op}: implementations must include 'reference' and use backends {BACKENDS}.")
     _OPS[op] = impls
     _REQUIRES[op] = dict(requires or {})
+    _FITS[op] = dict(fits or {})
 
 
 def ops() -> dict[str, tuple[str, ...]]:
@@ -147,6 +154,41 @@ def _default(op: str, device: torch.device) -> str:
             if b in _OPS[op] and unavailable_reason(b, device, op) is None:
                 return b
     return "reference"
+
+
+def choose(op: str, device: torch.device | str, **shape: Any) -> tuple[str, str]:
+    """(backend, why) for one layer's calls of `op` on `device` with these shapes and options:
+    chosen once (quantize_model records it in QuantReport) instead of at every call.
+
+    Each implementation answers whether it can run here and these shapes (`register`'s requires
+    and fits); the first that can, in the order SOLRL_BACKEND's request, cuda, triton, reference,
+    wins, and `why` names the choice and each implementation passed over with its reason.
+    """
+    device = torch.device(device)
+    if op not in _OPS:
+        raise KeyError(f"unknown op {op!r}; registered: {sorted(_OPS)}")
+    want = requested_backend()
+    order = ([want] if want else []) + [b for b in ("cuda", "triton") if device.type == "cuda"] + ["reference"]
+    passed = []
+    for b in dict.fromkeys(order):
+        if b not in _OPS[op]:
+            reason = "not implemented for this op"
+        else:
+            reason = unavailable_reason(b, device, op)
+            fit = _FITS[op].get(b)
+            if reason is None and fit is not None:
+                reason = fit(device, **shape)
+        if reason is None:
+            how = "requested by SOLRL_BACKEND" if b == want else "default"
+            return b, f"{b} ({how})" + (f"; passed over: {'; '.join(passed)}" if passed else "")
+        if b == want or b in _OPS[op]:
+            passed.append(f"{b}: {reason}")
+    raise RuntimeError(f"no implementation of {op} can run on {device}")  # unreachable: reference always can
+
+
+def run(op: str, backend: str, *args: object, **kw: object) -> Any:
+    """Run `op` through `backend` (a choice `choose` made)."""
+    return _OPS[op][backend](*args, **kw)
 
 
 def select(op: str, device: torch.device | str) -> str:

@@ -5,9 +5,12 @@ Implementations of `nvfp4_linear`:
 - triton (Hopper/Ada default): NVFP4 quantize of the activations, then the in-kernel-decode FP16
   tensor-core GEMM (W4A4), or the weight-only GEMM for BF16/FP16 activations (W4A16);
 - cuda (Blackwell, sm_100+): `torch._scaled_mm` on `float4_e2m1fn_x2` with swizzled E4M3 block
-  scales (cuBLASLt FP4 tensor cores), the default; with SOLRL_FP4_GEMM=cutlass and solrl_engine._C
-  built, the extension's CUTLASS block-scaled GEMM (alpha and bias fused in its epilogue) after its
-  one-launch quantize that writes swizzled scales (opt-in until it has run on a Blackwell GPU).
+  scales (cuBLASLt FP4 tensor cores), the default;
+- cutlass (SOLRL_BACKEND=cutlass, solrl_engine._C built): the extension's CUTLASS block-scaled GEMM
+  (alpha and bias fused in its epilogue) after its one-launch quantize that writes swizzled scales
+  (asked for by name only until it has run on a Blackwell GPU).
+Each QuantLinear picks its implementation once (`dispatch.choose` with its shapes and options; the
+choice and the reasons for the others go into QuantReport) and passes it to the op.
   Weight-only calls keep the Triton kernel (FP4 x BF16 has no tensor-core instruction).
 Implementations of `fp8_linear`: reference; cuda (sm_89+): `torch._scaled_mm` E4M3 row-wise for
 W8A8 with BF16 activations, a BF16 GEMM with FP32 output for W8A16 (E4M3 is exact in BF16).
@@ -17,11 +20,9 @@ global scales, plus bias; only accumulation order and the output rounding of cuB
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from solrl_engine.kernels.dispatch import call, cuda_extension, register, triton_module
+from solrl_engine.kernels.dispatch import call, cuda_extension, register, run, triton_module
 from solrl_engine.kernels.ops import (
     cuda_quantize,
     fp8_quantize_rowwise,
@@ -109,24 +110,10 @@ def _cuda_nvfp4_linear(
     x: torch.Tensor, weight: NVFP4Tensor, bias: torch.Tensor | None, quantize_input: bool,
     rht_signs: torch.Tensor | None = None, four_over_six: bool = False,
 ) -> torch.Tensor:  # fmt: skip
-    if not quantize_input or rht_signs is not None or four_over_six:
-        # weight-only: no FP4 x BF16 tensor-core instruction; rotation / 4-over-6: the Triton quantize
-        # feeds the same FP4 GEMM (through cuBLASLt below once the extension's quantize learns them)
-        return _tr_nvfp4_linear(x, weight, bias, quantize_input, rht_signs, four_over_six)
-    ext = cuda_extension()
     n, k = weight.shape
-    want_cutlass = os.environ.get("SOLRL_FP4_GEMM", "cublaslt").lower() == "cutlass"
-    sm100 = torch.cuda.get_device_capability(x.device) == (10, 0)  # the only image it is built for
-    if want_cutlass and sm100 and ext is not None and hasattr(ext, "nvfp4_gemm_sm100") and k % 32 == 0 and n % 8 == 0:
-        xq = cuda_quantize(_flat(x), swizzle=True)
-        alpha = xq.global_scale * weight.global_scale
-        b = None if bias is None else bias.to(torch.bfloat16).contiguous()
-        sb = nvfp4.swizzle_scales(weight.scale).view(torch.uint8)
-        stream = torch.cuda.current_stream(x.device).cuda_stream
-        y = ext.nvfp4_gemm_sm100(xq.qdata, xq.scale.view(torch.uint8), weight.qdata, sb, alpha, b, stream)
-        return _finish(y, x)
-    if k % 32 or n % 16:  # cuBLASLt FP4 needs 16-byte aligned rows and N % 16 == 0
-        return _tr_nvfp4_linear(x, weight, bias, quantize_input)
+    if _cuda_fits(x.device, k, n, quantize_input, four_over_six, rht_signs is not None) is not None:
+        # reached only through `call` (a layer's `choose` never picks cuda for these): the Triton GEMM
+        return _tr_nvfp4_linear(x, weight, bias, quantize_input, rht_signs, four_over_six)
     xq = nvfp4_quantize(_flat(x))
     a, sa = scaled_mm_fp4_operands(xq)
     b, sb = scaled_mm_fp4_operands(weight)
@@ -135,6 +122,26 @@ def _cuda_nvfp4_linear(
     if bias is not None:
         acc = acc + bias.float()
     return _finish(acc, x)
+
+
+def _cutlass_nvfp4_linear(
+    x: torch.Tensor, weight: NVFP4Tensor, bias: torch.Tensor | None, quantize_input: bool,
+    rht_signs: torch.Tensor | None = None, four_over_six: bool = False,
+) -> torch.Tensor:  # fmt: skip
+    """The extension's CUTLASS sm100 GEMM (alpha and bias in its epilogue) after its one-launch
+    quantize that writes swizzled scales."""
+    n, k = weight.shape
+    reason = _cutlass_fits(x.device, k, n, quantize_input, four_over_six, rht_signs is not None)
+    if reason is not None:
+        raise ValueError(f"the CUTLASS NVFP4 GEMM cannot run this call: {reason}")
+    ext = cuda_extension()
+    xq = cuda_quantize(_flat(x), swizzle=True)
+    alpha = xq.global_scale * weight.global_scale
+    b = None if bias is None else bias.to(torch.bfloat16).contiguous()
+    sb = nvfp4.swizzle_scales(weight.scale).view(torch.uint8)
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    y = ext.nvfp4_gemm_sm100(xq.qdata, xq.scale.view(torch.uint8), weight.qdata, sb, alpha, b, stream)
+    return _finish(y, x)
 
 
 def _fp4_tensor_cores(device: torch.device) -> str | None:
@@ -146,11 +153,46 @@ def _fp4_tensor_cores(device: torch.device) -> str | None:
     return None
 
 
+def _cutlass_requires(device: torch.device) -> str | None:
+    reason = _tensor_cores(device, "FP4", (10, 0))
+    if reason is not None:
+        return reason
+    if torch.cuda.get_device_capability(device) != (10, 0):
+        return "the CUTLASS GEMM is built for sm_100a only"
+    ext = cuda_extension()
+    if ext is None or not hasattr(ext, "nvfp4_gemm_sm100"):
+        return "solrl_engine._C with its CUTLASS GEMM is not built (see README: building the extension)"
+    return None
+
+
+def _cuda_fits(device: torch.device, k: int, n: int, quantize_input: bool = True, four_over_six: bool = False,
+               rht: bool = False, **_: object) -> str | None:  # fmt: skip
+    """Whether cuBLASLt's FP4 GEMM can run a layer of K inputs and N outputs with these options."""
+    if not quantize_input:
+        return "weight-only: FP4 x BF16 has no tensor-core instruction"
+    if rht or four_over_six:
+        return "the extension's quantize implements the TE recipe only (no rht / four_over_six)"
+    if k % 32 or n % 16:
+        return f"cuBLASLt FP4 needs K % 32 == 0 and N % 16 == 0 (16-byte rows); got K={k}, N={n}"
+    return None
+
+
+def _cutlass_fits(device: torch.device, k: int, n: int, quantize_input: bool = True, four_over_six: bool = False,
+                  rht: bool = False, **_: object) -> str | None:  # fmt: skip
+    if not quantize_input or rht or four_over_six:
+        return "it runs W4A4 with the TE recipe only"
+    if k % 32 or n % 8:
+        return f"CUTLASS needs K % 32 == 0 and N % 8 == 0; got K={k}, N={n}"
+    return None
+
+
 register(
     "nvfp4_linear",
-    {"reference": _ref_nvfp4_linear, "triton": _tr_nvfp4_linear, "cuda": _cuda_nvfp4_linear},
-    requires={"cuda": _fp4_tensor_cores},
-)
+    {"reference": _ref_nvfp4_linear, "triton": _tr_nvfp4_linear, "cuda": _cuda_nvfp4_linear,
+     "cutlass": _cutlass_nvfp4_linear},
+    requires={"cuda": _fp4_tensor_cores, "cutlass": _cutlass_requires},
+    fits={"cuda": _cuda_fits, "cutlass": _cutlass_fits},
+)  # fmt: skip
 
 
 # The linears are torch custom ops: torch.compile sees one opaque node per layer (with a shape
@@ -166,21 +208,23 @@ def _nvfp4_linear_op(
     quantize_input: bool,
     rht_signs: torch.Tensor | None = None,
     four_over_six: bool = False,
+    backend: str = "",
 ) -> torch.Tensor:
     w = NVFP4Tensor(qdata, scale, global_scale, torch.float32)
-    if rht_signs is None and not four_over_six:
-        return call("nvfp4_linear", x.device, x, w, bias, quantize_input)
-    return call("nvfp4_linear", x.device, x, w, bias, quantize_input, rht_signs, four_over_six)
+    opts = () if rht_signs is None and not four_over_six else (rht_signs, four_over_six)
+    if backend:  # the layer's own choice (QuantLinear.kernel)
+        return run("nvfp4_linear", backend, x, w, bias, quantize_input, *opts)
+    return call("nvfp4_linear", x.device, x, w, bias, quantize_input, *opts)
 
 
 @_nvfp4_linear_op.register_fake
-def _(x, qdata, scale, global_scale, bias, quantize_input, rht_signs=None, four_over_six=False):  # noqa: ANN001, ANN202
+def _(x, qdata, scale, global_scale, bias, quantize_input, rht_signs=None, four_over_six=False, backend=""):  # noqa: ANN001, ANN202
     return x.new_empty((*x.shape[:-1], qdata.shape[0]))
 
 
 def nvfp4_linear(
     x: torch.Tensor, weight: NVFP4Tensor, bias: torch.Tensor | None, quantize_input: bool,
-    rht_signs: torch.Tensor | None = None, four_over_six: bool = False,
+    rht_signs: torch.Tensor | None = None, four_over_six: bool = False, backend: str = "",
 ) -> torch.Tensor:  # fmt: skip
     """y = x W^T + b with W in NVFP4; x NVFP4-quantized per call (W4A4) or kept as is (W4A16).
 
@@ -189,7 +233,7 @@ def nvfp4_linear(
     (W R) and x is rotated inside its quantize (x R); `four_over_six` picks x's block scales 4-or-6.
     """
     return _nvfp4_linear_op(x, weight.qdata, weight.scale, weight.global_scale, bias, quantize_input, rht_signs,
-                            four_over_six)  # fmt: skip
+                            four_over_six, backend)  # fmt: skip
 
 
 # --- FP8 -----------------------------------------------------------------------------------------

@@ -160,12 +160,34 @@ class QuantLinear(nn.Module):
 
     # --- compute -----------------------------------------------------------------------------------
 
+    def choose_kernel(self, device: torch.device | str | None = None) -> tuple[str, str]:
+        """(backend, why): the implementation this layer's GEMM runs on `device` (default: where its
+        buffers are), chosen once from its shapes and recipe (`kernels.choose`) and kept until the
+        device or SOLRL_BACKEND changes. `why` names the choice and each implementation passed over."""
+        dev = torch.device(device) if device is not None else self.w_scale.device if hasattr(self, "w_scale") else (
+            self.w_bf16.device)  # fmt: skip
+        key = (dev, kernels.requested_backend())
+        cached = self.__dict__.get("_kernel")
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        r = self.recipe
+        if r.format == "bf16":
+            choice = ("torch", "torch (BF16 weights: torch's own linear)")
+        else:
+            op = "nvfp4_linear" if r.format == "nvfp4" else "fp8_linear"
+            choice = kernels.choose(op, dev, k=self.in_features, n=self.out_features,
+                                    quantize_input=r.quantize_activations, four_over_six=r.four_over_six,
+                                    rht=bool(r.rht))  # fmt: skip
+        self.__dict__["_kernel"] = (key, choice)
+        return choice
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fmt = self.recipe.format
         act = self.recipe.quantize_activations
         if fmt == "nvfp4":
             r = self.recipe
-            y = kernels.nvfp4_linear(x, self._nvfp4(), self.bias, act, self.rht_signs, r.four_over_six)
+            backend = self.choose_kernel(x.device)[0]
+            y = kernels.nvfp4_linear(x, self._nvfp4(), self.bias, act, self.rht_signs, r.four_over_six, backend)
             if self.lr_up is not None:  # the BF16 low-rank branch on the un-rotated input
                 xb = x.to(self.lr_down.dtype)
                 y = y + nn.functional.linear(nn.functional.linear(xb, self.lr_down), self.lr_up).to(y.dtype)

@@ -30,6 +30,7 @@ class LayerDecision:
     reason: str
     kind: str = "linear"  # "linear" or "conv1x1" (a 1x1 convolution quantized as a linear over channels)
     rule: str = ""  # the rule that kept it, e.g. "matches skip pattern '*embed*'"; "" when quantized
+    kernel: str = ""  # a quantized layer's GEMM implementation and why (QuantLinear.choose_kernel)
 
 
 @dataclass
@@ -90,6 +91,11 @@ class QuantReport:
         if len(kinds) > 1:
             lines.append("  quantized: " + ", ".join(f"{n} {k}" for k, n in kinds.items()))
         lines += [f"  kept in high precision, {n} layer(s): {why}" for why, n in self.counts().items()]
+        kernels: dict[str, int] = {}
+        for d in self.layers:
+            if d.quantized and d.kernel:
+                kernels[d.kernel] = kernels.get(d.kernel, 0) + 1
+        lines += [f"  GEMM of {n} layer(s): {k}" for k, n in kernels.items()]
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, object]:
@@ -107,7 +113,8 @@ class QuantReport:
     def __str__(self) -> str:
         lines = [self._head()]
         for d in self.layers:
-            lines.append(f"  {'quantized' if d.quantized else 'skipped'} {d.name}: {d.reason}")
+            kernel = f" [GEMM: {d.kernel}]" if d.kernel else ""
+            lines.append(f"  {'quantized' if d.quantized else 'skipped'} {d.name}: {d.reason}{kernel}")
         return "\n".join(lines)
 
 
@@ -195,9 +202,12 @@ def quantize_model(model: nn.Module, recipe: str | QuantRecipe = "nvfp4", keep_m
     if isinstance(model, nn.Linear):
         raise TypeError("quantize_model replaces Linear layers inside a model; wrap a lone Linear in nn.Sequential.")
     report, targets = _plan(model, recipe)
-    for parent, child_name, child in targets:
+    decisions = [d for d in report.layers if d.quantized]
+    for (parent, child_name, child), d in zip(targets, decisions, strict=True):
         cls = QuantConv1x1 if isinstance(child, nn.Conv2d) else QuantLinear
-        setattr(parent, child_name, cls.from_linear(child, recipe, keep_master=keep_master))
+        q = cls.from_linear(child, recipe, keep_master=keep_master)
+        setattr(parent, child_name, q)
+        d.kernel = q.choose_kernel()[1]
     return report
 
 
