@@ -86,4 +86,4 @@ def test_fidelity_cli_writes_its_report(tmp_path):
     assert main(args) == 0
     rep = json.loads(out.read_text())
     assert rep["prompts"] == 2 and rep["n"] == 6 and -1 <= rep["spearman_mean"] <= 1
-    assert len(rep["per_prompt"]) == 2 and rep["explore_recipe"] == "nvfp4"
+    assert len(rep["per_prompt"]) == 2 and rep["explore_recipe"] == "nvfp4+rht128+4o6"  # the preset's recipe

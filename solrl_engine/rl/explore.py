@@ -98,7 +98,7 @@ class ExploreCopy:
         if skip_max_dim is not None:
             rule.setdefault("skip_max_dim", skip_max_dim)
         self.quant_recipe: QuantRecipe = base.with_(**rule)
-        self.recipe: str = "te_nvfp4" if self.te else base.name
+        self.recipe: str = "te_nvfp4" if self.te else self.quant_recipe.name
         self.transformer = copy.deepcopy(base_transformer).eval().requires_grad_(False)
         _merge_lora_into_copy(self.transformer)  # a caller's transformer may already carry a LoRA
         if self.te:
