@@ -46,6 +46,14 @@ ROWS: dict[str, tuple[list[str], str]] = {
 }
 
 
+BASE = ["explore_rht=0", "explore_four_over_six=false", "explore_lowrank=0"]  # the TE recipe under every row
+
+
+def row_sets(name: str) -> list[str]:
+    """A row's overrides on top of the TE recipe (the preset's own recipe options are reset first)."""
+    return BASE + ROWS[name][0]
+
+
 def extra_cost(sets: list[str], layers: list[tuple[int, int, int]]) -> dict[str, float]:
     """Extra FLOPs and bytes of a recipe as a share of its 4-bit layers' (2 x rows x in x out FLOPs,
     in x out x 9/16 bytes of NVFP4 weights with scales). `layers` are (in, out, rows) per 4-bit layer.
@@ -55,7 +63,7 @@ def extra_cost(sets: list[str], layers: list[tuple[int, int, int]]) -> dict[str,
     of each activation block and the error comparison, about 12 elementwise ops per element.
     Low rank r: 2 r (in + out) FLOPs per row and r (in + out) BF16 weights (2 bytes each).
     """
-    kv = dict(s.split("=", 1) for s in sets)
+    kv = dict(s.split("=", 1) for s in sets)  # later entries win, as with --set
     rht, lowrank = int(kv.get("explore_rht", 0)), int(kv.get("explore_lowrank", 0))
     o46 = kv.get("explore_four_over_six", "false").lower() == "true"
     base_f = sum(2 * r * i * o for i, o, r in layers)
@@ -90,7 +98,7 @@ def main() -> None:
     done: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {}
     rows = done.get("rows", {})
     for name in args.rows.split(","):
-        sets, what = ROWS[name]
+        sets, what = row_sets(name), ROWS[name][1]
         t0 = time.perf_counter()
         captured: list[tuple[int, int, int]] = []
         res = fidelity(load_config(CONFIG, sets), args.prompts, args.n, args.k, oracle_cache=args.oracle_cache)
