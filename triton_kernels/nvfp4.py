@@ -1,4 +1,5 @@
-"""NVFP4 Triton kernels: tensor amax, quantize, dequantize and one-pass fake-quant.
+"""NVFP4 Triton kernels: tensor amax, quantize, dequantize, one-pass fake-quant, and the random
+Hadamard rotation on its own (the weight-only path rotates activations without quantizing them).
 
 All work on the flat, contiguous tensor as a sequence of 16-element blocks (blocks never straddle a
 row because the last dimension is a multiple of 16). The tensor scale is read from a device scalar,
@@ -182,6 +183,17 @@ def _quantize_kernel(
 
 
 @triton.jit
+def _rotate_kernel(x_ptr, d_ptr, inv_sqrt, out_ptr, n_blocks, NB: tl.constexpr, ROT: tl.constexpr,
+                   IN_BF16: tl.constexpr, OUT_KIND: tl.constexpr):  # fmt: skip
+    """x R alone (the same `_rotate` the quantize fuses), stored in OUT_KIND."""
+    pid = tl.program_id(0).to(tl.int64)
+    blk = pid * NB + tl.arange(0, NB).to(tl.int64)
+    bmask = blk < n_blocks
+    x, offs = _load_blocks(x_ptr, d_ptr, inv_sqrt, blk, bmask, NB, ROT, IN_BF16)
+    store_out(out_ptr + offs, x, bmask[:, None], OUT_KIND)
+
+
+@triton.jit
 def _dequantize_kernel(q_ptr, s_ptr, g_ptr, out_ptr, n_blocks, NB: tl.constexpr, OUT_KIND: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     blk = pid * NB + tl.arange(0, NB).to(tl.int64)
@@ -303,6 +315,24 @@ def fake_quantize(
     out = torch.empty_like(x)
     dst = out.view(torch.int16) if x.dtype == torch.bfloat16 else out
     _launch(x, dst, dst, dst, amax_value, True, _OUT_KIND[x.dtype], four_over_six, rht_signs)
+    return out
+
+
+def rotate(x: torch.Tensor, rht_signs: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x R along the last dimension (R = D H / sqrt(n), n = len(rht_signs)), computed in FP32 and
+    stored as `dtype`: bit for bit solrl_engine.quant.hadamard.rotate(x, signs).to(dtype)."""
+    _check(x)
+    if dtype not in _OUT_KIND:
+        raise TypeError(f"rotate writes float32, bfloat16 or float16; got {dtype}.")
+    x = x.contiguous()
+    d, inv = _rotation(x, rht_signs)  # type: ignore[misc]
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    n_blocks = x.numel() // 16
+    if n_blocks:
+        nb = _blocks_per_program()
+        dst = out.view(torch.int16) if dtype == torch.bfloat16 else out
+        _rotate_kernel[(triton.cdiv(n_blocks, nb),)](_src(x), d, inv, dst, n_blocks, NB=nb, ROT=d.numel(),
+                                                     IN_BF16=_is_bf16(x), OUT_KIND=_OUT_KIND[dtype])  # fmt: skip
     return out
 
 

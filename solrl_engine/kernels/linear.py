@@ -26,6 +26,7 @@ from solrl_engine.kernels.dispatch import call, cuda_extension, register, run, t
 from solrl_engine.kernels.ops import (
     cuda_quantize,
     fp8_quantize_rowwise,
+    hadamard_rotate,
     nvfp4_dequantize,
     nvfp4_quantize,
 )
@@ -95,7 +96,8 @@ def _tr_nvfp4_linear(
             xq.qdata, xq.scale, xq.global_scale, weight.qdata, weight.scale, weight.global_scale, bias, x.dtype
         )
     elif x.dtype in (torch.bfloat16, torch.float16):
-        y = gemm.w4a16_gemm(_rotated(x2, rht_signs), weight.qdata, weight.scale, weight.global_scale, bias, x.dtype)
+        xr = x2 if rht_signs is None else hadamard_rotate(x2, rht_signs)  # one launch, the reference's bits
+        y = gemm.w4a16_gemm(xr, weight.qdata, weight.scale, weight.global_scale, bias, x.dtype)
     else:  # FP32 activations: the weight-only kernel would have to round them; keep them exact
         return _ref_nvfp4_linear(x, weight, bias, quantize_input, rht_signs, four_over_six)
     return y.reshape(*x.shape[:-1], y.shape[-1])

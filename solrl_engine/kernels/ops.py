@@ -147,6 +147,27 @@ def nvfp4_quantize_into_(
     return call("nvfp4_quantize_into_", x.device, t, x, amax)
 
 
+# --- Hadamard rotation alone (the weight-only path: x rotated, not quantized) ---------------------
+
+
+def _ref_rotate(x: torch.Tensor, rht_signs: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    return hadamard.rotate(x, rht_signs).to(dtype or x.dtype)
+
+
+def _tr_rotate(x: torch.Tensor, rht_signs: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    hadamard.check_size(rht_signs.numel(), x.shape[-1])
+    return triton_module("nvfp4").rotate(x, rht_signs, dtype or x.dtype)
+
+
+register("hadamard_rotate", {"reference": _ref_rotate, "triton": _tr_rotate})
+
+
+def hadamard_rotate(x: torch.Tensor, rht_signs: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x R along the last dimension (solrl_engine.quant.hadamard), computed in FP32 and returned as
+    `dtype` (default x's): one launch on the Triton backend, the same bits as the reference."""
+    return call("hadamard_rotate", x.device, x, rht_signs, dtype)
+
+
 # --- FP8 -----------------------------------------------------------------------------------------
 
 
