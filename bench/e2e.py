@@ -13,7 +13,8 @@ strongest baseline) and `naive_scaling` (eager BF16), all measured in the same r
 Full-size models have random weights and stand-in text encoder / VAE (model_path="random" of the
 family adapters in solrl_engine/models/):
 the timings are of the denoiser, the LoRA update and the explore copy, which is what Sol-RL changes.
-Writes <out>/<date>-<device>-e2e-<model>.json.
+Writes <out>/<date>-<device>-e2e-<model>.json. Phase times exclude the sampler's one-off compilation
+(CPU: inductor) and graph capture (GPU), reported apart as time_compile_s.
 """
 
 from __future__ import annotations
@@ -73,13 +74,21 @@ def run_family(cfg: RLConfig, warmup: int) -> dict[str, object]:
     res["raw"] = [{p: r[p] for p in PHASES} for r in rows]
     res["time_rollout_s"] = res["time_explore_s"] + res["time_regen_s"]
     res["reward_mean"] = statistics.mean(r["reward_mean"] for r in timed)
+    res["policy_dtype"] = str(trainer.dtype).removeprefix("torch.")
     if trainer.explore is not None:
         res["explore_recipe"] = trainer.explore.recipe
         res["explore_quantized_layers"] = len(trainer.explore.report.quantized)
+    choice = trainer.rollouts.explore_choice
+    if choice is not None:
+        res["explore_choice_reason"] = choice.reason
+        res["explore_timings_ms"] = choice.timings_ms
     st = trainer.rollouts.sampler.stats
     res["graph_captures"] = st.captures
     res["graph_capture_s"] = st.capture_s
     res["graph_replays"] = st.replays
+    res["compiles"] = st.compiles
+    res["compile_s"] = st.compile_s
+    res["time_compile_s"] = st.overhead_s  # once per run: compile + capture, out of the phase times
     if torch.cuda.is_available():
         res["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
     del trainer
@@ -90,7 +99,8 @@ def run_family(cfg: RLConfig, warmup: int) -> dict[str, object]:
     return res
 
 
-def main(argv: list[str] | None = None) -> Path:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line, also used by bench/test_bench_e2e.py to build the same runs."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny", help="tiny | sd35-large | flux-dev | sana-1.6b")
     ap.add_argument("--families", default=",".join(FAMILIES))
@@ -104,7 +114,11 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--train-batch", dest="train_batch_size", type=int)
     ap.add_argument("--explore-precision", dest="explore_precision")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> Path:
+    args = build_parser().parse_args(argv)
     families = [f.strip() for f in args.families.split(",") if f.strip()]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     info = _device_info(device)

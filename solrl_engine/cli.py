@@ -14,6 +14,7 @@ def _version(_: argparse.Namespace) -> int:
     import torch
 
     import solrl_engine
+    from solrl_engine import hw
     from solrl_engine.kernels import backend_report
     from solrl_engine.quant.recipe import auto_explore_recipe
 
@@ -31,8 +32,17 @@ def _version(_: argparse.Namespace) -> int:
         cap = torch.cuda.get_device_capability()
         print(f"device       {torch.cuda.get_device_name()} (sm_{cap[0]}{cap[1]})")
     else:
-        print("device       cpu (no CUDA device)")
-    print(f"explore      {auto_explore_recipe(cap)} (auto)")
+        print(f"device       cpu (no CUDA device; torch CPU kernels {torch.backends.cpu.get_cpu_capability()})")
+    dtype, why = hw.auto_policy_dtype("cuda" if cap else "cpu")
+    print(f"policy       {str(dtype).removeprefix('torch.')} (auto: {why})")
+    if cap:
+        print(f"explore      {auto_explore_recipe(cap)} (auto)")
+        print("compile      torch.compile + CUDA graphs (compile family, compiled_sampler)")
+    else:
+        print("explore      auto: timed per model at start, the cheapest precision faster than the policy's "
+              "(emulated NVFP4/FP8 on a CPU; the run log says which and why)")  # fmt: skip
+        ok, why = hw.cpu_compile_available()
+        print(f"compile      {'inductor: ' + why if ok else 'eager: ' + why} (compile family, compiled_sampler)")
     for name, state in backend_report().items():
         print(f"backend      {name:<9} {state}")
     return 0

@@ -20,7 +20,7 @@ from solrl_engine.models import ModelSpec, load_model, model_spec
 from solrl_engine.models.base import Conditioning, FlowModel
 from solrl_engine.quant.recipe import get_recipe
 from solrl_engine.rewards import RewardFn, check_reward, load_reward, parse_reward_args
-from solrl_engine.rl.config import RLConfig, autocast_for, resolve_runtime
+from solrl_engine.rl.config import RLConfig, autocast_for, resolve_policy_dtype, resolve_runtime
 from solrl_engine.sampling import GraphedSampler
 
 log = logging.getLogger("solrl_engine.rollout")
@@ -70,6 +70,8 @@ class Rollouts:
             check_reward(cfg.reward, self.reward_args)  # a missing weight fails here, before any model loads
         if model is None:
             self.device, self.dtype = resolve_runtime(cfg)
+            log.info("policy dtype %s: %s", str(self.dtype).removeprefix("torch."),
+                     resolve_policy_dtype(cfg, self.device)[1])  # fmt: skip
             model = load_model(
                 cfg.model,
                 cfg.model_path,
@@ -87,13 +89,20 @@ class Rollouts:
         self.model = model
         self.reward = load_reward(cfg.reward, self.reward_args) if reward is None else reward
         self.explore = None
+        self.explore_choice = None  # the resolved explore_precision and its reason, when exploring quantized
         if explore:
-            from solrl_engine.rl.explore import ExploreCopy, resolve_explore_recipe
+            from solrl_engine.hw import resolve_explore_precision
+            from solrl_engine.rl.explore import ExploreCopy
 
-            recipe = resolve_explore_recipe(cfg.explore_precision, self.device)
             rule = explore_rule(cfg, self.spec)
+            self.explore_choice = resolve_explore_precision(
+                cfg.explore_precision, self.device, self.dtype, self.model.transformer, rule,
+                autocast=lambda: autocast_for(self.device, self.dtype),
+            )  # fmt: skip
+            recipe = self.explore_choice.precision
+            log.info("explore precision %s: %s", recipe, self.explore_choice.reason)
             nvfp4_only = [k for k in ("rht", "four_over_six", "lowrank") if k in rule]
-            if nvfp4_only and get_recipe(recipe).format != "nvfp4":  # `auto` chose FP8 on this device
+            if nvfp4_only and get_recipe(recipe).format != "nvfp4":  # `auto` chose another format here
                 log.warning("explore_precision=auto chose %s on this device: %s apply to NVFP4 only and are "
                             "not used", recipe, ", ".join(f"explore_{k}" for k in nvfp4_only))  # fmt: skip
                 for k in nvfp4_only:
@@ -107,14 +116,16 @@ class Rollouts:
                 )
         self.cfg_guidance = self._guidance() if self.spec.guidance == "cfg" else 1.0
         self._uncond: Conditioning | None = None
-        # `compile` (and sol_rl by default) sample through torch.compile + one CUDA graph per batch
-        # shape; the graphs read the weights in place, so updates need no re-capture.
+        # `compile` (and compiled_sampler) sample through torch.compile: on GPU + one CUDA graph per
+        # batch shape, on CPU through inductor (no graphs); both read the weights in place, so
+        # updates need no re-capture or recompile.
         from solrl_engine.rl.config import FAMILY_TABLE
 
         graphed = FAMILY_TABLE[cfg.family].compiled or cfg.compiled_sampler
-        if graphed and self.device.type != "cuda":
-            log.info("compiled sampler: needs a CUDA device; sampling eagerly on %s.", self.device.type)
-        self.sampler = GraphedSampler(self.model, enabled=graphed and self.device.type == "cuda")
+        if graphed and self.device.type not in ("cuda", "cpu"):
+            log.info("compiled sampler: needs a CUDA device or the CPU; sampling eagerly on %s.", self.device.type)
+        self.sampler = GraphedSampler(self.model, enabled=graphed and self.device.type in ("cuda", "cpu"),
+                                      cpu_compile=graphed)  # fmt: skip
 
     def _guidance(self) -> float:
         gs = self.cfg.guidance_scale
@@ -145,7 +156,7 @@ class Rollouts:
         """Final latents for (cond[i], seeds[i]) with the policy (its active adapter, named by `tag`
         for the graph cache) or another copy of the denoiser (the explore copy)."""
         c = self.cfg
-        with autocast_for(self.device):
+        with autocast_for(self.device, self.dtype):
             return self.sampler.sample(
                 cond,
                 list(seeds),

@@ -122,7 +122,7 @@ class Trainer:
     # --- rollouts ----------------------------------------------------------------------------------
 
     def _autocast(self) -> Any:
-        return autocast_for(self.device)
+        return autocast_for(self.device, self.dtype)
 
     def _sample(
         self, cond: Conditioning, seeds: list[int], steps: int, transformer: Any = None, tag: str = OLD
@@ -153,7 +153,8 @@ class Trainer:
 
     def _step(self) -> dict[str, Any]:
         c, rule, dist = self.cfg, self.rule, self.dist
-        t0 = time.perf_counter()
+        st = self.rollouts.sampler.stats  # one-off compile/capture seconds, kept out of the phase times
+        t0, o0 = time.perf_counter(), st.overhead_s
         # every rank draws the global prompts and seeds (the run depends on `seed`, not the world
         # size) and takes its contiguous share: all N seeds of a prompt stay on one rank
         all_prompts = self.prompt_sampler.next(c.prompts_per_iter)
@@ -171,7 +172,7 @@ class Trainer:
         check_finite("explore rewards", r_all.flatten(), flat_all, [x for row in seeds for x in row], dist)
         comps = {k: v.gather(1, idx.cpu()).to(self.device) for k, v in self.explorer.last_components.items()}
         sel_cond = cond.repeat_interleave(c.k)
-        t1 = time.perf_counter()
+        t1, o1 = time.perf_counter(), st.overhead_s
 
         # 3. regenerate the selected seeds in BF16 at the full step budget (sol_rl only)
         if rule.regenerate:
@@ -185,7 +186,7 @@ class Trainer:
         else:
             x0, rewards = sel.samples, proxy
             check_finite("explored latents", x0, sel.flat_prompts, sel.flat_seeds, dist)
-        t2 = time.perf_counter()
+        t2, o2 = time.perf_counter(), st.overhead_s
 
         # 4. update the policy on the selected samples, advantages from the (BF16) rewards of every
         #    rank: grouped by prompt text, divided by the global std
@@ -198,7 +199,7 @@ class Trainer:
         # 5. refresh the explore copy with the new "old" policy, in place
         if self.explore is not None:
             self.explore.refresh(self.adapters)
-        t3 = time.perf_counter()
+        t3, o3 = time.perf_counter(), st.overhead_s
 
         self.iteration += 1
         g_r_all = dist.gather_rows(r_all)
@@ -218,10 +219,12 @@ class Trainer:
             "nonfinite_skipped": self.nonfinite,
             **guard,
             "world_size": dist.world,
-            "time_explore_s": t1 - t0,
-            "time_regen_s": t2 - t1,
-            "time_train_s": t3 - t2,
-            "time_total_s": t3 - t0,
+            # without compilation / graph capture, which time_compile_s reports in the iterations that had any
+            "time_explore_s": t1 - t0 - (o1 - o0),
+            "time_regen_s": t2 - t1 - (o2 - o1),
+            "time_train_s": t3 - t2 - (o3 - o2),
+            "time_total_s": t3 - t0 - (o3 - o0),
+            **({"time_compile_s": o3 - o0} if o3 > o0 else {}),
             **stats,
         }
         return m
@@ -491,6 +494,8 @@ class Trainer:
             "lora_ema": str(self.out / "lora_ema"),
             "explore_recipe": self.explore.recipe if self.explore else "bf16",
             "mean_time_total_s": sum(h["time_total_s"] for h in history) / max(1, len(history)),
+            # one-off sampler compilation (CPU: inductor) or graph capture (GPU), out of the times above
+            "time_compile_s": self.rollouts.sampler.stats.overhead_s,
             "nonfinite_skipped": self.nonfinite,
             "stopped_early": self.iteration < c.iterations,
         }

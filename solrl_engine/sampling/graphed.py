@@ -8,7 +8,9 @@ and no recompile. What a graph cannot see is a Python-level switch (a different 
 active, a different transformer object): those are part of the cache key (`tag`, the transformer's
 id), so each gets its own graph once.
 
-On CPU (or with `enabled=False`) it is the eager `sample`, unchanged.
+On a CPU there are no graphs: with `cpu_compile=True` the denoiser is torch.compile'd through
+inductor (C++; one compile per batch shape and Python-level state, the first call of each timed as
+`stats.compile_s`), else, and with `enabled=False`, it is the eager `sample`, unchanged.
 """
 
 from __future__ import annotations
@@ -42,11 +44,34 @@ class _Graph:
 
 @dataclass
 class GraphStats:
-    """What capture cost and how often it was avoided (the bench reports these)."""
+    """What capture and compilation cost and how often they were avoided (the bench reports these).
+    capture_s (GPU: compile + warm-up + capture) and compile_s (CPU: compile + one forward) are one-off
+    costs: `overhead_s` is their sum, which the trainer keeps out of its phase times."""
 
     captures: int = 0
     capture_s: list[float] = field(default_factory=list)
     replays: int = 0
+    compiles: int = 0
+    compile_s: list[float] = field(default_factory=list)
+
+    @property
+    def overhead_s(self) -> float:
+        return sum(self.capture_s) + sum(self.compile_s)
+
+
+class _Compiled:
+    """A torch.compile'd denoiser that is truthy: in torch 2.13 the compiled module's `__len__`
+    forwards to the module's (which has none) and raises, so `transformer or model.transformer` in the
+    models' `velocity` fails on it. Attributes are read from the compiled module."""
+
+    def __init__(self, compiled: nn.Module) -> None:
+        self._compiled = compiled
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._compiled(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._compiled, name)
 
 
 class GraphedSampler:
@@ -57,24 +82,39 @@ class GraphedSampler:
     dropped), so one graph serves every call of that size.
     """
 
-    def __init__(self, model: FlowModel, enabled: bool = True, compile: bool = True, warmup: int = 1) -> None:
+    def __init__(
+        self, model: FlowModel, enabled: bool = True, compile: bool = True, warmup: int = 1, cpu_compile: bool = False
+    ) -> None:
+        """`cpu_compile`: on a CPU, torch.compile (inductor) instead of sampling eagerly. Off by
+        default: a compile costs tens of seconds on a few cores (the `compile` family and
+        compiled_sampler turn it on); it also needs a C++ compiler, without one it stays eager."""
         if warmup < 1:
             raise ValueError("warmup must be >= 1: Triton autotuning and compilation must run before capture")
         self.model = model
         self.enabled = enabled
         self.compile = compile
         self.warmup = warmup
+        self.cpu_compile = cpu_compile and enabled and compile
+        if self.cpu_compile:
+            from solrl_engine.hw import cpu_compile_available
+
+            ok, why = cpu_compile_available()
+            if not ok:
+                log.warning("compiled sampler on CPU: %s; sampling eagerly", why)
+                self.cpu_compile = False
         self.stats = GraphStats()
         self._graphs: dict[tuple, _Graph] = {}
-        self._compiled: dict[int, nn.Module] = {}
+        self._compiled: dict[int, Any] = {}
+        self._warm: set[str] = set()  # CPU: the (module, shapes, state) keys compiled so far
+        self._eager: set[int] = set()  # CPU: modules whose compilation failed, sampled eagerly
         self._pool: Any = None
 
-    def _module(self, transformer: nn.Module | None) -> nn.Module:
+    def _module(self, transformer: nn.Module | None, mode: str | None = "max-autotune-no-cudagraphs") -> Any:
         mod = transformer or self.model.transformer
         if not self.compile:
             return mod
         if id(mod) not in self._compiled:
-            self._compiled[id(mod)] = torch.compile(mod, mode="max-autotune-no-cudagraphs", dynamic=False)
+            self._compiled[id(mod)] = _Compiled(torch.compile(mod, mode=mode, dynamic=False))
         return self._compiled[id(mod)]
 
     def reset(self) -> None:
@@ -99,6 +139,9 @@ class GraphedSampler:
         """Same contract as `solrl_engine.sampling.sample`; `tag` names state the graph cannot see
         (e.g. the active LoRA adapter)."""
         device = cond.hidden.device
+        if self.cpu_compile and device.type == "cpu":
+            return self._sample_cpu(cond, seeds, steps, shift, solver, batch_size, dtype, transformer, tag,
+                                    guidance_scale, uncond)  # fmt: skip
         if not self.enabled or device.type != "cuda":
             return sample(self.model, cond, seeds, steps, shift, solver, guidance_scale, uncond, batch_size, dtype,
                           transformer)  # fmt: skip
@@ -136,6 +179,57 @@ class GraphedSampler:
             self.stats.replays += 1
             outs.append(g.out[:n].clone())
         return torch.cat(outs)
+
+    def _sample_cpu(
+        self,
+        cond: Conditioning,
+        seeds: Sequence[int],
+        steps: int,
+        shift: float | None,
+        solver: str,
+        batch_size: int | None,
+        dtype: torch.dtype,
+        transformer: nn.Module | None,
+        tag: str,
+        guidance_scale: float,
+        uncond: Conditioning | None,
+    ) -> torch.Tensor:
+        """`sample` through the inductor-compiled denoiser (default mode: max-autotune's GEMM search
+        costs minutes on a CPU). Chunks keep their own size (padding would cost real compute here),
+        so each batch size compiles once; the first call of each (module, shapes, adapter tag,
+        autocast) is a warm-up forward timed into `stats.compile_s`. A module that fails to compile
+        is sampled eagerly from then on, with a warning."""
+        mod_eager = transformer or self.model.transformer
+        if id(mod_eager) in self._eager:
+            return sample(self.model, cond, seeds, steps, shift, solver, guidance_scale, uncond, batch_size, dtype,
+                          transformer)  # fmt: skip
+        mod = self._module(transformer, mode=None)
+        bs = batch_size or len(seeds)
+        amp = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
+        for i in range(0, len(seeds), bs):
+            c = cond[i : i + bs]
+            key = repr((id(mod_eager), len(c), dtype, [(tuple(t.shape), t.dtype) for t in c.tensors()], tag, amp,
+                        guidance_scale != 1.0))  # fmt: skip
+            if key in self._warm:
+                continue
+            x = seeded_noise(list(seeds[i : i + bs]), tuple(self.model.latent_shape), cond.hidden.device, dtype)
+            t0 = time.perf_counter()
+            try:
+                t = torch.ones((), device=x.device)
+                self.model.velocity(x, t, c, transformer=mod)
+                if guidance_scale != 1.0 and uncond is not None:  # the guidance branch's expanded rows
+                    self.model.velocity(x, t, uncond.expand(len(c)), transformer=mod)
+            except Exception as e:  # noqa: BLE001 - any inductor/dynamo failure: sample this module eagerly
+                log.warning("torch.compile failed on the CPU (%s: %s); sampling this denoiser eagerly",
+                            type(e).__name__, str(e).splitlines()[0] if str(e) else "")  # fmt: skip
+                self._eager.add(id(mod_eager))
+                return sample(self.model, cond, seeds, steps, shift, solver, guidance_scale, uncond, batch_size,
+                              dtype, transformer)  # fmt: skip
+            self._warm.add(key)
+            self.stats.compiles += 1
+            self.stats.compile_s.append(time.perf_counter() - t0)
+            log.info("compiled the sampler's denoiser on CPU (batch %d) in %.1f s", len(c), self.stats.compile_s[-1])
+        return sample(self.model, cond, seeds, steps, shift, solver, guidance_scale, uncond, batch_size, dtype, mod)
 
     def _capture(
         self,

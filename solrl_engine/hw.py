@@ -1,0 +1,242 @@
+"""What this machine computes fast, and the choices that follow from it.
+
+Why: the CPU quickstart should not train in FP32 on a CPU with BF16 units (AVX512-BF16, AMX-BF16),
+should not explore in emulated NVFP4 where that is slower than the policy itself, and should not try
+inductor without a C++ compiler. Every decision here takes its facts as arguments (CPU flags, torch's
+CPU capability, a timing table), so each branch is testable on any machine; the defaults read them
+from this one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import shutil
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+# --- BF16 on the CPU --------------------------------------------------------------------------------
+
+
+def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
+    """The CPU's feature flags (/proc/cpuinfo `flags`; empty where there is no such file)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return frozenset()
+    for line in cpuinfo.splitlines():
+        key, _, val = line.partition(":")
+        if key.strip() == "flags":
+            return frozenset(val.split())
+    return frozenset()
+
+
+@dataclass(frozen=True)
+class CpuBF16:
+    """Whether BF16 matmuls run natively on this CPU (`unit`: "AMX-BF16", "AVX512-BF16" or ""), and why."""
+
+    native: bool
+    unit: str
+    reason: str
+
+
+def cpu_bf16(
+    flags: Iterable[str] | None = None,
+    capability: str | None = None,
+    machine: str | None = None,
+    onednn: bool | None = None,
+) -> CpuBF16:
+    """Detect native BF16 on an x86 CPU: the avx512_bf16 / amx_bf16 flags, torch dispatching its
+    AVX512 kernels (`torch.backends.cpu.get_cpu_capability()`; ATEN_CPU_CAPABILITY can lower it) and
+    oneDNN (which runs the BF16 GEMMs). Without all three, BF16 is emulated and slower than FP32."""
+    machine = (machine if machine is not None else platform.machine()).lower()
+    if machine not in ("x86_64", "amd64", "x86", "i686"):
+        return CpuBF16(False, "", f"{machine} CPU: native BF16 is detected on x86 only (AVX512-BF16, AMX-BF16)")
+    fl = cpu_flags() if flags is None else frozenset(flags)
+    cap = capability if capability is not None else torch.backends.cpu.get_cpu_capability()
+    onednn = torch.backends.mkldnn.is_available() if onednn is None else onednn
+    unit, flag = ("AMX-BF16", "amx_bf16") if "amx_bf16" in fl else ("AVX512-BF16", "avx512_bf16")
+    if flag not in fl:
+        return CpuBF16(False, "", "this CPU has neither AVX512-BF16 nor AMX-BF16 (no avx512_bf16 or amx_bf16 flag): "
+                                  "BF16 would be emulated, slower than FP32")  # fmt: skip
+    if "AVX512" not in cap.upper() and "AMX" not in cap.upper():
+        return CpuBF16(False, unit, f"the CPU has {unit} but torch runs its {cap} kernels (ATEN_CPU_CAPABILITY?), "
+                                    "where BF16 conversions are slow")  # fmt: skip
+    if not onednn:
+        return CpuBF16(False, unit, f"the CPU has {unit} but this torch has no oneDNN, which runs the BF16 GEMMs")
+    return CpuBF16(True, unit, f"this CPU has {unit} ({flag}) and torch runs its {cap} kernels with oneDNN")
+
+
+def auto_policy_dtype(device: torch.device | str, bf16: CpuBF16 | None = None) -> tuple[torch.dtype, str]:
+    """policy_dtype=auto: BF16 on CUDA and on CPUs with BF16 units, FP32 elsewhere; and why.
+    Either way LoRA weights and optimizer state stay FP32 (the trainer casts them)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.bfloat16, "CUDA device: BF16 tensor cores"
+    info = bf16 if bf16 is not None else cpu_bf16()
+    if info.native:
+        return torch.bfloat16, info.reason
+    return torch.float32, info.reason
+
+
+# --- torch.compile on the CPU -----------------------------------------------------------------------
+
+
+def cxx_compiler(env: Mapping[str, str] | None = None, which: Callable[[str], str | None] = shutil.which) -> str | None:
+    """The C++ compiler inductor's CPU backend would call ($CXX, else g++, clang++ or c++), or None."""
+    env = os.environ if env is None else env
+    for name in ([env["CXX"]] if env.get("CXX") else []) + ["g++", "clang++", "c++"]:
+        path = which(name)
+        if path:
+            return path
+    return None
+
+
+def cpu_compile_available(compiler: str | None = "") -> tuple[bool, str]:
+    """Whether torch.compile (inductor) can run on the CPU here, and why not when it cannot.
+    `compiler` "" looks one up; None means there is none."""
+    cxx = cxx_compiler() if compiler == "" else compiler
+    if cxx is None:
+        return False, "inductor needs a C++ compiler on the CPU and none was found (set CXX, or install g++)"
+    return True, f"inductor with {cxx}"
+
+
+# --- explore_precision=auto ---------------------------------------------------------------------------
+
+# Candidates for the explore copy, cheapest first (bits of weight, then of activation, per MAC): on a
+# GPU with the matching tensor cores this is also fastest first; on a CPU the formats are emulated,
+# so the order is only a preference among those measured to be faster than the policy.
+EXPLORE_CANDIDATES: tuple[str, ...] = ("nvfp4", "nvfp4_weight_only", "fp8", "fp8_weight_only")
+# NVFP4-only recipe options: they cost time, so the NVFP4 candidates are timed with them
+NVFP4_OPTIONS = ("rht", "four_over_six", "lowrank")
+
+
+@dataclass(frozen=True)
+class ExploreChoice:
+    """The explore recipe, why it was chosen, and the timings it was chosen from (ms; "policy": the
+    same layers at the policy's own precision), empty where nothing was measured."""
+
+    precision: str
+    reason: str
+    timings_ms: dict[str, float] = field(default_factory=dict)
+
+
+def choose_explore_precision(timings_ms: Mapping[str, float], margin: float = 0.95) -> ExploreChoice:
+    """The cheapest candidate at least 1 / margin times faster than "policy" in `timings_ms`, else
+    "bf16" (explore at the policy's own precision): a slower proxy is never chosen automatically."""
+    if "policy" not in timings_ms:
+        raise ValueError("timings_ms needs the policy's own time under the key 'policy'")
+    base = timings_ms["policy"]
+    table = ", ".join(f"{k} {v / base:.2f}x" for k, v in timings_ms.items() if k != "policy")
+    for name in EXPLORE_CANDIDATES:
+        t = timings_ms.get(name)
+        if t is not None and t <= margin * base:
+            why = f"the cheapest precision measured faster than the policy's here ({name} {base / t:.2f}x faster; "
+            return ExploreChoice(name, why + f"time vs policy: {table})", dict(timings_ms))
+    return ExploreChoice("bf16", f"no quantized precision is faster than the policy's here (time vs policy: {table}): "
+                                 "explore at the policy's precision; set explore_precision to use one anyway",
+                         dict(timings_ms))  # fmt: skip
+
+
+def explore_layer_shapes(transformer: nn.Module, rule: Mapping[str, Any]) -> Counter[tuple[int, int]]:
+    """(in_features, out_features) -> count of the layers the explore copy would quantize under `rule`
+    (the model's layer rule, as QuantRecipe changes), planned without touching the model."""
+    from solrl_engine.nn import plan_quantization
+    from solrl_engine.quant.recipe import get_recipe
+
+    rep = plan_quantization(transformer, get_recipe("nvfp4").with_(**dict(rule)))
+    return Counter((d.in_features, d.out_features) for d in rep.layers if d.quantized)
+
+
+_PROBE_CACHE: dict[tuple, dict[str, float]] = {}
+
+
+def _median_ms(fn: Callable[[], object], reps: int) -> float:
+    fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(ts)
+
+
+def probe_explore_timings(
+    shapes: Mapping[tuple[int, int], int],
+    rule: Mapping[str, Any],
+    dtype: torch.dtype,
+    rows: int = 1024,
+    reps: int = 5,
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> dict[str, float]:
+    """ms of the explore copy's quantized layers (`shapes`: (in, out) -> count) at each candidate
+    precision and at the policy's (`dtype`), on CPU, for `rows` input rows (fewer for wide layers).
+    Measured once per process and per key, then cached: the choice costs a fraction of a second."""
+    from solrl_engine.nn import QuantLinear
+    from solrl_engine.quant.recipe import get_recipe
+
+    extras = {k: rule[k] for k in NVFP4_OPTIONS if rule.get(k)}
+    key = (tuple(sorted(shapes.items())), tuple(sorted(extras.items())), dtype, rows, torch.get_num_threads())
+    if key in _PROBE_CACHE:
+        return dict(_PROBE_CACHE[key])
+    out: dict[str, float] = {}
+    with torch.random.fork_rng(devices=[]), torch.no_grad(), autocast():  # the run's RNG stream is untouched
+        torch.manual_seed(0)
+        layers = []
+        for (k, n), count in shapes.items():
+            m = max(16, min(rows, (1 << 27) // max(1, k * n)))  # a wide layer gets fewer rows: bounded cost
+            layers.append((nn.Linear(k, n, dtype=dtype), torch.randn(m, k, dtype=dtype), count))
+        for name in ("policy", *EXPLORE_CANDIDATES):
+            recipe = None if name == "policy" else get_recipe(name)
+            if recipe is not None and recipe.format == "nvfp4":
+                recipe = recipe.with_(**extras)
+            total = 0.0
+            for lin, x, count in layers:
+                mod = lin if recipe is None else QuantLinear.from_linear(lin, recipe)
+                total += count * _median_ms(lambda mod=mod, x=x: mod(x), reps)
+            out[name] = total
+    _PROBE_CACHE[key] = out
+    return dict(out)
+
+
+def resolve_explore_precision(
+    precision: str,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    transformer: nn.Module | None = None,
+    rule: Mapping[str, Any] | None = None,
+    timings_ms: Mapping[str, float] | None = None,
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> ExploreChoice:
+    """explore_precision -> the recipe used, with its reason. A set precision passes through; "auto"
+    takes the GPU's hardware plan (`auto_explore_recipe`: NVFP4 on Blackwell, FP8 on Ada/Hopper), and
+    on a CPU, where every format is emulated, the cheapest precision measured faster than the policy's
+    on this model's quantized layers (`timings_ms` stubs the measurement)."""
+    from solrl_engine.quant.recipe import auto_explore_recipe
+
+    if precision != "auto":
+        return ExploreChoice(precision, "set in the config (explore_precision)")
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        cap = torch.cuda.get_device_capability(dev)
+        name = auto_explore_recipe(cap)
+        return ExploreChoice(name, f"sm_{cap[0]}{cap[1]}: the hardware plan (native NVFP4 on sm_100+, FP8 on "
+                                   "sm_89/sm_90, emulated NVFP4 below)")  # fmt: skip
+    if timings_ms is None:
+        if transformer is None:
+            raise ValueError("explore_precision=auto on a CPU times the model's layers: pass `transformer`")
+        shapes = explore_layer_shapes(transformer, rule or {})
+        if not shapes:
+            return ExploreChoice("bf16", "the explore rule quantizes no layer of this model")
+        timings_ms = probe_explore_timings(shapes, rule or {}, dtype, autocast=autocast)
+    return choose_explore_precision(timings_ms)
