@@ -69,8 +69,9 @@ def _tiny(family: str, paper_scale: bool, **kw: object) -> RLConfig:
 
 def tiny_sol_rl_shapes(paper_scale: bool = False) -> RLConfig:
     """N previews in the explore precision (6 steps), top/bottom K/2 regenerated in BF16 (10 steps).
-    On a GPU both go through the compiled, graph-captured sampler, as `compile` does."""
-    return _tiny("sol_rl", paper_scale, compiled_sampler=True)
+    On a GPU both go through the compiled, graph-captured sampler, as `compile` does (compiled_sampler
+    defaults to on with CUDA; `--set compiled_sampler=true` compiles on a CPU too)."""
+    return _tiny("sol_rl", paper_scale)
 
 
 def tiny_naive_scaling_shapes(paper_scale: bool = False) -> RLConfig:

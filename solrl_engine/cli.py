@@ -37,12 +37,13 @@ def _version(_: argparse.Namespace) -> int:
     print(f"policy       {str(dtype).removeprefix('torch.')} (auto: {why})")
     if cap:
         print(f"explore      {auto_explore_recipe(cap)} (auto)")
-        print("compile      torch.compile + CUDA graphs (compile family, compiled_sampler)")
+        print("compile      torch.compile + CUDA graphs (compile family; other families unless compiled_sampler=false)")
     else:
         print("explore      auto: timed per model at start, the cheapest precision faster than the policy's "
               "(emulated NVFP4/FP8 on a CPU; the run log says which and why)")  # fmt: skip
         ok, why = hw.cpu_compile_available()
-        print(f"compile      {'inductor: ' + why if ok else 'eager: ' + why} (compile family, compiled_sampler)")
+        how = "inductor: " + why if ok else "eager: " + why
+        print(f"compile      {how} (compile family, and compiled_sampler=true; other families sample eagerly)")
     for name, state in backend_report().items():
         print(f"backend      {name:<9} {state}")
     return 0
@@ -219,6 +220,9 @@ def _train(args: argparse.Namespace) -> int:
         f"{cfg.name}: model {cfg.model}, family {cfg.family}, N={cfg.n} -> K={cfg.k}, {cfg.prompts_per_iter} "
         f"prompts/iter, {cfg.iterations} iterations, output {trainer.out}"
     )
+    choice = trainer.rollouts.explore_choice
+    if choice is not None and trainer.dist.main:
+        print(f"explore: {trainer.rollouts.explore_recipe} ({choice.reason})")
     if trainer.explore is not None and trainer.dist.main:
         print(trainer.explore.report.summary())
         print(f"(every layer's decision: {trainer.out / 'quantization.txt'})")

@@ -117,6 +117,8 @@ def cpu_compile_available(compiler: str | None = "") -> tuple[bool, str]:
 # GPU with the matching tensor cores this is also fastest first; on a CPU the formats are emulated,
 # so the order is only a preference among those measured to be faster than the policy.
 EXPLORE_CANDIDATES: tuple[str, ...] = ("nvfp4", "nvfp4_weight_only", "fp8", "fp8_weight_only")
+# explore_precision=auto's answer where no candidate is faster than the policy: no explore copy at all
+POLICY = "policy"
 # NVFP4-only recipe options: they cost time, so the NVFP4 candidates are timed with them
 NVFP4_OPTIONS = ("rht", "four_over_six", "lowrank")
 
@@ -124,7 +126,8 @@ NVFP4_OPTIONS = ("rht", "four_over_six", "lowrank")
 @dataclass(frozen=True)
 class ExploreChoice:
     """The explore recipe, why it was chosen, and the timings it was chosen from (ms; "policy": the
-    same layers at the policy's own precision), empty where nothing was measured."""
+    same layers at the policy's own precision), empty where nothing was measured. `precision` is
+    POLICY where no quantized copy pays off: the policy itself explores (at the preview steps)."""
 
     precision: str
     reason: str
@@ -133,7 +136,7 @@ class ExploreChoice:
 
 def choose_explore_precision(timings_ms: Mapping[str, float], margin: float = 0.95) -> ExploreChoice:
     """The cheapest candidate at least 1 / margin times faster than "policy" in `timings_ms`, else
-    "bf16" (explore at the policy's own precision): a slower proxy is never chosen automatically."""
+    POLICY (explore with the policy itself): a slower proxy is never chosen automatically."""
     if "policy" not in timings_ms:
         raise ValueError("timings_ms needs the policy's own time under the key 'policy'")
     base = timings_ms["policy"]
@@ -143,8 +146,8 @@ def choose_explore_precision(timings_ms: Mapping[str, float], margin: float = 0.
         if t is not None and t <= margin * base:
             why = f"the cheapest precision measured faster than the policy's here ({name} {base / t:.2f}x faster; "
             return ExploreChoice(name, why + f"time vs policy: {table})", dict(timings_ms))
-    return ExploreChoice("bf16", f"no quantized precision is faster than the policy's here (time vs policy: {table}): "
-                                 "explore at the policy's precision; set explore_precision to use one anyway",
+    return ExploreChoice(POLICY, f"no quantized precision is faster than the policy's here (time vs policy: {table}): "
+                                 "the policy itself explores; set explore_precision to use one anyway",
                          dict(timings_ms))  # fmt: skip
 
 
@@ -237,6 +240,6 @@ def resolve_explore_precision(
             raise ValueError("explore_precision=auto on a CPU times the model's layers: pass `transformer`")
         shapes = explore_layer_shapes(transformer, rule or {})
         if not shapes:
-            return ExploreChoice("bf16", "the explore rule quantizes no layer of this model")
+            return ExploreChoice(POLICY, "the explore rule quantizes no layer of this model: the policy explores")
         timings_ms = probe_explore_timings(shapes, rule or {}, dtype, autocast=autocast)
     return choose_explore_precision(timings_ms)

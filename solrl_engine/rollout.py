@@ -60,9 +60,11 @@ class Rollouts:
         explore: bool = False,
         model: FlowModel | None = None,
         reward: RewardFn | None = None,
+        dist: Any = None,
     ) -> None:
         """`model` and `reward` given: use those (a caller's pipeline, wrapped; any reward callable)
-        instead of loading what the config names."""
+        instead of loading what the config names. `dist` (rl.distributed.Dist): under torchrun every
+        rank takes rank 0's timed explore_precision choice."""
         self.cfg = cfg
         self.spec = model_spec(cfg.model)
         self.reward_args = parse_reward_args(cfg.reward_args)
@@ -92,28 +94,14 @@ class Rollouts:
         self.explore_choice = None  # the resolved explore_precision and its reason, when exploring quantized
         if explore:
             from solrl_engine.hw import resolve_explore_precision
-            from solrl_engine.rl.explore import ExploreCopy
 
-            rule = explore_rule(cfg, self.spec)
-            self.explore_choice = resolve_explore_precision(
-                cfg.explore_precision, self.device, self.dtype, self.model.transformer, rule,
+            choice = resolve_explore_precision(
+                cfg.explore_precision, self.device, self.dtype, self.model.transformer, explore_rule(cfg, self.spec),
                 autocast=lambda: autocast_for(self.device, self.dtype),
             )  # fmt: skip
-            recipe = self.explore_choice.precision
-            log.info("explore precision %s: %s", recipe, self.explore_choice.reason)
-            nvfp4_only = [k for k in ("rht", "four_over_six", "lowrank") if k in rule]
-            if nvfp4_only and get_recipe(recipe).format != "nvfp4":  # `auto` chose another format here
-                log.warning("explore_precision=auto chose %s on this device: %s apply to NVFP4 only and are "
-                            "not used", recipe, ", ".join(f"explore_{k}" for k in nvfp4_only))  # fmt: skip
-                for k in nvfp4_only:
-                    rule.pop(k)
-            self.explore = ExploreCopy(self.model.transformer, recipe, changes=rule)
-            if not self.explore.report.quantized and recipe != "bf16":
-                log.warning(
-                    "the explore copy quantizes no layer of %s under its rule (%s): exploration runs at full "
-                    "precision; see quantization.txt in the run directory for why each layer was kept",
-                    cfg.model, explore_rule(cfg, self.spec),
-                )
+            if dist is not None:  # timings differ between ranks; the explore copy must not
+                choice = dist.broadcast_object(choice)
+            self.build_explore(choice)
         self.cfg_guidance = self._guidance() if self.spec.guidance == "cfg" else 1.0
         self._uncond: Conditioning | None = None
         # `compile` (and compiled_sampler) sample through torch.compile: on GPU + one CUDA graph per
@@ -121,11 +109,44 @@ class Rollouts:
         # updates need no re-capture or recompile.
         from solrl_engine.rl.config import FAMILY_TABLE
 
-        graphed = FAMILY_TABLE[cfg.family].compiled or cfg.compiled_sampler
+        want = cfg.compiled_sampler if cfg.compiled_sampler is not None else self.device.type == "cuda"
+        graphed = FAMILY_TABLE[cfg.family].compiled or want
         if graphed and self.device.type not in ("cuda", "cpu"):
             log.info("compiled sampler: needs a CUDA device or the CPU; sampling eagerly on %s.", self.device.type)
         self.sampler = GraphedSampler(self.model, enabled=graphed and self.device.type in ("cuda", "cpu"),
                                       cpu_compile=graphed)  # fmt: skip
+
+    def build_explore(self, choice: Any) -> None:
+        """Explore as `choice` (an hw.ExploreChoice) says: a quantized copy of the policy's transformer
+        in its precision, or, for hw.POLICY, no copy (the policy explores itself: one model in memory,
+        nothing to refresh). Built before the LoRA is attached, or again on resume (the checkpoint's
+        choice), when a copy of the adapted transformer starts from the adapted weights."""
+        from solrl_engine.hw import POLICY
+        from solrl_engine.rl.explore import ExploreCopy
+
+        cfg, rule = self.cfg, explore_rule(self.cfg, self.spec)
+        self.explore_choice, recipe = choice, choice.precision
+        log.info("explore precision %s: %s", recipe, choice.reason)
+        nvfp4_only = [k for k in ("rht", "four_over_six", "lowrank") if k in rule]
+        if recipe != POLICY and nvfp4_only and get_recipe(recipe).format != "nvfp4":  # auto chose another format
+            log.warning("explore_precision=auto chose %s on this device: %s apply to NVFP4 only and are "
+                        "not used", recipe, ", ".join(f"explore_{k}" for k in nvfp4_only))  # fmt: skip
+            for k in nvfp4_only:
+                rule.pop(k)
+        self.explore = None if recipe == POLICY else ExploreCopy(self.model.transformer, recipe, changes=rule)
+        if self.explore is not None and not self.explore.report.quantized and recipe != "bf16":
+            log.warning(
+                "the explore copy quantizes no layer of %s under its rule (%s): exploration runs at full "
+                "precision; see quantization.txt in the run directory for why each layer was kept",
+                cfg.model, explore_rule(cfg, self.spec),
+            )
+
+    @property
+    def explore_recipe(self) -> str:
+        """What explores, for logs and summaries: the explore copy's recipe, or the policy itself."""
+        if self.explore is not None:
+            return self.explore.recipe
+        return f"policy ({str(self.dtype).removeprefix('torch.')})"
 
     def _guidance(self) -> float:
         gs = self.cfg.guidance_scale

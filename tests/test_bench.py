@@ -29,12 +29,17 @@ def test_kernel_bench_writes_json(tmp_path, dtype):
     assert "te_nvfp4_linear" in g["notes"]
 
 
-def test_e2e_bench_runs_every_family_and_writes_ratios(tmp_path):
+def test_e2e_bench_runs_every_family_and_writes_ratios(tmp_path, monkeypatch):
+    from solrl_engine import hw
+
+    # the compiled CPU sampler has its own tests (test_cpu_runtime.py); a cold inductor compile here would
+    # cost a minute, so the `compile` family samples eagerly (the fallback without a C++ compiler)
+    monkeypatch.setattr(hw, "cxx_compiler", lambda *a, **k: None)
     spec = importlib.util.spec_from_file_location("bench_e2e", ROOT / "bench" / "e2e.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     argv = ["--model", "tiny", "--iterations", "1", "--warmup", "0", "--n", "4", "--k", "2", "--prompts", "1"]
-    path = mod.main(argv + ["--out", str(tmp_path)])
+    path = mod.main(argv + ["--explore-precision", "nvfp4", "--out", str(tmp_path)])
     rec = json.loads(path.read_text())
     assert set(rec["results"]) == {"naive_scaling", "compile", "naive_quant", "sol_rl"}
     for r in rec["results"].values():

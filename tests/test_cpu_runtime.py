@@ -158,21 +158,21 @@ def test_auto_explore_never_picks_a_slower_precision():
     # emulated NVFP4 (and every other format) slower than the policy: explore at the policy's precision
     slow = {"policy": 10.0, "nvfp4": 60.0, "nvfp4_weight_only": 30.0, "fp8": 25.0, "fp8_weight_only": 12.0}
     ch = hw.choose_explore_precision(slow)
-    assert ch.precision == "bf16" and "no quantized precision is faster" in ch.reason and "nvfp4 6.00x" in ch.reason
+    assert ch.precision == hw.POLICY and "no quantized precision is faster" in ch.reason and "nvfp4 6.00x" in ch.reason
     # only FP8 weight-only is faster: that one, not the cheaper but slower NVFP4
     ch = hw.choose_explore_precision({**slow, "fp8_weight_only": 6.0})
     assert ch.precision == "fp8_weight_only" and "1.67x faster" in ch.reason
     # several faster: the cheapest of them
     assert hw.choose_explore_precision({**slow, "nvfp4": 4.0, "fp8": 5.0}).precision == "nvfp4"
     # within the margin is not faster
-    assert hw.choose_explore_precision({**slow, "fp8": 9.8}).precision == "bf16"
+    assert hw.choose_explore_precision({**slow, "fp8": 9.8}).precision == hw.POLICY
     rng = random.Random(0)
     for _ in range(200):
         t = {k: rng.uniform(1, 20) for k in ("policy", *hw.EXPLORE_CANDIDATES)}
         ch = hw.choose_explore_precision(t)
-        assert ch.precision == "bf16" or t[ch.precision] < t["policy"]
+        assert ch.precision == hw.POLICY or t[ch.precision] < t["policy"]
         faster = [k for k in hw.EXPLORE_CANDIDATES if t[k] <= 0.95 * t["policy"]]
-        assert ch.precision == (faster[0] if faster else "bf16")
+        assert ch.precision == (faster[0] if faster else hw.POLICY)
     with pytest.raises(ValueError, match="policy"):
         hw.choose_explore_precision({"nvfp4": 1.0})
 
@@ -191,9 +191,9 @@ def test_resolve_explore_precision_passes_set_values_and_times_the_model_on_cpu(
     assert set(t) == {"policy", *hw.EXPLORE_CANDIDATES} and all(v > 0 for v in t.values())
     assert hw.probe_explore_timings(shapes, rule, torch.float32, rows=64, reps=1) == t  # cached
     ch = hw.resolve_explore_precision("auto", "cpu", torch.float32, m.transformer, rule)
-    assert ch.precision in ("bf16", *hw.EXPLORE_CANDIDATES) and ch.timings_ms
+    assert ch.precision in (hw.POLICY, *hw.EXPLORE_CANDIDATES) and ch.timings_ms
     none = hw.resolve_explore_precision("auto", "cpu", torch.float32, m.transformer, {"include": ("nothing.*",)})
-    assert none.precision == "bf16" and "no layer" in none.reason
+    assert none.precision == hw.POLICY and "no layer" in none.reason
 
 
 def test_rollouts_build_the_explore_copy_the_timings_choose(tmp_path, monkeypatch, caplog):
@@ -208,6 +208,24 @@ def test_rollouts_build_the_explore_copy_the_timings_choose(tmp_path, monkeypatc
     assert ro.explore.recipe == "fp8" and ro.explore_choice.precision == "fp8"
     assert "explore precision fp8" in caplog.text and "explore_rht apply to NVFP4 only" in caplog.text
     monkeypatch.setattr(hw, "probe_explore_timings", lambda *a, **k: {"policy": 1.0, "nvfp4": 5.0, "fp8": 2.0})
-    assert Rollouts(cfg, explore=True).explore.recipe == "bf16"
+    ro = Rollouts(cfg, explore=True)  # nothing faster than the policy: no copy, the policy explores itself
+    assert ro.explore is None and ro.explore_choice.precision == hw.POLICY and ro.explore_recipe == "policy (float32)"
     explicit = Rollouts(RLConfig(**{**cfg.__dict__, "explore_precision": "nvfp4"}), explore=True)
     assert explicit.explore.recipe == "nvfp4+rht16"  # still selectable explicitly
+
+
+def test_every_rank_takes_rank_zeros_explore_choice(tmp_path, monkeypatch):
+    """Under torchrun each rank times the candidates itself; the copy must be the same on all of them."""
+    from solrl_engine.rollout import Rollouts
+
+    _model().save(tmp_path / "m")
+    cfg = RLConfig(model="tiny", model_path=str(tmp_path / "m"), device="cpu", policy_dtype="float32")
+    monkeypatch.setattr(hw, "probe_explore_timings", lambda *a, **k: {"policy": 1.0, "nvfp4": 5.0, "fp8": 5.0})
+
+    class RankZeroSaysFP8:
+        def broadcast_object(self, obj):
+            assert isinstance(obj, hw.ExploreChoice) and obj.precision == hw.POLICY  # this rank's own choice
+            return hw.ExploreChoice("fp8", "rank 0's timings")
+
+    ro = Rollouts(cfg, explore=True, dist=RankZeroSaysFP8())
+    assert ro.explore is not None and ro.explore.recipe == "fp8" and ro.explore_choice.reason == "rank 0's timings"

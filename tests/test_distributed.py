@@ -1,5 +1,6 @@
 """torchrun --nproc_per_node 2 (gloo) on the bundled model's architecture: the same selected seeds,
-global advantage statistics, metrics and final adapter as a one-process run of the same config."""
+global advantage statistics, metrics and final adapter as a one-process run of the same config (two
+optimizer steps per iteration, each on a random half of the global batch that spans both ranks)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def _args(small_model: str, out: Path) -> list[str]:
     sets = [f"model_path={small_model}", "n=6", "k=4", "prompts_per_iter=4", "iterations=2", "preview_steps=2",
             "full_steps=4", "eval_every=2", "eval_prompt_count=3", "eval_seeds=1", "save_every=1", "lora_rank=4",
             "lora_alpha=8", "lr=1e-2", "rollout_batch_size=16", "train_batch_size=4",
-            "timestep_fraction=0.5"]  # fmt: skip
+            "timestep_fraction=0.5", "explore_precision=nvfp4", "updates_per_iter=2",
+            "eval_train_prompt_count=3"]  # fmt: skip
     args = ["train", str(ROOT / "configs/tiny.py:tiny_sol_rl_shapes"), "--output", str(out)]
     for s in sets:
         args += ["--set", s]
@@ -57,6 +59,7 @@ def test_torchrun_two_ranks_match_one_process(small_model, tmp_path):
         # previews differ by float rounding only (activation scales see a different batch)
         assert rb["explore_reward_mean"] == pytest.approx(ra["explore_reward_mean"], rel=1e-2, abs=1e-4)
     assert b[-1]["heldout_reward"] == pytest.approx(a[-1]["heldout_reward"], rel=1e-4, abs=1e-6)
+    assert b[-1]["train_prompt_reward"] == pytest.approx(a[-1]["train_prompt_reward"], rel=1e-4, abs=1e-6)
     from safetensors.torch import load_file
 
     name = "lora/pytorch_lora_weights.safetensors"

@@ -9,11 +9,20 @@ import pytest
 import torch
 
 from solrl_engine.models.tiny import TinyConfig, TinyT2I
-from solrl_engine.rl import RLConfig
+from solrl_engine.rl import ConfigError, RLConfig
 from solrl_engine.rl.trainer import Trainer
 
 SMALL = TinyConfig(num_layers=1, heads=2, head_dim=16, text_dim=32, text_layers=1)
 TIME_KEYS = {"time_explore_s", "time_regen_s", "time_train_s", "time_total_s"}
+
+
+@pytest.fixture(autouse=True)
+def _eager_cpu_sampler(monkeypatch):
+    """The `compile` family samples eagerly here (the fallback without a C++ compiler), so it must match
+    naive_scaling bit for bit; the inductor path has its own tests (test_cpu_runtime.py)."""
+    from solrl_engine import hw
+
+    monkeypatch.setattr(hw, "cxx_compiler", lambda *a, **k: None)
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +54,7 @@ def _cfg(small_model: str, out, family: str = "sol_rl", **kw) -> RLConfig:
         rollout_batch_size=16,
         train_batch_size=4,
         timestep_fraction=0.5,
+        explore_precision="nvfp4",  # the quantized explore copy (auto on a CPU explores with the policy itself)
         output=str(out),
     )
     base.update(kw)
@@ -77,11 +87,11 @@ def test_every_family_runs_and_writes_its_artifacts(small_model, tmp_path, famil
     gain = recs[-1]["heldout_gain"]
     assert gain == pytest.approx(recs[-1]["heldout_reward"] - summary["heldout_reward_start"], abs=1e-6)
     assert summary["heldout_gain_final"] == gain and recs[-1]["heldout_gain_stderr"] >= 0
-    assert summary["explore_recipe"] == ("nvfp4" if family in ("sol_rl", "naive_quant") else "bf16")
+    assert summary["explore_recipe"] == ("nvfp4" if family in ("sol_rl", "naive_quant") else "policy (float32)")
 
 
 def test_families_differ_only_where_they_should(small_model, tmp_path):
-    # compile falls back to eager on CPU, so it must reproduce naive_scaling exactly
+    # compile falls back to eager here (no C++ compiler, see _eager_cpu_sampler): it reproduces naive_scaling
     a = Trainer(_cfg(small_model, tmp_path / "a", "naive_scaling", iterations=1), progress=False)
     b = Trainer(_cfg(small_model, tmp_path / "b", "compile", iterations=1), progress=False)
     a.run()
@@ -187,3 +197,55 @@ def test_explore_copy_shares_the_frozen_base_and_keeps_its_own_lora_layers(small
     assert all(torch.equal(before[n], t) for n, t in base.items())  # the policy's base is untouched by refresh
     merged = tr.adapters.merged_weights("old")[name]
     torch.testing.assert_close(shared[name], merged)  # the explore copy follows the old adapter
+
+
+def test_sol_rl_explores_with_the_policy_when_no_quantized_precision_is_faster(small_model, tmp_path, monkeypatch):
+    """explore_precision=auto on a CPU where every emulated format is slower: no copy is built, the
+    policy previews at preview_steps, and the proxy statistics are still those of the previews."""
+    from solrl_engine import hw
+    from solrl_engine.rl.adapters import OLD
+
+    slow = {"policy": 1.0, **{k: 3.0 for k in hw.EXPLORE_CANDIDATES}}
+    monkeypatch.setattr(hw, "probe_explore_timings", lambda *a, **k: dict(slow))
+    tr = Trainer(_cfg(small_model, tmp_path, explore_precision="auto"), progress=False)
+    assert tr.explore is None and tr.rollouts.explore_choice.precision == hw.POLICY
+    assert tr.explorer.transformer is None and tr.explorer.tag == OLD and tr.explorer.steps == 2  # preview_steps
+    summary = tr.run()
+    assert summary["explore_recipe"] == "policy (float32)" and not (tmp_path / "quantization.txt").exists()
+    for r in _records(tmp_path):
+        assert -1 <= r["proxy_spearman"] <= 1 and r["proxy_reward_mean"] is not None and r["time_regen_s"] > 0
+
+
+def test_updates_per_iter_takes_that_many_optimizer_steps(small_model, tmp_path):
+    tr = Trainer(_cfg(small_model, tmp_path, updates_per_iter=2, eval_train_prompt_count=3), progress=False)
+    m = tr.step()
+    assert all(st["step"].item() == 2 for st in tr.opt.state.values())  # two Adam steps in one iteration
+    assert m["old_decay"] == pytest.approx(min(0.001 * 2, 0.5))  # the old adapter's decay counts optimizer steps
+    assert m["loss"] == m["loss"] and m["grad_norm"] >= 0
+    with pytest.raises(ConfigError, match="updates_per_iter"):
+        _cfg(small_model, tmp_path, updates_per_iter=0).validate()
+    tr.evaluate()  # training prompts beside the held-out ones
+    assert len(tr.eval_train_prompts) == 3 and set(tr.eval_train_prompts) <= set(tr.train_prompts)
+    assert len(tr.train_evals) == 1 and 0 <= tr.train_evals[0][1] <= 1
+
+
+def test_resume_keeps_the_explore_precision_the_run_was_timed_into(small_model, tmp_path, monkeypatch):
+    """explore_precision=auto is timed at start; a resumed run explores as its checkpoint says, here
+    rebuilding the NVFP4 copy from the adapted policy although this start's timings chose the policy."""
+    from solrl_engine import hw
+
+    fast = {"policy": 1.0, "nvfp4": 0.5}
+    monkeypatch.setattr(hw, "probe_explore_timings", lambda *a, **k: dict(fast))
+    kw = dict(explore_precision="auto", iterations=4, eval_every=2)
+    Trainer(_cfg(small_model, tmp_path / "full", **kw), progress=False).run()
+    Trainer(_cfg(small_model, tmp_path / "part", **{**kw, "iterations": 2}), progress=False).run()
+    fast["nvfp4"] = 3.0  # this start would explore with the policy
+    tr = Trainer(_cfg(small_model, tmp_path / "part", **kw), progress=False)
+    assert tr.explore is None
+    tr.run(resume=True)
+    assert tr.explore is not None and tr.explore.recipe == "nvfp4" and tr.explorer.transformer is tr.explore.transformer
+    want, got = _records(tmp_path / "full"), _records(tmp_path / "part")
+    for w, g in zip(want[2:], got[2:], strict=True):
+        assert g["selection_digest"] == w["selection_digest"]
+        for key in ("reward_mean", "explore_reward_mean", "proxy_spearman", "loss"):
+            assert g[key] == pytest.approx(w[key], rel=1e-4, abs=1e-6), key

@@ -40,7 +40,8 @@ def small_model(tmp_path_factory: pytest.TempPathFactory) -> str:
 def _sets(small_model: str, **kw: object) -> list[str]:
     base = dict(model_path=small_model, n=6, k=4, prompts_per_iter=2, iterations=4, preview_steps=2, full_steps=4,
                 eval_every=2, eval_prompt_count=2, eval_seeds=1, save_every=1, lora_rank=4, lora_alpha=8, lr=1e-2,
-                rollout_batch_size=16, train_batch_size=4, timestep_fraction=0.5)  # fmt: skip
+                rollout_batch_size=16, train_batch_size=4, timestep_fraction=0.5,
+                explore_precision="nvfp4")  # fmt: skip  (auto is timed: separate runs could choose apart)
     base.update(kw)
     return [f"{k}={v}" for k, v in base.items()]
 

@@ -79,6 +79,16 @@ class Dist:
             p.grad = flat[i : i + n].view_as(g).to(g.dtype)
             i += n
 
+    def broadcast_object(self, obj: object) -> object:
+        """Rank 0's `obj` on every rank (a decision every rank must share, e.g. a timed choice)."""
+        if self.world == 1:
+            return obj
+        import torch.distributed as td
+
+        box = [obj]
+        td.broadcast_object_list(box, src=0)
+        return box[0]
+
     def barrier(self) -> None:
         if self.world > 1:
             import torch.distributed as td

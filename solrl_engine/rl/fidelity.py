@@ -12,6 +12,7 @@ the linear FLOPs whose previews still rank at a target Spearman.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import hashlib
 import json
@@ -111,6 +112,13 @@ class _Setup:
 
 
 def _setup(cfg: RLConfig, prompts: int, n: int, oracle_cache: str | Path | None, progress: bool) -> _Setup:
+    if cfg.explore_precision == "auto":  # a fidelity study measures a quantized proxy, wherever it is slow
+        from solrl_engine.quant.recipe import auto_explore_recipe
+        from solrl_engine.rl.config import resolve_runtime
+
+        dev = resolve_runtime(cfg)[0]
+        cap = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None
+        cfg = dataclasses.replace(cfg, explore_precision=auto_explore_recipe(cap))
     ro = Rollouts(cfg, explore=True)
     pool = load_prompts(cfg.train_prompts)
     chosen = random.Random(cfg.seed).sample(pool, min(prompts, len(pool)))

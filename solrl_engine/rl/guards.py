@@ -51,6 +51,17 @@ def check_finite(stage: str, x: torch.Tensor, prompts: list[str], seeds: list[in
         raise NonFiniteError(stage, detail)
 
 
+def raise_collective(problem: tuple[str, str] | None, dist: Any, device: torch.device | str = "cpu") -> None:
+    """Raise NonFiniteError(stage, detail) for `problem` found on this rank, or on another rank's
+    word: one collective, so ranks whose loops differ in length still meet in it exactly once."""
+    if dist is not None and dist.world > 1:
+        flag = torch.tensor([0.0 if problem is None else 1.0], device=device)
+        if dist.sum_(flag).item() > 0 and problem is None:
+            problem = ("a training batch", "on another rank (see its log)")
+    if problem is not None:
+        raise NonFiniteError(*problem)
+
+
 def check_resume_config(then: dict[str, Any], now: RLConfig) -> None:
     """Refuse to resume when the config differs from the checkpoint's in a key that decides the future."""
     import dataclasses

@@ -146,8 +146,6 @@ def paper_config(model: str, family: str, reward: str, **overrides: Any) -> RLCo
     kw: dict[str, Any] = {**COMMON, **PAPER[model], "family": family, "reward": reward}
     if FAMILY_TABLE[family].all_rollouts:  # DiffusionNFT trains on every rollout: N = K
         kw["n"] = kw["k"]
-    if family == "sol_rl":  # previews and regenerations both through the compiled sampler on GPU
-        kw["compiled_sampler"] = True
     # naive_quant and sol_rl quantize the model's default layers: explore_layers / explore_skip /
     # explore_skip_max_dim stay None (solrl_engine/models/, the official nvfp4_skip_modules / min_dim)
     return RLConfig(**{**kw, **overrides})

@@ -33,7 +33,14 @@ from solrl_engine.rl.config import FAMILY_TABLE, ConfigError, RLConfig, autocast
 from solrl_engine.rl.distributed import Dist
 from solrl_engine.rl.explore import ExploreCopy
 from solrl_engine.rl.export import save_lora
-from solrl_engine.rl.guards import NonFiniteError, ProxyGuard, check_finite, check_resume_config
+from solrl_engine.rl.guards import (
+    NonFiniteError,
+    ProxyGuard,
+    check_finite,
+    check_resume_config,
+    nonfinite_detail,
+    raise_collective,
+)
 from solrl_engine.rl.loss import nft_loss
 from solrl_engine.rl.ranking import group_advantages, kendall, spearman
 from solrl_engine.rl.tracking import Tracker
@@ -75,6 +82,8 @@ class Trainer:
         self.out = Path(cfg.output or f"runs/{cfg.name}")
         self.train_prompts = load_prompts(cfg.train_prompts)
         self.eval_prompts = load_prompts(cfg.eval_prompts)[: cfg.eval_prompt_count]
+        k_train = min(cfg.eval_train_prompt_count, len(self.train_prompts))  # a fixed sample, by the run's seed
+        self.eval_train_prompts = random.Random(cfg.seed + 3).sample(self.train_prompts, k_train)
         on_gpu = cfg.device != "cpu" and torch.cuda.is_available()
         self.dist = Dist.from_env("cuda" if on_gpu else "cpu")
         if on_gpu and self.dist.world > 1:
@@ -85,7 +94,7 @@ class Trainer:
                 "ranks: make it a multiple of the number of processes (it is the global number of prompts)"
             )
         self.progress = progress and self.dist.main
-        self.rollouts = Rollouts(cfg, explore=self.rule.quantized_explore)
+        self.rollouts = Rollouts(cfg, explore=self.rule.quantized_explore, dist=self.dist)
         self.model, self.device, self.dtype = self.rollouts.model, self.rollouts.device, self.rollouts.dtype
         self.reward = self.rollouts.reward
         self.reward(torch.zeros(1, 3, 8, 8), self.train_prompts[:1])  # fail early on prompts the reward rejects
@@ -100,16 +109,14 @@ class Trainer:
         self.adapters.ema = [e.float() for e in self.adapters.ema]
         if cfg.gradient_checkpointing:
             self.model.transformer.enable_gradient_checkpointing()
-        if self.explore is not None:
-            self.explore.attach(self.adapters, merge=cfg.merge_lora)
-        steps = cfg.preview_steps if self.rule.preview else cfg.full_steps
-        self.explorer = Explorer.from_rollouts(self.rollouts, cfg.n, cfg.k, steps, None, self.explore is not None)
+        self._follow_explore()
         self.opt = torch.optim.AdamW(self.adapters.params(TRAIN), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.prompt_sampler = PromptSampler(self.train_prompts, cfg.seed)
         self.seed_rng = random.Random(cfg.seed + 1)
         self.gen = torch.Generator().manual_seed(cfg.seed + 2)
         self.iteration = 0
         self.evals: list[tuple[int, float, float]] = []  # (iteration, mean, standard error)
+        self.train_evals: list[tuple[int, float, float]] = []  # the same on eval_train_prompts
         # The first evaluation's per-image rewards: later ones (same prompts, same seeds) are compared
         # image by image, a paired difference whose noise is far below the mean's own standard error.
         self.eval_base: torch.Tensor | None = None
@@ -118,6 +125,15 @@ class Trainer:
         self.nonfinite = 0  # iterations whose update was skipped for non-finite values
         self.guard = ProxyGuard(cfg)
         self._stop = False
+
+    def _follow_explore(self) -> None:
+        """Attach the explore copy (if any) to the policy's adapters and point the explorer at it."""
+        c = self.cfg
+        self.explore = self.rollouts.explore
+        if self.explore is not None:
+            self.explore.attach(self.adapters, merge=c.merge_lora)
+        steps = c.preview_steps if self.rule.preview else c.full_steps
+        self.explorer = Explorer.from_rollouts(self.rollouts, c.n, c.k, steps, None, self.explore is not None)
 
     # --- rollouts ----------------------------------------------------------------------------------
 
@@ -191,7 +207,7 @@ class Trainer:
         # 4. update the policy on the selected samples, advantages from the (BF16) rewards of every
         #    rank: grouped by prompt text, divided by the global std
         g_rewards, g_proxy = dist.gather_rows(rewards), dist.gather_rows(proxy)
-        proxy_stats = rule.regenerate and self.explore is not None
+        proxy_stats = rule.regenerate  # previews (quantized, or the policy's own at preview_steps) vs regenerations
         guard = self._guard(g_proxy, g_rewards, sel, cond) if proxy_stats else {}  # before the copy moves on
         adv = group_advantages(g_rewards, c.adv_clip, prompts=all_prompts)[mine].flatten()
         stats = self._update(x0, sel_cond, adv, len(all_prompts) * c.k, mine.start * c.k, sel)
@@ -212,7 +228,7 @@ class Trainer:
             "reward_std": g_rewards.std().item(),
             **({f"reward_{k}_mean": v.mean().item() for k, v in g_comps.items()} if len(g_comps) > 1 else {}),
             "explore_reward_mean": g_r_all.mean().item(),
-            "proxy_reward_mean": g_proxy.mean().item() if self.explore is not None else None,
+            "proxy_reward_mean": g_proxy.mean().item() if rule.quantized_explore else None,
             "proxy_spearman": spearman(g_proxy, g_rewards).mean().item() if proxy_stats else None,
             "proxy_kendall": kendall(g_proxy, g_rewards).mean().item() if proxy_stats else None,
             "selection_digest": hashlib.sha1(g_sel.cpu().numpy().tobytes()).hexdigest()[:16],
@@ -234,10 +250,10 @@ class Trainer:
         in full precision, the quantized proxy is still measured on the selected seeds, so it can recover."""
         c = self.cfg
         if self.guard.fallback:
-            assert self.explore is not None
+            copy = self.explore.transformer if self.explore is not None else None  # None: the policy's own previews
             with torch.no_grad():
-                x = self._sample(cond.repeat_interleave(c.k), sel.flat_seeds, c.preview_steps, self.explore.transformer,
-                                 "explore")  # fmt: skip
+                x = self._sample(cond.repeat_interleave(c.k), sel.flat_seeds, c.preview_steps, copy,
+                                 "explore" if copy is not None else OLD)  # fmt: skip
                 g_proxy = self.dist.gather_rows(self._score(x, sel.flat_prompts)[0].view(len(sel.prompts), c.k))
         rho = spearman(g_proxy, g_rewards).mean().item()
         mean, event = self.guard.update(rho)
@@ -256,11 +272,13 @@ class Trainer:
     def _update(
         self, x0: torch.Tensor, cond: Conditioning, adv: torch.Tensor, b_global: int, row0: int, sel: Any = None
     ) -> dict[str, float]:
-        """One optimizer step over all samples x the chosen rollout timesteps (gradient accumulation).
+        """`updates_per_iter` optimizer steps over the selected samples x the chosen rollout timesteps
+        (the official DiffusionNFT's gradient steps per epoch): the global batch is split at random
+        into that many groups, each one step with gradients accumulated over its samples.
 
-        The timesteps and the re-noising of every sample are drawn for the whole global batch (rows
-        row0 .. row0 + len(x0) are this rank's), and each sample's loss is weighed by 1 / (global
-        batch x timesteps), so the summed gradients equal a one-process run's."""
+        The timesteps, the re-noising and the groups are drawn for the whole global batch (rows
+        row0 .. row0 + len(x0) are this rank's), and each sample's loss is weighed by 1 / (its group's
+        global size x timesteps), so the summed gradients equal a one-process run's."""
         c = self.cfg
         sig = self.rollouts.training_sigmas()  # the rollout times, t in (0, 1]
         n_t = max(1, int(c.full_steps * c.timestep_fraction))
@@ -268,72 +286,89 @@ class Trainer:
         rows = slice(row0, row0 + b)
         perms = torch.stack([torch.randperm(c.full_steps, generator=self.gen)[:n_t] for _ in range(b_global)])[rows]
         noise_seeds = torch.randint(0, 2**62, (b_global, n_t), generator=self.gen)[rows]
-        weight = 1.0 / (b_global * n_t)
+        groups = [torch.arange(b_global)]
+        if c.updates_per_iter > 1:
+            groups = list(torch.randperm(b_global, generator=self.gen).tensor_split(c.updates_per_iter))
         totals = torch.zeros(3, dtype=torch.float64)
-        self.opt.zero_grad(set_to_none=True)
-        for j in range(n_t):
-            for s in range(0, b, c.train_batch_size):
-                sl = slice(s, s + c.train_batch_size)
-                xb, cb, ab = x0[sl], cond[sl], adv[sl]
-                t = sig[perms[sl, j]].to(self.device)
-                noise = seeded_noise(noise_seeds[sl, j].tolist(), tuple(xb.shape[1:]), self.device, xb.dtype)
-                tb = t.view(-1, *([1] * (xb.dim() - 1))).to(xb.dtype)
-                xt = (1 - tb) * xb + tb * noise
-                with torch.no_grad(), self._autocast():
-                    with self.adapters.using(OLD):
-                        v_old = self.model.velocity(xt, t, cb).float()
-                    with self.adapters.using("ref"):
-                        v_ref = self.model.velocity(xt, t, cb).float() if c.kl_beta > 0 else None
-                with self._autocast():
-                    v = self.model.velocity(xt, t, cb).float()
-                if sel is not None:
-                    names = (sel.flat_prompts[sl], sel.flat_seeds[sl])
-                    check_finite(f"the velocities at t={t.tolist()}", v, *names, self.dist)
-                loss, st = nft_loss(v, v_old, v_ref, xb.float(), xt.float(), t, ab, c.beta, c.kl_beta, c.adv_clip)
-                bad_loss = torch.tensor([0.0 if torch.isfinite(loss) else 1.0], device=self.device)
-                if self.dist.sum_(bad_loss).item() > 0:
-                    raise NonFiniteError("the loss", f"samples {s}..{s + len(xb) - 1} of a rank's batch")
-                (loss * (len(xb) * weight)).backward()
-                parts = torch.tensor([st["loss"], st["policy_loss"], st["kl"]], dtype=torch.float64)
-                totals += parts * (len(xb) * weight)
-        params = self.adapters.params(TRAIN)
-        self.dist.sum_grads_(params)
-        if not all(bool(torch.isfinite(p.grad).all()) for p in params if p.grad is not None):
-            raise NonFiniteError("the LoRA gradients", "after accumulation over the batch")
+        gn = 0.0
+        for g, members in enumerate(groups):
+            mine = members[(members >= row0) & (members < row0 + b)] - row0  # this rank's rows of the group
+            weight = 1.0 / (len(members) * n_t)
+            self.opt.zero_grad(set_to_none=True)
+            problem = None  # the first non-finite velocity or loss on this rank: (stage, detail)
+            for j in range(n_t):
+                for s in range(0, len(mine), c.train_batch_size):
+                    ix = mine[s : s + c.train_batch_size]
+                    xb, cb, ab = x0[ix.to(x0.device)], cond[ix.to(x0.device)], adv[ix.to(adv.device)]
+                    t = sig[perms[ix, j]].to(self.device)
+                    noise = seeded_noise(noise_seeds[ix, j].tolist(), tuple(xb.shape[1:]), self.device, xb.dtype)
+                    tb = t.view(-1, *([1] * (xb.dim() - 1))).to(xb.dtype)
+                    xt = (1 - tb) * xb + tb * noise
+                    with torch.no_grad(), self._autocast():
+                        with self.adapters.using(OLD):
+                            v_old = self.model.velocity(xt, t, cb).float()
+                        with self.adapters.using("ref"):
+                            v_ref = self.model.velocity(xt, t, cb).float() if c.kl_beta > 0 else None
+                    with self._autocast():
+                        v = self.model.velocity(xt, t, cb).float()
+                    if problem is None and sel is not None:
+                        names = ([sel.flat_prompts[i] for i in ix], [sel.flat_seeds[i] for i in ix])
+                        bad = nonfinite_detail(v, *names)
+                        problem = None if bad is None else (f"the velocities at t={t.tolist()}", bad)
+                    loss, st = nft_loss(v, v_old, v_ref, xb.float(), xt.float(), t, ab, c.beta, c.kl_beta,
+                                        c.adv_clip)  # fmt: skip
+                    if problem is None and not torch.isfinite(loss):
+                        problem = ("the loss", f"samples {ix.tolist()} of a rank's batch")
+                    if problem is not None:
+                        continue  # the iteration's update is skipped (or the run stops) below
+                    (loss * (len(xb) * weight)).backward()
+                    parts = torch.tensor([st["loss"], st["policy_loss"], st["kl"]], dtype=torch.float64)
+                    totals += parts * (len(xb) * weight / len(groups))
+            raise_collective(problem, self.dist, self.device)  # once per group: ranks' loops differ in length
+            params = self.adapters.params(TRAIN)
+            self.dist.sum_grads_(params)
+            if not all(bool(torch.isfinite(p.grad).all()) for p in params if p.grad is not None):
+                raise NonFiniteError("the LoRA gradients", "after accumulation over the batch")
+            gn = float(torch.nn.utils.clip_grad_norm_(params, c.grad_clip))
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+            # the optimizer-step count after this step (= iterations when updates_per_iter is 1)
+            self.adapters.update_ema(self.iteration * len(groups) + g + 1, c.ema_decay_max)
         totals = self.dist.sum_(totals.to(self.device)).cpu()
-        gn = torch.nn.utils.clip_grad_norm_(params, c.grad_clip)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        self.adapters.update_ema(self.iteration + 1, c.ema_decay_max)  # the update count after this update
-        d = self.adapters.update_old(self.iteration + 1, c.old_decay_rate, c.old_decay_max)
+        d = self.adapters.update_old((self.iteration + 1) * len(groups), c.old_decay_rate, c.old_decay_max)
         loss, policy, kl = totals.tolist()
-        return {"loss": loss, "policy_loss": policy, "kl": kl, "grad_norm": float(gn), "old_decay": d}
+        return {"loss": loss, "policy_loss": policy, "kl": kl, "grad_norm": gn, "old_decay": d}
 
     # --- evaluation, checkpoints, the loop ---------------------------------------------------------
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean reward on the held-out prompts with the EMA adapter (fixed seeds 0 .. eval_seeds - 1);
-        writes an image grid with each image's prompt and reward."""
+        """Mean reward on the held-out prompts with the EMA adapter (fixed seeds 0 .. eval_seeds - 1),
+        and on `eval_train_prompts` with the same seeds when there are any; writes an image grid of
+        the held-out images with each one's prompt and reward."""
         c, dist = self.cfg, self.dist
-        prompts = self.eval_prompts
+        prompts = self.eval_prompts + self.eval_train_prompts  # one pass: held-out first, then training
         per = -(-len(prompts) // dist.world)  # each rank evaluates a contiguous share, the last one padded
         padded = prompts + [prompts[-1]] * (per * dist.world - len(prompts))
         mine = padded[dist.rank * per : (dist.rank + 1) * per]
         with self.adapters.ema_weights():
             res = evaluate_rollouts(self.rollouts, mine, c.eval_seeds, tag=TRAIN)
-        n = len(prompts) * c.eval_seeds
-        full = EvalResult(list(prompts), [], res.images, dist.gather_rows(res.rewards.to(self.device)).cpu()[:n])
+        n = len(self.eval_prompts) * c.eval_seeds
+        rewards = dist.gather_rows(res.rewards.to(self.device)).cpu()[: len(prompts) * c.eval_seeds]
+        full = EvalResult(list(self.eval_prompts), [], res.images, rewards[:n])
         mean, sem = full.mean, full.stderr
         if self.eval_base is None or len(self.eval_base) != n:
             self.eval_base = full.rewards.clone()
         diff = full.rewards - self.eval_base
         gain, gain_sem = diff.mean().item(), (diff.std().item() / n**0.5 if n > 1 else 0.0)
         self.gains.append((self.iteration, gain, gain_sem))
+        if self.eval_train_prompts:
+            tr = EvalResult(list(self.eval_train_prompts), [], res.images, rewards[n:])
+            self.train_evals.append((self.iteration, tr.mean, tr.stderr))
         if dist.main:
             head = (f"iter {self.iteration}: held-out reward {mean:.3f} +- {sem:.3f}, "
                     f"gain {gain:+.3f} +- {gain_sem:.3f} (EMA adapter, {n} images, same seeds)")  # fmt: skip
-            grid = eval_grid(res, c.eval_seeds, head)
+            grid = eval_grid(res, c.eval_seeds, head)  # rank 0's share starts with the held-out prompts
             grid.save(self.out / f"eval_{self.iteration:05d}.png")
             if self.tracker is not None:
                 self.tracker.image("eval/grid", grid, self.iteration)
@@ -349,12 +384,15 @@ class Trainer:
             "seed_rng": self.seed_rng.getstate(),
             "gen": self.gen.get_state(),
             "evals": list(self.evals),
+            "train_evals": list(self.train_evals),
             "eval_base": None if self.eval_base is None else self.eval_base.tolist(),
             "gains": list(self.gains),
             "config": dataclasses.asdict(self.cfg),
             "world_size": self.dist.world,
             "nonfinite": self.nonfinite,
             "proxy_guard": self.guard.state(),
+            # explore_precision=auto is timed at start: a resumed run keeps the choice it was made with
+            "explore_precision": ch.precision if (ch := self.rollouts.explore_choice) is not None else None,
         }
 
     def _restore(self, st: dict[str, Any]) -> None:
@@ -368,11 +406,20 @@ class Trainer:
         self.seed_rng.setstate(st["seed_rng"])
         self.gen.set_state(st["gen"])
         self.evals = [tuple(e) for e in st["evals"]]  # type: ignore[misc]
+        self.train_evals = [tuple(e) for e in st.get("train_evals", [])]  # type: ignore[misc]
         base = st.get("eval_base")  # absent in checkpoints of older versions: gains restart from here
         self.eval_base = None if base is None else torch.tensor(base)
         self.gains = [tuple(g) for g in st.get("gains", [])]  # type: ignore[misc]
         self.nonfinite = st.get("nonfinite", 0)
         self.guard.load_state(st["proxy_guard"])
+        then, now = st.get("explore_precision"), self.rollouts.explore_choice
+        if then is not None and now is not None and then != now.precision:
+            from solrl_engine.hw import ExploreChoice
+
+            log.info("resuming with the checkpoint's explore precision %s (this start chose %s)", then, now.precision)
+            why = "the checkpoint's (explore_precision=auto, timed at its start)"
+            self.rollouts.build_explore(ExploreChoice(then, why))
+            self._follow_explore()
         if self.guard.fallback:
             self._set_fallback(True)
         if self.explore is not None:
@@ -394,12 +441,13 @@ class Trainer:
 
     def _plot(self, history: list[dict[str, Any]]) -> None:
         done = [h for h in history if "reward_mean" in h]  # skipped iterations have no rewards
-        series = {"train reward (BF16 samples)": ([h["iter"] for h in done], [h["reward_mean"] for h in done])}
+        its = ([h["iter"] for h in done], [h["reward_mean"] for h in done])
+        series = {"rollout reward (each iteration's prompts)": its}
         bands = {}
-        if self.evals:
-            name = "held-out reward (EMA)"
-            series[name] = ([e[0] for e in self.evals], [e[1] for e in self.evals])
-            bands[name] = [e[2] for e in self.evals]
+        for name, evals in (("held-out prompts (EMA)", self.evals), ("training prompts (EMA)", self.train_evals)):
+            if evals:
+                series[name] = ([e[0] for e in evals], [e[1] for e in evals])
+                bands[name] = [e[2] for e in evals]
         line_plot(self.out / "reward.png", series, f"{self.cfg.name}", "iteration", f"{self.cfg.reward} reward", bands)
 
     def export(self) -> None:
@@ -461,6 +509,8 @@ class Trainer:
                 m["heldout_reward"] = self.evaluate()
                 m["heldout_stderr"] = self.evals[-1][2]
                 m["heldout_gain"], m["heldout_gain_stderr"] = self.gains[-1][1:]
+                if self.train_evals:
+                    m["train_prompt_reward"], m["train_prompt_stderr"] = self.train_evals[-1][1:]
             history.append(m)
             if main:
                 with metrics_path.open("a") as f:
@@ -490,9 +540,11 @@ class Trainer:
             # paired over the same prompts and seeds as the first evaluation
             "heldout_gain_final": self.gains[-1][1] if self.gains else None,
             "heldout_gain_stderr_final": self.gains[-1][2] if self.gains else None,
+            "train_prompt_reward_start": self.train_evals[0][1] if self.train_evals else None,
+            "train_prompt_reward_final": self.train_evals[-1][1] if self.train_evals else None,
             "lora": str(self.out / "lora"),
             "lora_ema": str(self.out / "lora_ema"),
-            "explore_recipe": self.explore.recipe if self.explore else "bf16",
+            "explore_recipe": self.rollouts.explore_recipe,
             "mean_time_total_s": sum(h["time_total_s"] for h in history) / max(1, len(history)),
             # one-off sampler compilation (CPU: inductor) or graph capture (GPU), out of the times above
             "time_compile_s": self.rollouts.sampler.stats.overhead_s,
