@@ -33,19 +33,11 @@ from solrl_engine.rl.config import FAMILY_TABLE, ConfigError, RLConfig, autocast
 from solrl_engine.rl.distributed import Dist
 from solrl_engine.rl.explore import ExploreCopy
 from solrl_engine.rl.export import save_lora
-from solrl_engine.rl.guards import (
-    NonFiniteError,
-    ProxyGuard,
-    check_finite,
-    check_resume_config,
-    nonfinite_detail,
-    raise_collective,
-)
-from solrl_engine.rl.loss import nft_loss
+from solrl_engine.rl.guards import NonFiniteError, ProxyGuard, check_finite, check_resume_config
 from solrl_engine.rl.ranking import group_advantages, kendall, spearman
 from solrl_engine.rl.tracking import Tracker
+from solrl_engine.rl.update import nft_update
 from solrl_engine.rollout import Explorer, Rollouts
-from solrl_engine.sampling import seeded_noise
 from solrl_engine.viz import line_plot
 
 log = logging.getLogger("solrl_engine.rl")
@@ -210,7 +202,10 @@ class Trainer:
         proxy_stats = rule.regenerate  # previews (quantized, or the policy's own at preview_steps) vs regenerations
         guard = self._guard(g_proxy, g_rewards, sel, cond) if proxy_stats else {}  # before the copy moves on
         adv = group_advantages(g_rewards, c.adv_clip, prompts=all_prompts)[mine].flatten()
-        stats = self._update(x0, sel_cond, adv, len(all_prompts) * c.k, mine.start * c.k, sel)
+        stats = nft_update(self.model, self.adapters, self.opt, c, x0=x0, cond=sel_cond, adv=adv,
+                           sigmas=self.rollouts.training_sigmas(), gen=self.gen, b_global=len(all_prompts) * c.k,
+                           row0=mine.start * c.k, iteration=self.iteration, dist=dist, autocast=self._autocast,
+                           sel=sel)  # fmt: skip
 
         # 5. refresh the explore copy with the new "old" policy, in place
         if self.explore is not None:
@@ -268,76 +263,6 @@ class Trainer:
         self.explorer.steps = c.full_steps if on or not self.rule.preview else c.preview_steps
         self.explorer.transformer = self.explore.transformer if quantized and not bf16 else None
         self.explorer.tag = "explore" if quantized and not bf16 else "old"
-
-    def _update(
-        self, x0: torch.Tensor, cond: Conditioning, adv: torch.Tensor, b_global: int, row0: int, sel: Any = None
-    ) -> dict[str, float]:
-        """`updates_per_iter` optimizer steps over the selected samples x the chosen rollout timesteps
-        (the official DiffusionNFT's gradient steps per epoch): the global batch is split at random
-        into that many groups, each one step with gradients accumulated over its samples.
-
-        The timesteps, the re-noising and the groups are drawn for the whole global batch (rows
-        row0 .. row0 + len(x0) are this rank's), and each sample's loss is weighed by 1 / (its group's
-        global size x timesteps), so the summed gradients equal a one-process run's."""
-        c = self.cfg
-        sig = self.rollouts.training_sigmas()  # the rollout times, t in (0, 1]
-        n_t = max(1, int(c.full_steps * c.timestep_fraction))
-        b = x0.shape[0]
-        rows = slice(row0, row0 + b)
-        perms = torch.stack([torch.randperm(c.full_steps, generator=self.gen)[:n_t] for _ in range(b_global)])[rows]
-        noise_seeds = torch.randint(0, 2**62, (b_global, n_t), generator=self.gen)[rows]
-        groups = [torch.arange(b_global)]
-        if c.updates_per_iter > 1:
-            groups = list(torch.randperm(b_global, generator=self.gen).tensor_split(c.updates_per_iter))
-        totals = torch.zeros(3, dtype=torch.float64)
-        gn = 0.0
-        for g, members in enumerate(groups):
-            mine = members[(members >= row0) & (members < row0 + b)] - row0  # this rank's rows of the group
-            weight = 1.0 / (len(members) * n_t)
-            self.opt.zero_grad(set_to_none=True)
-            problem = None  # the first non-finite velocity or loss on this rank: (stage, detail)
-            for j in range(n_t):
-                for s in range(0, len(mine), c.train_batch_size):
-                    ix = mine[s : s + c.train_batch_size]
-                    xb, cb, ab = x0[ix.to(x0.device)], cond[ix.to(x0.device)], adv[ix.to(adv.device)]
-                    t = sig[perms[ix, j]].to(self.device)
-                    noise = seeded_noise(noise_seeds[ix, j].tolist(), tuple(xb.shape[1:]), self.device, xb.dtype)
-                    tb = t.view(-1, *([1] * (xb.dim() - 1))).to(xb.dtype)
-                    xt = (1 - tb) * xb + tb * noise
-                    with torch.no_grad(), self._autocast():
-                        with self.adapters.using(OLD):
-                            v_old = self.model.velocity(xt, t, cb).float()
-                        with self.adapters.using("ref"):
-                            v_ref = self.model.velocity(xt, t, cb).float() if c.kl_beta > 0 else None
-                    with self._autocast():
-                        v = self.model.velocity(xt, t, cb).float()
-                    if problem is None and sel is not None:
-                        names = ([sel.flat_prompts[i] for i in ix], [sel.flat_seeds[i] for i in ix])
-                        bad = nonfinite_detail(v, *names)
-                        problem = None if bad is None else (f"the velocities at t={t.tolist()}", bad)
-                    loss, st = nft_loss(v, v_old, v_ref, xb.float(), xt.float(), t, ab, c.beta, c.kl_beta,
-                                        c.adv_clip)  # fmt: skip
-                    if problem is None and not torch.isfinite(loss):
-                        problem = ("the loss", f"samples {ix.tolist()} of a rank's batch")
-                    if problem is not None:
-                        continue  # the iteration's update is skipped (or the run stops) below
-                    (loss * (len(xb) * weight)).backward()
-                    parts = torch.tensor([st["loss"], st["policy_loss"], st["kl"]], dtype=torch.float64)
-                    totals += parts * (len(xb) * weight / len(groups))
-            raise_collective(problem, self.dist, self.device)  # once per group: ranks' loops differ in length
-            params = self.adapters.params(TRAIN)
-            self.dist.sum_grads_(params)
-            if not all(bool(torch.isfinite(p.grad).all()) for p in params if p.grad is not None):
-                raise NonFiniteError("the LoRA gradients", "after accumulation over the batch")
-            gn = float(torch.nn.utils.clip_grad_norm_(params, c.grad_clip))
-            self.opt.step()
-            self.opt.zero_grad(set_to_none=True)
-            # the optimizer-step count after this step (= iterations when updates_per_iter is 1)
-            self.adapters.update_ema(self.iteration * len(groups) + g + 1, c.ema_decay_max)
-        totals = self.dist.sum_(totals.to(self.device)).cpu()
-        d = self.adapters.update_old((self.iteration + 1) * len(groups), c.old_decay_rate, c.old_decay_max)
-        loss, policy, kl = totals.tolist()
-        return {"loss": loss, "policy_loss": policy, "kl": kl, "grad_norm": gn, "old_decay": d}
 
     # --- evaluation, checkpoints, the loop ---------------------------------------------------------
 
