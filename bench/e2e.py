@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernels import _device_info  # noqa: E402 - bench/ scripts share helpers without being a package
 
 from solrl_engine.models import ARCH_ALIASES  # noqa: E402
-from solrl_engine.rl.config import RLConfig, load_config  # noqa: E402
+from solrl_engine.rl.config import FAMILY_TABLE, RLConfig, load_config  # noqa: E402
 from solrl_engine.rl.trainer import Trainer  # noqa: E402
 
 FAMILIES = ("naive_scaling", "compile", "naive_quant", "sol_rl")
@@ -63,6 +63,8 @@ def family_config(family: str, args: argparse.Namespace, out: str) -> RLConfig:
         v = getattr(args, key)
         if v is not None:
             over[key] = v
+    if FAMILY_TABLE[family].all_rollouts:  # diffusionnft trains on every rollout: N = K
+        over["n"] = over.get("k", base.k)
     return dataclasses.replace(base, **over)
 
 
@@ -75,8 +77,8 @@ def run_family(cfg: RLConfig, warmup: int) -> dict[str, object]:
     res["time_rollout_s"] = res["time_explore_s"] + res["time_regen_s"]
     res["reward_mean"] = statistics.mean(r["reward_mean"] for r in timed)
     res["policy_dtype"] = str(trainer.dtype).removeprefix("torch.")
+    res["explore_recipe"] = trainer.rollouts.explore_recipe  # "policy (<dtype>)" where the policy explores
     if trainer.explore is not None:
-        res["explore_recipe"] = trainer.explore.recipe
         res["explore_quantized_layers"] = len(trainer.explore.report.quantized)
     choice = trainer.rollouts.explore_choice
     if choice is not None:
