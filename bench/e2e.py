@@ -119,6 +119,35 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _write(
+    args: argparse.Namespace,
+    info: dict[str, object],
+    configs: dict[str, dict[str, object]],
+    results: dict[str, dict[str, object]],
+    final: bool,
+) -> Path:
+    """The JSON of the families measured so far, with their ratios to the baselines among them."""
+    ratios: dict[str, dict[str, float]] = {}
+    for base in ("compile", "naive_scaling"):
+        if base not in results:
+            continue
+        b = results[base]
+        for fam, r in results.items():
+            ratios.setdefault(fam, {})[f"rollout_speedup_vs_{base}"] = b["time_rollout_s"] / r["time_rollout_s"]
+            ratios[fam][f"e2e_speedup_vs_{base}"] = b["time_total_s"] / r["time_total_s"]
+    if final:
+        for fam, v in ratios.items():
+            print(f"{fam:>14}: " + "  ".join(f"{k} {x:.2f}x" for k, x in v.items()))
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tag = str(info.get("name", "cpu")).replace(" ", "_").replace("/", "_") if info.get("device") == "cuda" else "cpu"
+    path = out_dir / f"{dt.date.today().isoformat()}-{tag}-e2e-{args.model}.json"
+    rec = {"bench": "e2e", "info": info, "model": args.model, "configs": configs, "results": results,
+           "ratios": ratios, "complete": final}  # fmt: skip
+    path.write_text(json.dumps(rec, indent=2, default=str))
+    return path
+
+
 def main(argv: list[str] | None = None) -> Path:
     args = build_parser().parse_args(argv)
     families = [f.strip() for f in args.families.split(",") if f.strip()]
@@ -134,22 +163,8 @@ def main(argv: list[str] | None = None) -> Path:
             results[fam] = run_family(cfg, args.warmup)
             r = results[fam]
             print("   " + "  ".join(f"{p[5:-2]} {r[p]:.3f}s" for p in PHASES), flush=True)
-    ratios: dict[str, dict[str, float]] = {}
-    for base in ("compile", "naive_scaling"):
-        if base not in results:
-            continue
-        b = results[base]
-        for fam, r in results.items():
-            ratios.setdefault(fam, {})[f"rollout_speedup_vs_{base}"] = b["time_rollout_s"] / r["time_rollout_s"]
-            ratios[fam][f"e2e_speedup_vs_{base}"] = b["time_total_s"] / r["time_total_s"]
-    for fam, v in ratios.items():
-        print(f"{fam:>14}: " + "  ".join(f"{k} {x:.2f}x" for k, x in v.items()))
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tag = str(info.get("name", "cpu")).replace(" ", "_").replace("/", "_") if device.type == "cuda" else "cpu"
-    path = out_dir / f"{dt.date.today().isoformat()}-{tag}-e2e-{args.model}.json"
-    rec = {"bench": "e2e", "info": info, "model": args.model, "configs": configs, "results": results, "ratios": ratios}
-    path.write_text(json.dumps(rec, indent=2, default=str))
+            path = _write(args, info, configs, results, final=False)  # a timeout keeps what finished
+    path = _write(args, info, configs, results, final=True)
     print(f"wrote {path}")
     return path
 

@@ -17,7 +17,8 @@ CUDA = torch.device("cuda")
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.cpu().contiguous().view(torch.uint8)
+    # reshape first: a 0-dim tensor (the global scale) cannot be viewed as bytes
+    return t.cpu().contiguous().reshape(-1).view(torch.uint8)
 
 
 def test_default_backend_on_cuda_is_a_kernel(monkeypatch):
@@ -151,15 +152,15 @@ def test_extension_quantize_is_bit_exact_when_built():
         for kind, x in families(shape, seed=9):
             for dtype in (torch.bfloat16, torch.float32):
                 xd = x.to(dtype)
-                want = nvfp4.quantize(xd)
                 for amax in (None, 2.0):
                     want = nvfp4.quantize(xd, amax)
                     got = cuda_quantize(xd.to(CUDA), amax)
                     assert torch.equal(_bytes(got.qdata), _bytes(want.qdata)), (kind, dtype, amax)
                     assert torch.equal(_bytes(got.scale), _bytes(want.scale)), (kind, dtype, amax)
                     assert torch.equal(_bytes(got.global_scale), _bytes(want.global_scale)), (kind, dtype)
-                sw = cuda_quantize(xd.to(CUDA), swizzle=True)
-                assert torch.equal(_bytes(sw.scale), _bytes(nvfp4.swizzle_scales(want.scale)))
+                    # the swizzled layout against the same reference (same amax)
+                    sw = cuda_quantize(xd.to(CUDA), amax, swizzle=True)
+                    assert torch.equal(_bytes(sw.scale), _bytes(nvfp4.swizzle_scales(want.scale))), (kind, amax)
 
 
 def test_blackwell_fp4_gemms_match_reference(monkeypatch):
