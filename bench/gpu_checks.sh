@@ -8,6 +8,13 @@
 #
 #   bash bench/gpu_checks.sh                         # all stages, results into bench/results
 #   STAGES="gpu-tests kernels" bash bench/gpu_checks.sh /tmp/out
+#
+# Seen on one H100 (2026-11-24, torch 2.11 + CUDA 13.0): build-ext 234 s on 16 cores; gpu-tests
+# 123 s; kernels 47 s; e2e-tiny's compiled families spend 4-5 min each in max-autotune before
+# their first timed iteration (compile time is reported apart), so give e2e-tiny 15 minutes;
+# e2e-sana's eager families about 80 s each at --iterations 1. Where diffusers or the CUTLASS
+# headers are missing, install their wheels first (diffusers, importlib_metadata, lazy-importer,
+# nvidia-cutlass, all pure Python).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-bench/results}"

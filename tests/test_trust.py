@@ -40,7 +40,7 @@ def small_model(tmp_path_factory: pytest.TempPathFactory) -> str:
 def _sets(small_model: str, **kw: object) -> list[str]:
     base = dict(model_path=small_model, n=6, k=4, prompts_per_iter=2, iterations=4, preview_steps=2, full_steps=4,
                 eval_every=2, eval_prompt_count=2, eval_seeds=1, save_every=1, lora_rank=4, lora_alpha=8, lr=1e-2,
-                rollout_batch_size=16, train_batch_size=4, timestep_fraction=0.5,
+                rollout_batch_size=16, train_batch_size=4, timestep_fraction=0.5, eval_train_prompt_count=0,
                 explore_precision="nvfp4")  # fmt: skip  (auto is timed: separate runs could choose apart)
     base.update(kw)
     return [f"{k}={v}" for k, v in base.items()]
@@ -213,6 +213,7 @@ def test_proxy_drift_guard_warns_falls_back_and_a_normal_run_never_triggers_it(s
     assert all(r["proxy_window_mean"] < 0.9 for r in recs[1:])
     # the bundled model at its quickstart settings: rank fidelity ~0.88, far above the default floor 0.5
     cfg = load_config(SPEC, ["iterations=3", "eval_prompt_count=2", "eval_seeds=1", "eval_every=3", "proxy_window=2",
+                             "prompts_per_iter=1", "eval_train_prompt_count=0", "explore_precision=nvfp4",
                              f"output={tmp_path / 'normal'}"])  # fmt: skip
     caplog.clear()
     with caplog.at_level("WARNING"):
