@@ -9,7 +9,7 @@ extern "C" {
 // dtype codes for the quantize input
 enum SolrlDtype { SOLRL_F32 = 0, SOLRL_BF16 = 1, SOLRL_F16 = 2 };
 
-// NVFP4 quantize with fused amax (DESIGN.md section 4; bit-exact with solrl_engine.quant.nvfp4).
+// NVFP4 quantize with fused amax (docs/design.md section 4; bit-exact with solrl_engine.quant.nvfp4).
 // x: rows x cols contiguous, cols % 16 == 0. Writes packed codes q [rows, cols/2], E4M3 block scales
 // s ([rows, cols/16] row-major, or the 128x4 swizzled layout when `swizzle`, padded with zeros) and
 // the FP32 decode scale g (1/S_enc). amax: the tensor amax when `static_amax` is null; then the

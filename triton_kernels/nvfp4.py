@@ -3,7 +3,7 @@ Hadamard rotation on its own (the weight-only path rotates activations without q
 
 All work on the flat, contiguous tensor as a sequence of 16-element blocks (blocks never straddle a
 row because the last dimension is a multiple of 16). The tensor scale is read from a device scalar,
-never from the host, so the kernels can be captured in a CUDA graph. Numerics: DESIGN.md section 4,
+never from the host, so the kernels can be captured in a CUDA graph. Numerics: docs/design.md section 4,
 checked bit for bit against solrl_engine.quant.nvfp4.
 """
 

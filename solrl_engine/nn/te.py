@@ -4,7 +4,7 @@
 weights) and `TEAutocast` runs the model under `te.fp8_autocast(NVFP4BlockScaling())`. TE quantizes
 weights itself on every forward, so refreshing the copy after an update is a weight copy
 (`refresh_te_`). Selected by `explore_precision="te_nvfp4"`; it exists to compare our kernels with
-NVIDIA's on the same model (numerics: DESIGN.md section 4 follows TE's recipe; TE applies 2D
+NVIDIA's on the same model (numerics: docs/design.md section 4 follows TE's recipe; TE applies 2D
 weight scaling and Hadamard transforms where its recipe says so, so outputs are close, not equal).
 Needs `pip install -e ".[te]"` and a GPU TE supports for NVFP4.
 """

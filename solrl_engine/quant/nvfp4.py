@@ -1,6 +1,6 @@
 """NVFP4 reference numerics (pure PyTorch): the oracle every kernel is tested against.
 
-Follows NVIDIA Transformer Engine's NVFP4 recipe (DESIGN.md section 4): 1x16 blocks along the last
+Follows NVIDIA Transformer Engine's NVFP4 recipe (docs/design.md section 4): 1x16 blocks along the last
 dimension, E4M3 block scales, an FP32 tensor scale, E2M1 codes packed two per byte (low nibble
 first). Every scalar step is written as the explicit float32 operation the spec names, in the same
 order, so that kernels can be compared bit for bit.

@@ -145,7 +145,7 @@ def get_recipe(recipe: str | QuantRecipe) -> QuantRecipe:
 
 
 def auto_explore_recipe(capability: tuple[int, int] | None) -> str:
-    """The explore recipe for a device (DESIGN.md section 2): native NVFP4 on Blackwell (sm_100+),
+    """The explore recipe for a device (docs/design.md section 2): native NVFP4 on Blackwell (sm_100+),
     FP8 on Ada/Hopper (sm_89, sm_90: no FP4 tensor cores), emulated NVFP4 elsewhere (CPU included).
     `capability` is torch.cuda.get_device_capability() or None for a CPU."""
     if capability is not None and capability >= (10, 0):

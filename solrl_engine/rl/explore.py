@@ -22,7 +22,7 @@ from solrl_engine.rl.adapters import OLD, LoraAdapters
 
 
 def resolve_explore_recipe(precision: str, device: torch.device) -> str:
-    """'auto' -> the device's explore recipe (DESIGN.md section 2); anything else passes through."""
+    """'auto' -> the device's explore recipe (docs/design.md section 2); anything else passes through."""
     if precision != "auto":
         return precision
     cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
