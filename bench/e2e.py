@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> Path:
             results[fam] = run_family(cfg, args.warmup)
             r = results[fam]
             print("   " + "  ".join(f"{p[5:-2]} {r[p]:.3f}s" for p in PHASES), flush=True)
-            path = _write(args, info, configs, results, final=False)  # a timeout keeps what finished
+            _write(args, info, configs, results, final=False)  # a timeout keeps what finished
     path = _write(args, info, configs, results, final=True)
     print(f"wrote {path}")
     return path
