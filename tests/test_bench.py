@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,3 +69,23 @@ def test_sass_counter_compiles_the_gemms_for_sm90a(tmp_path):
     kinds = {r["kernel"] for r in rec["rows"]}
     assert kinds == {"w4a4", "w4a16_bf16", "w4a16_fp16"}
     assert all(r["loop_instructions"] > 0 for r in rec["rows"])
+
+
+def test_reward_terms_averages_each_term_over_the_prompts_it_applies_to():
+    spec = importlib.util.spec_from_file_location("bench_reward_terms", ROOT / "bench" / "reward_terms.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    from solrl_engine.evaluation import generate
+    from solrl_engine.models.tiny import load_tiny
+    from solrl_engine.rewards import shapes
+
+    prompts = ["a green triangle", "a red circle to the left of a blue square", "a purple square above a red circle"]
+    out, rewards = mod.terms(None, prompts, 2, 2)
+    ps = [p for p in prompts for _ in range(2)]
+    d = shapes.score(generate(load_tiny(), ps, [0, 1] * 3, 2), ps, details=True)
+    assert torch.allclose(rewards, d["reward"])
+    assert out["images"] == 6 and out["two_object_images"] == 4 and out["relation_images"] == 4
+    # the second object's terms and the relation only over the four two-object images, not the empty slot
+    assert out["presence"] == pytest.approx([d["presence"][:, 0].mean().item(), d["presence"][2:, 1].mean().item()])
+    assert out["relation"] == pytest.approx(d["relation"][2:].mean().item())
+    assert out["clutter"] == pytest.approx(d["clutter"].mean().item())
