@@ -27,9 +27,27 @@ def _metadata(adapters: LoraAdapters) -> dict:
     return cfg
 
 
+def _pipeline_class(name: str) -> type:
+    """diffusers' pipeline class `name`, imported with transformers' warnings off: importing SD3's
+    pipeline imports its IP-adapter's SigLIP image processor, and without torchvision (CPU installs)
+    transformers warns about that processor's fallback in the middle of the progress bar, although
+    writing a LoRA never uses it."""
+    import diffusers
+
+    try:
+        from transformers.utils import logging as tlog
+    except ImportError:  # pragma: no cover - transformers is a core dependency
+        return getattr(diffusers, name)
+    level = tlog.get_verbosity()
+    tlog.set_verbosity_error()
+    try:
+        return getattr(diffusers, name)
+    finally:
+        tlog.set_verbosity(level)
+
+
 def save_lora(adapters: LoraAdapters, directory: str | Path, pipeline_class: str, ema: bool = False) -> Path:
     """Write the trained adapter (or its EMA with `ema=True`) as a diffusers LoRA directory."""
-    import diffusers
     from peft import get_peft_model_state_dict
 
     directory = Path(directory)
@@ -39,7 +57,7 @@ def save_lora(adapters: LoraAdapters, directory: str | Path, pipeline_class: str
     with ctx:
         state = get_peft_model_state_dict(adapters.transformer, adapter_name=TRAIN)
         state = {k: v.detach().float().cpu().clone() for k, v in state.items()}  # a copy: the context restores
-    getattr(diffusers, pipeline_class).save_lora_weights(
+    _pipeline_class(pipeline_class).save_lora_weights(
         tmp, transformer_lora_layers=state, weight_name=WEIGHT_NAME,
         transformer_lora_adapter_metadata=_metadata(adapters),
     )  # fmt: skip
