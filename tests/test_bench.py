@@ -10,11 +10,17 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_kernel_bench_writes_json(tmp_path, dtype):
-    spec = importlib.util.spec_from_file_location("bench_kernels", ROOT / "bench" / "kernels.py")
+def _bench(name: str):
+    """A script under bench/ (not a package) as a module."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_kernel_bench_writes_json(tmp_path, dtype):
+    mod = _bench("kernels")
     argv = ["--device", "cpu", "--shapes", "32x64", "--dtype", dtype, "--reps", "60", "--out", str(tmp_path)]
     path = mod.main(argv + ["--gemms", "16x32x64"])
     rec = json.loads(path.read_text())
@@ -36,9 +42,7 @@ def test_e2e_bench_runs_every_family_and_writes_ratios(tmp_path, monkeypatch):
     # the compiled CPU sampler has its own tests (test_cpu_runtime.py); a cold inductor compile here would
     # cost a minute, so the `compile` family samples eagerly (the fallback without a C++ compiler)
     monkeypatch.setattr(hw, "cxx_compiler", lambda *a, **k: None)
-    spec = importlib.util.spec_from_file_location("bench_e2e", ROOT / "bench" / "e2e.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _bench("e2e")
     argv = ["--model", "tiny", "--iterations", "1", "--warmup", "0", "--n", "4", "--k", "2", "--prompts", "1"]
     path = mod.main(argv + ["--explore-precision", "nvfp4", "--out", str(tmp_path)])
     rec = json.loads(path.read_text())
@@ -72,9 +76,7 @@ def test_sass_counter_compiles_the_gemms_for_sm90a(tmp_path):
 
 
 def test_reward_terms_averages_each_term_over_the_prompts_it_applies_to():
-    spec = importlib.util.spec_from_file_location("bench_reward_terms", ROOT / "bench" / "reward_terms.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _bench("reward_terms")
     from solrl_engine.evaluation import generate
     from solrl_engine.models.tiny import load_tiny
     from solrl_engine.rewards import shapes

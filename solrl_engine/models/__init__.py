@@ -88,6 +88,22 @@ def load_model(
     return spec.build(path if path is not None else spec.default_path, device, dtype, **options)
 
 
+def pipeline_class(name: str, missing_ok: bool = False) -> Any:
+    """diffusers' pipeline class `name` (None for an unknown name with `missing_ok`), imported with
+    transformers' warnings off: importing a pipeline module imports image processors it may use
+    (SD3's IP-adapter SigLIP, CLIP), and without torchvision (CPU installs) transformers warns about
+    their fallback, mid progress bar, although resolving the class never uses them."""
+    import diffusers
+    from transformers.utils import logging as tlog
+
+    level = tlog.get_verbosity()
+    tlog.set_verbosity_error()
+    try:
+        return getattr(diffusers, name, None) if missing_ok else getattr(diffusers, name)
+    finally:
+        tlog.set_verbosity(level)
+
+
 def wrap_pipeline(
     pipe: Any, resolution: int | None = None, guidance_scale: float | None = None, decode_batch_size: int = 8
 ) -> tuple[FlowModel, str]:
@@ -96,11 +112,9 @@ def wrap_pipeline(
     the pipeline as it was."""
     if getattr(pipe, "FAMILY", "") in MODELS and hasattr(pipe, "velocity"):
         return pipe, pipe.FAMILY
-    import diffusers
-
     for name in MODELS:
         spec = model_spec(name)
-        cls = getattr(diffusers, spec.pipeline, None)
+        cls = pipeline_class(spec.pipeline, missing_ok=True)
         if name != "tiny" and cls is not None and isinstance(pipe, cls):
             adapter = spec.adapter_object()
             p = next(pipe.transformer.parameters())
@@ -123,5 +137,6 @@ __all__ = [
     "ModelSpec",
     "load_model",
     "model_spec",
+    "pipeline_class",
     "wrap_pipeline",
 ]

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from solrl_engine.models import pipeline_class
 from solrl_engine.models.base import Conditioning
 
 log = logging.getLogger("solrl_engine.models")
@@ -137,7 +138,7 @@ class PipelineFlowModel(nn.Module):
                 f"could not load a diffusers pipeline from {str(path)!r}: {e}\nPass a local pipeline directory "
                 f"or a hub id that is downloaded (`hf download {path}`)"
             ) from e
-        want = getattr(diffusers, cls.PIPELINE_CLASS)
+        want = pipeline_class(cls.PIPELINE_CLASS)
         if not isinstance(pipe, want):
             raise ValueError(
                 f"{path} holds a {type(pipe).__name__}, not a {cls.PIPELINE_CLASS}: choose the model family that "

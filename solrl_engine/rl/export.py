@@ -14,6 +14,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from solrl_engine.models import pipeline_class as resolve_pipeline_class
 from solrl_engine.rl.adapters import TRAIN, LoraAdapters
 
 WEIGHT_NAME = "pytorch_lora_weights.safetensors"
@@ -27,25 +28,6 @@ def _metadata(adapters: LoraAdapters) -> dict:
     return cfg
 
 
-def _pipeline_class(name: str) -> type:
-    """diffusers' pipeline class `name`, imported with transformers' warnings off: importing SD3's
-    pipeline imports its IP-adapter's SigLIP image processor, and without torchvision (CPU installs)
-    transformers warns about that processor's fallback in the middle of the progress bar, although
-    writing a LoRA never uses it."""
-    import diffusers
-
-    try:
-        from transformers.utils import logging as tlog
-    except ImportError:  # pragma: no cover - transformers is a core dependency
-        return getattr(diffusers, name)
-    level = tlog.get_verbosity()
-    tlog.set_verbosity_error()
-    try:
-        return getattr(diffusers, name)
-    finally:
-        tlog.set_verbosity(level)
-
-
 def save_lora(adapters: LoraAdapters, directory: str | Path, pipeline_class: str, ema: bool = False) -> Path:
     """Write the trained adapter (or its EMA with `ema=True`) as a diffusers LoRA directory."""
     from peft import get_peft_model_state_dict
@@ -57,7 +39,7 @@ def save_lora(adapters: LoraAdapters, directory: str | Path, pipeline_class: str
     with ctx:
         state = get_peft_model_state_dict(adapters.transformer, adapter_name=TRAIN)
         state = {k: v.detach().float().cpu().clone() for k, v in state.items()}  # a copy: the context restores
-    _pipeline_class(pipeline_class).save_lora_weights(
+    resolve_pipeline_class(pipeline_class).save_lora_weights(
         tmp, transformer_lora_layers=state, weight_name=WEIGHT_NAME,
         transformer_lora_adapter_metadata=_metadata(adapters),
     )  # fmt: skip
