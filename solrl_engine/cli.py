@@ -98,11 +98,11 @@ def _rollouts_from_args(args: argparse.Namespace):  # noqa: ANN202 - Rollouts, i
 
 
 def load_lora_into(transformer: object, directory: str) -> None:
-    """Load an exported adapter (OUT/lora, OUT/lora_ema) into a transformer, as a pipeline would."""
+    """Load an exported adapter (OUT/lora, OUT/lora_ema, OUT/lora_best) into a transformer, as a pipeline would."""
     if not Path(directory, "pytorch_lora_weights.safetensors").exists():
         raise FileNotFoundError(
-            f"--lora {directory}: no pytorch_lora_weights.safetensors there; pass a run's lora/ or lora_ema/ "
-            "directory (written by `solrl train`)"
+            f"--lora {directory}: no pytorch_lora_weights.safetensors there; pass a run's lora/, lora_ema/ or "
+            "lora_best/ directory (written by `solrl train`)"
         )
     from solrl_engine.rl.export import WEIGHT_NAME
 
@@ -293,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--model", default="tiny", help="model family: tiny, sd3, flux, sana")
     sp.add_argument("--model-path", default=None, help="pipeline directory or hub id (default: the family's)")
     sp.add_argument("--resolution", type=int, default=None, help="pixels (default: the family's)")
-    sp.add_argument("--lora", default=None, help="an exported adapter directory (a run's lora/ or lora_ema/)")
+    sp.add_argument("--lora", default=None, help="an exported adapter (a run's lora/, lora_ema/ or lora_best/)")
     sp.add_argument("--solver", default="dpm2", choices=["euler", "dpm2"])
     sp.add_argument("--prompt", default=None)
     sp.add_argument("--split", default=None,
@@ -319,7 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="mean of each reward over a prompt set, with a trained LoRA: grids + JSON")
     ev.add_argument("config", help="CONFIG_SPEC: path/to/config.py:function (model, reward, steps, solver)")
     ev.add_argument("--set", action="append", metavar="KEY=VALUE")
-    ev.add_argument("--lora", default=None, help="adapter directory (a run's lora/ or lora_ema/); none: the base")
+    ev.add_argument("--lora", default=None, help="a run's lora/, lora_ema/ or lora_best/; none: the base")
     ev.add_argument("--prompts", default=None, help="prompt set (default: the config's eval_prompts)")
     ev.add_argument("--max-prompts", type=int, default=10**9)
     ev.add_argument("--seeds", type=int, default=4, help="seeds per prompt (0 .. N-1)")

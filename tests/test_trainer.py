@@ -249,3 +249,69 @@ def test_resume_keeps_the_explore_precision_the_run_was_timed_into(small_model, 
         assert g["selection_digest"] == w["selection_digest"]
         for key in ("reward_mean", "explore_reward_mean", "proxy_spearman", "loss"):
             assert g[key] == pytest.approx(w[key], rel=1e-4, abs=1e-6), key
+
+
+def test_best_heldout_adapter_is_kept_and_a_degrading_policy_is_reported(small_model, tmp_path, caplog):
+    """OUT/lora_best is the EMA adapter of the best held-out evaluation (never the base model's, never the
+    live adapter), survives later worse evaluations, and a fall of more than 3 paired standard errors
+    below it is reported with what to change; a fall inside the noise is not."""
+    from safetensors.torch import load_file
+
+    from solrl_engine.rl.checkpoint import BEST_INFO, BEST_LORA
+    from solrl_engine.rl.export import WEIGHT_NAME, save_lora
+
+    tr = Trainer(_cfg(small_model, tmp_path, iterations=6), progress=False)
+    tmp_path.mkdir(exist_ok=True)
+    best = tmp_path / BEST_LORA
+    gen = torch.Generator().manual_seed(1)
+    base = torch.rand(64, generator=gen)
+    noise = 0.01 * torch.randn(64, generator=gen)
+    tr._track_best(base)  # iteration 0: the base model is the best so far, nothing to export
+    assert tr.best[0] == 0 and not best.exists()
+    with torch.no_grad():  # an EMA that differs from the live adapter, to tell which one is exported
+        for e in tr.adapters.ema:
+            e.add_(torch.randn(e.shape, generator=gen))
+    tr.iteration = 2
+    tr._track_best(base + 0.1 + noise)
+    assert json.loads((best / BEST_INFO).read_text())["iteration"] == 2
+    save_lora(tr.adapters, tmp_path / "ema_now", tr.rollouts.spec.pipeline, ema=True)
+    save_lora(tr.adapters, tmp_path / "live_now", tr.rollouts.spec.pipeline)
+    got = load_file(best / WEIGHT_NAME)
+    ema, live = load_file(tmp_path / "ema_now" / WEIGHT_NAME), load_file(tmp_path / "live_now" / WEIGHT_NAME)
+    assert got.keys() == ema.keys() and all(torch.equal(got[k], ema[k]) for k in got)
+    assert not all(torch.equal(got[k], live[k]) for k in got)
+
+    with torch.no_grad():
+        for e in tr.adapters.ema:
+            e.zero_()
+    tr.iteration = 4
+    with caplog.at_level("WARNING"):
+        wobble = 0.002 * torch.randn(64, generator=gen)
+        tr._track_best(base + 0.1 + noise - 0.0003 + wobble - wobble.mean())  # 0.0003 below, se ~0.00025: noise
+    assert "degrading" not in caplog.text and tr.best[0] == 2
+    tr.iteration = 6
+    with caplog.at_level("WARNING"):
+        tr._track_best(base + 0.05 + noise + 0.002 * torch.randn(64, generator=gen))  # 0.05 below, se ~0.0003
+    assert "iteration 6" in caplog.text and "degrading" in caplog.text and str(best) in caplog.text
+    assert "lr=3e-4" in caplog.text
+    assert tr.best[0] == 2 and json.loads((best / BEST_INFO).read_text())["iteration"] == 2
+    assert all(torch.equal(load_file(best / WEIGHT_NAME)[k], got[k]) for k in got)  # untouched by worse evals
+
+
+def test_resume_drops_a_best_adapter_written_after_its_checkpoint(small_model, tmp_path):
+    """A run stopped between an evaluation that wrote lora_best and the next checkpoint resumes with the
+    checkpoint's idea of the best: a lora_best from the lost iterations is removed, a matching one kept."""
+    from solrl_engine.rl.checkpoint import BEST_INFO, BEST_LORA
+
+    Trainer(_cfg(small_model, tmp_path, iterations=2, eval_every=1, save_every=1), progress=False).run()
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    it = summary["heldout_best_iteration"]
+    best = tmp_path / BEST_LORA
+    assert best.exists() == (it > 0) and (summary["lora_best"] is not None) == (it > 0)
+    best.mkdir(exist_ok=True)
+    (best / BEST_INFO).write_text(json.dumps({"iteration": it}))
+    Trainer(_cfg(small_model, tmp_path, iterations=2, eval_every=1, save_every=1), progress=False).run(resume=True)
+    assert best.exists()  # it matches the checkpoint's best: kept
+    (best / BEST_INFO).write_text(json.dumps({"iteration": 7}))  # as if written after the last checkpoint
+    Trainer(_cfg(small_model, tmp_path, iterations=2, eval_every=1, save_every=1), progress=False).run(resume=True)
+    assert not best.exists()

@@ -50,7 +50,9 @@ def load(path: str | Path) -> dict[str, Any]:
 
 
 RUN_FILES = ("metrics.jsonl", "config.json", "summary.json", "reward.png", "quantization.txt")
-RUN_DIRS = ("checkpoints", "lora", "lora_ema", "tensorboard")
+# the EMA adapter of the best held-out evaluation, and the file inside it that says which one that was
+BEST_LORA, BEST_INFO = "lora_best", "solrl_best.json"
+RUN_DIRS = ("checkpoints", "lora", "lora_ema", BEST_LORA, "tensorboard")
 MIN_FREE_BYTES = 64 * 2**20
 
 

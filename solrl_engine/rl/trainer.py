@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging
 import random
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -113,6 +114,9 @@ class Trainer:
         # image by image, a paired difference whose noise is far below the mean's own standard error.
         self.eval_base: torch.Tensor | None = None
         self.gains: list[tuple[int, float, float]] = []  # (iteration, mean paired gain, its standard error)
+        # The best held-out evaluation so far, (iteration, mean, per-image rewards): its EMA adapter is
+        # OUT/lora_best, and a later evaluation that falls well below it is reported as a degrading policy.
+        self.best: tuple[int, float, torch.Tensor] | None = None
         self.tracker: Tracker | None = None
         self.nonfinite = 0  # iterations whose update was skipped for non-finite values
         self.guard = ProxyGuard(cfg)
@@ -287,6 +291,7 @@ class Trainer:
         diff = full.rewards - self.eval_base
         gain, gain_sem = diff.mean().item(), (diff.std().item() / n**0.5 if n > 1 else 0.0)
         self.gains.append((self.iteration, gain, gain_sem))
+        self._track_best(full.rewards)
         if self.eval_train_prompts:
             tr = EvalResult(list(self.eval_train_prompts), [], res.images, rewards[n:])
             self.train_evals.append((self.iteration, tr.mean, tr.stderr))
@@ -300,6 +305,29 @@ class Trainer:
         self.evals.append((self.iteration, mean, sem))
         return mean
 
+    def _track_best(self, rewards: torch.Tensor) -> None:
+        """Export the EMA adapter of a new best held-out evaluation as OUT/lora_best (a long run that
+        degrades keeps its best adapter), and warn when an evaluation falls more than 3 standard errors
+        below the best (paired: the same prompts and seeds), naming what to change."""
+        mean, best_dir = rewards.mean().item(), self.out / checkpoint.BEST_LORA
+        if self.best is None or mean > self.best[1]:
+            self.best = (self.iteration, mean, rewards.clone())
+            if self.iteration > 0 and self.dist.main:  # at 0 the best is the base model: nothing to export
+                save_lora(self.adapters, best_dir, self.rollouts.spec.pipeline, ema=True)
+                info = {"iteration": self.iteration, "heldout_reward": mean}
+                (best_dir / checkpoint.BEST_INFO).write_text(json.dumps(info))
+            return
+        it, best_mean, best_rewards = self.best
+        diff = rewards - best_rewards
+        drop, se = -diff.mean().item(), diff.std().item() / len(diff) ** 0.5
+        if drop > 3 * se and self.dist.main:
+            kept = f"{best_dir} holds that evaluation's EMA adapter" if it > 0 else "the base model was better"
+            log.warning(
+                "iteration %d: the held-out reward (%.3f) is %.3f +- %.3f below its best (%.3f at iteration %d, "
+                "same prompts and seeds): the policy is degrading; %s. For a longer run lower the learning rate "
+                "(e.g. --set lr=3e-4) or set kl_beta", self.iteration, mean, drop, se, best_mean, it, kept,
+            )  # fmt: skip
+
     def _state(self) -> dict[str, Any]:
         return {
             "iteration": self.iteration,
@@ -312,6 +340,7 @@ class Trainer:
             "train_evals": list(self.train_evals),
             "eval_base": None if self.eval_base is None else self.eval_base.tolist(),
             "gains": list(self.gains),
+            "best": None if self.best is None else [self.best[0], self.best[1], self.best[2].tolist()],
             "config": dataclasses.asdict(self.cfg),
             "world_size": self.dist.world,
             "nonfinite": self.nonfinite,
@@ -335,6 +364,9 @@ class Trainer:
         base = st.get("eval_base")  # absent in checkpoints of older versions: gains restart from here
         self.eval_base = None if base is None else torch.tensor(base)
         self.gains = [tuple(g) for g in st.get("gains", [])]  # type: ignore[misc]
+        best = st.get("best")  # absent in checkpoints of older versions: tracked from here on
+        self.best = None if best is None else (best[0], best[1], torch.tensor(best[2]))
+        self._drop_stale_best()
         self.nonfinite = st.get("nonfinite", 0)
         self.guard.load_state(st["proxy_guard"])
         then, now = st.get("explore_precision"), self.rollouts.explore_choice
@@ -349,6 +381,18 @@ class Trainer:
             self._set_fallback(True)
         if self.explore is not None:
             self.explore.refresh(self.adapters)
+
+    def _drop_stale_best(self) -> None:
+        """A lora_best written after the checkpoint being resumed belongs to iterations that will run
+        again: remove it, so the directory always matches the best the run knows of."""
+        best_dir = self.out / checkpoint.BEST_LORA
+        if not self.dist.main or not best_dir.exists():
+            return
+        info = best_dir / checkpoint.BEST_INFO
+        on_disk = json.loads(info.read_text()).get("iteration") if info.exists() else None
+        if self.best is None or on_disk != self.best[0]:
+            log.info("removing %s (iteration %s): it was written after the resumed checkpoint", best_dir, on_disk)
+            shutil.rmtree(best_dir)
 
     def _stop_requested(self) -> bool:
         """A signal on any rank stops every rank after the same iteration."""
@@ -469,6 +513,10 @@ class Trainer:
             "train_prompt_reward_final": self.train_evals[-1][1] if self.train_evals else None,
             "lora": str(self.out / "lora"),
             "lora_ema": str(self.out / "lora_ema"),
+            # the EMA adapter of the best held-out evaluation (None: no evaluation beat the base model)
+            "heldout_best_iteration": None if self.best is None else self.best[0],
+            "heldout_reward_best": None if self.best is None else self.best[1],
+            "lora_best": str(self.out / checkpoint.BEST_LORA) if self.best and self.best[0] > 0 else None,
             "explore_recipe": self.rollouts.explore_recipe,
             "mean_time_total_s": sum(h["time_total_s"] for h in history) / max(1, len(history)),
             # one-off sampler compilation (CPU: inductor) or graph capture (GPU), out of the times above
