@@ -7,8 +7,11 @@ the wall-clock time, in one JSON under bench/results/. Rows run `--jobs` at a ti
 
     python bench/quickstart_sweep.py --row "base:" --row "lr3e-3:lr=3e-3" --row "u2:updates_per_iter=2"
     python bench/quickstart_sweep.py --rows-file rows.txt --jobs 2 --threads 1 --tag lr
+    python bench/quickstart_sweep.py --plot gains.png --from SWEEP.json --from OTHER.json
 
 A row is NAME:SET|SET|... (SETs as for `--set`, separated by |; empty for the config as it is).
+`--plot` draws the paired held-out gain of every row of recorded sweeps against the iteration, with
++-1 standard-error bands, instead of running anything.
 """
 
 from __future__ import annotations
@@ -66,6 +69,24 @@ def summarize(out: Path) -> dict[str, Any]:
     }
 
 
+def plot(files: list[str], out: str | Path, title: str = "quickstart sweep") -> Path:
+    """Held-out gain against iteration for every row of the sweep JSONs (rows that failed are left out)."""
+    from solrl_engine.viz import line_plot
+
+    series: dict[str, tuple[list[float], list[float]]] = {}
+    bands: dict[str, list[float]] = {}
+    for f in files:
+        for name, r in json.loads(Path(f).read_text())["rows"].items():
+            if not r.get("heldout"):
+                continue
+            pts = [(0, 0.0, 0.0)] + [(h["iter"], h["gain"], h["gain_stderr"]) for h in r["heldout"]]
+            series[name] = ([p[0] for p in pts], [p[1] for p in pts])
+            bands[name] = [p[2] for p in pts]
+    if not series:
+        raise SystemExit(f"no row with a held-out curve in {', '.join(files)}")
+    return line_plot(out, series, title, "iteration", "held-out gain (paired, +-1 s.e.)", bands)
+
+
 def run_row(config: str, name: str, sets: list[str], base: Path, threads: int) -> dict[str, Any]:
     out = base / name
     cmd = [sys.executable, "-m", "solrl_engine.cli", "train", config, "--output", str(out), "--overwrite"]
@@ -94,7 +115,15 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--tag", default="sweep")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--plot", help="write this PNG from the --from sweep JSONs instead of running rows")
+    ap.add_argument("--from", dest="sources", action="append", default=[], help="a recorded sweep JSON (repeatable)")
     args = ap.parse_args(argv)
+    if args.plot:
+        if not args.sources:
+            raise SystemExit("--plot needs at least one --from SWEEP.json")
+        path = plot(args.sources, args.plot, f"quickstart sweep ({args.tag})")
+        print(f"wrote {path}")
+        return path
     texts = list(args.row)
     if args.rows_file:
         texts += [ln.strip() for ln in Path(args.rows_file).read_text().splitlines() if ln.strip() and ln[0] != "#"]

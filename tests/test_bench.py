@@ -91,3 +91,36 @@ def test_reward_terms_averages_each_term_over_the_prompts_it_applies_to():
     assert out["presence"] == pytest.approx([d["presence"][:, 0].mean().item(), d["presence"][2:, 1].mean().item()])
     assert out["relation"] == pytest.approx(d["relation"][2:].mean().item())
     assert out["clutter"] == pytest.approx(d["clutter"].mean().item())
+
+
+def test_quickstart_sweep_summarizes_a_run_and_plots_recorded_rows(tmp_path):
+    qs = _bench("quickstart_sweep")
+    assert qs.parse_row("lr:lr=3e-3| iterations=40") == ("lr", ["lr=3e-3", "iterations=40"])
+    assert qs.parse_row("base:") == ("base", [])
+    with pytest.raises(SystemExit, match="NAME:SET"):
+        qs.parse_row(":lr=1")
+    run = tmp_path / "run"
+    run.mkdir()
+    times = {"time_explore_s": 2.0, "time_regen_s": 1.0, "time_train_s": 1.0, "time_total_s": 4.0}
+    recs = [{"iter": 1, "reward_mean": 0.3, "proxy_spearman": 0.8, **times},
+            {"iter": 2, "reward_mean": 0.4, "proxy_spearman": 0.6, **times, "time_total_s": 6.0,
+             "heldout_reward": 0.35, "heldout_stderr": 0.02, "heldout_gain": 0.05, "heldout_gain_stderr": 0.01,
+             "train_prompt_reward": 0.31}]  # fmt: skip
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (run / "summary.json").write_text(json.dumps({
+        "heldout_reward_start": 0.3, "heldout_reward_final": 0.35, "heldout_gain_final": 0.05,
+        "heldout_gain_stderr_final": 0.01, "explore_recipe": "policy (float32)"}))  # fmt: skip
+    s = qs.summarize(run)
+    assert s["heldout"] == [{"iter": 2, "reward": 0.35, "stderr": 0.02, "gain": 0.05, "gain_stderr": 0.01,
+                             "train_prompt_reward": 0.31, "train_time_s": 10.0}]  # fmt: skip
+    assert s["s_per_iter"]["time_total_s"] == 5.0 and s["proxy_spearman_mean"] == pytest.approx(0.7)
+    sweep = tmp_path / "sweep.json"
+    sweep.write_text(json.dumps({"rows": {"ok": {"sets": [], **s}, "failed": {"sets": ["lr=9"], "error": "boom"}}}))
+    png = qs.main(["--plot", str(tmp_path / "gains.png"), "--from", str(sweep)])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    failed = tmp_path / "failed.json"
+    failed.write_text(json.dumps({"rows": {"failed": {"sets": [], "error": "boom"}}}))
+    with pytest.raises(SystemExit, match="no row with a held-out curve"):
+        qs.plot([str(failed)], tmp_path / "x.png")
+    with pytest.raises(SystemExit, match="--from"):
+        qs.main(["--plot", str(tmp_path / "y.png")])
