@@ -1,14 +1,16 @@
 """Sol-RL on the bundled tiny model with the analytic `shapes` reward.
 
 CPU-sized defaults (2 cores, about 5 minutes for the quickstart), tuned by a recorded sweep
-(README, "Tuning the quickstart"; bench/results/2026-11-24-cpu-tiny-quickstart-sweep-*.json):
+(README, "Tuning the quickstart"; bench/results/*-cpu-tiny-quickstart-sweep-round*.json):
 8 prompts per iteration, N = 32 seeds explored per prompt, K = 8 trained on (the wider the
 exploration, the more contrastive the kept seeds), 3 of the 10 rollout times per sample
 (timestep_fraction 0.3: more prompts instead of more timesteps of the same samples), no KL term
 (at 1e-4 it changed nothing measurable and cost a forward per sample), LoRA rank 32 with lr 1e-3
 (2e-3 diverged), 20 iterations; the EMA adapter evaluated every 5 iterations on all 64 held-out
-prompts x 2 seeds, and on 16 training prompts x 2 seeds. `paper_scale=true` switches to the paper's
-N = 96, K = 24 with 16 prompts per iteration (meant for a GPU):
+prompts x 2 seeds, and on 16 training prompts x 2 seeds. lr 1e-3 is tuned for these 20 iterations:
+run past about 40 it degrades (measured to 80 iterations, README "Longer runs"), so set lr=3e-4 for a
+longer run. `paper_scale=true` switches to the paper's N = 96, K = 24 with 16 prompts per iteration
+(meant for a GPU):
 
     solrl train configs/tiny.py:tiny_sol_rl_shapes
     solrl train configs/tiny.py:tiny_sol_rl_shapes --set paper_scale=true --set iterations=200
