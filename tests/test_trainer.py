@@ -261,7 +261,6 @@ def test_best_heldout_adapter_is_kept_and_a_degrading_policy_is_reported(small_m
     from solrl_engine.rl.export import WEIGHT_NAME, save_lora
 
     tr = Trainer(_cfg(small_model, tmp_path, iterations=6), progress=False)
-    tmp_path.mkdir(exist_ok=True)
     best = tmp_path / BEST_LORA
     gen = torch.Generator().manual_seed(1)
     base = torch.rand(64, generator=gen)
@@ -281,7 +280,7 @@ def test_best_heldout_adapter_is_kept_and_a_degrading_policy_is_reported(small_m
     assert got.keys() == ema.keys() and all(torch.equal(got[k], ema[k]) for k in got)
     assert not all(torch.equal(got[k], live[k]) for k in got)
 
-    with torch.no_grad():
+    with torch.no_grad():  # a worse evaluation that exported anyway would now write zeros
         for e in tr.adapters.ema:
             e.zero_()
     tr.iteration = 4
