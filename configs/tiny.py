@@ -8,9 +8,9 @@ exploration, the more contrastive the kept seeds), 3 of the 10 rollout times per
 (at 1e-4 it changed nothing measurable and cost a forward per sample), LoRA rank 32 with lr 1e-3
 (2e-3 diverged), 20 iterations; the EMA adapter evaluated every 5 iterations on all 64 held-out
 prompts x 2 seeds, and on 16 training prompts x 2 seeds. lr 1e-3 is tuned for these 20 iterations:
-run past about 40 it degrades (measured to 80 iterations, README "Longer runs"), so set lr=3e-4 for a
-longer run. `paper_scale=true` switches to the paper's N = 96, K = 24 with 16 prompts per iteration
-(meant for a GPU):
+run past about 40 without a KL term it degrades (measured to 80 iterations, README "Longer runs"), so
+for a longer run set kl_beta=0.1 (or lr=3e-4). `paper_scale=true` switches to the paper's N = 96,
+K = 24 with 16 prompts per iteration (meant for a GPU):
 
     solrl train configs/tiny.py:tiny_sol_rl_shapes
     solrl train configs/tiny.py:tiny_sol_rl_shapes --set paper_scale=true --set iterations=200

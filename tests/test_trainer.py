@@ -292,7 +292,7 @@ def test_best_heldout_adapter_is_kept_and_a_degrading_policy_is_reported(small_m
     with caplog.at_level("WARNING"):
         tr._track_best(base + 0.05 + noise + 0.002 * torch.randn(64, generator=gen))  # 0.05 below, se ~0.0003
     assert "iteration 6" in caplog.text and "degrading" in caplog.text and str(best) in caplog.text
-    assert "lr=3e-4" in caplog.text
+    assert "kl_beta=0.1" in caplog.text and "lr=3e-4" in caplog.text
     assert tr.best[0] == 2 and json.loads((best / BEST_INFO).read_text())["iteration"] == 2
     assert all(torch.equal(load_file(best / WEIGHT_NAME)[k], got[k]) for k in got)  # untouched by worse evals
 

@@ -324,8 +324,9 @@ class Trainer:
             kept = f"{best_dir} holds that evaluation's EMA adapter" if it > 0 else "the base model was better"
             log.warning(
                 "iteration %d: the held-out reward (%.3f) is %.3f +- %.3f below its best (%.3f at iteration %d, "
-                "same prompts and seeds): the policy is degrading; %s. For a longer run lower the learning rate "
-                "(e.g. --set lr=3e-4) or set kl_beta", self.iteration, mean, drop, se, best_mean, it, kept,
+                "same prompts and seeds): the policy is degrading; %s. For a longer run anchor the policy "
+                "(e.g. --set kl_beta=0.1) or lower the learning rate (e.g. --set lr=3e-4)",
+                self.iteration, mean, drop, se, best_mean, it, kept,
             )  # fmt: skip
 
     def _state(self) -> dict[str, Any]:
