@@ -20,6 +20,12 @@ if TYPE_CHECKING:
     from solrl_engine.rollout import Rollouts
 
 
+def mean_stderr(r: torch.Tensor) -> tuple[float, float]:
+    """Mean and standard error of a 1-D sample (of rewards, or of paired per-image differences)."""
+    r = r.float()
+    return r.mean().item(), (r.std().item() / len(r) ** 0.5 if len(r) > 1 else 0.0)
+
+
 @dataclass
 class EvalResult:
     """Rewards of prompts x seeds: the mean, its standard error, and the same per reward component."""
@@ -30,24 +36,19 @@ class EvalResult:
     rewards: torch.Tensor
     components: dict[str, torch.Tensor] = field(default_factory=dict)
 
-    @staticmethod
-    def _stats(r: torch.Tensor) -> tuple[float, float]:
-        r = r.float()
-        return r.mean().item(), (r.std().item() / len(r) ** 0.5 if len(r) > 1 else 0.0)
-
     @property
     def mean(self) -> float:
-        return self._stats(self.rewards)[0]
+        return mean_stderr(self.rewards)[0]
 
     @property
     def stderr(self) -> float:
-        return self._stats(self.rewards)[1]
+        return mean_stderr(self.rewards)[1]
 
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {"reward_mean": self.mean, "reward_stderr": self.stderr, "n": len(self.rewards)}
         if len(self.components) > 1:
             for k, v in self.components.items():
-                out[f"reward_{k}_mean"], out[f"reward_{k}_stderr"] = self._stats(v)
+                out[f"reward_{k}_mean"], out[f"reward_{k}_stderr"] = mean_stderr(v)
         return out
 
 

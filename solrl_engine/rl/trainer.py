@@ -26,7 +26,7 @@ import torch
 from tqdm.auto import tqdm
 
 from solrl_engine.data import load_prompts
-from solrl_engine.evaluation import EvalResult, eval_grid, evaluate_rollouts
+from solrl_engine.evaluation import EvalResult, eval_grid, evaluate_rollouts, mean_stderr
 from solrl_engine.models.base import Conditioning
 from solrl_engine.rl import checkpoint
 from solrl_engine.rl.adapters import OLD, TRAIN, LoraAdapters
@@ -114,9 +114,9 @@ class Trainer:
         # image by image, a paired difference whose noise is far below the mean's own standard error.
         self.eval_base: torch.Tensor | None = None
         self.gains: list[tuple[int, float, float]] = []  # (iteration, mean paired gain, its standard error)
-        # The best held-out evaluation so far, (iteration, mean, per-image rewards): its EMA adapter is
+        # The best held-out evaluation so far, (iteration, per-image rewards): its EMA adapter is
         # OUT/lora_best, and a later evaluation that falls well below it is reported as a degrading policy.
-        self.best: tuple[int, float, torch.Tensor] | None = None
+        self.best: tuple[int, torch.Tensor] | None = None
         self.tracker: Tracker | None = None
         self.nonfinite = 0  # iterations whose update was skipped for non-finite values
         self.guard = ProxyGuard(cfg)
@@ -289,7 +289,7 @@ class Trainer:
         if self.eval_base is None or len(self.eval_base) != n:
             self.eval_base = full.rewards.clone()
         diff = full.rewards - self.eval_base
-        gain, gain_sem = diff.mean().item(), (diff.std().item() / n**0.5 if n > 1 else 0.0)
+        gain, gain_sem = mean_stderr(diff)
         self.gains.append((self.iteration, gain, gain_sem))
         self._track_best(full.rewards)
         if self.eval_train_prompts:
@@ -310,23 +310,22 @@ class Trainer:
         degrades keeps its best adapter), and warn when an evaluation falls more than 3 standard errors
         below the best (paired: the same prompts and seeds), naming what to change."""
         mean, best_dir = rewards.mean().item(), self.out / checkpoint.BEST_LORA
-        if self.best is None or mean > self.best[1]:
-            self.best = (self.iteration, mean, rewards.clone())
+        if self.best is None or mean > self.best[1].mean().item():
+            self.best = (self.iteration, rewards.clone())
             if self.iteration > 0 and self.dist.main:  # at 0 the best is the base model: nothing to export
                 save_lora(self.adapters, best_dir, self.rollouts.spec.pipeline, ema=True)
                 info = {"iteration": self.iteration, "heldout_reward": mean}
                 (best_dir / checkpoint.BEST_INFO).write_text(json.dumps(info))
             return
-        it, best_mean, best_rewards = self.best
-        diff = rewards - best_rewards
-        drop, se = -diff.mean().item(), diff.std().item() / len(diff) ** 0.5
-        if drop > 3 * se and self.dist.main:
+        it, best_rewards = self.best
+        gain, se = mean_stderr(rewards - best_rewards)
+        if -gain > 3 * se and len(rewards) > 1 and self.dist.main:
             kept = f"{best_dir} holds that evaluation's EMA adapter" if it > 0 else "the base model was better"
             log.warning(
                 "iteration %d: the held-out reward (%.3f) is %.3f +- %.3f below its best (%.3f at iteration %d, "
                 "same prompts and seeds): the policy is degrading; %s. For a longer run anchor the policy "
                 "(e.g. --set kl_beta=0.1) or lower the learning rate (e.g. --set lr=3e-4)",
-                self.iteration, mean, drop, se, best_mean, it, kept,
+                self.iteration, mean, -gain, se, best_rewards.mean().item(), it, kept,
             )  # fmt: skip
 
     def _state(self) -> dict[str, Any]:
@@ -341,7 +340,7 @@ class Trainer:
             "train_evals": list(self.train_evals),
             "eval_base": None if self.eval_base is None else self.eval_base.tolist(),
             "gains": list(self.gains),
-            "best": None if self.best is None else [self.best[0], self.best[1], self.best[2].tolist()],
+            "best": None if self.best is None else [self.best[0], self.best[1].tolist()],
             "config": dataclasses.asdict(self.cfg),
             "world_size": self.dist.world,
             "nonfinite": self.nonfinite,
@@ -366,7 +365,7 @@ class Trainer:
         self.eval_base = None if base is None else torch.tensor(base)
         self.gains = [tuple(g) for g in st.get("gains", [])]  # type: ignore[misc]
         best = st.get("best")  # absent in checkpoints of older versions: tracked from here on
-        self.best = None if best is None else (best[0], best[1], torch.tensor(best[2]))
+        self.best = None if best is None else (best[0], torch.tensor(best[1]))
         self._drop_stale_best()
         self.nonfinite = st.get("nonfinite", 0)
         self.guard.load_state(st["proxy_guard"])
@@ -516,7 +515,7 @@ class Trainer:
             "lora_ema": str(self.out / "lora_ema"),
             # the EMA adapter of the best held-out evaluation (None: no evaluation beat the base model)
             "heldout_best_iteration": None if self.best is None else self.best[0],
-            "heldout_reward_best": None if self.best is None else self.best[1],
+            "heldout_reward_best": None if self.best is None else self.best[1].mean().item(),
             "lora_best": str(self.out / checkpoint.BEST_LORA) if self.best and self.best[0] > 0 else None,
             "explore_recipe": self.rollouts.explore_recipe,
             "mean_time_total_s": sum(h["time_total_s"] for h in history) / max(1, len(history)),
