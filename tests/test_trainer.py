@@ -314,3 +314,7 @@ def test_resume_drops_a_best_adapter_written_after_its_checkpoint(small_model, t
     (best / BEST_INFO).write_text(json.dumps({"iteration": 7}))  # as if written after the last checkpoint
     Trainer(_cfg(small_model, tmp_path, iterations=2, eval_every=1, save_every=1), progress=False).run(resume=True)
     assert not best.exists()
+    best.mkdir()  # a torn info file (a crash while it was written) is unknown: removed, and resume goes on
+    (best / BEST_INFO).write_text('{"iterat')
+    Trainer(_cfg(small_model, tmp_path, iterations=2, eval_every=1, save_every=1), progress=False).run(resume=True)
+    assert not best.exists()

@@ -388,8 +388,10 @@ class Trainer:
         best_dir = self.out / checkpoint.BEST_LORA
         if not self.dist.main or not best_dir.exists():
             return
-        info = best_dir / checkpoint.BEST_INFO
-        on_disk = json.loads(info.read_text()).get("iteration") if info.exists() else None
+        try:  # missing or torn (a crash while it was written): unknown, so the directory goes
+            on_disk = json.loads((best_dir / checkpoint.BEST_INFO).read_text()).get("iteration")
+        except (OSError, ValueError):
+            on_disk = None
         if self.best is None or on_disk != self.best[0]:
             log.info("removing %s (iteration %s): it was written after the resumed checkpoint", best_dir, on_disk)
             shutil.rmtree(best_dir)
