@@ -1,66 +1,446 @@
-"""Atomic checkpoints: written to a temporary directory, then renamed, keeping the last few.
+"""Checkpoints you can trust: no pickles, checksums, fsync, and a resume that verifies and falls back.
 
-A crash mid-write leaves the previous checkpoint intact; `latest()` only returns complete ones.
+A checkpoint is a directory `iter_NNNNNN` of three files:
+
+    tensors.safetensors   every tensor of the state (adapters, EMA, optimizer, generator states),
+                          named by where it sits in the state: "adapters/ema/<layer>", "opt/state/0/exp_avg"
+    state.json            everything else (iteration, counters, Random states, config, guard, evaluations),
+                          with {"$tensor": name} where a tensor was
+    MANIFEST.json         written last: each file's size and SHA-256 (it replaces the old COMPLETE marker)
+
+It is written under `.tmp_iter_NNNNNN`, every file and the directory fsynced, renamed into place and
+the parent fsynced: after a crash or a power loss a checkpoint is whole or absent. Loading reads
+only JSON and safetensors, so no file in a run directory can make a resume execute code, and checks
+every byte it reads against the manifest. `pick` gives the newest checkpoint that verifies, warning
+about each damaged one it passes over; when checkpoints exist but none verifies it raises
+CheckpointError before anything is written. Old checkpoints (`state.pt` + `COMPLETE`) are read with
+`torch.load(weights_only=True)`; one holding more than tensors and plain values is refused with the
+command that converts it (`python -m solrl_engine.rl.checkpoint convert DIR`). docs/checkpoints.md
+has the layout, the guarantees and their measured cost.
+
 `prepare_output` guards a run directory before anything loads: an existing run is never
-overwritten without --resume or --overwrite, and an unwritable or full disk fails at once.
+overwritten without --resume or --overwrite, an unwritable or full disk fails at once, and a
+--resume whose every checkpoint is damaged stops there.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import json
+import logging
 import os
 import shutil
+import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-DONE = "COMPLETE"
+log = logging.getLogger("solrl_engine.rl")
+
+TENSORS, STATE, MANIFEST = "tensors.safetensors", "state.json", "MANIFEST.json"
+LEGACY, LEGACY_DONE = "state.pt", "COMPLETE"  # checkpoints of earlier versions
+FORMAT = 2
+CONVERT = "python -m solrl_engine.rl.checkpoint convert"
 
 
-def save(root: str | Path, iteration: int, state: dict[str, Any], keep: int = 2) -> Path:
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: damaged, unreadable, or an old pickle that is refused."""
+
+
+class RefusedPickle(CheckpointError):
+    """An old pickled checkpoint holding more than tensors and plain values: loading it could run code."""
+
+
+# --- the state as tensors + JSON ------------------------------------------------------------------
+
+
+def encode(state: Any) -> tuple[dict[str, torch.Tensor], Any]:
+    """Split `state` into named tensors and a JSON-ready tree with {"$tensor": name} in their place.
+
+    Tuples and dicts with keys other than plain strings (an optimizer's integer parameter ids) are
+    tagged ({"$tuple": [...]}, {"$items": [[key, value], ...]}) so `decode` gives back the same types:
+    Random.setstate needs its tuples. Anything else (an arbitrary object) is refused: it would need pickle."""
+    tensors: dict[str, torch.Tensor] = {}
+    storages: set[int] = set()
+
+    def enc(x: Any, path: tuple[str, ...]) -> Any:
+        if isinstance(x, torch.Tensor):
+            name = "/".join(path) or "tensor"
+            while name in tensors:  # path parts holding "/" could meet; names only need to be unique
+                name += "+"
+            t = x.detach().cpu().contiguous()
+            ptr = t.untyped_storage().data_ptr()
+            if t.numel() and ptr in storages:  # safetensors stores no shared memory: tied weights are copied
+                t = t.clone()
+            storages.add(t.untyped_storage().data_ptr())
+            tensors[name] = t
+            return {"$tensor": name}
+        if x is None or isinstance(x, bool | int | float | str):
+            return x
+        if isinstance(x, tuple):
+            return {"$tuple": [enc(v, (*path, str(i))) for i, v in enumerate(x)]}
+        if isinstance(x, list):
+            return [enc(v, (*path, str(i))) for i, v in enumerate(x)]
+        if isinstance(x, dict):
+            if all(isinstance(k, str) and not k.startswith("$") for k in x):
+                return {k: enc(v, (*path, k)) for k, v in x.items()}
+            return {"$items": [[enc(k, (*path, "key")), enc(v, (*path, str(k)))] for k, v in x.items()]}
+        where = "/".join(path) or "the top level"
+        raise TypeError(
+            f"checkpoint state at {where} is a {type(x).__name__}, which only pickle could store: keep tensors, "
+            "numbers, strings, None, lists, tuples and dicts in a checkpoint"
+        )
+
+    return tensors, enc(state, ())
+
+
+def decode(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """The inverse of `encode`."""
+    if isinstance(tree, list):
+        return [decode(v, tensors) for v in tree]
+    if isinstance(tree, dict):
+        if len(tree) == 1:
+            ((k, v),) = tree.items()
+            if k == "$tensor":
+                return tensors[v]
+            if k == "$tuple":
+                return tuple(decode(x, tensors) for x in v)
+            if k == "$items":
+                return {_hashable(decode(a, tensors)): decode(b, tensors) for a, b in v}
+        return {k: decode(v, tensors) for k, v in tree.items()}
+    return tree
+
+
+def _hashable(k: Any) -> Any:
+    return tuple(_hashable(x) for x in k) if isinstance(k, list | tuple) else k
+
+
+# --- durable files and directories ------------------------------------------------------------------
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a directory's entries (new names, renames) durable; file systems that cannot are let be."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF, errno.EACCES):
+            raise
+    finally:
+        os.close(fd)
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _entry(data: bytes) -> dict[str, Any]:
+    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def _hash_file(path: Path) -> dict[str, Any]:
+    h, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(16 * 2**20):
+            h.update(chunk)
+            size += len(chunk)
+    return {"size": size, "sha256": h.hexdigest()}
+
+
+def seal(directory: Path, meta: dict[str, Any], known: dict[str, dict[str, Any]] | None = None) -> None:
+    """Write `directory`'s manifest last: every other file's size and SHA-256 (from `known`, else read
+    back), each file fsynced first, the directory after. Nothing has reached its final name yet."""
+    known = known or {}
+    files = {}
+    for p in sorted(directory.iterdir()):
+        if p.name == MANIFEST or not p.is_file():
+            continue
+        if p.name in known:
+            files[p.name] = known[p.name]
+        else:
+            files[p.name] = _hash_file(p)
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    body = {"format": FORMAT, **meta, "files": files}
+    _write_synced(directory / MANIFEST, json.dumps(body, indent=1).encode())
+    _fsync_dir(directory)
+
+
+def commit(tmp: Path, final: Path) -> None:
+    """Rename a sealed `tmp` to `final` (replacing what was there), then make the rename durable."""
+    old = final.with_name(f".old_{final.name}")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    _fsync_dir(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# --- writing and reading checkpoints ----------------------------------------------------------------
+
+
+def _number(p: Path) -> int | None:
+    try:
+        return int(p.name.removeprefix("iter_")) if p.name.startswith("iter_") and p.is_dir() else None
+    except ValueError:
+        return None
+
+
+def checkpoints(root: str | Path) -> list[Path]:
+    """Every checkpoint directory under `root`, complete or not, newest first."""
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"iter_{iteration:06d}"
-    tmp = root / f".tmp_iter_{iteration:06d}"
+    found = [(n, p) for p in root.glob("iter_*") if (n := _number(p)) is not None] if root.is_dir() else []
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def _complete(p: Path) -> bool:
+    return (p / MANIFEST).exists() or (p / LEGACY_DONE).exists()
+
+
+def write(final: Path, state: dict[str, Any], meta: dict[str, Any] | None = None) -> Path:
+    """Write `state` as a checkpoint directory at `final`, atomically and durably."""
+    from safetensors.torch import save as st_save
+
+    tensors, tree = encode(state)
+    blobs = {TENSORS: st_save(tensors), STATE: json.dumps(tree).encode()}
+    tmp = final.with_name(f".tmp_{final.name}")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    torch.save(state, tmp / "state.pt")
+    tmp.mkdir(parents=True)
+    for name, data in blobs.items():
+        _write_synced(tmp / name, data)
     pause = float(os.environ.get("SOLRL_CHECKPOINT_PAUSE_S", "0") or 0)
     if pause > 0:  # a test hook: hold the writer mid-checkpoint so a kill can land there
         (tmp / "PAUSED").write_text("")
         time.sleep(pause)
-    (tmp / DONE).write_text(str(iteration))
-    if final.exists():
-        shutil.rmtree(final)
-    tmp.rename(final)
-    for old in sorted(p for p in root.glob("iter_*") if (p / DONE).exists())[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        (tmp / "PAUSED").unlink()
+    seal(tmp, {"kind": "checkpoint", **(meta or {})}, {n: _entry(d) for n, d in blobs.items()})
+    commit(tmp, final)
+    return final
+
+
+def save(root: str | Path, iteration: int, state: dict[str, Any], keep: int = 2) -> Path:
+    """Write checkpoint `iteration` under `root` and keep the newest `keep` complete ones."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = write(root / f"iter_{iteration:06d}", state, {"iteration": iteration})
+    for stale in root.glob(".del_iter_*"):  # left by a crash while an old checkpoint was being deleted
+        shutil.rmtree(stale, ignore_errors=True)
+    for old in [p for p in checkpoints(root) if _complete(p)][keep:]:
+        gone = old.with_name(f".del_{old.name}")  # out of sight in one rename, then deleted at leisure
+        old.rename(gone)
+        shutil.rmtree(gone, ignore_errors=True)
     return final
 
 
 def latest(root: str | Path) -> Path | None:
-    """The newest complete checkpoint directory under `root`, or None."""
-    done = sorted(p for p in Path(root).glob("iter_*") if (p / DONE).exists())
-    return done[-1] if done else None
+    """The newest complete checkpoint directory under `root` (not verified: see `pick`), or None."""
+    return next((p for p in checkpoints(root) if _complete(p)), None)
+
+
+@dataclass
+class Verdict:
+    """What `verify` found: status "ok", "damaged", "old" (a pickle without checksums that loads with
+    weights_only), "refused" (an old pickle holding more than that) or "unverifiable" (no manifest)."""
+
+    path: Path
+    status: str
+    detail: str
+
+    @property
+    def usable(self) -> bool:
+        return self.status in ("ok", "old")
+
+
+def _check(name: str, data: bytes | None, want: dict[str, Any]) -> str | None:
+    if data is None:
+        return f"{name} is missing"
+    if len(data) != want["size"]:
+        how = "truncated" if len(data) < want["size"] else "longer than written"
+        return f"{name} has {len(data)} bytes, the manifest says {want['size']} ({how})"
+    if hashlib.sha256(data).hexdigest() != want["sha256"]:
+        return f"{name}'s SHA-256 differs from the manifest's (its bytes were altered: bit rot or a bad copy)"
+    return None
+
+
+def _manifest(path: Path) -> dict[str, Any]:
+    try:
+        m = json.loads((path / MANIFEST).read_text())
+        files = m.get("files")
+        if not isinstance(files, dict) or any(Path(n).name != n or n.startswith(".") for n in files):
+            raise ValueError("no list of plain file names")
+        return m
+    except FileNotFoundError:
+        raise CheckpointError(f"{MANIFEST} is missing") from None
+    except (OSError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"{MANIFEST} is unreadable ({e})") from None
+
+
+def _read_verified(path: Path) -> tuple[dict[str, Any], dict[str, bytes]]:
+    """The manifest and every file it lists, each checked: CheckpointError naming what differs."""
+    m = _manifest(path)
+    blobs, problems = {}, []
+    for name, want in m["files"].items():
+        try:
+            data: bytes | None = (path / name).read_bytes()
+        except FileNotFoundError:
+            data = None
+        if (p := _check(name, data, want)) is not None:
+            problems.append(p)
+        elif data is not None:
+            blobs[name] = data
+    if problems:
+        raise CheckpointError("; ".join(problems))
+    return m, blobs
+
+
+def _legacy_problem(e: Exception, path: Path) -> RefusedPickle:
+    """An old pickle that torch.load(weights_only=True) rejects: refused with how to convert it."""
+    target = path.parent if path.name == LEGACY else path
+    return RefusedPickle(
+        f"{path} is an old-format checkpoint (a pickle) holding more than tensors and plain values, so "
+        f"loading it could run code from the file: refused ({str(e).splitlines()[0][:200]}). If you trust "
+        f"everyone who could write to it, convert it once with `{CONVERT} {target}` (this unpickles it) and "
+        "resume again; otherwise delete it to resume from an older checkpoint"
+    )
+
+
+def load_legacy(file: Path, mmap: bool = False) -> dict[str, Any]:
+    """An earlier version's pickled checkpoint, read with weights_only=True (no code runs)."""
+    import pickle
+
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as e:
+        raise _legacy_problem(e, file) from None
+    except Exception as e:  # a torn or altered zip surfaces as whatever the reader hits first
+        raise CheckpointError(f"{file.name} is unreadable ({type(e).__name__}: {str(e)[:200]})") from None
 
 
 def load(path: str | Path) -> dict[str, Any]:
-    return torch.load(Path(path) / "state.pt", map_location="cpu", weights_only=False)
+    """The state in checkpoint directory `path`; every byte checked against its manifest first."""
+    path = Path(path)
+    if not (path / MANIFEST).exists() and (path / LEGACY).exists():
+        return load_legacy(path / LEGACY)
+    from safetensors.torch import load as st_load
 
+    try:
+        _, blobs = _read_verified(path)
+        return decode(json.loads(blobs[STATE]), st_load(blobs[TENSORS]))
+    except CheckpointError as e:
+        raise CheckpointError(f"checkpoint {path} is damaged: {e}") from None
+    except (KeyError, ValueError) as e:  # verified bytes that still do not parse: written by something else
+        raise CheckpointError(f"checkpoint {path} does not parse ({type(e).__name__}: {e})") from None
+
+
+def verify(path: str | Path, kind: str = "checkpoint") -> Verdict:
+    """Check a checkpoint or an exported adapter directory against its manifest (reads every byte)."""
+    path = Path(path)
+    if (path / MANIFEST).exists():
+        try:
+            m, blobs = _read_verified(path)
+            size = sum(len(b) for b in blobs.values())
+            v = Verdict(path, "ok", f"{len(blobs)} files, {size / 2**20:.1f} MiB, SHA-256 checked")
+        except CheckpointError as e:
+            v = Verdict(path, "damaged", str(e))
+    elif kind == "checkpoint" and (path / LEGACY).exists() and (path / LEGACY_DONE).exists():
+        v = _verify_legacy(path / LEGACY, path)
+    elif kind == "checkpoint":
+        v = Verdict(path, "damaged", f"{MANIFEST} is missing (a checkpoint gets its name only once complete)")
+    else:
+        v = Verdict(path, "unverifiable", f"no {MANIFEST}: written by an earlier version")
+    return v
+
+
+def _verify_legacy(file: Path, shown: Path) -> Verdict:
+    try:
+        load_legacy(file, mmap=True)  # mapped, not read: the pickle is checked, the tensor bytes are not
+    except CheckpointError as e:
+        return Verdict(shown, "refused" if isinstance(e, RefusedPickle) else "damaged", str(e))
+    return Verdict(shown, "old", f"old format ({LEGACY}, a pickle): no checksums to verify; loads with weights_only")
+
+
+def pick(root: str | Path, warn: bool = True) -> Path | None:
+    """The newest checkpoint under `root` that verifies, warning about each damaged one newer than it;
+    None when there is none at all. CheckpointError when checkpoints exist but none can be used, or
+    the newest usable one is an old pickle that is refused (nothing is written either way)."""
+    bad: list[Verdict] = []
+    for p in checkpoints(root):
+        v = verify(p)
+        if v.status == "refused":
+            raise CheckpointError(v.detail)
+        if v.usable:
+            if bad and warn:
+                log.warning("falling back to %s, the newest checkpoint that verifies", p)
+            return p
+        bad.append(v)
+        if warn:
+            log.warning("checkpoint %s is damaged and skipped: %s", p, v.detail)
+    if not bad:
+        return None
+    lines = "\n".join(f"  {v.path.name}: {v.detail}" for v in bad)
+    raise CheckpointError(
+        f"no checkpoint in {root} verifies, so there is nothing safe to resume from:\n{lines}\n"
+        "Nothing was changed. Restore the directory from a copy (then `solrl verify` it), or start over "
+        "with --overwrite instead of --resume"
+    )
+
+
+def resume_point(root: str | Path, dist: Any = None) -> Path | None:
+    """`pick` on rank 0, the same choice on every rank (rank 0 decides and broadcasts, so ranks never
+    resume from different checkpoints); every rank raises the same CheckpointError when none verifies."""
+    if dist is None or dist.world == 1:
+        return pick(root)
+    choice: tuple[str | None, str | None] = (None, None)
+    if dist.main:
+        try:
+            p = pick(root)
+            choice = (None if p is None else str(p), None)
+        except CheckpointError as e:
+            choice = (None, str(e))
+    path, err = dist.broadcast_object(choice)  # type: ignore[misc]
+    if err is not None:
+        raise CheckpointError(err)
+    return None if path is None else Path(path)
+
+
+# --- a run directory ---------------------------------------------------------------------------------
 
 RUN_FILES = ("metrics.jsonl", "config.json", "summary.json", "reward.png", "quantization.txt")
 # the EMA adapter of the best held-out evaluation, and the file inside it that says which one that was
 BEST_LORA, BEST_INFO = "lora_best", "solrl_best.json"
+EXPORTS = ("lora", "lora_ema", BEST_LORA)
 RUN_DIRS = ("checkpoints", "lora", "lora_ema", BEST_LORA, "tensorboard")
 MIN_FREE_BYTES = 64 * 2**20
+
+
+def verify_run(out: str | Path) -> list[Verdict]:
+    """Every checkpoint (newest first) and exported adapter of a run directory, checked; also a
+    pre-training directory's checkpoints and its old `checkpoint.pt`."""
+    out = Path(out)
+    found = [verify(p) for p in checkpoints(out / "checkpoints")]
+    found += [verify(out / d, kind="export") for d in EXPORTS if (out / d).is_dir()]
+    if (out / "checkpoint.pt").is_file():
+        found.append(_verify_legacy(out / "checkpoint.pt", out / "checkpoint.pt"))
+    return found
 
 
 def prepare_output(out: str | Path, resume: bool = False, overwrite: bool = False) -> Path:
     """Check (and with `overwrite`, clear) a run directory before training starts.
 
     Raises FileExistsError when `out` holds a run and neither `resume` nor `overwrite` is set (nothing
-    is touched), PermissionError when it cannot be written, OSError when its disk is nearly full."""
+    is touched), PermissionError when it cannot be written, OSError when its disk is nearly full,
+    CheckpointError when resuming and no checkpoint verifies (nothing is touched)."""
     out = Path(out)
     existing = [f for f in RUN_FILES + RUN_DIRS if (out / f).exists()] + [p.name for p in out.glob("eval_*.png")]
     if existing and not resume and not overwrite:
@@ -68,6 +448,8 @@ def prepare_output(out: str | Path, resume: bool = False, overwrite: bool = Fals
             f"{out} already holds a run ({', '.join(sorted(existing)[:4])}...): pass --resume to continue it, "
             "--overwrite to start over in it, or choose another --output"
         )
+    if resume:  # before the first write: a resume with nothing usable changes nothing (the trainer warns)
+        pick(out / "checkpoints", warn=False)
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / ".solrl_write_test"
@@ -89,3 +471,31 @@ def prepare_output(out: str | Path, resume: bool = False, overwrite: bool = Fals
         for d in RUN_DIRS:
             shutil.rmtree(out / d, ignore_errors=True)
     return out
+
+
+# --- converting an old checkpoint ----------------------------------------------------------------------
+
+
+def convert_legacy(path: str | Path) -> Path:
+    """Rewrite an old pickled checkpoint (a trainer's `iter_N/` or pre-training's `checkpoint.pt`) in
+    this format. This UNPICKLES it, so it may run code the file holds: only for files you trust."""
+    path = Path(path)
+    file = path / LEGACY if path.is_dir() else path
+    if not file.is_file():
+        raise FileNotFoundError(f"{file}: no old-format checkpoint there (a directory with {LEGACY}, or checkpoint.pt)")
+    state = torch.load(file, map_location="cpu", weights_only=False)
+    if path.is_dir():
+        return write(path, state, {"iteration": state.get("iteration"), "converted_from": LEGACY})
+    return save(path.parent / "checkpoints", int(state["step"]), state)
+
+
+def _main(argv: list[str]) -> int:
+    if len(argv) != 2 or argv[0] != "convert":
+        print(f"usage: {CONVERT} CHECKPOINT  (an old iter_NNNNNN/ directory or a pre-training checkpoint.pt)")
+        return 2
+    print(f"converted: {convert_legacy(argv[1])}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

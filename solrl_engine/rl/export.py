@@ -5,8 +5,10 @@
     pipe.load_lora_weights("runs/mine/lora_ema")    # or its EMA (what the evaluation samples with)
 
 Written with the pipeline class's own `save_lora_weights`, with the adapter metadata (rank, alpha,
-targets) so a loader does not assume alpha = rank; each directory is written to a temporary name
-and renamed, so a crash never leaves a half-written adapter where the last good one was.
+targets) so a loader does not assume alpha = rank. Each directory is written under a temporary name,
+sealed with a MANIFEST.json (each file's size and SHA-256, every file fsynced) and renamed into
+place, so a crash never leaves a half-written adapter where the last good one was and `solrl verify`
+can tell a damaged copy from a good one (docs/checkpoints.md).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 
 from solrl_engine.models import pipeline_class as resolve_pipeline_class
 from solrl_engine.rl.adapters import TRAIN, LoraAdapters
+from solrl_engine.rl.checkpoint import commit, seal
 
 WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 
@@ -28,8 +31,12 @@ def _metadata(adapters: LoraAdapters) -> dict:
     return cfg
 
 
-def save_lora(adapters: LoraAdapters, directory: str | Path, pipeline_class: str, ema: bool = False) -> Path:
-    """Write the trained adapter (or its EMA with `ema=True`) as a diffusers LoRA directory."""
+def save_lora(
+    adapters: LoraAdapters, directory: str | Path, pipeline_class: str, ema: bool = False,
+    extra: dict[str, str] | None = None,
+) -> Path:  # fmt: skip
+    """Write the trained adapter (or its EMA with `ema=True`) as a diffusers LoRA directory; `extra`
+    files (name: text) go in with it, under the same manifest, so they appear together or not at all."""
     from peft import get_peft_model_state_dict
 
     directory = Path(directory)
@@ -43,12 +50,8 @@ def save_lora(adapters: LoraAdapters, directory: str | Path, pipeline_class: str
         tmp, transformer_lora_layers=state, weight_name=WEIGHT_NAME,
         transformer_lora_adapter_metadata=_metadata(adapters),
     )  # fmt: skip
-    if directory.exists():
-        old = directory.with_name(f".old_{directory.name}")
-        shutil.rmtree(old, ignore_errors=True)
-        directory.rename(old)
-        tmp.rename(directory)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(directory)
+    for name, text in (extra or {}).items():
+        (tmp / name).write_text(text)
+    seal(tmp, {"kind": "lora", "adapter": "ema" if ema else "trained"})
+    commit(tmp, directory)
     return directory
