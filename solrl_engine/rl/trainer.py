@@ -313,9 +313,8 @@ class Trainer:
         if self.best is None or mean > self.best[1].mean().item():
             self.best = (self.iteration, rewards.clone())
             if self.iteration > 0 and self.dist.main:  # at 0 the best is the base model: nothing to export
-                save_lora(self.adapters, best_dir, self.rollouts.spec.pipeline, ema=True)
-                info = {"iteration": self.iteration, "heldout_reward": mean}
-                (best_dir / checkpoint.BEST_INFO).write_text(json.dumps(info))
+                info = {checkpoint.BEST_INFO: json.dumps({"iteration": self.iteration, "heldout_reward": mean})}
+                save_lora(self.adapters, best_dir, self.rollouts.spec.pipeline, ema=True, extra=info)
             return
         it, best_rewards = self.best
         gain, se = mean_stderr(rewards - best_rewards)
@@ -457,7 +456,8 @@ class Trainer:
         c, main = self.cfg, self.dist.main
         metrics_path = self.out / "metrics.jsonl"
         history: list[dict[str, Any]] = []
-        ck = checkpoint.latest(self.out / "checkpoints") if resume else None
+        # the newest checkpoint that verifies (damaged ones are named and skipped), the same on every rank
+        ck = checkpoint.resume_point(self.out / "checkpoints", self.dist) if resume else None
         self.tracker = Tracker(self.out, c.log_with if main else (), c.name, dataclasses.asdict(c))
         if ck is not None:
             self._restore(checkpoint.load(ck))
