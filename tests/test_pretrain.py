@@ -8,6 +8,7 @@ import pytest
 
 from solrl_engine.models.tiny import TinyConfig, load_tiny
 from solrl_engine.models.tiny.pretrain import PretrainConfig, pretrain_tiny
+from solrl_engine.rl import checkpoint
 
 SMALL = TinyConfig(num_layers=1, heads=2, head_dim=16, text_dim=32, text_layers=1)
 
@@ -19,12 +20,9 @@ def test_short_pretraining_lowers_the_loss_and_resumes(tmp_path):
     )
     half = PretrainConfig(**{**cfg.__dict__, "steps": 30})
     pretrain_tiny(tmp_path, half, model_config=SMALL, progress=False)
-    ckpt = tmp_path / "checkpoint.pt"
-    assert ckpt.exists()
+    assert checkpoint.verify(tmp_path / "checkpoints" / "iter_000030").status == "ok"
     metrics = pretrain_tiny(tmp_path, cfg, model_config=SMALL, resume=True, progress=False)
-    import torch
-
-    losses = torch.load(ckpt, weights_only=False)["losses"]
+    losses = checkpoint.load(checkpoint.pick(tmp_path / "checkpoints"))["losses"]
     steps = [s for s, _ in losses]
     assert steps == sorted(set(steps)) and steps[-1] == 60  # resumed, not restarted
     assert losses[-1][1] < 0.7 * losses[0][1]

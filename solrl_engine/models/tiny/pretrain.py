@@ -1,9 +1,12 @@
 """`solrl pretrain-tiny`: train the bundled tiny model by rectified flow on the procedural shapes world.
 
 Logit-normal t, velocity target (noise - x0), prompt dropout for optional guidance, AdamW with
-warm-up and cosine decay, an EMA of the weights (the EMA is what ships). Checkpoints are written
-atomically every `save_every` steps and `resume=True` continues from the last one, so a crash loses
-at most that many steps. Writes a loss curve PNG, sample grids and a metrics file as it goes.
+warm-up and cosine decay, an EMA of the weights (the EMA is what ships). Checkpoints
+(OUT/checkpoints/iter_<step>: safetensors + JSON + a checksum manifest, never a pickle; see
+solrl_engine.rl.checkpoint) are written atomically every `save_every` steps and `resume=True`
+continues from the newest one that verifies, so a crash loses at most that many steps. An old
+OUT/checkpoint.pt still resumes when it holds only tensors and plain values. Writes a loss curve
+PNG, sample grids and a metrics file as it goes.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from solrl_engine.data import shapes as world
 from solrl_engine.evaluation import evaluate, generate
 from solrl_engine.models.tiny.model import TinyConfig, TinyT2I
 from solrl_engine.rewards import load_reward
+from solrl_engine.rl import checkpoint
 from solrl_engine.viz import image_grid, line_plot
 
 
@@ -56,10 +60,17 @@ def _lr_at(step: int, cfg: PretrainConfig) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, p))))
 
 
-def _save_checkpoint(out: Path, state: dict) -> None:
-    tmp = out / "checkpoint.pt.tmp"
-    torch.save(state, tmp)
-    tmp.replace(out / "checkpoint.pt")
+LEGACY_CHECKPOINT = "checkpoint.pt"  # the pickled checkpoint of earlier versions
+
+
+def _resume_state(out: Path) -> dict | None:
+    """The newest checkpoint that verifies (damaged ones are named and skipped), else an old
+    checkpoint.pt read with weights_only=True; None when there is neither."""
+    found = checkpoint.pick(out / "checkpoints")
+    if found is not None:
+        return checkpoint.load(found)
+    legacy = out / LEGACY_CHECKPOINT
+    return checkpoint.load_legacy(legacy) if legacy.exists() else None
 
 
 def _sample_grid(model: TinyT2I, path: Path, header: str) -> None:
@@ -92,15 +103,14 @@ def pretrain_tiny(
     gen = torch.Generator(device="cpu").manual_seed(cfg.seed)
     losses: list[tuple[int, float]] = []
     start = 0
-    ckpt = out / "checkpoint.pt"
-    if resume and ckpt.exists():
-        st = torch.load(ckpt, map_location=dev, weights_only=False)
+    st = _resume_state(out) if resume else None
+    if st is not None:
         model.load_state_dict(st["model"])
         ema.load_state_dict(st["ema"])
         opt.load_state_dict(st["opt"])
         rng.setstate(st["rng"])
         gen.set_state(st["gen"])
-        losses, start = st["losses"], st["step"]
+        losses, start = [tuple(x) for x in st["losses"]], st["step"]
     elif resume:
         print(f"no checkpoint in {out}; starting from scratch")
     (out / "pretrain_config.json").write_text(json.dumps({"pretrain": asdict(cfg), "model": asdict(model.config)}))
@@ -141,8 +151,9 @@ def pretrain_tiny(
                 "rectified-flow loss",
             )
         if done % cfg.save_every == 0 or done == cfg.steps:
-            _save_checkpoint(
-                out,
+            checkpoint.save(
+                out / "checkpoints",
+                done,
                 {
                     "model": model.state_dict(),
                     "ema": ema.state_dict(),
