@@ -262,6 +262,28 @@ def _fidelity(args: argparse.Namespace) -> int:
     return 0
 
 
+def _verify(args: argparse.Namespace) -> int:
+    """Check every checkpoint and exported adapter of a run directory against its manifest."""
+    from solrl_engine.rl.checkpoint import verify_run
+
+    out = Path(args.output)
+    if not out.is_dir():
+        raise SystemExit(f"error: {out} is not a directory; pass a run directory (a `solrl train` --output)")
+    found = verify_run(out)
+    if not found:
+        raise SystemExit(f"error: {out} holds no checkpoints/ and no exported lora*/ directory: is it a run directory?")
+    width = max(len(str(v.path.relative_to(out))) for v in found)
+    for v in found:
+        print(f"{str(v.path.relative_to(out)):<{width}}  {v.status:<12}  {v.detail}")
+    bad = [v for v in found if v.status in ("damaged", "refused")]
+    if bad:
+        print(f"{len(bad)} of {len(found)} damaged or refused: `solrl train ... --resume` skips damaged checkpoints "
+              "(falling back to the newest one that verifies); restore damaged adapters from a copy")  # fmt: skip
+        return 1
+    print(f"all {len(found)} verified (or old-format, without checksums)")
+    return 0
+
+
 def _print_point(p: dict) -> None:
     print(f"  {p['groups']} group(s): quantized_flop_share={p['quantized_flop_share']:.3f} "
           f"spearman={p['spearman_mean']:.3f} kendall={p['kendall_mean']:.3f}", flush=True)  # fmt: skip
@@ -341,6 +363,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "writes OUTPUT and OUTPUT's .snippet.py with the explore_layers rule")  # fmt: skip
     fi.add_argument("--target", type=float, default=0.93, help="Spearman the searched rule must keep (default 0.93)")
     fi.set_defaults(func=_fidelity)
+
+    vf = sub.add_parser("verify", help="check a run's checkpoints and exported adapters against their checksums")
+    vf.add_argument("output", help="run directory (a `solrl train` --output)")
+    vf.set_defaults(func=_verify)
     return p
 
 
