@@ -113,10 +113,10 @@ def cpu_compile_available(compiler: str | None = "") -> tuple[bool, str]:
 
 # --- explore_precision=auto ---------------------------------------------------------------------------
 
-# Candidates for the explore copy, cheapest first (bits of weight, then of activation, per MAC): on a
-# GPU with the matching tensor cores this is also fastest first; on a CPU the formats are emulated,
-# so the order is only a preference among those measured to be faster than the policy.
-EXPLORE_CANDIDATES: tuple[str, ...] = ("nvfp4", "nvfp4_weight_only", "fp8", "fp8_weight_only")
+# Candidates for the explore copy on a CPU, where every format is emulated (or, for INT8 and FP8,
+# run by oneDNN / torch's CPU kernels): all of them are timed against the policy. On a GPU only the
+# formats with tensor cores on that device are candidates (`explore_candidates`).
+EXPLORE_CANDIDATES: tuple[str, ...] = ("nvfp4", "nvfp4_weight_only", "int8", "fp8", "fp8_weight_only")
 # explore_precision=auto's answer where no candidate is faster than the policy: no explore copy at all
 POLICY = "policy"
 # NVFP4-only recipe options: they cost time, so the NVFP4 candidates are timed with them
@@ -134,18 +134,36 @@ class ExploreChoice:
     timings_ms: dict[str, float] = field(default_factory=dict)
 
 
-def choose_explore_precision(timings_ms: Mapping[str, float], margin: float = 0.95) -> ExploreChoice:
-    """The cheapest candidate at least 1 / margin times faster than "policy" in `timings_ms`, else
-    POLICY (explore with the policy itself): a slower proxy is never chosen automatically."""
+def explore_candidates(device: torch.device | str) -> tuple[str, ...]:
+    """The precisions explore_precision=auto times on `device`: on a GPU (or a CPU under
+    SOLRL_SIMULATE_SM) those its tensor cores run, the hardware plan of docs/design.md section 2
+    (NVFP4 on sm_100+, FP8 on sm_89+, INT8 on sm_80+; never emulated NVFP4); on a CPU all of them."""
+    from solrl_engine import kernels
+
+    dev = torch.device(device)
+    cap = kernels.device_capability(dev)
+    if not kernels.gpu_like(dev) or cap is None:
+        return EXPLORE_CANDIDATES
+    plan = (("nvfp4", (10, 0)), ("fp8", (8, 9)), ("int8", (8, 0)))
+    return tuple(name for name, needs in plan if cap >= needs)
+
+
+def choose_explore_precision(
+    timings_ms: Mapping[str, float], margin: float = 0.95, candidates: Iterable[str] | None = None
+) -> ExploreChoice:
+    """The fastest candidate at least 1 / margin times faster than "policy" in `timings_ms`, else
+    POLICY (explore with the policy itself): a slower proxy is never chosen automatically.
+    `candidates` (default: every timed precision) limits the choice, e.g. to a GPU's hardware plan."""
     if "policy" not in timings_ms:
         raise ValueError("timings_ms needs the policy's own time under the key 'policy'")
     base = timings_ms["policy"]
     table = ", ".join(f"{k} {v / base:.2f}x" for k, v in timings_ms.items() if k != "policy")
-    for name in EXPLORE_CANDIDATES:
-        t = timings_ms.get(name)
-        if t is not None and t <= margin * base:
-            why = f"the cheapest precision measured faster than the policy's here ({name} {base / t:.2f}x faster; "
-            return ExploreChoice(name, why + f"time vs policy: {table})", dict(timings_ms))
+    allowed = set(EXPLORE_CANDIDATES if candidates is None else candidates)
+    timed = sorted((t, k) for k, t in timings_ms.items() if k in allowed and t <= margin * base)
+    if timed:
+        t, name = timed[0]
+        why = f"the fastest precision measured faster than the policy's here ({name} {base / t:.2f}x faster; "
+        return ExploreChoice(name, why + f"time vs policy: {table})", dict(timings_ms))
     return ExploreChoice(POLICY, f"no quantized precision is faster than the policy's here (time vs policy: {table}): "
                                  "the policy itself explores; set explore_precision to use one anyway",
                          dict(timings_ms))  # fmt: skip
@@ -164,9 +182,14 @@ def explore_layer_shapes(transformer: nn.Module, rule: Mapping[str, Any]) -> Cou
 _PROBE_CACHE: dict[tuple, dict[str, float]] = {}
 
 
-def _call_ms(fn: Callable[[], object]) -> float:
+def _call_ms(fn: Callable[[], object], device: torch.device | None = None) -> float:
+    cuda = device is not None and device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
     t0 = time.perf_counter()
     fn()
+    if cuda:
+        torch.cuda.synchronize(device)
     return (time.perf_counter() - t0) * 1e3
 
 
@@ -174,14 +197,18 @@ def probe_explore_timings(
     shapes: Mapping[tuple[int, int], int],
     rule: Mapping[str, Any],
     dtype: torch.dtype,
-    rows: int = 256,
-    reps: int = 3,
+    rows: int | None = None,
+    reps: int | None = None,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     give_up: float = 2.0,
+    device: torch.device | str = "cpu",
+    candidates: Iterable[str] | None = None,
 ) -> dict[str, float]:
     """ms of the explore copy's quantized layers (`shapes`: (in, out) -> count) at each candidate
-    precision and at the policy's (`dtype`), on CPU, for `rows` input rows (fewer for wide layers):
-    per layer, the median of `reps` calls after a warm-up call, times its count.
+    precision (default `explore_candidates(device)`) and at the policy's (`dtype`), on `device`, for
+    `rows` input rows (default 256 on a CPU, 4096 on a GPU: a rollout's tokens; fewer for wide layers
+    on a CPU): per layer, the median of `reps` calls (3 on a CPU, 10 on a GPU) after a warm-up call,
+    times its count, under `autocast` (the rollouts' own).
 
     A candidate whose warm-up pass (or its first layers) already takes `give_up` times the
     policy's median cannot be chosen and is not timed further: its entry is that partial pass, far
@@ -190,9 +217,14 @@ def probe_explore_timings(
     from solrl_engine.nn import QuantLinear
     from solrl_engine.quant.recipe import get_recipe
 
+    dev = torch.device(device)
+    gpu = dev.type == "cuda"
+    rows = rows if rows is not None else (4096 if gpu else 256)
+    reps = reps if reps is not None else (10 if gpu else 3)
+    names = tuple(explore_candidates(dev) if candidates is None else candidates)
     extras = {k: rule[k] for k in NVFP4_OPTIONS if rule.get(k)}
     key = (tuple(sorted(shapes.items())), tuple(sorted(extras.items())), dtype, rows, reps, give_up,
-           torch.get_num_threads())  # fmt: skip
+           torch.get_num_threads(), str(dev), names)  # fmt: skip
     if key in _PROBE_CACHE:
         return dict(_PROBE_CACHE[key])
     out: dict[str, float] = {}
@@ -200,23 +232,23 @@ def probe_explore_timings(
         torch.manual_seed(0)
         layers = []
         for (k, n), count in shapes.items():
-            m = max(16, min(rows, (1 << 27) // max(1, k * n)))  # a wide layer gets fewer rows: bounded cost
-            layers.append((nn.Linear(k, n, dtype=dtype), torch.randn(m, k, dtype=dtype), count))
-        for name in ("policy", *EXPLORE_CANDIDATES):
+            m = rows if gpu else max(16, min(rows, (1 << 27) // max(1, k * n)))  # a CPU's cost stays bounded
+            layers.append((nn.Linear(k, n, dtype=dtype, device=dev), torch.randn(m, k, dtype=dtype, device=dev), count))
+        for name in ("policy", *names):
             recipe = None if name == "policy" else get_recipe(name)
             if recipe is not None and recipe.format == "nvfp4":
                 recipe = recipe.with_(**extras)
             calls, warm = [], 0.0
             for lin, x, count in layers:  # the warm-up pass, abandoned as soon as it cannot win
                 mod = lin if recipe is None else QuantLinear.from_linear(lin, recipe)
-                warm += count * _call_ms(lambda mod=mod, x=x: mod(x))
+                warm += count * _call_ms(lambda mod=mod, x=x: mod(x), dev)
                 calls.append((mod, x, count))
                 if name != "policy" and warm > give_up * out["policy"]:
                     break
             if name != "policy" and warm > give_up * out["policy"]:
                 out[name] = warm
                 continue
-            out[name] = sum(count * statistics.median(_call_ms(lambda mod=mod, x=x: mod(x)) for _ in range(reps))
+            out[name] = sum(count * statistics.median(_call_ms(lambda mod=mod, x=x: mod(x), dev) for _ in range(reps))
                             for mod, x, count in calls)  # fmt: skip
     _PROBE_CACHE[key] = out
     return dict(out)
@@ -232,24 +264,25 @@ def resolve_explore_precision(
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
 ) -> ExploreChoice:
     """explore_precision -> the recipe used, with its reason. A set precision passes through; "auto"
-    takes the GPU's hardware plan (`auto_explore_recipe`: NVFP4 on Blackwell, FP8 on Ada/Hopper), and
-    on a CPU, where every format is emulated, the cheapest precision measured faster than the policy's
-    on this model's quantized layers (`timings_ms` stubs the measurement)."""
-    from solrl_engine.quant.recipe import auto_explore_recipe
-
+    times this model's quantized layers at each candidate precision (`explore_candidates`: on a GPU the
+    formats its tensor cores run, on a CPU all) against the policy's own, and takes the fastest that
+    beats the policy, else the policy itself (`timings_ms` stubs the measurement)."""
     if precision != "auto":
         return ExploreChoice(precision, "set in the config (explore_precision)")
+    from solrl_engine import kernels
+
     dev = torch.device(device)
-    if dev.type == "cuda":
-        cap = torch.cuda.get_device_capability(dev)
-        name = auto_explore_recipe(cap)
-        return ExploreChoice(name, f"sm_{cap[0]}{cap[1]}: the hardware plan (native NVFP4 on sm_100+, FP8 on "
-                                   "sm_89/sm_90, emulated NVFP4 below)")  # fmt: skip
+    cands = explore_candidates(dev)
+    cap = kernels.device_capability(dev)
+    where = f"sm_{cap[0]}{cap[1]}" + ("" if dev.type == "cuda" else " (simulated)") if cap else "this CPU"
+    if not cands:
+        return ExploreChoice(POLICY, f"{where} has no tensor cores for NVFP4, FP8 or INT8: the policy explores")
     if timings_ms is None:
         if transformer is None:
-            raise ValueError("explore_precision=auto on a CPU times the model's layers: pass `transformer`")
+            raise ValueError("explore_precision=auto times the model's layers: pass `transformer`")
         shapes = explore_layer_shapes(transformer, rule or {})
         if not shapes:
             return ExploreChoice(POLICY, "the explore rule quantizes no layer of this model: the policy explores")
-        timings_ms = probe_explore_timings(shapes, rule or {}, dtype, autocast=autocast)
-    return choose_explore_precision(timings_ms)
+        timings_ms = probe_explore_timings(shapes, rule or {}, dtype, autocast=autocast, device=dev, candidates=cands)
+    ch = choose_explore_precision(timings_ms, candidates=cands)
+    return ExploreChoice(ch.precision, f"{where}, candidates {', '.join(cands)}: {ch.reason}", ch.timings_ms)

@@ -61,10 +61,13 @@ class Rollouts:
         model: FlowModel | None = None,
         reward: RewardFn | None = None,
         dist: Any = None,
+        merged_rollouts: bool = False,
     ) -> None:
         """`model` and `reward` given: use those (a caller's pipeline, wrapped; any reward callable)
         instead of loading what the config names. `dist` (rl.distributed.Dist): under torchrun every
-        rank takes rank 0's timed explore_precision choice."""
+        rank takes rank 0's timed explore_precision choice. `merged_rollouts` (the trainer's, with
+        merge_lora): also build `policy_copy`, the policy at its own precision with the "old" LoRA merged,
+        through which full-precision rollouts run (like-for-like with the merged quantized copy)."""
         self.cfg = cfg
         self.spec = model_spec(cfg.model)
         self.reward_args = parse_reward_args(cfg.reward_args)
@@ -90,6 +93,11 @@ class Rollouts:
             self.device, self.dtype = p.device, p.dtype
         self.model = model
         self.reward = load_reward(cfg.reward, self.reward_args) if reward is None else reward
+        self.policy_copy = None
+        if merged_rollouts and cfg.merge_lora:
+            from solrl_engine.rl.explore import POLICY, ExploreCopy
+
+            self.policy_copy = ExploreCopy(self.model.transformer, POLICY)
         self.explore = None
         self.explore_choice = None  # the resolved explore_precision and its reason, when exploring quantized
         if explore:
@@ -140,6 +148,12 @@ class Rollouts:
                 "precision; see quantization.txt in the run directory for why each layer was kept",
                 cfg.model, explore_rule(cfg, self.spec),
             )
+
+    @property
+    def rollout_form(self) -> str:
+        """How the "old" adapter is applied where the policy samples at full precision: "merged" (a copy
+        with the LoRA merged, as the quantized copy has it) or "unmerged" (PEFT's LoRA branches)."""
+        return "merged" if self.policy_copy is not None else "unmerged"
 
     @property
     def explore_recipe(self) -> str:

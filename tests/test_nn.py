@@ -222,7 +222,8 @@ def test_auto_explore_recipe_follows_the_hardware_plan():
     assert auto_explore_recipe(None) == "nvfp4"  # CPU: emulated NVFP4
     assert auto_explore_recipe((9, 0)) == "fp8"  # Hopper
     assert auto_explore_recipe((8, 9)) == "fp8"  # Ada
-    assert auto_explore_recipe((8, 0)) == "nvfp4"  # Ampere: emulated
+    assert auto_explore_recipe((8, 0)) == "int8" and auto_explore_recipe((8, 6)) == "int8"  # Ampere: INT8 tensor cores
+    assert auto_explore_recipe((7, 5)) == "nvfp4"  # below: a fidelity study's emulated proxy (auto times it first)
     assert auto_explore_recipe((10, 0)) == "nvfp4" and auto_explore_recipe((12, 0)) == "nvfp4"
 
 

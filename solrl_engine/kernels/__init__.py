@@ -3,10 +3,22 @@
 Imports quant/, solrl_triton (the triton_kernels/ folder) and the extension, nothing above it.
 """
 
-from solrl_engine.kernels.dispatch import BACKENDS, backend_report, choose, requested_backend, select
-from solrl_engine.kernels.linear import fp8_linear, nvfp4_linear
+from solrl_engine.kernels.dispatch import (
+    BACKENDS,
+    Run,
+    backend_report,
+    choose,
+    device_capability,
+    gpu_like,
+    requested_backend,
+    runs,
+    select,
+    simulated_capability,
+)
+from solrl_engine.kernels.linear import fp8_linear, int8_linear, nvfp4_linear
 from solrl_engine.kernels.ops import (
     fp8_quantize_rowwise,
+    int8_quantize_rowwise,
     nvfp4_dequantize,
     nvfp4_fake_quantize,
     nvfp4_quantize,
@@ -15,12 +27,19 @@ from solrl_engine.kernels.ops import (
 
 __all__ = [
     "BACKENDS",
+    "Run",
     "backend_report",
     "choose",
+    "device_capability",
+    "gpu_like",
     "requested_backend",
+    "runs",
     "select",
+    "simulated_capability",
     "fp8_linear",
     "fp8_quantize_rowwise",
+    "int8_linear",
+    "int8_quantize_rowwise",
     "nvfp4_dequantize",
     "nvfp4_fake_quantize",
     "nvfp4_linear",

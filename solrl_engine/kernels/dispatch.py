@@ -5,6 +5,14 @@ or for GEMMs torch's own cuBLASLt `_scaled_mm` where the GPU has the tensor core
 Triton, else the reference; on anything else the reference. `SOLRL_BACKEND=reference|triton|cuda|cutlass` asks for one
 backend; when it cannot serve an op on a device, the call falls back to the default and says so once
 in the log, never silently wrong.
+
+What actually ran is recorded too (`record_run` / `runs`): each quantized layer's GEMM names the
+implementation that computed its last call, so a layer that lands on the slow reference on a GPU is
+reported (and warned about once), not assumed fast from what was chosen at quantize time.
+
+`SOLRL_SIMULATE_SM=90` (a test switch) makes dispatch treat the CPU as a GPU of that compute
+capability wherever the fast op has a CPU implementation (`torch._scaled_mm`, `torch._int_mm`, Triton
+under TRITON_INTERPRET=1): the GPU's choices and paths then run, and are checked, on a CPU.
 """
 
 from __future__ import annotations
@@ -13,7 +21,9 @@ import functools
 import importlib
 import logging
 import os
+import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -23,6 +33,7 @@ import torch
 # until it has run on a Blackwell GPU; ops without a cutlass implementation take their default.
 BACKENDS: tuple[str, ...] = ("reference", "triton", "cuda", "cutlass")
 ENV_VAR = "SOLRL_BACKEND"
+SIM_ENV = "SOLRL_SIMULATE_SM"
 log = logging.getLogger("solrl_engine.kernels")
 
 
@@ -76,6 +87,32 @@ def _register_fakes() -> None:
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def simulated_capability() -> tuple[int, int] | None:
+    """The compute capability SOLRL_SIMULATE_SM gives the CPU ("90" -> (9, 0)), or None when unset."""
+    v = os.environ.get(SIM_ENV, "").strip().lower().removeprefix("sm_").removeprefix("sm")
+    if not v:
+        return None
+    if not v.isdigit() or len(v) < 2:
+        raise ValueError(f"{SIM_ENV}={v!r} is not a compute capability; write e.g. 80, 90 or 100 (or unset it).")
+    return int(v[:-1]), int(v[-1])
+
+
+def device_capability(device: torch.device | str) -> tuple[int, int] | None:
+    """A CUDA device's compute capability; the simulated one for a CPU under SOLRL_SIMULATE_SM; else None."""
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_capability(device)
+    if device.type == "cpu":
+        return simulated_capability()
+    return None
+
+
+def gpu_like(device: torch.device | str) -> bool:
+    """Whether dispatch treats `device` as a GPU: a CUDA device, or the CPU under SOLRL_SIMULATE_SM."""
+    device = torch.device(device)
+    return device.type == "cuda" or (device.type == "cpu" and simulated_capability() is not None)
 
 
 def unavailable_reason(backend: str, device: torch.device, op: str | None = None) -> str | None:
@@ -149,7 +186,7 @@ def ops() -> dict[str, tuple[str, ...]]:
 
 
 def _default(op: str, device: torch.device) -> str:
-    if device.type == "cuda":
+    if gpu_like(device):
         for b in ("cuda", "triton"):
             if b in _OPS[op] and unavailable_reason(b, device, op) is None:
                 return b
@@ -168,7 +205,7 @@ def choose(op: str, device: torch.device | str, **shape: Any) -> tuple[str, str]
     if op not in _OPS:
         raise KeyError(f"unknown op {op!r}; registered: {sorted(_OPS)}")
     want = requested_backend()
-    order = ([want] if want else []) + [b for b in ("cuda", "triton") if device.type == "cuda"] + ["reference"]
+    order = ([want] if want else []) + [b for b in ("cuda", "triton") if gpu_like(device)] + ["reference"]
     passed = []
     for b in dict.fromkeys(order):
         if b not in _OPS[op]:
@@ -213,6 +250,58 @@ def select(op: str, device: torch.device | str) -> str:
 def call(op: str, device: torch.device, *args: object, **kw: object) -> Any:
     """Run `op` through the backend `select` picks for `device`."""
     return _OPS[op][select(op, device)](*args, **kw)
+
+
+# --- what actually ran ------------------------------------------------------------------------------
+
+REFERENCE = "reference"
+
+
+@dataclass(frozen=True)
+class Run:
+    """One layer's last GEMM call: the implementation that computed it (`impl`, e.g. "cuda: cuBLASLt
+    FP8 row-wise _scaled_mm" or "reference"), the input's dtype and shape, the output dtype, the device."""
+
+    impl: str
+    dtype: str
+    shape: tuple[int, ...]
+    out_dtype: str
+    device: str
+
+    @property
+    def fast(self) -> bool:
+        return not self.impl.startswith(REFERENCE)
+
+
+_RUNS: dict[str, Run] = {}
+_CURRENT = threading.local()
+
+
+def ran(impl: str) -> None:
+    """Called by an implementation at the point it computes: the label of what ran (the last wins, so a
+    wrapper that hands the call to the reference is recorded as the reference)."""
+    _CURRENT.impl = impl
+
+
+def record_run(tag: str, fn: Callable[[], torch.Tensor], x: torch.Tensor, hint: str = "") -> torch.Tensor:
+    """Run `fn` (one layer's GEMM, tagged `tag`) and record the implementation it reports through
+    `ran`. On a GPU (or a simulated one), landing on the reference warns once per layer, naming the
+    layer, the dtype, the shape and `hint` (the fix)."""
+    _CURRENT.impl = None
+    y = fn()
+    impl = getattr(_CURRENT, "impl", None) or "unrecorded"
+    _RUNS[tag] = Run(impl, str(x.dtype).removeprefix("torch."), tuple(x.shape), str(y.dtype).removeprefix("torch."),
+                     x.device.type)  # fmt: skip
+    if not _RUNS[tag].fast and gpu_like(x.device):
+        where = x.device.type + ("" if x.device.type == "cuda" else " (simulated GPU)")
+        _warn_once(f"{tag}: the quantized GEMM ran the slow reference on a {x.dtype} input of shape {tuple(x.shape)} "
+                   f"on {where}; {hint or 'see the log'}")  # fmt: skip
+    return y
+
+
+def runs() -> dict[str, Run]:
+    """Layer tag -> its last recorded GEMM call (`record_run`)."""
+    return dict(_RUNS)
 
 
 def backend_report(device: torch.device | str | None = None) -> dict[str, str]:

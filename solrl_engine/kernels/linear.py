@@ -13,25 +13,48 @@ Each QuantLinear picks its implementation once (`dispatch.choose` with its shape
 choice and the reasons for the others go into QuantReport) and passes it to the op.
   Weight-only calls keep the Triton kernel (FP4 x BF16 has no tensor-core instruction).
 Implementations of `fp8_linear`: reference; cuda (sm_89+): `torch._scaled_mm` E4M3 row-wise for
-W8A8 with BF16 activations, a BF16 GEMM with FP32 output for W8A16 (E4M3 is exact in BF16).
-All compute the same math: the products of exactly decoded values, accumulated in FP32, times the
-global scales, plus bias; only accumulation order and the output rounding of cuBLAS differ.
+W8A8 (activations of any float dtype quantized directly), a BF16 GEMM with FP32 output for W8A16
+(E4M3 is exact in BF16).
+Implementations of `int8_linear` (W8A8): reference (the exact integer GEMM in float64); cuda (sm_80+):
+the Triton row-wise quantize, `torch._int_mm` (cuBLASLt IMMA; oneDNN on a CPU) and the one-pass Triton
+scale epilogue.
+All compute the same math: the products of exactly decoded values, accumulated in FP32 (INT32 for
+INT8), times the scales, plus bias; only accumulation order and the output rounding of cuBLAS differ.
+
+Every implementation writes `out_dtype` (the autocast dtype under autocast, as nn.Linear returns; else
+the input's) and reports what it ran (`dispatch.ran`), so QuantLinear's fast-path record is what
+computed the call, never a guess from the choice.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+
 import torch
 
-from solrl_engine.kernels.dispatch import call, cuda_extension, register, run, triton_module
+from solrl_engine.kernels.dispatch import (
+    call,
+    cuda_extension,
+    device_capability,
+    ran,
+    record_run,
+    register,
+    run,
+    triton_module,
+)
 from solrl_engine.kernels.ops import (
     cuda_quantize,
     fp8_quantize_rowwise,
     hadamard_rotate,
+    int8_quantize_rowwise,
+    int8_scale_epilogue,
     nvfp4_dequantize,
     nvfp4_quantize,
 )
-from solrl_engine.quant import hadamard, nvfp4
+from solrl_engine.quant import hadamard, int8, nvfp4
 from solrl_engine.quant.fp8 import FP8Tensor
+from solrl_engine.quant.int8 import Int8Tensor
 from solrl_engine.quant.nvfp4 import NVFP4Tensor
 
 
@@ -39,18 +62,36 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
-def _finish(acc: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    return acc.to(x.dtype).reshape(*x.shape[:-1], acc.shape[-1])
+def _finish(acc: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    return acc.to(out_dtype or x.dtype).reshape(*x.shape[:-1], acc.shape[-1])
 
 
-def _tensor_cores(device: torch.device, fmt: str, needs: tuple[int, int]) -> str | None:
-    """None when `device` has `fmt` tensor cores (compute capability >= `needs`), else why not."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return f"{fmt} tensor-core GEMMs run on CUDA devices, not {device.type}"
-    cap = torch.cuda.get_device_capability(device)
+def _tensor_cores(device: torch.device, fmt: str, needs: tuple[int, int], cpu_op: bool = False) -> str | None:
+    """None when `device` has `fmt` tensor cores (compute capability >= `needs`), else why not. A CPU
+    under SOLRL_SIMULATE_SM counts as that GPU where the op has a CPU implementation (`cpu_op`)."""
+    cap = device_capability(device)
+    if cap is None or (device.type != "cuda" and not cpu_op):
+        where = device.type if cap is None else f"{device.type} (simulated sm_{cap[0]}{cap[1]}: no CPU implementation)"
+        return f"{fmt} tensor-core GEMMs run on CUDA devices, not {where}"
     if cap < needs:
         return f"sm_{cap[0]}{cap[1]} has no {fmt} tensor cores (needs sm_{needs[0]}{needs[1]}+)"
     return None
+
+
+WEIGHT_ONLY_HINT = ("weight-only GEMMs take BF16/FP16 activations: run the explore copy under BF16 autocast (as the "
+                    "rollouts do) or in BF16")  # fmt: skip
+PASSED_OVER_HINT = "the layer's GEMM line in QuantReport (quantization.txt) says why the fast kernel was passed over"
+
+
+def _traced(
+    tag: str, x: torch.Tensor, fn: Callable[[], torch.Tensor], hint: str
+) -> torch.Tensor:
+    """Run one layer's GEMM with autocast off (the op writes its own out_dtype; inner matmuls must not
+    be recast), recording what ran under `tag` when the layer has one."""
+    dev = x.device.type
+    off = torch.autocast(dev, enabled=False) if torch.is_autocast_enabled(dev) else contextlib.nullcontext()
+    with off:
+        return record_run(tag, fn, x, hint) if tag else fn()
 
 
 # --- NVFP4 ---------------------------------------------------------------------------------------
@@ -69,8 +110,9 @@ def _rotated(x2: torch.Tensor, rht_signs: torch.Tensor | None) -> torch.Tensor:
 
 def _ref_nvfp4_linear(
     x: torch.Tensor, weight: NVFP4Tensor, bias: torch.Tensor | None, quantize_input: bool,
-    rht_signs: torch.Tensor | None = None, four_over_six: bool = False,
+    rht_signs: torch.Tensor | None = None, four_over_six: bool = False, out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:  # fmt: skip
+    ran("reference")
     x2 = _flat(x)
     w = _unit_scale_values(weight)
     if quantize_input:  # the rotation and the 4/6 choice inside the activation quantize
@@ -81,25 +123,28 @@ def _ref_nvfp4_linear(
         acc = (_rotated(x2, rht_signs).float() @ w.t()) * weight.global_scale
     if bias is not None:
         acc = acc + bias.float()
-    return _finish(acc, x)
+    return _finish(acc, x, out_dtype)
 
 
 def _tr_nvfp4_linear(
     x: torch.Tensor, weight: NVFP4Tensor, bias: torch.Tensor | None, quantize_input: bool,
-    rht_signs: torch.Tensor | None = None, four_over_six: bool = False,
+    rht_signs: torch.Tensor | None = None, four_over_six: bool = False, out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:  # fmt: skip
     gemm = triton_module("gemm")
     x2 = _flat(x)
-    if quantize_input:
+    out_dtype = out_dtype or x.dtype
+    if quantize_input:  # quantized from x's own dtype, whatever it is
         xq = nvfp4_quantize(x2, None, four_over_six, rht_signs)
         y = gemm.w4a4_gemm(
-            xq.qdata, xq.scale, xq.global_scale, weight.qdata, weight.scale, weight.global_scale, bias, x.dtype
+            xq.qdata, xq.scale, xq.global_scale, weight.qdata, weight.scale, weight.global_scale, bias, out_dtype
         )
+        ran("triton: NVFP4 quantize + W4A4 GEMM")
     elif x.dtype in (torch.bfloat16, torch.float16):
         xr = x2 if rht_signs is None else hadamard_rotate(x2, rht_signs)  # one launch, the reference's bits
-        y = gemm.w4a16_gemm(xr, weight.qdata, weight.scale, weight.global_scale, bias, x.dtype)
-    else:  # FP32 activations: the weight-only kernel would have to round them; keep them exact
-        return _ref_nvfp4_linear(x, weight, bias, quantize_input, rht_signs, four_over_six)
+        y = gemm.w4a16_gemm(xr, weight.qdata, weight.scale, weight.global_scale, bias, out_dtype)
+        ran("triton: W4A16 GEMM")
+    else:  # FP32 activations outside autocast: the weight-only kernel would have to round them
+        return _ref_nvfp4_linear(x, weight, bias, quantize_input, rht_signs, four_over_six, out_dtype)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -110,12 +155,12 @@ def scaled_mm_fp4_operands(t: NVFP4Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _cuda_nvfp4_linear(
     x: torch.Tensor, weight: NVFP4Tensor, bias: torch.Tensor | None, quantize_input: bool,
-    rht_signs: torch.Tensor | None = None, four_over_six: bool = False,
+    rht_signs: torch.Tensor | None = None, four_over_six: bool = False, out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:  # fmt: skip
     n, k = weight.shape
     if _cuda_fits(x.device, k, n, quantize_input, four_over_six, rht_signs is not None) is not None:
         # reached only through `call` (a layer's `choose` never picks cuda for these): the Triton GEMM
-        return _tr_nvfp4_linear(x, weight, bias, quantize_input, rht_signs, four_over_six)
+        return _tr_nvfp4_linear(x, weight, bias, quantize_input, rht_signs, four_over_six, out_dtype)
     xq = nvfp4_quantize(_flat(x))
     a, sa = scaled_mm_fp4_operands(xq)
     b, sb = scaled_mm_fp4_operands(weight)
@@ -123,12 +168,13 @@ def _cuda_nvfp4_linear(
     acc = acc * (xq.global_scale * weight.global_scale)
     if bias is not None:
         acc = acc + bias.float()
-    return _finish(acc, x)
+    ran("cuda: cuBLASLt NVFP4 block-scaled _scaled_mm")
+    return _finish(acc, x, out_dtype)
 
 
 def _cutlass_nvfp4_linear(
     x: torch.Tensor, weight: NVFP4Tensor, bias: torch.Tensor | None, quantize_input: bool,
-    rht_signs: torch.Tensor | None = None, four_over_six: bool = False,
+    rht_signs: torch.Tensor | None = None, four_over_six: bool = False, out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """The extension's CUTLASS sm100 GEMM (alpha and bias in its epilogue) after its one-launch
     quantize that writes swizzled scales."""
@@ -143,11 +189,12 @@ def _cutlass_nvfp4_linear(
     sb = nvfp4.swizzle_scales(weight.scale).view(torch.uint8)
     stream = torch.cuda.current_stream(x.device).cuda_stream
     y = ext.nvfp4_gemm_sm100(xq.qdata, xq.scale.view(torch.uint8), weight.qdata, sb, alpha, b, stream)
-    return _finish(y, x)
+    ran("cutlass: CUTLASS sm100 NVFP4 GEMM")
+    return _finish(y, x, out_dtype)
 
 
 def _fp4_tensor_cores(device: torch.device) -> str | None:
-    reason = _tensor_cores(device, "FP4", (10, 0))
+    reason = _tensor_cores(device, "FP4", (10, 0))  # cuBLASLt's FP4 _scaled_mm has no CPU implementation
     if reason is not None:
         return reason + "; Hopper uses the triton GEMM"
     if not hasattr(torch, "float4_e2m1fn_x2"):
@@ -159,7 +206,7 @@ def _cutlass_requires(device: torch.device) -> str | None:
     reason = _tensor_cores(device, "FP4", (10, 0))
     if reason is not None:
         return reason
-    if torch.cuda.get_device_capability(device) != (10, 0):
+    if device_capability(device) != (10, 0):
         return "the CUTLASS GEMM is built for sm_100a only"
     ext = cuda_extension()
     if ext is None or not hasattr(ext, "nvfp4_gemm_sm100"):
@@ -211,39 +258,51 @@ def _nvfp4_linear_op(
     rht_signs: torch.Tensor | None = None,
     four_over_six: bool = False,
     backend: str = "",
+    out_dtype: torch.dtype | None = None,
+    tag: str = "",
 ) -> torch.Tensor:
     w = NVFP4Tensor(qdata, scale, global_scale, torch.float32)
-    opts = () if rht_signs is None and not four_over_six else (rht_signs, four_over_six)
-    if backend:  # the layer's own choice (QuantLinear.kernel)
-        return run("nvfp4_linear", backend, x, w, bias, quantize_input, *opts)
-    return call("nvfp4_linear", x.device, x, w, bias, quantize_input, *opts)
+    opts = {"rht_signs": rht_signs, "four_over_six": four_over_six} if rht_signs is not None or four_over_six else {}
+
+    def gemm() -> torch.Tensor:
+        if backend:  # the layer's own choice (QuantLinear.kernel)
+            return run("nvfp4_linear", backend, x, w, bias, quantize_input, out_dtype=out_dtype, **opts)
+        return call("nvfp4_linear", x.device, x, w, bias, quantize_input, out_dtype=out_dtype, **opts)
+
+    hint = WEIGHT_ONLY_HINT if not quantize_input else PASSED_OVER_HINT
+    return _traced(tag, x, gemm, hint)
 
 
 @_nvfp4_linear_op.register_fake
-def _(x, qdata, scale, global_scale, bias, quantize_input, rht_signs=None, four_over_six=False, backend=""):  # noqa: ANN001, ANN202
-    return x.new_empty((*x.shape[:-1], qdata.shape[0]))
+def _(x, qdata, scale, global_scale, bias, quantize_input, rht_signs=None, four_over_six=False, backend="",  # noqa: ANN001, ANN202
+      out_dtype=None, tag=""):  # noqa: ANN001
+    return x.new_empty((*x.shape[:-1], qdata.shape[0]), dtype=out_dtype or x.dtype)
 
 
 def nvfp4_linear(
     x: torch.Tensor, weight: NVFP4Tensor, bias: torch.Tensor | None, quantize_input: bool,
     rht_signs: torch.Tensor | None = None, four_over_six: bool = False, backend: str = "",
+    out_dtype: torch.dtype | None = None, tag: str = "",
 ) -> torch.Tensor:  # fmt: skip
     """y = x W^T + b with W in NVFP4; x NVFP4-quantized per call (W4A4) or kept as is (W4A16).
 
     The exact NVFP4 GEMM: products of decoded block values summed in FP32, then times the two
-    global scales, plus bias, in x's dtype. With `rht_signs` the weight is stored rotated along K
-    (W R) and x is rotated inside its quantize (x R); `four_over_six` picks x's block scales 4-or-6.
+    global scales, plus bias, in `out_dtype` (default x's). With `rht_signs` the weight is stored
+    rotated along K (W R) and x is rotated inside its quantize (x R); `four_over_six` picks x's block
+    scales 4-or-6. `tag` (a layer's) records what ran (`dispatch.runs`).
     """
     return _nvfp4_linear_op(x, weight.qdata, weight.scale, weight.global_scale, bias, quantize_input, rht_signs,
-                            four_over_six, backend)  # fmt: skip
+                            four_over_six, backend, out_dtype, tag)  # fmt: skip
 
 
 # --- FP8 -----------------------------------------------------------------------------------------
 
 
 def _ref_fp8_linear(
-    x: torch.Tensor, weight: FP8Tensor, bias: torch.Tensor | None, quantize_input: bool
-) -> torch.Tensor:
+    x: torch.Tensor, weight: FP8Tensor, bias: torch.Tensor | None, quantize_input: bool,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:  # fmt: skip
+    ran("reference")
     x2 = _flat(x)
     w = weight.data.float()
     if quantize_input:
@@ -253,31 +312,40 @@ def _ref_fp8_linear(
         acc = (x2.float() @ w.t()) * weight.scale.reshape(1, -1)
     if bias is not None:
         acc = acc + bias.float()
-    return _finish(acc, x)
+    return _finish(acc, x, out_dtype)
 
 
-def _scaled_mm_fits(x2: torch.Tensor, weight: FP8Tensor) -> bool:
-    n, k = weight.data.shape
-    return k % 16 == 0 and n % 16 == 0 and x2.shape[0] > 0 and weight.scale.numel() == n
+def _fp8_fits(device: torch.device, k: int, n: int, quantize_input: bool = True, **_: object) -> str | None:
+    """Whether cuBLASLt's row-wise FP8 GEMM can run a layer of K inputs and N outputs."""
+    if k % 16 or n % 16:
+        return f"cuBLASLt FP8 needs K % 16 == 0 and N % 16 == 0; got K={k}, N={n}"
+    return None
 
 
 def _cuda_fp8_linear(
-    x: torch.Tensor, weight: FP8Tensor, bias: torch.Tensor | None, quantize_input: bool
-) -> torch.Tensor:
-    """W8A8 through cuBLASLt's row-wise scaled GEMM (BF16 out, as cuBLASLt requires for it, so for
-    BF16 activations: others take the reference); W8A16 as a BF16 GEMM with FP32 output (E4M3
-    weights are exact in BF16) and the channel scales after."""
+    x: torch.Tensor, weight: FP8Tensor, bias: torch.Tensor | None, quantize_input: bool,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """W8A8 through cuBLASLt's row-wise scaled GEMM: activations of any float dtype quantized directly,
+    BF16 out (what cuBLASLt writes for row-wise scales), cast to `out_dtype` when another is asked for;
+    W8A16 as a BF16 GEMM with FP32 output (E4M3 weights are exact in BF16) and the channel scales after."""
     x2 = _flat(x)
+    n, k = weight.data.shape
+    out_dtype = out_dtype or x.dtype
     if not quantize_input:
-        if x.dtype != torch.bfloat16 or x.device.type != "cuda":
-            return _ref_fp8_linear(x, weight, bias, quantize_input)
-        acc = torch.mm(x2, weight.data.to(torch.bfloat16).t(), out_dtype=torch.float32)
+        if x.dtype != torch.bfloat16:
+            return _ref_fp8_linear(x, weight, bias, quantize_input, out_dtype)
+        if x.device.type == "cuda":
+            acc = torch.mm(x2, weight.data.to(torch.bfloat16).t(), out_dtype=torch.float32)
+        else:  # a simulated GPU: the same GEMM (BF16 operands, FP32 sums and output), which CPUs run in FP32
+            acc = x2.float() @ weight.data.float().t()
         acc = acc * weight.scale.reshape(1, -1)
         if bias is not None:
             acc = acc + bias.float()
-        return _finish(acc, x)
-    if x.dtype != torch.bfloat16 or not _scaled_mm_fits(x2, weight):
-        return _ref_fp8_linear(x, weight, bias, quantize_input)
+        ran("cuda: BF16 GEMM of E4M3 weights (W8A16)")
+        return _finish(acc, x, out_dtype)
+    if _fp8_fits(x.device, k, n) is not None or x2.shape[0] == 0 or weight.scale.numel() != n:
+        return _ref_fp8_linear(x, weight, bias, quantize_input, out_dtype)
     xq = fp8_quantize_rowwise(x2)
     y = torch._scaled_mm(
         xq.data,
@@ -287,28 +355,119 @@ def _cuda_fp8_linear(
         bias=None if bias is None else bias.to(torch.bfloat16),
         out_dtype=torch.bfloat16,
     )
-    return _finish(y, x)
+    ran("cuda: cuBLASLt FP8 row-wise _scaled_mm")
+    return _finish(y, x, out_dtype)
 
 
 def _fp8_tensor_cores(device: torch.device) -> str | None:
-    return _tensor_cores(device, "FP8", (8, 9))
+    return _tensor_cores(device, "FP8", (8, 9), cpu_op=True)  # torch._scaled_mm runs row-wise FP8 on a CPU too
 
 
-register("fp8_linear", {"reference": _ref_fp8_linear, "cuda": _cuda_fp8_linear}, requires={"cuda": _fp8_tensor_cores})
+register("fp8_linear", {"reference": _ref_fp8_linear, "cuda": _cuda_fp8_linear}, requires={"cuda": _fp8_tensor_cores},
+         fits={"cuda": _fp8_fits})  # fmt: skip
 
 
 @torch.library.custom_op("solrl::fp8_linear", mutates_args=())
 def _fp8_linear_op(
-    x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, quantize_input: bool
-) -> torch.Tensor:
-    return call("fp8_linear", x.device, x, FP8Tensor(data, scale, torch.float32), bias, quantize_input)
+    x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, quantize_input: bool,
+    backend: str = "", out_dtype: torch.dtype | None = None, tag: str = "",
+) -> torch.Tensor:  # fmt: skip
+    w = FP8Tensor(data, scale, torch.float32)
+
+    def gemm() -> torch.Tensor:
+        if backend:
+            return run("fp8_linear", backend, x, w, bias, quantize_input, out_dtype=out_dtype)
+        return call("fp8_linear", x.device, x, w, bias, quantize_input, out_dtype=out_dtype)
+
+    hint = WEIGHT_ONLY_HINT if not quantize_input else PASSED_OVER_HINT
+    return _traced(tag, x, gemm, hint)
 
 
 @_fp8_linear_op.register_fake
-def _(x, data, scale, bias, quantize_input):  # noqa: ANN001, ANN202 - shape function
-    return x.new_empty((*x.shape[:-1], data.shape[0]))
+def _(x, data, scale, bias, quantize_input, backend="", out_dtype=None, tag=""):  # noqa: ANN001, ANN202
+    return x.new_empty((*x.shape[:-1], data.shape[0]), dtype=out_dtype or x.dtype)
 
 
-def fp8_linear(x: torch.Tensor, weight: FP8Tensor, bias: torch.Tensor | None, quantize_input: bool) -> torch.Tensor:
-    """y = x W^T + b with W in FP8 (per output channel); x FP8 per token (W8A8) or as is (W8A16)."""
-    return _fp8_linear_op(x, weight.data, weight.scale, bias, quantize_input)
+def fp8_linear(
+    x: torch.Tensor, weight: FP8Tensor, bias: torch.Tensor | None, quantize_input: bool, backend: str = "",
+    out_dtype: torch.dtype | None = None, tag: str = "",
+) -> torch.Tensor:  # fmt: skip
+    """y = x W^T + b with W in FP8 (per output channel); x FP8 per token (W8A8) or as is (W8A16);
+    in `out_dtype` (default x's). `tag` (a layer's) records what ran (`dispatch.runs`)."""
+    return _fp8_linear_op(x, weight.data, weight.scale, bias, quantize_input, backend, out_dtype, tag)
+
+
+# --- INT8 ----------------------------------------------------------------------------------------
+
+
+def _ref_int8_linear(
+    x: torch.Tensor, weight: Int8Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    ran("reference")
+    return int8.linear(x, weight, bias, out_dtype or x.dtype)
+
+
+def _int8_fits(device: torch.device, k: int, n: int, **_: object) -> str | None:
+    """Whether torch._int_mm can run a layer of K inputs and N outputs (cuBLASLt IMMA: 8-aligned)."""
+    if k % 8 or n % 8:
+        return f"torch._int_mm needs K % 8 == 0 and N % 8 == 0; got K={k}, N={n}"
+    return None
+
+
+MIN_INT_MM_ROWS = 17  # torch._int_mm on CUDA needs more than 16 rows: fewer are padded with zero rows
+
+
+def _cuda_int8_linear(
+    x: torch.Tensor, weight: Int8Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """W8A8: the row-wise quantize of x (any float dtype), the INT32 GEMM `torch._int_mm` (cuBLASLt
+    IMMA on a GPU, oneDNN on a CPU), then the scales and bias in one epilogue pass."""
+    x2 = _flat(x)
+    n, k = weight.data.shape
+    if _int8_fits(x.device, k, n) is not None or x2.shape[0] == 0:
+        return _ref_int8_linear(x, weight, bias, out_dtype)
+    xq = int8_quantize_rowwise(x2)
+    a, m = xq.data, x2.shape[0]
+    if x.device.type == "cuda" and m < MIN_INT_MM_ROWS:
+        a = torch.cat([a, a.new_zeros(MIN_INT_MM_ROWS - m, k)])
+    acc = torch._int_mm(a, weight.data.t())[:m]
+    y = int8_scale_epilogue(acc, xq.scale, weight.scale, bias, out_dtype or x.dtype)
+    ran("cuda: torch._int_mm INT8 GEMM + scale epilogue")
+    return y.reshape(*x.shape[:-1], n)
+
+
+def _int8_tensor_cores(device: torch.device) -> str | None:
+    return _tensor_cores(device, "INT8", (8, 0), cpu_op=True)  # torch._int_mm runs on a CPU too
+
+
+register("int8_linear", {"reference": _ref_int8_linear, "cuda": _cuda_int8_linear},
+         requires={"cuda": _int8_tensor_cores}, fits={"cuda": _int8_fits})  # fmt: skip
+
+
+@torch.library.custom_op("solrl::int8_linear", mutates_args=())
+def _int8_linear_op(
+    x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, backend: str = "",
+    out_dtype: torch.dtype | None = None, tag: str = "",
+) -> torch.Tensor:  # fmt: skip
+    w = Int8Tensor(data, scale, torch.float32)
+
+    def gemm() -> torch.Tensor:
+        if backend:
+            return run("int8_linear", backend, x, w, bias, out_dtype=out_dtype)
+        return call("int8_linear", x.device, x, w, bias, out_dtype=out_dtype)
+
+    return _traced(tag, x, gemm, "INT8 GEMMs need sm_80+ and K, N multiples of 8 (see QuantReport's GEMM line)")
+
+
+@_int8_linear_op.register_fake
+def _(x, data, scale, bias, backend="", out_dtype=None, tag=""):  # noqa: ANN001, ANN202
+    return x.new_empty((*x.shape[:-1], data.shape[0]), dtype=out_dtype or x.dtype)
+
+
+def int8_linear(
+    x: torch.Tensor, weight: Int8Tensor, bias: torch.Tensor | None, backend: str = "",
+    out_dtype: torch.dtype | None = None, tag: str = "",
+) -> torch.Tensor:  # fmt: skip
+    """y = x W^T + b, W8A8: W INT8 per output channel, x INT8 per token (symmetric, solrl_engine.quant.int8);
+    in `out_dtype` (default x's). `tag` (a layer's) records what ran (`dispatch.runs`)."""
+    return _int8_linear_op(x, weight.data, weight.scale, bias, backend, out_dtype, tag)

@@ -8,8 +8,9 @@ from __future__ import annotations
 import torch
 
 from solrl_engine.kernels.dispatch import _warn_once, call, cuda_extension, register, triton_module
-from solrl_engine.quant import fp8, hadamard, nvfp4
+from solrl_engine.quant import fp8, hadamard, int8, nvfp4
 from solrl_engine.quant.fp8 import FP8Tensor
+from solrl_engine.quant.int8 import Int8Tensor
 from solrl_engine.quant.nvfp4 import NVFP4Tensor
 
 AmaxLike = float | torch.Tensor | None
@@ -182,3 +183,35 @@ register("fp8_quantize_rowwise", {"reference": fp8.quantize_rowwise, "triton": _
 def fp8_quantize_rowwise(x: torch.Tensor) -> FP8Tensor:
     """E4M3 with one FP32 scale per row of the last dimension."""
     return call("fp8_quantize_rowwise", x.device, x)
+
+
+# --- INT8 ----------------------------------------------------------------------------------------
+
+
+def _tr_int8_rowwise(x: torch.Tensor) -> Int8Tensor:
+    q, s = triton_module("int8").quantize_rowwise(x)
+    return Int8Tensor(q, s, x.dtype)
+
+
+register("int8_quantize_rowwise", {"reference": int8.quantize_rowwise, "triton": _tr_int8_rowwise})
+
+
+def int8_quantize_rowwise(x: torch.Tensor) -> Int8Tensor:
+    """Symmetric INT8 with one FP32 scale per row of the last dimension (solrl_engine.quant.int8)."""
+    return call("int8_quantize_rowwise", x.device, x)
+
+
+def _tr_int8_epilogue(
+    acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
+) -> torch.Tensor:
+    return triton_module("int8").scale_epilogue(acc, x_scale, w_scale, bias, out_dtype)
+
+
+register("int8_scale_epilogue", {"reference": int8.scale_epilogue, "triton": _tr_int8_epilogue})
+
+
+def int8_scale_epilogue(
+    acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """An INT32 GEMM accumulator [M, N] -> float32(acc) * x_scale[m] * w_scale[n] (+ bias) as out_dtype."""
+    return call("int8_scale_epilogue", acc.device, acc, x_scale, w_scale, bias, out_dtype)

@@ -1,11 +1,19 @@
-"""QuantLinear: an nn.Linear whose weight is stored quantized (NVFP4, FP8 or BF16).
+"""QuantLinear: an nn.Linear whose weight is stored quantized (NVFP4, FP8, INT8 or BF16).
 
 The layer is an inference copy (the explore policy): its tensors are buffers, not parameters, and
 `set_weight_` rewrites them in place so that compiled graphs and captured CUDA graphs that point at
 them stay valid across RL updates.
+
+Under autocast it behaves as nn.Linear does: whatever dtype arrives (FP32 from a LayerNorm that
+autocast keeps in FP32, BF16 from a GEMM), the output is the autocast dtype, and the fast kernel runs:
+activations that are quantized are quantized from their own dtype, weight-only layers take their
+input cast to the autocast dtype. Each call records what actually ran (`kernel_tag`, see
+`solrl_engine.nn.fast_path`).
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 from torch import nn
@@ -13,8 +21,22 @@ from torch import nn
 from solrl_engine import kernels
 from solrl_engine.quant import hadamard
 from solrl_engine.quant.fp8 import FP8Tensor
+from solrl_engine.quant.int8 import Int8Tensor
 from solrl_engine.quant.nvfp4 import NVFP4Tensor
 from solrl_engine.quant.recipe import QuantRecipe, get_recipe
+
+_UIDS = itertools.count()
+
+
+def io_dtypes(x: torch.Tensor) -> tuple[torch.dtype, torch.dtype]:
+    """(the dtype a linear computes in, its output dtype) for input `x`: the autocast dtype under
+    autocast (nn.Linear's behaviour: inputs of any float dtype are cast, the output is that dtype),
+    else x's own."""
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev) and x.is_floating_point():
+        d = torch.get_autocast_dtype(dev)
+        return d, d
+    return x.dtype, x.dtype
 
 
 class QuantLinear(nn.Module):
@@ -68,11 +90,16 @@ class QuantLinear(nn.Module):
                 "w_data", torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn, device=device)
             )
             self.register_buffer("w_scale", torch.ones(out_features, 1, dtype=torch.float32, device=device))
+        elif fmt == "int8":
+            self.register_buffer("w_int8", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
+            self.register_buffer("w_scale", torch.ones(out_features, 1, dtype=torch.float32, device=device))
         else:
             self.register_buffer("w_bf16", torch.zeros(out_features, in_features, dtype=torch.bfloat16, device=device))
         self.register_buffer("bias", torch.zeros(out_features, dtype=bias_dtype, device=device) if bias else None)
         # The BF16 weight this layer was made from, when kept (not a buffer: never saved twice).
         self.__dict__["master_weight"] = None
+        # The key of this layer's fast-path record (quantize_model puts the layer's name in front).
+        self.kernel_tag = f"QuantLinear#{next(_UIDS)}"
 
     @classmethod
     def from_linear(
@@ -103,6 +130,9 @@ class QuantLinear(nn.Module):
     def _fp8(self) -> FP8Tensor:
         return FP8Tensor(self.w_data, self.w_scale, torch.float32)
 
+    def _int8(self) -> Int8Tensor:
+        return Int8Tensor(self.w_int8, self.w_scale, torch.float32)
+
     @torch.no_grad()
     def set_weight_(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         """Quantize `weight` into this layer's existing buffers (same storage, no reallocation)."""
@@ -124,6 +154,10 @@ class QuantLinear(nn.Module):
             q = kernels.fp8_quantize_rowwise(w)
             self.w_data.copy_(q.data)
             self.w_scale.copy_(q.scale)
+        elif fmt == "int8":
+            qi = kernels.int8_quantize_rowwise(w)
+            self.w_int8.copy_(qi.data)
+            self.w_scale.copy_(qi.scale)
         else:
             self.w_bf16.copy_(w)
         if bias is not None and self.bias is not None:
@@ -156,6 +190,8 @@ class QuantLinear(nn.Module):
             return w
         if fmt == "fp8":
             return self._fp8().dequantize(torch.float32)
+        if fmt == "int8":
+            return self._int8().dequantize(torch.float32)
         return self.w_bf16.float()
 
     # --- compute -----------------------------------------------------------------------------------
@@ -166,7 +202,7 @@ class QuantLinear(nn.Module):
         device or SOLRL_BACKEND changes. `why` names the choice and each implementation passed over."""
         dev = torch.device(device) if device is not None else self.w_scale.device if hasattr(self, "w_scale") else (
             self.w_bf16.device)  # fmt: skip
-        key = (dev, kernels.requested_backend())
+        key = (dev, kernels.requested_backend(), kernels.simulated_capability())
         cached = self.__dict__.get("_kernel")
         if cached is not None and cached[0] == key:
             return cached[1]
@@ -174,7 +210,7 @@ class QuantLinear(nn.Module):
         if r.format == "bf16":
             choice = ("torch", "torch (BF16 weights: torch's own linear)")
         else:
-            op = "nvfp4_linear" if r.format == "nvfp4" else "fp8_linear"
+            op = f"{r.format}_linear"
             choice = kernels.choose(op, dev, k=self.in_features, n=self.out_features,
                                     quantize_input=r.quantize_activations, four_over_six=r.four_over_six,
                                     rht=bool(r.rht))  # fmt: skip
@@ -184,18 +220,24 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fmt = self.recipe.format
         act = self.recipe.quantize_activations
+        compute, out = io_dtypes(x)
+        if fmt == "bf16":
+            b = None if self.bias is None else self.bias.to(compute)
+            return nn.functional.linear(x.to(compute), self.w_bf16.to(compute), b)
+        if not act:  # weight-only: the GEMM reads the activations as autocast would hand them to nn.Linear
+            x = x.to(compute)
+        backend, tag = self.choose_kernel(x.device)[0], self.kernel_tag
         if fmt == "nvfp4":
             r = self.recipe
-            backend = self.choose_kernel(x.device)[0]
-            y = kernels.nvfp4_linear(x, self._nvfp4(), self.bias, act, self.rht_signs, r.four_over_six, backend)
+            y = kernels.nvfp4_linear(x, self._nvfp4(), self.bias, act, self.rht_signs, r.four_over_six, backend,
+                                     out, tag)  # fmt: skip
             if self.lr_up is not None:  # the BF16 low-rank branch on the un-rotated input
                 xb = x.to(self.lr_down.dtype)
                 y = y + nn.functional.linear(nn.functional.linear(xb, self.lr_down), self.lr_up).to(y.dtype)
             return y
         if fmt == "fp8":
-            return kernels.fp8_linear(x, self._fp8(), self.bias, act)
-        b = None if self.bias is None else self.bias.to(x.dtype)
-        return nn.functional.linear(x, self.w_bf16.to(x.dtype), b)
+            return kernels.fp8_linear(x, self._fp8(), self.bias, act, backend, out, tag)
+        return kernels.int8_linear(x, self._int8(), self.bias, backend, out, tag)
 
     def extra_repr(self) -> str:
         return (

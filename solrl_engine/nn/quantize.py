@@ -56,7 +56,8 @@ class QuantReport:
             if d.quantized:
                 n = d.in_features * d.out_features
                 before += 2 * n
-                after += {"nvfp4": n // 2 + n // 16 + 4, "fp8": n + 4 * d.out_features, "bf16": 2 * n}[
+                after += {"nvfp4": n // 2 + n // 16 + 4, "fp8": n + 4 * d.out_features, "int8": n + 4 * d.out_features,
+                          "bf16": 2 * n}[
                     self.recipe.format
                 ]
                 after += 2 * self.recipe.lowrank * (d.in_features + d.out_features)  # the BF16 branch
@@ -206,6 +207,7 @@ def quantize_model(model: nn.Module, recipe: str | QuantRecipe = "nvfp4", keep_m
     for (parent, child_name, child), d in zip(targets, decisions, strict=True):
         cls = QuantConv1x1 if isinstance(child, nn.Conv2d) else QuantLinear
         q = cls.from_linear(child, recipe, keep_master=keep_master)
+        q.kernel_tag = f"{d.name}#{q.kernel_tag.partition('#')[2]}"  # the fast-path record names the layer
         setattr(parent, child_name, q)
         d.kernel = q.choose_kernel()[1]
     return report

@@ -9,8 +9,8 @@ import fnmatch
 from dataclasses import dataclass, field, fields, replace
 from typing import Literal
 
-Format = Literal["nvfp4", "fp8", "bf16"]
-FORMATS: tuple[str, ...] = ("nvfp4", "fp8", "bf16")
+Format = Literal["nvfp4", "fp8", "int8", "bf16"]
+FORMATS: tuple[str, ...] = ("nvfp4", "fp8", "int8", "bf16")
 RHT_SIZES: tuple[int, ...] = (16, 32, 64, 128)
 
 # Layers kept in high precision by default: embedders (timestep, caption, patch), the adaLN
@@ -85,6 +85,9 @@ class QuantRecipe:
                 f"{', '.join(extras)} apply to NVFP4 recipes only; this recipe is {self.format}. "
                 f"Use format 'nvfp4' or set {extras[0]} to its default."
             )
+        if self.format == "int8" and not self.quantize_activations:
+            raise ValueError("int8 is a W8A8 recipe (activations quantized per token); for weight-only 8 bits use "
+                             "fp8_weight_only.")  # fmt: skip
         if self.min_dim < 1:
             raise ValueError(f"min_dim must be >= 1; got {self.min_dim}.")
         if isinstance(self.skip, str) or isinstance(self.include, str):
@@ -127,6 +130,8 @@ RECIPES: dict[str, QuantRecipe] = {
     "nvfp4_weight_only": QuantRecipe("nvfp4", quantize_activations=False),
     "fp8": QuantRecipe("fp8", quantize_activations=True),
     "fp8_weight_only": QuantRecipe("fp8", quantize_activations=False),
+    # W8A8 symmetric INT8 (per-token activations, per-channel weights): Ampere's fast explore format
+    "int8": QuantRecipe("int8", quantize_activations=True),
     "bf16": QuantRecipe("bf16", quantize_activations=False),
     # NVFP4 beyond the TE recipe (same format and GEMMs): a Hadamard rotation, 4-over-6 block scales
     "nvfp4_rht16": QuantRecipe("nvfp4", rht=16),
@@ -145,11 +150,15 @@ def get_recipe(recipe: str | QuantRecipe) -> QuantRecipe:
 
 
 def auto_explore_recipe(capability: tuple[int, int] | None) -> str:
-    """The explore recipe for a device (docs/design.md section 2): native NVFP4 on Blackwell (sm_100+),
-    FP8 on Ada/Hopper (sm_89, sm_90: no FP4 tensor cores), emulated NVFP4 elsewhere (CPU included).
+    """The hardware plan's explore recipe for a device (docs/design.md section 2): native NVFP4 on
+    Blackwell (sm_100+), FP8 on Ada/Hopper (sm_89, sm_90: no FP4 tensor cores), INT8 on Ampere (sm_80,
+    sm_86: INT8 tensor cores only), emulated NVFP4 elsewhere (CPU included: a fidelity study's proxy).
+    explore_precision=auto times this against the policy before using it (solrl_engine.hw).
     `capability` is torch.cuda.get_device_capability() or None for a CPU."""
     if capability is not None and capability >= (10, 0):
         return "nvfp4"
     if capability is not None and capability >= (8, 9):
         return "fp8"
+    if capability is not None and capability >= (8, 0):
+        return "int8"
     return "nvfp4"

@@ -4,6 +4,13 @@ Built once from the base weights (before LoRA is attached to the policy), refres
 update in place: either the "old" LoRA is merged into the weights and `requantize_` rewrites the
 quantized buffers (default), or the LoRA stays a BF16 side branch on the quantized base that reads
 the live "old" adapter (nothing to refresh).
+
+With the recipe POLICY ("policy") the copy is not quantized at all: the policy's own precision with
+the "old" LoRA merged in. The trainer samples every full-precision rollout of the "old" policy
+through it when merge_lora is on, so that every family's rollouts run the adapter in the same form
+as the quantized copy does (merged): a speed comparison then measures the precision, not the cost of
+unmerged LoRA branches (like-for-like baselines). Only the LoRA layers hold their own storage; every
+other tensor is the policy's own.
 """
 
 from __future__ import annotations
@@ -17,16 +24,10 @@ from torch import nn
 
 from solrl_engine.nn import QuantLinear, QuantReport, quantize_model, requantize_
 from solrl_engine.nn.quantize import _peft_weight, is_lora_layer
-from solrl_engine.quant.recipe import QuantRecipe, auto_explore_recipe, get_recipe
+from solrl_engine.quant.recipe import QuantRecipe, get_recipe
 from solrl_engine.rl.adapters import OLD, LoraAdapters
 
-
-def resolve_explore_recipe(precision: str, device: torch.device) -> str:
-    """'auto' -> the device's explore recipe (docs/design.md section 2); anything else passes through."""
-    if precision != "auto":
-        return precision
-    cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    return auto_explore_recipe(cap)
+POLICY = "policy"  # ExploreCopy's recipe for a full-precision copy with the LoRA merged (hw.POLICY's name)
 
 
 def _merge_lora_into_copy(model: nn.Module) -> None:
@@ -91,14 +92,15 @@ class ExploreCopy:
         changes: Mapping[str, Any] | None = None,
     ) -> None:
         self.te = isinstance(recipe, str) and recipe == "te_nvfp4"  # Transformer Engine's NVFP4, a peer
-        base = get_recipe("nvfp4" if self.te else recipe)
+        self.full_precision = isinstance(recipe, str) and recipe == POLICY  # the policy's precision, LoRA merged
+        base = get_recipe("nvfp4" if self.te else "bf16" if self.full_precision else recipe)
         rule = dict(changes or {})
         if extra_skip:
             rule["extra_skip"] = tuple(extra_skip) + tuple(rule.get("extra_skip", ()))
         if skip_max_dim is not None:
             rule.setdefault("skip_max_dim", skip_max_dim)
         self.quant_recipe: QuantRecipe = base.with_(**rule)
-        self.recipe: str = "te_nvfp4" if self.te else self.quant_recipe.name
+        self.recipe: str = "te_nvfp4" if self.te else POLICY if self.full_precision else self.quant_recipe.name
         self.transformer = copy.deepcopy(base_transformer).eval().requires_grad_(False)
         _merge_lora_into_copy(self.transformer)  # a caller's transformer may already carry a LoRA
         if self.te:
@@ -106,6 +108,8 @@ class ExploreCopy:
 
             self.report: QuantReport = to_te_(self.transformer, self.quant_recipe)
             self.transformer = TEAutocast(self.transformer)
+        elif self.full_precision:
+            self.report = QuantReport(self.quant_recipe)  # nothing quantized
         else:
             self.report = quantize_model(self.transformer, self.quant_recipe)
         self.merge = True
@@ -131,6 +135,9 @@ class ExploreCopy:
 
     def attach(self, adapters: LoraAdapters, merge: bool = True) -> None:
         """Follow the policy's "old" adapter: merged + requantized, or as a live BF16 side branch."""
+        if self.full_precision and not merge:
+            raise ValueError("a full-precision copy exists to hold the LoRA merged; with merge_lora off the policy "
+                             "itself samples (its LoRA unmerged)")  # fmt: skip
         self.check_follows(adapters)
         self.merge = merge
         if not merge:

@@ -87,7 +87,7 @@ class Trainer:
                 "ranks: make it a multiple of the number of processes (it is the global number of prompts)"
             )
         self.progress = progress and self.dist.main
-        self.rollouts = Rollouts(cfg, explore=self.rule.quantized_explore, dist=self.dist)
+        self.rollouts = Rollouts(cfg, explore=self.rule.quantized_explore, dist=self.dist, merged_rollouts=True)
         self.model, self.device, self.dtype = self.rollouts.model, self.rollouts.device, self.rollouts.dtype
         self.reward = self.rollouts.reward
         self.reward(torch.zeros(1, 3, 8, 8), self.train_prompts[:1])  # fail early on prompts the reward rejects
@@ -123,13 +123,19 @@ class Trainer:
         self._stop = False
 
     def _follow_explore(self) -> None:
-        """Attach the explore copy (if any) to the policy's adapters and point the explorer at it."""
+        """Attach the explore copy (if any) and the merged policy copy (merge_lora) to the policy's
+        adapters, and point the explorer at the explore copy, else at the merged policy copy."""
         c = self.cfg
         self.explore = self.rollouts.explore
+        self.policy_copy = self.rollouts.policy_copy
         if self.explore is not None:
             self.explore.attach(self.adapters, merge=c.merge_lora)
+        if self.policy_copy is not None:
+            self.policy_copy.attach(self.adapters)
         steps = c.preview_steps if self.rule.preview else c.full_steps
         self.explorer = Explorer.from_rollouts(self.rollouts, c.n, c.k, steps, None, self.explore is not None)
+        if self.explore is None and self.policy_copy is not None:  # the policy explores: as a merged copy
+            self.explorer.transformer, self.explorer.tag = self.policy_copy.transformer, "old-merged"
 
     # --- rollouts ----------------------------------------------------------------------------------
 
@@ -141,6 +147,15 @@ class Trainer:
     ) -> torch.Tensor:
         """Rollouts of the policy (`tag` = its active adapter) or of the explore copy."""
         return self.rollouts.sample(cond, seeds, steps, transformer=transformer, tag=tag)
+
+    def _policy_rollout(self) -> tuple[Any, str]:
+        """(transformer, tag) of the policy's full-precision rollouts: the merged copy, else the policy."""
+        return (self.policy_copy.transformer, "old-merged") if self.policy_copy is not None else (None, OLD)
+
+    def _refresh_copies(self) -> None:
+        for copy in (self.explore, self.policy_copy):
+            if copy is not None:
+                copy.refresh(self.adapters)
 
     def _score(self, x0: torch.Tensor, prompts: list[str]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         scored = self.rollouts.score(x0, prompts)
@@ -189,7 +204,7 @@ class Trainer:
         # 3. regenerate the selected seeds in BF16 at the full step budget (sol_rl only)
         if rule.regenerate:
             with self.adapters.using(OLD):
-                x0 = self._sample(sel_cond, sel.flat_seeds, c.full_steps)
+                x0 = self._sample(sel_cond, sel.flat_seeds, c.full_steps, *self._policy_rollout())
             check_finite("regenerated latents", x0, sel.flat_prompts, sel.flat_seeds, dist)
             rewards, comps = self._score(x0, sel.flat_prompts)
             check_finite("rewards of the regenerated samples", rewards, sel.flat_prompts, sel.flat_seeds, dist)
@@ -211,9 +226,8 @@ class Trainer:
                            row0=mine.start * c.k, iteration=self.iteration, dist=dist, autocast=self._autocast,
                            sel=sel)  # fmt: skip
 
-        # 5. refresh the explore copy with the new "old" policy, in place
-        if self.explore is not None:
-            self.explore.refresh(self.adapters)
+        # 5. refresh the explore copy (and the merged policy copy) with the new "old" policy, in place
+        self._refresh_copies()
         t3, o3 = time.perf_counter(), st.overhead_s
 
         self.iteration += 1
@@ -249,10 +263,9 @@ class Trainer:
         in full precision, the quantized proxy is still measured on the selected seeds, so it can recover."""
         c = self.cfg
         if self.guard.fallback:
-            copy = self.explore.transformer if self.explore is not None else None  # None: the policy's own previews
+            copy, tag = (self.explore.transformer, "explore") if self.explore is not None else self._policy_rollout()
             with torch.no_grad():
-                x = self._sample(cond.repeat_interleave(c.k), sel.flat_seeds, c.preview_steps, copy,
-                                 "explore" if copy is not None else OLD)  # fmt: skip
+                x = self._sample(cond.repeat_interleave(c.k), sel.flat_seeds, c.preview_steps, copy, tag)
                 g_proxy = self.dist.gather_rows(self._score(x, sel.flat_prompts)[0].view(len(sel.prompts), c.k))
         rho = spearman(g_proxy, g_rewards).mean().item()
         mean, event = self.guard.update(rho)
@@ -265,8 +278,10 @@ class Trainer:
         c, quantized = self.cfg, self.explore is not None
         bf16 = on and c.proxy_fallback == "bf16"
         self.explorer.steps = c.full_steps if on or not self.rule.preview else c.preview_steps
-        self.explorer.transformer = self.explore.transformer if quantized and not bf16 else None
-        self.explorer.tag = "explore" if quantized and not bf16 else "old"
+        if quantized and not bf16:
+            self.explorer.transformer, self.explorer.tag = self.explore.transformer, "explore"
+        else:
+            self.explorer.transformer, self.explorer.tag = self._policy_rollout()
 
     # --- evaluation, checkpoints, the loop ---------------------------------------------------------
 
@@ -378,8 +393,7 @@ class Trainer:
             self._follow_explore()
         if self.guard.fallback:
             self._set_fallback(True)
-        if self.explore is not None:
-            self.explore.refresh(self.adapters)
+        self._refresh_copies()
 
     def _drop_stale_best(self) -> None:
         """A lora_best written after the checkpoint being resumed belongs to iterations that will run
@@ -520,6 +534,7 @@ class Trainer:
             "heldout_reward_best": None if self.best is None else self.best[1].mean().item(),
             "lora_best": str(self.out / checkpoint.BEST_LORA) if self.best and self.best[0] > 0 else None,
             "explore_recipe": self.rollouts.explore_recipe,
+            "rollout_form": self.rollouts.rollout_form,  # the "old" LoRA merged into a copy, or PEFT's branches
             "mean_time_total_s": sum(h["time_total_s"] for h in history) / max(1, len(history)),
             # one-off sampler compilation (CPU: inductor) or graph capture (GPU), out of the times above
             "time_compile_s": self.rollouts.sampler.stats.overhead_s,

@@ -1,0 +1,92 @@
+"""INT8 reference numerics (pure PyTorch) for the Ampere explore precision (W8A8, symmetric).
+
+Why INT8: Ampere (A100, RTX 30xx) has INT8 tensor cores at twice its BF16 rate and no FP8 or FP4 ones,
+so INT8 is the only explore format that is faster than the policy there (docs/design.md section 2).
+
+The contract (every implementation meets it; `torch._int_mm` accumulates exactly in INT32):
+    amax  = max |x| over the row's finite values         (a row: one token, or one output channel of W)
+    scale = amax / 127 (FP32), at least the smallest FP32 subnormal; 1.0 for an all-zero row
+    q     = round_half_even(clamp(x / scale, -127, 127))  as int8 (-128 is never used: symmetric)
+    y     = float32(sum_k qx[m,k] qw[n,k]) * sx[m] * sw[n] (+ bias), in that order, in FP32
+A row holding a NaN or an Inf gets a NaN scale (its codes are 0), so what it produces is NaN: a
+non-finite input never becomes a finite output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+QMAX = 127.0
+TINY = torch.finfo(torch.float32).smallest_normal * torch.finfo(torch.float32).eps  # the smallest subnormal
+
+
+@dataclass
+class Int8Tensor:
+    """int8 codes with FP32 decode scales broadcastable against them ([..., 1] per row)."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    orig_dtype: torch.dtype = torch.float32
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x' = float(q) * scale, cast to `dtype` (default: the source dtype)."""
+        return (self.data.float() * self.scale).to(dtype or self.orig_dtype)
+
+
+def row_scales(x: torch.Tensor) -> torch.Tensor:
+    """The decode scale of each row of the last dimension ([..., 1], FP32), NaN for a non-finite row."""
+    xf = x.detach().float()
+    finite = torch.isfinite(xf)
+    amax = torch.where(finite, xf.abs(), torch.zeros((), device=xf.device)).amax(dim=-1, keepdim=True)
+    s = torch.clamp(amax / QMAX, min=TINY)
+    s = torch.where(amax == 0, torch.ones((), device=xf.device), s)
+    return torch.where(finite.all(dim=-1, keepdim=True), s, torch.full((), float("nan"), device=xf.device))
+
+
+def encode(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """int8 codes of `x` at `scale` (codes of a NaN-scale row are 0)."""
+    q = torch.round(torch.clamp(x.detach().float() / scale, -QMAX, QMAX))  # torch.round: half to even
+    return torch.nan_to_num(q, nan=0.0).to(torch.int8)
+
+
+def quantize_rowwise(x: torch.Tensor) -> Int8Tensor:
+    """One symmetric scale per row of the last dimension (scale shape [..., 1])."""
+    if x.dim() == 0 or x.shape[-1] == 0:
+        raise ValueError(f"row-wise INT8 needs a non-empty last dimension; got shape {tuple(x.shape)}.")
+    if not x.is_floating_point():
+        raise TypeError(f"INT8 quantizes floating-point tensors; got {x.dtype}.")
+    s = row_scales(x)
+    return Int8Tensor(encode(x, s), s, x.dtype)
+
+
+def fake_quantize_rowwise(x: torch.Tensor) -> torch.Tensor:
+    """Row-wise quantize then dequantize, same dtype as `x`."""
+    return quantize_rowwise(x).dequantize(x.dtype)
+
+
+def scale_epilogue(
+    acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """The GEMM's epilogue: float32(acc) * x_scale[m] * w_scale[n] (+ bias) -> out_dtype, in that order."""
+    y = acc.float() * x_scale.reshape(-1, 1).float() * w_scale.reshape(1, -1).float()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
+
+
+def linear(
+    x: torch.Tensor, weight: Int8Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """y = x W^T + b with x and W row-wise INT8: the exact integer GEMM (in float64, exact for any K
+    below 2^39), then the epilogue. The oracle the `_int_mm` path is tested against."""
+    x2 = x.reshape(-1, x.shape[-1])
+    xq = quantize_rowwise(x2)
+    acc = xq.data.double() @ weight.data.double().t()
+    y = scale_epilogue(acc, xq.scale, weight.scale, bias, out_dtype or x.dtype)
+    return y.reshape(*x.shape[:-1], y.shape[-1])

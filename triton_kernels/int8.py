@@ -1,0 +1,110 @@
+"""INT8 W8A8 kernels around `torch._int_mm`, bit-exact with solrl_engine.quant.int8:
+
+- quantize_rowwise: one program per row; a first sweep finds the row's finite amax (and whether it
+  holds a non-finite value), a second encodes: one launch instead of torch's five passes;
+- scale_epilogue: float32(acc) * x_scale[m] * w_scale[n] (+ bias) -> out dtype in one pass over the
+  INT32 accumulator (cuBLASLt's IMMA GEMM has no row-and-column-scaled epilogue of its own).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ._numerics import is_finite, load_f32, store_out
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+TINY = 1.401298464324817e-45  # the smallest fp32 subnormal: the least scale of a non-zero row
+
+
+@triton.jit
+def _int8_rowwise_kernel(x_ptr, q_ptr, scale_ptr, K, BLOCK_K: tl.constexpr, IN_BF16: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = row * K
+    acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+    bad = tl.zeros([BLOCK_K], dtype=tl.int32)
+    for k0 in range(0, K, BLOCK_K):
+        offs = k0 + tl.arange(0, BLOCK_K)
+        x = load_f32(x_ptr + base + offs, offs < K, IN_BF16)
+        fin = is_finite(x)
+        acc = tl.maximum(acc, tl.where(fin, tl.abs(x), 0.0))
+        bad = tl.maximum(bad, tl.where(fin, 0, 1))
+    amax = tl.max(acc, axis=0)
+    s = tl.maximum(tl.div_rn(amax, 127.0), TINY)
+    s = tl.where(amax == 0.0, 1.0, s)
+    s = tl.where(tl.max(bad, axis=0) > 0, float("nan"), s)
+    tl.store(scale_ptr + row, s)
+    for k0 in range(0, K, BLOCK_K):
+        offs = k0 + tl.arange(0, BLOCK_K)
+        m = offs < K
+        x = load_f32(x_ptr + base + offs, m, IN_BF16)
+        v = tl.minimum(tl.maximum(tl.div_rn(x, s), -127.0), 127.0)
+        r = (v + 12582912.0) - 12582912.0  # round half to even: exact for |v| < 2^22 (1.5 * 2^23 magic)
+        r = tl.where(r == r, r, 0.0)  # a NaN-scale row encodes as 0
+        tl.store(q_ptr + base + offs, r.to(tl.int32).to(tl.int8), mask=m)
+
+
+def quantize_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] -> (int8 codes [..., K], fp32 decode scales [..., 1])."""
+    if x.dtype not in _DTYPES:
+        raise TypeError(f"INT8 quantize takes float32, bfloat16 or float16; got {x.dtype}.")
+    if x.dim() == 0 or x.shape[-1] == 0:
+        raise ValueError(f"row-wise INT8 needs a non-empty last dimension; got shape {tuple(x.shape)}.")
+    x = x.contiguous()
+    k = x.shape[-1]
+    rows = x.numel() // k
+    q = torch.empty(x.shape, dtype=torch.int8, device=x.device)
+    scale = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
+    if rows:
+        interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
+        block_k = min(triton.next_power_of_2(k), 8192 if interp else 2048)
+        src = x.view(torch.int16) if x.dtype == torch.bfloat16 else x
+        _int8_rowwise_kernel[(rows,)](src, q, scale, k, BLOCK_K=block_k, IN_BF16=x.dtype == torch.bfloat16)
+    return q, scale
+
+
+@triton.jit
+def _epilogue_kernel(acc_ptr, sx_ptr, sw_ptr, b_ptr, out_ptr, M, N, HAS_BIAS: tl.constexpr, BIAS_BF16: tl.constexpr,
+                     OUT_KIND: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):  # fmt: skip
+    pm, pn = tl.program_id(0), tl.program_id(1)
+    rm = pm * BM + tl.arange(0, BM)
+    rn = pn * BN + tl.arange(0, BN)
+    mm, mn = rm < M, rn < N
+    mask = mm[:, None] & mn[None, :]
+    offs = rm.to(tl.int64)[:, None] * N + rn[None, :]
+    acc = tl.load(acc_ptr + offs, mask=mask, other=0).to(tl.float32)
+    sx = tl.load(sx_ptr + rm, mask=mm, other=0.0)
+    sw = tl.load(sw_ptr + rn, mask=mn, other=0.0)
+    y = acc * sx[:, None] * sw[None, :]
+    if HAS_BIAS:
+        y = y + load_f32(b_ptr + rn, mn, BIAS_BF16)[None, :]
+    store_out(out_ptr + offs, y, mask, OUT_KIND)
+
+
+def scale_epilogue(
+    acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """acc [M, N] int32 -> float32(acc) * x_scale[m] * w_scale[n] (+ bias) as out_dtype, one pass."""
+    if out_dtype not in _OUT_KIND:
+        raise TypeError(f"the INT8 epilogue writes float32, bfloat16 or float16; got {out_dtype}.")
+    m, n = acc.shape
+    out = torch.empty((m, n), dtype=out_dtype, device=acc.device)
+    if m == 0 or n == 0:
+        return out
+    dst = out.view(torch.int16) if out_dtype == torch.bfloat16 else out
+    sx = x_scale.reshape(-1).float().contiguous()
+    sw = w_scale.reshape(-1).float().contiguous()
+    if bias is not None and bias.dtype not in (torch.float32, torch.bfloat16):
+        bias = bias.float()
+    b = None if bias is None else bias.contiguous()
+    b_arg = sx if b is None else (b.view(torch.int16) if b.dtype == torch.bfloat16 else b)
+    bm, bn = 32, 64
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    _epilogue_kernel[grid](acc.contiguous(), sx, sw, b_arg, dst, m, n, HAS_BIAS=b is not None,
+                           BIAS_BF16=b is not None and b.dtype == torch.bfloat16, OUT_KIND=_OUT_KIND[out_dtype],
+                           BM=bm, BN=bn)  # fmt: skip
+    return out
