@@ -4,6 +4,7 @@ decision is fed its facts, so both branches run on any machine."""
 
 from __future__ import annotations
 
+import copy
 import logging
 import random
 
@@ -90,6 +91,31 @@ def test_bf16_policy_keeps_lora_and_its_gradients_in_fp32():
     ps = ad.params(TRAIN)
     assert all(p.dtype == torch.float32 and p.grad is not None and p.grad.dtype == torch.float32 for p in ps)
     assert all(p.dtype == torch.bfloat16 for n, p in m.transformer.named_parameters() if "lora_" not in n)
+
+
+def test_a_bf16_model_called_with_fp32_latents_outside_autocast_computes_in_bf16():
+    """A user's own code (or a test) calling a BF16 policy with FP32 latents and no autocast: the model
+    casts them to its dtype, as a stock diffusers pipeline does, instead of failing in the patch
+    embedding's conv ("Input type (float) and bias type (c10::BFloat16) should be the same")."""
+    from solrl_engine.nn import quantize_model
+    from solrl_engine.quant.recipe import get_recipe
+
+    m = _model()
+    prompts = ["a red circle", "a blue square"]
+    x, t = torch.randn(2, 3, 32, 32), torch.tensor([0.7, 0.3])
+    with torch.no_grad():
+        want = m.velocity(x, t, m.encode_prompts(prompts))
+        m16 = m.to(torch.bfloat16)
+        cond = m16.encode_prompts(prompts)
+        got = m16.velocity(x, t, cond)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, m16.velocity(x.bfloat16(), t, cond))
+        assert (got.float() - want).norm() / want.norm() < 0.05  # BF16 rounding only
+        # the quantized explore copy of a BF16 policy, swapped in, takes FP32 latents the same way
+        q = copy.deepcopy(m16.transformer)
+        recipe = get_recipe("nvfp4").with_(include=("transformer_blocks.*.ff.*",), min_dim=16)
+        assert quantize_model(q, recipe).quantized
+        v = m16.velocity(x, t, cond, transformer=q)
+        assert v.dtype == torch.bfloat16 and torch.isfinite(v).all()
 
 
 # --- inductor on the CPU --------------------------------------------------------------------------

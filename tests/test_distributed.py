@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cpu_branches import tolerance
 
 from solrl_engine.cli import main
 from solrl_engine.models.tiny import TinyConfig, TinyT2I
@@ -28,25 +29,30 @@ def small_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(d)
 
 
-def _args(small_model: str, out: Path) -> list[str]:
+def _args(small_model: str, out: Path, dtype: torch.dtype) -> list[str]:
     sets = [f"model_path={small_model}", "n=6", "k=4", "prompts_per_iter=4", "iterations=2", "preview_steps=2",
             "full_steps=4", "eval_every=2", "eval_prompt_count=3", "eval_seeds=1", "save_every=1", "lora_rank=4",
             "lora_alpha=8", "lr=1e-2", "rollout_batch_size=16", "train_batch_size=4",
             "timestep_fraction=0.5", "explore_precision=nvfp4", "updates_per_iter=2",
-            "eval_train_prompt_count=3"]  # fmt: skip
+            "eval_train_prompt_count=3", f"policy_dtype={str(dtype).removeprefix('torch.')}"]  # fmt: skip
     args = ["train", str(ROOT / "configs/tiny.py:tiny_sol_rl_shapes"), "--output", str(out)]
     for s in sets:
         args += ["--set", s]
     return args
 
 
-def test_torchrun_two_ranks_match_one_process(small_model, tmp_path):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_torchrun_two_ranks_match_one_process(small_model, tmp_path, dtype):
+    """Both policy dtypes the CPU's detection can pick (set explicitly: the ranks are other processes),
+    with tolerances set by the dtype (tests/cpu_branches.py): BF16 sums in another order differ by
+    a few of its rounding steps."""
     one, two = tmp_path / "one", tmp_path / "two"
-    assert main(_args(small_model, one)) == 0
+    tol = tolerance(dtype)
+    assert main(_args(small_model, one, dtype)) == 0
     solrl = Path(sys.executable).parent / "solrl"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--no-python", str(solrl),
-           *_args(small_model, two)]  # fmt: skip
+           *_args(small_model, two, dtype)]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-4000:]
     # writing the LoRA imports SD3's pipeline, whose SigLIP processor transformers warns about without
@@ -58,15 +64,19 @@ def test_torchrun_two_ranks_match_one_process(small_model, tmp_path):
     for ra, rb in zip(a, b, strict=True):
         assert ra["selection_digest"] == rb["selection_digest"]  # the same seeds selected for every prompt
         for key in ("reward_mean", "reward_std", "loss", "policy_loss", "kl", "grad_norm", "proxy_spearman"):
-            assert rb[key] == pytest.approx(ra[key], rel=1e-4, abs=1e-6), key
+            assert rb[key] == pytest.approx(ra[key], **tol), key
         # previews differ by float rounding only (activation scales see a different batch)
         assert rb["explore_reward_mean"] == pytest.approx(ra["explore_reward_mean"], rel=1e-2, abs=1e-4)
-    assert b[-1]["heldout_reward"] == pytest.approx(a[-1]["heldout_reward"], rel=1e-4, abs=1e-6)
-    assert b[-1]["train_prompt_reward"] == pytest.approx(a[-1]["train_prompt_reward"], rel=1e-4, abs=1e-6)
+    assert b[-1]["heldout_reward"] == pytest.approx(a[-1]["heldout_reward"], **tol)
+    assert b[-1]["train_prompt_reward"] == pytest.approx(a[-1]["train_prompt_reward"], **tol)
     from safetensors.torch import load_file
 
     name = "lora/pytorch_lora_weights.safetensors"
     wa, wb = load_file(one / name), load_file(two / name)
     assert wa.keys() == wb.keys()
     for k in wa:
-        torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=1e-6)
+        if dtype == torch.float32:
+            torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=1e-6)
+        else:  # Adam steps from BF16 gradients: an element whose gradient is near zero may step otherwise,
+            # and lora_B, zero at the start, is only four steps long (1-2% apart measured; 5% allowed)
+            assert (wb[k] - wa[k]).norm() <= 5e-2 * wa[k].norm(), k

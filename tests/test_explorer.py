@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cpu_branches import BRANCHES, force_cpu_bf16
 from tiny_pipelines import SIZES, build_clip_reward, build_flux, build_sana, build_sd3
 
 from solrl_engine.rl.config import load_config
@@ -33,12 +34,12 @@ def pipes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
-def _stock(name: str, path: Path):  # noqa: ANN202 - a diffusers pipeline
+def _stock(name: str, path: Path, dtype: torch.dtype = torch.float32):  # noqa: ANN202 - a diffusers pipeline
     import diffusers
 
     from solrl_engine.models import model_spec
 
-    pipe = getattr(diffusers, model_spec(name).pipeline).from_pretrained(path, torch_dtype=torch.float32)
+    pipe = getattr(diffusers, model_spec(name).pipeline).from_pretrained(path, torch_dtype=dtype)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -50,10 +51,15 @@ def _trainer(name: str, pipes: dict[str, Path], out: Path) -> Trainer:
     return Trainer(load_config(str(ROOT / PRESET[name]), sets), progress=False)
 
 
+@pytest.mark.parametrize("branch", BRANCHES)
 @pytest.mark.parametrize("name", sorted(BUILDERS))
-def test_explorer_selects_and_regenerates_what_the_trainer_does(name, pipes, tmp_path):
+def test_explorer_selects_and_regenerates_what_the_trainer_does(name, pipes, tmp_path, monkeypatch, branch):
+    """The trainer's policy dtype follows the CPU (both branches forced here); the caller's pipeline
+    is loaded in that dtype, so both explore the same numbers."""
+    dtype = force_cpu_bf16(monkeypatch, branch == "bf16")
     tr = _trainer(name, pipes, tmp_path)
-    pipe = _stock(name, pipes[name])
+    assert tr.rollouts.dtype == dtype
+    pipe = _stock(name, pipes[name], dtype)
     before = {k: v.clone() for k, v in pipe.transformer.state_dict().items()}
     ex = Explorer(pipe, tr.reward, n=6, k=4, preview_steps=2, explore_precision="nvfp4", solver=SOLVER[name],
                   resolution=SIZES[name])  # fmt: skip
@@ -62,7 +68,7 @@ def test_explorer_selects_and_regenerates_what_the_trainer_does(name, pipes, tmp
     with tr.adapters.using("old"):
         want = tr.explorer.select(PROMPTS, seeds)
     assert sel.seeds == want.seeds and len(sel.seeds[0]) == 4
-    torch.testing.assert_close(sel.proxy_rewards, want.proxy_rewards)
+    torch.testing.assert_close(sel.proxy_rewards, want.proxy_rewards, rtol=1e-5, atol=1e-5)  # the same path
     # top K/2 first, then bottom K/2; ranks among the N explored
     assert sel.ranks[:, :2].max() < 2 and sel.ranks[:, 2:].min() >= 4
     assert sel.noise.shape[0] == 8
@@ -72,12 +78,37 @@ def test_explorer_selects_and_regenerates_what_the_trainer_does(name, pipes, tmp
         x0 = tr._sample(tr.rollouts.encode(sel.flat_prompts), sel.flat_seeds, 3)
         ours = tr.model.decode(x0)
     assert regen.images.shape == ours.shape and regen.rewards.shape == (2, 4)
-    torch.testing.assert_close(regen.images, ours, rtol=2e-4, atol=2e-4)
+    if dtype == torch.float32:
+        torch.testing.assert_close(regen.images, ours, rtol=2e-4, atol=2e-4)
+    else:  # the stock pipeline runs BF16 without autocast (its norms in BF16 too), ours under autocast:
+        # they agree to BF16 rounding, about one 8-bit grey level in RMS, with a rare pixel further off
+        d = (regen.images - ours).float()
+        assert d.square().mean().sqrt() < 2**-7 and (d.abs() > 2**-4).float().mean() < 1e-3
     fid = sel.fidelity(regen.rewards)
     assert -1 <= fid["spearman"] <= 1 and len(fid["per_prompt_kendall"]) == 2
     # the caller's pipeline is untouched
     after = pipe.transformer.state_dict()
     assert set(after) == set(before) and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_explorer_over_a_bf16_pipeline_takes_fp32_latents_and_conditioning(pipes):
+    """A caller with a BF16 pipeline hands the explorer FP32 tensors (its own noise, its own
+    conditioning): the explorer's model casts them as the stock pipeline does, instead of failing in
+    the patch embedding's conv."""
+    pipe = _stock("sd3", pipes["sd3"], torch.bfloat16)
+    reward = lambda images, prompts: images.mean(dim=(1, 2, 3))  # noqa: E731 - any callable works
+    ex = Explorer(pipe, reward, n=4, k=2, preview_steps=2, explore_precision="nvfp4", resolution=SIZES["sd3"])
+    x, t = torch.randn(2, *ex.model.latent_shape), torch.tensor([0.6, 0.3])
+    cond = ex.model.encode_prompts(PROMPTS).to(torch.float32)
+    with torch.no_grad():
+        for net in (None, ex.transformer):  # the policy and the quantized explore copy
+            v = ex.model.velocity(x, t, cond, transformer=net)
+            assert v.dtype == torch.bfloat16 and torch.isfinite(v).all()
+            assert torch.equal(v, ex.model.velocity(x.bfloat16(), t, cond.to(torch.bfloat16), transformer=net))
+    sel = ex.select(PROMPTS, [[1, 2, 3, 4], [5, 6, 7, 8]], cond=cond)
+    assert len(sel.seeds[0]) == 2 and torch.isfinite(sel.proxy_rewards).all()
+    regen = sel.regenerate(pipe, steps=2)  # FP32 noise into the BF16 pipeline's latents=
+    assert regen.rewards.shape == (2, 2) and torch.isfinite(regen.images).all()
 
 
 def test_sync_makes_the_explore_copy_equal_a_fresh_one_of_the_updated_policy(pipes):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cpu_branches import BRANCHES, assert_close, force_cpu_bf16
 from tiny_pipelines import SIZES, build_clip_reward, build_flux, build_sana, build_sd3
 
 from solrl_engine.cli import load_lora_into, main
@@ -78,27 +79,49 @@ def test_solrl_train_on_a_saved_pipeline_and_load_its_lora_into_the_stock_pipeli
     assert scaling == {2.0}  # alpha / rank = 8 / 4 travelled with the weights
 
 
-def test_exported_lora_reproduces_the_policy_in_the_stock_transformer(pipes, tmp_path):
-    """The exported EMA adapter, loaded by diffusers, gives the trainer's EMA velocity exactly."""
+@pytest.mark.parametrize("branch", BRANCHES)
+def test_exported_lora_reproduces_the_policy_in_the_stock_transformer(pipes, tmp_path, monkeypatch, branch):
+    """The exported EMA adapter, loaded by diffusers into the base model at the policy's dtype, gives
+    the trainer's EMA velocity (exactly in FP32; to BF16 rounding where the CPU picks BF16)."""
     from solrl_engine.rl.config import load_config
     from solrl_engine.rl.trainer import Trainer
 
+    dtype = force_cpu_bf16(monkeypatch, branch == "bf16")
     cfg = load_config(str(ROOT / PRESET["sd3"]), _tiny_run("sd3", pipes, tmp_path) + [f"output={tmp_path}"])
     tr = Trainer(cfg, progress=False)
+    assert tr.rollouts.dtype == dtype
     tr.step()
     tr.export()
-    x = torch.randn(2, *tr.model.latent_shape)
+    x = torch.randn(2, *tr.model.latent_shape)  # FP32 latents, no autocast: cast to the model's dtype
     cond = tr.model.encode_prompts(["a red apple", "a blue cup"])
     t = torch.tensor([0.7, 0.3])
     with torch.no_grad(), tr.adapters.ema_weights():
         want = tr.model.velocity(x, t, cond)
-    fresh = load_model("sd3", pipes["sd3"], dtype=torch.float32, resolution=SIZES["sd3"])
+    fresh = load_model("sd3", pipes["sd3"], dtype=dtype, resolution=SIZES["sd3"])
     load_lora_into(fresh.transformer, str(tmp_path / "lora_ema"))  # what `solrl eval --lora` does
     with torch.no_grad():
         got = fresh.velocity(x, t, cond)
-        plain = load_model("sd3", pipes["sd3"], dtype=torch.float32, resolution=SIZES["sd3"]).velocity(x, t, cond)
+        plain = load_model("sd3", pipes["sd3"], dtype=dtype, resolution=SIZES["sd3"]).velocity(x, t, cond)
+    assert got.dtype == want.dtype == dtype
     assert (want - plain).abs().max() > 1e-5  # the adapter is not a no-op ...
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # ... and it survives export and reload
+    assert_close(got, want, dtype)  # ... and it survives export and reload
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_a_bf16_pipeline_model_takes_fp32_latents_outside_autocast(name, pipes):
+    """FlowModel.velocity casts its latents to the transformer's dtype, as the stock pipelines do: a
+    BF16 model called with FP32 latents and no autocast (a user's own code) computes in BF16 instead
+    of failing in the patch embedding (SD3, SANA: a conv) or the input projection (FLUX: a linear)."""
+    f32 = load_model(name, pipes[name], dtype=torch.float32, resolution=SIZES[name])
+    b16 = load_model(name, pipes[name], dtype=torch.bfloat16, resolution=SIZES[name])
+    torch.manual_seed(0)
+    x, t = torch.randn(2, *b16.latent_shape), torch.tensor([0.7, 0.3])
+    with torch.no_grad():
+        cond = f32.encode_prompts(["a red apple", "a blue cup"])  # FP32 conditioning too
+        want = f32.velocity(x, t, cond)
+        got = b16.velocity(x, t, cond)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, b16.velocity(x.bfloat16(), t, cond.to(torch.bfloat16)))
+    assert (got.float() - want).norm() / want.norm() < 0.05  # BF16 rounding only
 
 
 @pytest.mark.parametrize("name", sorted(BUILDERS))

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from cpu_branches import BRANCHES, dtype_name, force_cpu_bf16
 
 from solrl_engine.models.tiny import TinyConfig, TinyT2I
 from solrl_engine.rl import ConfigError, RLConfig
@@ -23,6 +24,12 @@ def _eager_cpu_sampler(monkeypatch):
     from solrl_engine import hw
 
     monkeypatch.setattr(hw, "cxx_compiler", lambda *a, **k: None)
+
+
+@pytest.fixture(params=BRANCHES)
+def cpu_policy(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> torch.dtype:
+    """Both outcomes of the CPU's BF16 detection (tests/cpu_branches.py): the policy dtype of the run."""
+    return force_cpu_bf16(monkeypatch, request.param == "bf16")
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +75,7 @@ def _records(out) -> list[dict]:
 
 
 @pytest.mark.parametrize("family", ["sol_rl", "naive_scaling", "compile", "naive_quant", "diffusionnft"])
-def test_every_family_runs_and_writes_its_artifacts(small_model, tmp_path, family):
+def test_every_family_runs_and_writes_its_artifacts(small_model, tmp_path, family, cpu_policy):
     summary = Trainer(_cfg(small_model, tmp_path, family), progress=False).run()
     recs = _records(tmp_path)
     assert [r["iter"] for r in recs] == [1, 2]
@@ -87,7 +94,8 @@ def test_every_family_runs_and_writes_its_artifacts(small_model, tmp_path, famil
     gain = recs[-1]["heldout_gain"]
     assert gain == pytest.approx(recs[-1]["heldout_reward"] - summary["heldout_reward_start"], abs=1e-6)
     assert summary["heldout_gain_final"] == gain and recs[-1]["heldout_gain_stderr"] >= 0
-    assert summary["explore_recipe"] == ("nvfp4" if family in ("sol_rl", "naive_quant") else "policy (float32)")
+    policy = f"policy ({dtype_name(cpu_policy)})"  # what the CPU's BF16 detection chose
+    assert summary["explore_recipe"] == ("nvfp4" if family in ("sol_rl", "naive_quant") else policy)
 
 
 def test_families_differ_only_where_they_should(small_model, tmp_path):
@@ -129,9 +137,10 @@ def test_resume_continues_with_the_same_metrics(small_model, tmp_path):
                 assert g[key] == w[key], key
 
 
-def test_update_changes_the_policy_and_requantize_changes_the_explore_copy(small_model, tmp_path):
+def test_update_changes_the_policy_and_requantize_changes_the_explore_copy(small_model, tmp_path, cpu_policy):
     tr = Trainer(_cfg(small_model, tmp_path, lr=5e-2, iterations=1), progress=False)
-    x = torch.randn(2, 3, 32, 32)
+    assert tr.rollouts.dtype == cpu_policy
+    x = torch.randn(2, 3, 32, 32)  # FP32 latents, no autocast: the model casts them to its dtype
     cond = tr.model.encode_prompts(["a red circle", "a blue square"])
     t = torch.tensor([0.5, 0.5])
     with torch.no_grad():
@@ -145,7 +154,7 @@ def test_update_changes_the_policy_and_requantize_changes_the_explore_copy(small
     assert [b.data_ptr() for b in tr.explore.transformer.buffers()] == buffers  # rewritten in place
 
 
-def test_side_branch_tracks_the_merged_copy(small_model, tmp_path):
+def test_side_branch_tracks_the_merged_copy(small_model, tmp_path, cpu_policy):
     merged = Trainer(_cfg(small_model, tmp_path / "m", lr=5e-2), progress=False)
     side = Trainer(_cfg(small_model, tmp_path / "s", lr=5e-2, merge_lora=False), progress=False)
     side.adapters.load_state_dict(merged.adapters.state_dict())
@@ -199,19 +208,23 @@ def test_explore_copy_shares_the_frozen_base_and_keeps_its_own_lora_layers(small
     torch.testing.assert_close(shared[name], merged)  # the explore copy follows the old adapter
 
 
-def test_sol_rl_explores_with_the_policy_when_no_quantized_precision_is_faster(small_model, tmp_path, monkeypatch):
+def test_sol_rl_explores_with_the_policy_when_no_quantized_precision_is_faster(
+    small_model, tmp_path, monkeypatch, cpu_policy
+):
     """explore_precision=auto on a CPU where every emulated format is slower: no copy is built, the
     policy previews at preview_steps, and the proxy statistics are still those of the previews."""
     from solrl_engine import hw
-    from solrl_engine.rl.adapters import OLD
 
     slow = {"policy": 1.0, **{k: 3.0 for k in hw.EXPLORE_CANDIDATES}}
     monkeypatch.setattr(hw, "probe_explore_timings", lambda *a, **k: dict(slow))
     tr = Trainer(_cfg(small_model, tmp_path, explore_precision="auto"), progress=False)
     assert tr.explore is None and tr.rollouts.explore_choice.precision == hw.POLICY
-    assert tr.explorer.transformer is None and tr.explorer.tag == OLD and tr.explorer.steps == 2  # preview_steps
+    # like-for-like with a quantized copy: the policy previews as its copy with the old LoRA merged
+    assert tr.explorer.transformer is tr.policy_copy.transformer and tr.explorer.steps == 2  # preview_steps
+    assert tr.explorer.tag == "old-merged" and tr.rollouts.rollout_form == "merged"
     summary = tr.run()
-    assert summary["explore_recipe"] == "policy (float32)" and not (tmp_path / "quantization.txt").exists()
+    assert summary["explore_recipe"] == f"policy ({dtype_name(cpu_policy)})"
+    assert not (tmp_path / "quantization.txt").exists()
     for r in _records(tmp_path):
         assert -1 <= r["proxy_spearman"] <= 1 and r["proxy_reward_mean"] is not None and r["time_regen_s"] > 0
 

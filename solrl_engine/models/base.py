@@ -69,6 +69,18 @@ class Conditioning:
         )
 
 
+def input_dtype(net: torch.nn.Module) -> torch.dtype:
+    """The dtype a denoiser's inputs are cast to: that of its frozen base weights (a LoRA's FP32
+    weights, kept so for the optimizer, do not count). A stock diffusers pipeline casts its latents
+    to the transformer's dtype the same way, so a BF16 model called with FP32 latents outside
+    autocast computes in BF16 instead of failing in its first layer; under autocast the cast is the
+    one autocast would make, so results are unchanged."""
+    for name, p in net.named_parameters():
+        if p.is_floating_point() and "lora_" not in name:
+            return p.dtype
+    return torch.get_default_dtype()
+
+
 @runtime_checkable
 class FlowModel(Protocol):
     """What sampling and RL need from a model."""

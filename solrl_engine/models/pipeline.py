@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from solrl_engine.models import pipeline_class
-from solrl_engine.models.base import Conditioning
+from solrl_engine.models.base import Conditioning, input_dtype
 
 log = logging.getLogger("solrl_engine.models")
 
@@ -193,8 +193,10 @@ class PipelineFlowModel(nn.Module):
     def velocity(
         self, x: torch.Tensor, t: torch.Tensor, cond: Conditioning, transformer: nn.Module | None = None
     ) -> torch.Tensor:
-        """Velocity (noise - x0) at flow time t in [0, 1] (scalar or [B])."""
+        """Velocity (noise - x0) at flow time t in [0, 1] (scalar or [B]), in the transformer's dtype:
+        `x` is cast to it first, as the stock pipelines cast their latents (see `input_dtype`)."""
         net = transformer or self.transformer
+        x = x.to(input_dtype(net))
         t = torch.as_tensor(t, device=x.device, dtype=torch.float32).expand(x.shape[0])
         return self._forward(net, x, t, cond)
 

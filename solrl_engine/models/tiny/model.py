@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from solrl_engine.models.base import Conditioning
+from solrl_engine.models.base import Conditioning, input_dtype
 from solrl_engine.models.tiny.text import TinyTextEncoder, WordTokenizer
 
 WEIGHTS_DIR = Path(__file__).parent / "weights"
@@ -73,9 +73,12 @@ class TinyT2I(nn.Module):
         self, x: torch.Tensor, t: torch.Tensor, cond: Conditioning, transformer: nn.Module | None = None
     ) -> torch.Tensor:
         """Predicted velocity (noise - x0) at flow time t in [0, 1] (scalar or [B]); `transformer`
-        swaps in another copy of the denoiser (e.g. the quantized explore copy)."""
+        swaps in another copy of the denoiser (e.g. the quantized explore copy). `x` is cast to the
+        denoiser's dtype first, as a stock diffusers pipeline casts its latents (see `input_dtype`)."""
+        net = transformer or self.transformer
+        x = x.to(input_dtype(net))
         t = torch.as_tensor(t, device=x.device, dtype=torch.float32).expand(x.shape[0])
-        return (transformer or self.transformer)(
+        return net(
             hidden_states=x,
             encoder_hidden_states=cond.hidden.to(x.dtype),
             pooled_projections=cond.pooled.to(x.dtype),  # type: ignore[union-attr]
