@@ -152,14 +152,19 @@ def _sample(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    """Mean of each reward over a prompt set with a trained LoRA (or the base model), plus grids."""
+    """Mean of each reward over a prompt set with a trained LoRA (or the base model), plus grids; with
+    --compare-base also the base model on the same prompts and seeds, side by side (compare.png)."""
     from solrl_engine.data import load_prompts
-    from solrl_engine.evaluation import eval_grid, evaluate_rollouts
+    from solrl_engine.evaluation import COMPARE_PNG, Comparison, compare_figure, eval_grid, evaluate_rollouts
     from solrl_engine.rollout import Rollouts
 
     cfg = _load_cfg(args)
+    if args.compare_base and not args.lora:
+        raise SystemExit("error: --compare-base compares an adapter with the base model: give it with --lora "
+                         "(a run's lora_ema/, lora/ or lora_best/)")  # fmt: skip
     prompts = _checked(lambda: load_prompts(args.prompts or cfg.eval_prompts))[: args.max_prompts]
     ro = _checked(lambda: Rollouts(cfg))
+    base = evaluate_rollouts(ro, prompts, args.seeds, tag="base") if args.compare_base else None
     if args.lora:
         _checked(lambda: load_lora_into(ro.model.transformer, args.lora))
     res = evaluate_rollouts(ro, prompts, args.seeds)
@@ -167,14 +172,26 @@ def _eval(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     summary = {"config": cfg.name, "model": cfg.model, "lora": args.lora, "prompts": len(prompts),
                "seeds_per_prompt": args.seeds, **res.summary()}  # fmt: skip
+    cmp = None if base is None else Comparison(base, res)
+    if cmp is not None:
+        summary.update(base_reward_mean=base.mean, base_reward_stderr=base.stderr, paired_gain=cmp.gain[0],
+                       paired_gain_stderr=cmp.gain[1])  # fmt: skip
     (out / "eval.json").write_text(json.dumps(summary, indent=2))
     with (out / "samples.jsonl").open("w") as f:
-        for p, s, r in zip(res.prompts, res.seeds, res.rewards.tolist(), strict=True):
-            f.write(json.dumps({"prompt": p, "seed": s, "reward": r}) + "\n")
+        for i, (p, s, r) in enumerate(zip(res.prompts, res.seeds, res.rewards.tolist(), strict=True)):
+            rec = {"prompt": p, "seed": s, "reward": r}
+            if base is not None:
+                rec["base_reward"] = base.rewards[i].item()
+            f.write(json.dumps(rec) + "\n")
     head = f"{cfg.name}{' + ' + args.lora if args.lora else ''}: {cfg.reward} {res.mean:.3f} +- {res.stderr:.3f}"
     eval_grid(res, args.seeds, head).save(out / "grid.png")
     print("  ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in res.summary().items()))
     print(f"wrote {out / 'eval.json'}, {out / 'samples.jsonl'} and {out / 'grid.png'}")
+    if cmp is not None:
+        g, se = cmp.gain
+        head = f"{cfg.name}: base vs {args.lora}, paired gain {g:+.3f} +- {se:.3f} ({len(res.rewards)} images)"
+        compare_figure(cmp, head, ("base", "with LoRA"), seeds_per_prompt=args.seeds).save(out / COMPARE_PNG)
+        print(cmp.line(out / COMPARE_PNG, what=args.lora))
     return 0
 
 
@@ -231,6 +248,10 @@ def _train(args: argparse.Namespace) -> int:
     except (NonFiniteError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
     print(json.dumps(summary, indent=2))
+    if summary.get("compare_png") and summary.get("heldout_gain_final") is not None:  # the line a run ends with
+        print(f"before/after: {summary['compare_png']} (base vs EMA adapter, same prompts and seeds); held-out "
+              f"reward {summary['heldout_reward_start']:.3f} -> {summary['heldout_reward_final']:.3f}, paired gain "
+              f"{summary['heldout_gain_final']:+.3f} +- {summary['heldout_gain_stderr_final']:.3f}")  # fmt: skip
     return 0
 
 
@@ -280,7 +301,9 @@ def _verify(args: argparse.Namespace) -> int:
         print(f"{len(bad)} of {len(found)} damaged or refused: `solrl train ... --resume` skips damaged checkpoints "
               "(falling back to the newest one that verifies); restore damaged adapters from a copy")  # fmt: skip
         return 1
-    print(f"all {len(found)} verified (or old-format, without checksums)")
+    old = sum(v.status in ("old", "unverifiable") for v in found)
+    print(f"{len(found) - old} of {len(found)} verified" + (f"; {old} without checksums (written by an earlier "
+          "version: the next checkpoint or export writes them with a manifest)" if old else ""))  # fmt: skip
     return 0
 
 
@@ -346,6 +369,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--max-prompts", type=int, default=10**9)
     ev.add_argument("--seeds", type=int, default=4, help="seeds per prompt (0 .. N-1)")
     ev.add_argument("--output", default="eval", help="directory for eval.json, samples.jsonl, grid.png")
+    ev.add_argument("--compare-base", action="store_true",
+                    help="also the base model on the same prompts and seeds: OUTPUT/compare.png side by side "
+                         "and the paired gain (needs --lora)")  # fmt: skip
     ev.set_defaults(func=_eval)
 
     fi = sub.add_parser("fidelity", help="rank fidelity of quantized previews vs BF16 full-step rollouts")
