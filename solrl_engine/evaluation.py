@@ -117,3 +117,78 @@ def eval_grid(res: EvalResult, seeds_per_prompt: int, header: str, max_images: i
     pick = list(range(0, len(res.prompts), max(1, seeds_per_prompt)))[:max_images]
     captions = [f"{res.rewards[i].item():.3f} {res.prompts[i]}" for i in pick]
     return image_grid(res.images[pick], captions, ncol=4, header=header)
+
+
+# --- before / after: the base model and the trained adapter, side by side ---------------------------
+
+COMPARE_PNG = "compare.png"
+
+
+@dataclass
+class Comparison:
+    """The base model and a trained adapter on the same prompts and seeds: per-image rewards of both,
+    and the paired gain (mean and standard error of the per-image differences)."""
+
+    base: EvalResult
+    trained: EvalResult
+
+    @property
+    def gain(self) -> tuple[float, float]:
+        return mean_stderr(self.trained.rewards - self.base.rewards)
+
+    def line(self, path: Any, what: str = "EMA adapter") -> str:
+        """The sentence a run ends with: where the picture is and what the paired gain was."""
+        g, se = self.gain
+        n = len(self.base.rewards)
+        return (f"before/after: {path} (base vs {what}, {n} images, same prompts and seeds): "
+                f"reward {self.base.mean:.3f} -> {self.trained.mean:.3f}, gain {g:+.3f} +- {se:.3f}")  # fmt: skip
+
+
+def compare_figure(cmp: Comparison, header: str = "", labels: tuple[str, str] = ("base", "trained"),
+                   max_pairs: int = 8, seeds_per_prompt: int = 1) -> Any:  # fmt: skip
+    """compare.png: the first seed of the first `max_pairs` prompts (in the set's order: not picked by
+    reward), base | trained side by side, each image's reward under it and the prompt under the pair."""
+    from solrl_engine.viz import pair_grid
+
+    b, t = cmp.base, cmp.trained
+    pick = list(range(0, len(b.prompts), max(1, seeds_per_prompt)))[:max_pairs]
+    return pair_grid(
+        b.images[pick], t.images[pick],
+        [f"{b.rewards[i].item():.3f}" for i in pick],
+        [f"{t.rewards[i].item():.3f}  ({t.rewards[i].item() - b.rewards[i].item():+.3f})" for i in pick],
+        [b.prompts[i] for i in pick], labels=labels, header=header,
+    )  # fmt: skip
+
+
+@torch.no_grad()
+def compare_adapters(ro: Rollouts, adapters: Any, prompts: Sequence[str], seeds_per_prompt: int = 1) -> Comparison:
+    """The base model (adapters off) and the EMA adapter of a training run (`adapters`: its
+    rl.adapters.LoraAdapters) through the run's own rollout path, on the same prompts and seeds."""
+    from solrl_engine.rl.adapters import TRAIN
+
+    with adapters.using("ref"):
+        base = evaluate_rollouts(ro, prompts, seeds_per_prompt, tag="ref")
+    with adapters.ema_weights():
+        trained = evaluate_rollouts(ro, prompts, seeds_per_prompt, tag=TRAIN)
+    return Comparison(base, trained)
+
+
+def write_compare(out_dir: Any, ro: Rollouts, adapters: Any, prompts: Sequence[str], header: str,
+                  tracker: Any = None, step: int = 0, max_pairs: int = 8) -> tuple[Comparison, Any]:  # fmt: skip
+    """End of a training run: OUT/compare.png of the first `max_pairs` held-out prompts (seed 0),
+    base vs the EMA adapter, also to the tracker (TensorBoard / wandb) when the run logs to one.
+    Regenerated here rather than kept from the first evaluation: a resumed run has the same picture,
+    and it costs 2 x `max_pairs` images."""
+    from pathlib import Path
+
+    cmp = compare_adapters(ro, adapters, list(prompts)[:max_pairs])
+    g, se = cmp.gain
+    head = f"{header}  |  these {len(cmp.base.rewards)}: {cmp.base.mean:.3f} -> {cmp.trained.mean:.3f} ({g:+.3f})"
+    fig = compare_figure(cmp, head, ("base", "trained (EMA)"), max_pairs)
+    path = Path(out_dir) / COMPARE_PNG
+    tmp = path.with_suffix(".tmp.png")
+    fig.save(tmp)
+    tmp.replace(path)
+    if tracker is not None:
+        tracker.image("eval/compare", fig, step)
+    return cmp, path

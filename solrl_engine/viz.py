@@ -91,3 +91,77 @@ def line_plot(
     plt.close(fig)
     tmp.replace(path)
     return path
+
+
+def _font(size: int):  # noqa: ANN202 - a PIL font
+    """PIL's bundled scalable font at `size` px where this Pillow has one (10.1+), else its bitmap font."""
+    from PIL import ImageFont
+
+    try:
+        return ImageFont.load_default(size=size)
+    except TypeError:  # Pillow < 10.1: one fixed-size bitmap font
+        return ImageFont.load_default()
+
+
+def pair_grid(
+    left: torch.Tensor,
+    right: torch.Tensor,
+    left_captions: Sequence[str],
+    right_captions: Sequence[str],
+    pair_captions: Sequence[str],
+    labels: tuple[str, str] = ("before", "after"),
+    header: str = "",
+    pairs_per_row: int = 4,
+    tile: int = 192,
+) -> Image:
+    """Side-by-side pairs, left[i] | right[i] ([B, 3, H, W] in [0, 1]), each tile's caption under it
+    and the pair's caption (wrapped) under both: the one picture a reader compares at a glance.
+
+    Tiles are `tile` px: small images (the bundled 32 px model) upscaled by a whole factor
+    (nearest: the pixels a reward saw), large ones (1024 px samples) downscaled (Lanczos)."""
+    import textwrap
+
+    from PIL import Image as PILImage
+    from PIL import ImageDraw
+
+    if left.shape != right.shape or not len(left) == len(left_captions) == len(right_captions) == len(pair_captions):
+        caps = f"{len(left_captions)}/{len(right_captions)}/{len(pair_captions)}"
+        raise ValueError(f"pair_grid: {tuple(left.shape)} vs {tuple(right.shape)} images, {caps} captions: "
+                         "give two images and three captions per pair")  # fmt: skip
+    b, _, h, w = left.shape
+    scale = max(1, tile // max(h, w)) if max(h, w) < tile else 0
+    th, tw = (h * scale, w * scale) if scale else (tile * h // max(h, w), tile * w // max(h, w))
+    font, small = _font(15), _font(13)
+    pad, gap = 4, 14  # inside a pair / between pairs
+    wrap = max(12, (2 * tw + pad) // 7)  # characters of the 13 px font per line
+    lines = [textwrap.wrap(str(c), wrap)[:3] for c in pair_captions]
+    cap_h = 18 + 17 * max(1, max((len(x) for x in lines), default=1)) + 6
+    ncol = max(1, min(pairs_per_row, b))
+    nrow = (b + ncol - 1) // ncol
+    pair_w = 2 * tw + pad
+    head_h = 26 if header else 0
+    label_h = 20
+    width = gap + ncol * (pair_w + gap)
+    height = head_h + label_h + nrow * (th + cap_h) + gap
+    grid = PILImage.new("RGB", (width, height), (255, 255, 255))
+    draw = ImageDraw.Draw(grid)
+    if header:
+        draw.text((gap, 5), header, fill=(0, 0, 0), font=font)
+    for c in range(ncol):
+        x = gap + c * (pair_w + gap)
+        draw.text((x + 2, head_h + 2), labels[0], fill=(90, 90, 90), font=small)
+        draw.text((x + tw + pad + 2, head_h + 2), labels[1], fill=(90, 90, 90), font=small)
+
+    def _tile(img: torch.Tensor) -> PILImage.Image:
+        arr = (img.detach().float().clamp(0, 1).cpu().permute(1, 2, 0).numpy() * 255).round().astype("uint8")
+        return PILImage.fromarray(arr).resize((tw, th), PILImage.NEAREST if scale else PILImage.LANCZOS)
+
+    for i in range(b):
+        r, c = divmod(i, ncol)
+        x, y = gap + c * (pair_w + gap), head_h + label_h + r * (th + cap_h)
+        grid.paste(_tile(left[i]), (x, y))
+        grid.paste(_tile(right[i]), (x + tw + pad, y))
+        draw.text((x + 2, y + th + 2), left_captions[i], fill=(0, 0, 0), font=small)
+        draw.text((x + tw + pad + 2, y + th + 2), right_captions[i], fill=(0, 0, 0), font=small)
+        draw.text((x + 2, y + th + 19), "\n".join(lines[i]), fill=(40, 40, 120), font=small, spacing=3)
+    return grid

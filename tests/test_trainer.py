@@ -86,7 +86,7 @@ def test_every_family_runs_and_writes_its_artifacts(small_model, tmp_path, famil
         assert (r["proxy_spearman"] is not None) == has_proxy and (r["proxy_kendall"] is not None) == has_proxy
         assert (r["proxy_reward_mean"] is not None) == (family in ("sol_rl", "naive_quant"))
     assert "heldout_reward" in recs[-1]
-    for f in ("reward.png", "eval_00000.png", "eval_00002.png", "summary.json", "config.json"):
+    for f in ("reward.png", "eval_00000.png", "eval_00002.png", "compare.png", "summary.json", "config.json"):
         assert (tmp_path / f).exists(), f
     assert summary["iterations"] == 2 and summary["heldout_reward_start"] is not None
     # the gain is paired with the first evaluation (same prompts, same seeds): its mean is the difference

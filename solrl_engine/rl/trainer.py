@@ -26,7 +26,7 @@ import torch
 from tqdm.auto import tqdm
 
 from solrl_engine.data import load_prompts
-from solrl_engine.evaluation import EvalResult, eval_grid, evaluate_rollouts, mean_stderr
+from solrl_engine.evaluation import EvalResult, eval_grid, evaluate_rollouts, mean_stderr, write_compare
 from solrl_engine.models.base import Conditioning
 from solrl_engine.rl import checkpoint
 from solrl_engine.rl.adapters import OLD, TRAIN, LoraAdapters
@@ -514,6 +514,12 @@ class Trainer:
         bar.close()
         if main and not (self.out / "lora").exists():  # e.g. resumed at the end: still exported
             self.export()
+        compare = None
+        if main and self.eval_prompts and self.gains:  # the before/after picture, OUT/compare.png
+            it, g, se = self.gains[-1]
+            head = f"{c.name}: held-out paired gain {g:+.3f} +- {se:.3f} ({len(self.eval_base)} images, iteration {it})"
+            compare = write_compare(self.out, self.rollouts, self.adapters, self.eval_prompts, head, self.tracker,
+                                    self.iteration)[1]  # fmt: skip
         self.tracker.close()
         summary = {
             "name": c.name,
@@ -529,6 +535,7 @@ class Trainer:
             "train_prompt_reward_final": self.train_evals[-1][1] if self.train_evals else None,
             "lora": str(self.out / "lora"),
             "lora_ema": str(self.out / "lora_ema"),
+            "compare_png": None if compare is None else str(compare),  # base vs EMA adapter, side by side
             # the EMA adapter of the best held-out evaluation (None: no evaluation beat the base model)
             "heldout_best_iteration": None if self.best is None else self.best[0],
             "heldout_reward_best": None if self.best is None else self.best[1].mean().item(),
