@@ -252,7 +252,8 @@ def test_every_rank_resumes_from_rank_zeros_choice(tmp_path):
     root = tmp_path / "checkpoints"
     for it in (1, 2):
         checkpoint.save(root, it, {"it": it})
-    _flip(_ck(tmp_path, 2) / STATE, n=4)
+    assert checkpoint.verify(_ck(tmp_path, 2)).status == "ok"
+    _flip(_ck(tmp_path, 2) / STATE, n=4)  # a file that changes after a check is checked again
 
     class Rank:
         def __init__(self, rank: int, box: list) -> None:

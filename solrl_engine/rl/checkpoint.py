@@ -33,6 +33,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -295,13 +296,14 @@ class Verdict:
         return self.status in ("ok", "old")
 
 
-def _check(name: str, data: bytes | None, want: dict[str, Any]) -> str | None:
-    if data is None:
+def _check(name: str, size: int | None, sha256: Callable[[], str], want: dict[str, Any]) -> str | None:
+    """What is wrong with file `name` of `size` bytes (None: missing) against its manifest entry."""
+    if size is None:
         return f"{name} is missing"
-    if len(data) != want["size"]:
-        how = "truncated" if len(data) < want["size"] else "longer than written"
-        return f"{name} has {len(data)} bytes, the manifest says {want['size']} ({how})"
-    if hashlib.sha256(data).hexdigest() != want["sha256"]:
+    if size != want["size"]:
+        how = "truncated" if size < want["size"] else "longer than written"
+        return f"{name} has {size} bytes, the manifest says {want['size']} ({how})"
+    if sha256() != want["sha256"]:
         return f"{name}'s SHA-256 differs from the manifest's (its bytes were altered: bit rot or a bad copy)"
     return None
 
@@ -328,7 +330,8 @@ def _read_verified(path: Path) -> tuple[dict[str, Any], dict[str, bytes]]:
             data: bytes | None = (path / name).read_bytes()
         except FileNotFoundError:
             data = None
-        if (p := _check(name, data, want)) is not None:
+        size = None if data is None else len(data)
+        if (p := _check(name, size, lambda d=data: hashlib.sha256(d).hexdigest(), want)) is not None:
             problems.append(p)
         elif data is not None:
             blobs[name] = data
@@ -376,22 +379,52 @@ def load(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path} does not parse ({type(e).__name__}: {e})") from None
 
 
+# Verdicts by directory, with the (name, size, mtime, inode) of its files when checked: a resume checks
+# the same checkpoint before anything is written and again when it picks one; unchanged files are
+# not hashed twice. `load` always checks the bytes it reads.
+_checked: dict[str, tuple[tuple, Verdict]] = {}
+
+
+def _signature(path: Path) -> tuple:
+    try:
+        stats = [(p.name, p.stat()) for p in path.iterdir()]
+    except OSError:
+        return ()
+    return tuple(sorted((name, st.st_size, st.st_mtime_ns, st.st_ino) for name, st in stats))
+
+
+def _verify_manifest(path: Path) -> Verdict:
+    try:
+        m = _manifest(path)
+    except CheckpointError as e:
+        return Verdict(path, "damaged", str(e))
+    problems, total = [], 0
+    for name, want in m["files"].items():
+        f = path / name
+        size = f.stat().st_size if f.is_file() else None
+        if (p := _check(name, size, lambda f=f: _hash_file(f)["sha256"], want)) is not None:
+            problems.append(p)
+        total += size or 0
+    if problems:
+        return Verdict(path, "damaged", "; ".join(problems))
+    return Verdict(path, "ok", f"{len(m['files'])} files, {_size(total)}, SHA-256 checked")
+
+
 def verify(path: str | Path, kind: str = "checkpoint") -> Verdict:
-    """Check a checkpoint or an exported adapter directory against its manifest (reads every byte)."""
+    """Check a checkpoint or an exported adapter directory against its manifest (hashes every byte)."""
     path = Path(path)
+    key, sig = str(path.resolve()), _signature(path)
+    if key in _checked and _checked[key][0] == sig and sig:
+        return _checked[key][1]
     if (path / MANIFEST).exists():
-        try:
-            m, blobs = _read_verified(path)
-            size = sum(len(b) for b in blobs.values())
-            v = Verdict(path, "ok", f"{len(blobs)} files, {_size(size)}, SHA-256 checked")
-        except CheckpointError as e:
-            v = Verdict(path, "damaged", str(e))
+        v = _verify_manifest(path)
     elif kind == "checkpoint" and (path / LEGACY).exists() and (path / LEGACY_DONE).exists():
         v = _verify_legacy(path / LEGACY, path)
     elif kind == "checkpoint":
         v = Verdict(path, "damaged", f"{MANIFEST} is missing (a checkpoint gets its name only once complete)")
     else:
         v = Verdict(path, "unverifiable", f"no {MANIFEST}: written by an earlier version")
+    _checked[key] = (sig, v)
     return v
 
 
