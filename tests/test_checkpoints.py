@@ -290,3 +290,23 @@ def test_pretraining_resumes_from_verified_checkpoints_and_old_files(tmp_path):
     with pytest.raises(CheckpointError, match=r"refused.*convert .*checkpoint\.pt"):
         _resume_state(tmp_path)
     assert not marker.exists()
+
+
+def test_the_cost_bench_measures_each_operation(tmp_path):
+    """bench/checkpoint_cost.py on one SD3.5-Large block: the LoRA shapes it builds and what it records."""
+    import importlib.util
+
+    path = Path(__file__).parents[1] / "bench/checkpoint_cost.py"
+    spec = importlib.util.spec_from_file_location("checkpoint_cost", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    res = bench.main(["--reps", "1", "--sd3-blocks", "1", "--sd3-rank", "4", "--skip-tiny",
+                      "--output", str(tmp_path / "cost.json")])  # fmt: skip
+    (case,) = res["cases"].values()
+    # a single block is SD3.5-L's last (its context stream ends: no to_add_out), so 7 attention projections
+    # of 2432 x 2432, rank 4: A and B, 3 adapters + 2 AdamW moments, FP32 (37 more blocks of 8: 303 layers)
+    floats = 7 * 4 * (2432 + 2432) * 5
+    assert floats * 4 < case["bytes"][TENSORS] < floats * 4 * 1.01
+    assert set(case["median_s"]) == {"save_verified_fsync", "save_verified_no_fsync", "verify", "load",
+                                     "save_pickle_torch_save", "export_one_adapter"}  # fmt: skip
+    assert json.loads((tmp_path / "cost.json").read_text())["cases"] == json.loads(json.dumps(res["cases"]))
