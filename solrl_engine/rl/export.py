@@ -18,7 +18,7 @@ from pathlib import Path
 
 from solrl_engine.models import pipeline_class as resolve_pipeline_class
 from solrl_engine.rl.adapters import TRAIN, LoraAdapters
-from solrl_engine.rl.checkpoint import commit, seal
+from solrl_engine.rl.sealed import commit, seal
 
 WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 
