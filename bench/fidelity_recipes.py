@@ -1,4 +1,4 @@
-"""Rank fidelity of each NVFP4 explore recipe on the bundled model: one table, one oracle.
+"""Rank fidelity of each explore recipe (NVFP4 variants, FP8, INT8) on the bundled model: one table, one oracle.
 
 Every row is `solrl fidelity` on the same prompts and seeds (the full-step oracle is computed once
 and cached); the columns are the issue's: Spearman, Kendall, top/bottom-K/2 overlap, the share of
@@ -28,6 +28,9 @@ ALL = "explore_layers=*"  # every layer the recipe's skip rules allow (embedders
 ROWS: dict[str, tuple[list[str], str]] = {
     "bf16": (["explore_precision=bf16"], "no quantization, preview steps only (the ceiling)"),
     "fp8": (["explore_precision=fp8"], "FP8 W8A8 on Sol-RL's rule (Hopper's choice)"),
+    "int8": (["explore_precision=int8"], "INT8 W8A8 on Sol-RL's rule (Ampere's choice)"),
+    "all:fp8": (["explore_precision=fp8", "explore_layers=*"], "FP8 W8A8 on every eligible layer"),
+    "all:int8": (["explore_precision=int8", "explore_layers=*"], "INT8 W8A8 on every eligible layer"),
     "nvfp4": ([], "NVFP4 W4A4, Sol-RL's rule (image-stream MLPs), the TE recipe"),
     "rht16": (["explore_rht=16"], "+ 16-point random Hadamard rotation along K"),
     "rht32": (["explore_rht=32"], "+ 32-point rotation"),

@@ -279,6 +279,7 @@ def _fidelity(args: argparse.Namespace) -> int:
     keys = ("spearman_mean", "kendall_mean", "top_overlap_mean", "bottom_overlap_mean", "quantized_flop_share",
             "time_proxy_s", "time_full_s")  # fmt: skip
     print("  ".join(f"{k}={res[k]:.3f}" for k in keys))
+    print(f"explore ({res['explore_recipe']}): {res['fast_path']}")
     print(f"wrote {path}")
     return 0
 

@@ -364,6 +364,8 @@ class Explorer:
         self.rollouts, self.model, self.reward = ro, ro.model, ro.reward
         self.n, self.k, self.steps, self.rng, self.tag = n, k, steps, rng, tag
         self.transformer = ro.explore.transformer if ro.explore is not None else None
+        self.fast_path: Any = None  # nn.FastPathRecord of the last select's quantized layers (None: none ran)
+        self._reported = False
 
     @classmethod
     def from_rollouts(cls, ro: Rollouts, n: int, k: int, steps: int, rng: Any, quantized: bool = True) -> Explorer:
@@ -406,6 +408,7 @@ class Explorer:
         cond = self.rollouts.encode(prompts) if cond is None else cond
         flat = [s for row in seeds for s in row]
         x = self.rollouts.sample(cond.repeat_interleave(self.n), flat, self.steps, self.transformer, self.tag)
+        self._record_fast_path()
         scored = self.rollouts.score(x, [p for p in prompts for _ in range(self.n)])
         r = scored.rewards.view(len(prompts), self.n)
         idx = select_contrastive(r, self.k)
@@ -419,6 +422,22 @@ class Explorer:
             samples = x.view(len(prompts), self.n, *x.shape[1:])[rows, idx].flatten(0, 1)
         self.last_components = {k: v.view(len(prompts), self.n) for k, v in scored.components.items()}
         return Selection(prompts, sel, r.gather(1, idx), ranks, noise, seeds, r, idx, self, samples)
+
+    def _record_fast_path(self) -> None:
+        """Read back which implementation each quantized layer ran (`self.fast_path`); the first
+        explore says it in the log, e.g. "explore: 80/80 quantized layers on the fast path (...)"."""
+        from solrl_engine.nn import fast_path
+
+        if self.transformer is None:
+            return
+        rec = fast_path(self.transformer)
+        if not rec.layers:
+            return
+        self.fast_path = rec
+        if not self._reported:
+            (log.warning if rec.reference and self.rollouts.device.type == "cuda" else log.info)(
+                "explore: %s", rec.summary())  # fmt: skip
+            self._reported = True
 
     @torch.no_grad()
     def sync_(self, policy: Any) -> int:

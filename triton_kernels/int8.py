@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from ._numerics import is_finite, load_f32, store_out
+from .fp8 import _row_blocks
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -22,30 +23,33 @@ TINY = 1.401298464324817e-45  # the smallest fp32 subnormal: the least scale of 
 
 
 @triton.jit
-def _int8_rowwise_kernel(x_ptr, q_ptr, scale_ptr, K, BLOCK_K: tl.constexpr, IN_BF16: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    base = row * K
-    acc = tl.zeros([BLOCK_K], dtype=tl.float32)
-    bad = tl.zeros([BLOCK_K], dtype=tl.int32)
+def _int8_rowwise_kernel(x_ptr, q_ptr, scale_ptr, M, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                         IN_BF16: tl.constexpr):  # fmt: skip
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < M
+    base = rows[:, None] * K
+    acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    bad = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.int32)
     for k0 in range(0, K, BLOCK_K):
         offs = k0 + tl.arange(0, BLOCK_K)
-        x = load_f32(x_ptr + base + offs, offs < K, IN_BF16)
+        x = load_f32(x_ptr + base + offs[None, :], rmask[:, None] & (offs < K)[None, :], IN_BF16)
         fin = is_finite(x)
         acc = tl.maximum(acc, tl.where(fin, tl.abs(x), 0.0))
         bad = tl.maximum(bad, tl.where(fin, 0, 1))
-    amax = tl.max(acc, axis=0)
-    s = tl.maximum(tl.div_rn(amax, 127.0), TINY)
+    amax = tl.max(acc, axis=1)
+    s = tl.maximum(tl.div_rn(amax, tl.full([BLOCK_M], 127.0, tl.float32)), TINY)
     s = tl.where(amax == 0.0, 1.0, s)
-    s = tl.where(tl.max(bad, axis=0) > 0, float("nan"), s)
-    tl.store(scale_ptr + row, s)
+    s = tl.where(tl.max(bad, axis=1) > 0, float("nan"), s)
+    tl.store(scale_ptr + rows, s, mask=rmask)
     for k0 in range(0, K, BLOCK_K):
         offs = k0 + tl.arange(0, BLOCK_K)
-        m = offs < K
-        x = load_f32(x_ptr + base + offs, m, IN_BF16)
-        v = tl.minimum(tl.maximum(tl.div_rn(x, s), -127.0), 127.0)
+        m = rmask[:, None] & (offs < K)[None, :]
+        x = load_f32(x_ptr + base + offs[None, :], m, IN_BF16)
+        d = tl.div_rn(x, s[:, None])
+        v = tl.minimum(tl.maximum(d, -127.0), 127.0)
         r = (v + 12582912.0) - 12582912.0  # round half to even: exact for |v| < 2^22 (1.5 * 2^23 magic)
-        r = tl.where(r == r, r, 0.0)  # a NaN-scale row encodes as 0
-        tl.store(q_ptr + base + offs, r.to(tl.int32).to(tl.int8), mask=m)
+        r = tl.where(d == d, r, 0.0)  # a NaN-scale row encodes as 0 (min/max may drop a NaN: test before)
+        tl.store(q_ptr + base + offs[None, :], r.to(tl.int32).to(tl.int8), mask=m)
 
 
 def quantize_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,10 +64,11 @@ def quantize_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty(x.shape, dtype=torch.int8, device=x.device)
     scale = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
     if rows:
-        interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
-        block_k = min(triton.next_power_of_2(k), 8192 if interp else 2048)
+        block_m, block_k = _row_blocks(k, os.environ.get("TRITON_INTERPRET", "0") == "1")
         src = x.view(torch.int16) if x.dtype == torch.bfloat16 else x
-        _int8_rowwise_kernel[(rows,)](src, q, scale, k, BLOCK_K=block_k, IN_BF16=x.dtype == torch.bfloat16)
+        grid = (triton.cdiv(rows, block_m),)
+        _int8_rowwise_kernel[grid](src, q, scale, rows, k, BLOCK_M=block_m, BLOCK_K=block_k,
+                                   IN_BF16=x.dtype == torch.bfloat16)  # fmt: skip
     return q, scale
 
 

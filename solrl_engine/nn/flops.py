@@ -1,5 +1,5 @@
 """Linear-layer FLOPs of one forward, counted by hooks: which share of a denoiser's GEMM work a
-quantized copy runs in 4 bits.
+quantized copy runs in low precision, and what that bounds its speedup to (`amdahl_bound`).
 
 Counting by hooks, not by formula, gets every model right without knowing it: SD3's joint blocks run
 their context projections over the text tokens only, FLUX's single blocks over text + image tokens,
@@ -33,6 +33,11 @@ class LinearFlops:
         """The share of all linear FLOPs that ran in `fmt` (0 when nothing ran)."""
         tot = self.total
         return sum(f for n, f in self.layers.items() if self.formats[n] == fmt) / tot if tot else 0.0
+
+    def quantized_share(self) -> float:
+        """The share of all linear FLOPs that ran in any quantized format (NVFP4, FP8 or INT8)."""
+        tot = self.total
+        return sum(f for n, f in self.layers.items() if self.formats[n] != "high") / tot if tot else 0.0
 
     def by_group(self) -> dict[str, int]:
         """FLOPs per layer group (`group_name`: the layer's name with its block index as *)."""
@@ -90,3 +95,11 @@ def count_linear_flops(model: nn.Module, run: Callable[[], object]) -> LinearFlo
         for h in handles:
             h.remove()
     return out
+
+
+def amdahl_bound(share: float, gemm_speedup: float) -> float:
+    """The most a forward can gain when `share` of its GEMM FLOPs run `gemm_speedup` times faster and
+    everything else (the other GEMMs, attention, norms) takes no time: 1 / ((1 - s) + s / r)."""
+    if not 0.0 <= share <= 1.0 or gemm_speedup <= 0:
+        raise ValueError(f"need 0 <= share <= 1 and gemm_speedup > 0; got {share}, {gemm_speedup}")
+    return 1.0 / ((1.0 - share) + share / gemm_speedup)

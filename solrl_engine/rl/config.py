@@ -44,7 +44,7 @@ FAMILY_TABLE: dict[str, FamilyRule] = {
     "sol_rl": FamilyRule(quantized_explore=True, preview=True, regenerate=True),  # previews -> K regenerated
 }
 FAMILIES = tuple(FAMILY_TABLE)
-EXPLORE_PRECISIONS = ("auto", "nvfp4", "nvfp4_weight_only", "fp8", "fp8_weight_only", "bf16", "te_nvfp4")
+EXPLORE_PRECISIONS = ("auto", "nvfp4", "nvfp4_weight_only", "int8", "fp8", "fp8_weight_only", "bf16", "te_nvfp4")
 
 
 class ConfigError(ValueError):

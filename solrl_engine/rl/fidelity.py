@@ -29,6 +29,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from solrl_engine.data import load_prompts
+from solrl_engine.nn.fast_path import fast_path
 from solrl_engine.nn.flops import LinearFlops, count_linear_flops, group_name
 from solrl_engine.nn.quantize import plan_quantization
 from solrl_engine.rl.config import RLConfig, autocast_for
@@ -193,12 +194,13 @@ def fidelity(
     oracle_cache: str | Path | None = None,
 ) -> dict[str, Any]:
     """Rank fidelity of the config's explore copy (see the module docstring), with the share of the
-    linear FLOPs it runs in 4 bits (`quantized_flop_share`)."""
+    linear FLOPs it runs quantized (`quantized_flop_share`) and what its quantized layers ran (`fast_path`)."""
     _check_nk(n, k)
     st = _setup(cfg, prompts, n, oracle_cache, progress)
     ro = st.ro
     assert ro.explore is not None
     pr, t_proxy = _proxy(st, ro.explore.transformer, progress)
+    record = fast_path(ro.explore.transformer)  # what the previews' quantized layers ran
     fr = st.oracle
     flops = linear_flops(ro, ro.explore.transformer)
     dev = ro.device
@@ -207,7 +209,8 @@ def fidelity(
         "model": cfg.model,
         "explore_recipe": ro.explore.recipe,
         "quantized_layers": len(ro.explore.report.quantized),
-        "quantized_flop_share": flops.share("nvfp4"),
+        "quantized_flop_share": flops.quantized_share(),
+        "fast_path": record.summary(),
         "solver": cfg.solver,
         "preview_steps": cfg.preview_steps,
         "full_steps": cfg.full_steps,
@@ -327,7 +330,7 @@ def search(
             points[m] = {
                 "groups": m,
                 "include": list(include),
-                "quantized_flop_share": linear_flops(ro, copy.transformer).share("nvfp4"),
+                "quantized_flop_share": linear_flops(ro, copy.transformer).quantized_share(),
                 **_rank_metrics(pr, st.oracle, k),
                 "time_proxy_s": t,
             }

@@ -1,0 +1,138 @@
+"""INT8 W8A8 (the Ampere explore format): the reference numerics against their definition, the
+Triton kernels bit for bit against the reference (interpreter on a CPU), the torch._int_mm path
+against the reference, and the in-place requantize."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import HAS_TRITON
+from families import SHAPES, families
+from torch import nn
+
+from solrl_engine.kernels import linear as klinear
+from solrl_engine.nn import quantize_model, requantize_
+from solrl_engine.quant import QuantRecipe, int8
+
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs triton (pip install -e '.[dev]')")
+
+
+def _finite_rows(x: torch.Tensor) -> torch.Tensor:
+    return torch.isfinite(x).all(dim=-1)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_reference_quantize_meets_its_definition(shape):
+    for fam, x in families(shape, seed=len(shape) * 7 + shape[-1]):
+        q = int8.quantize_rowwise(x)
+        assert q.data.dtype == torch.int8 and q.scale.shape == (*shape[:-1], 1)
+        assert int(q.data.min()) >= -127 and int(q.data.max()) <= 127, fam  # symmetric: -128 never used
+        ok = _finite_rows(x)
+        xf, s, c = x[ok], q.scale[ok], q.data[ok].float()
+        amax = xf.abs().amax(dim=-1, keepdim=True)
+        want = torch.where(amax == 0, torch.ones_like(amax), torch.clamp(amax / 127, min=int8.TINY))
+        assert torch.equal(s, want), fam
+        assert torch.equal(c, torch.round(torch.clamp(xf / s, -127, 127))), fam  # round half to even
+        assert ((c * s - xf).abs() <= s / 2 * (1 + 1e-6)).all(), fam  # decode within half a step
+        bad = ~ok
+        if bad.any():  # a row with NaN/Inf decodes to NaN: never a finite stand-in
+            assert torch.isnan(q.scale[bad]).all() and (q.data[bad] == 0).all(), fam
+            assert torch.isnan(q.dequantize(torch.float32)[bad]).all()
+
+
+def test_ties_round_to_even_and_zero_rows_get_scale_one():
+    x = torch.tensor([[127.0, 0.5, 1.5, 2.5, -0.5, -1.5, 126.5, -126.5], [0.0] * 8])
+    q = int8.quantize_rowwise(x)
+    assert q.data[0].tolist() == [127, 0, 2, 2, 0, -2, 126, -126] and q.scale[0].item() == 1.0
+    assert q.data[1].tolist() == [0] * 8 and q.scale[1].item() == 1.0
+    with pytest.raises(ValueError, match="non-empty last dimension"):
+        int8.quantize_rowwise(torch.zeros(3, 0))
+    with pytest.raises(TypeError, match="floating-point"):
+        int8.quantize_rowwise(torch.zeros(3, 4, dtype=torch.int32))
+
+
+def test_the_reference_gemm_is_exact_integer_arithmetic_then_the_epilogue():
+    g = torch.Generator().manual_seed(1)
+    x, w, b = torch.randn(9, 80, generator=g), torch.randn(24, 80, generator=g), torch.randn(24, generator=g)
+    wq, xq = int8.quantize_rowwise(w), int8.quantize_rowwise(x)
+    y = int8.linear(x, wq, b)
+    acc = (xq.data.long() @ wq.data.long().t()).float()  # exact in int64, rounded once to FP32
+    assert torch.equal(y, acc * xq.scale.reshape(-1, 1) * wq.scale.reshape(1, -1) + b)
+    rel = (y - (x @ w.t() + b)).norm() / (x @ w.t() + b).norm()
+    assert rel < 0.02  # 8 bits per operand: about 1% error on Gaussian data
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_triton_quantize_is_bit_exact(shape, dtype):
+    tr = pytest.importorskip("solrl_triton.int8")
+    for fam, x in families(shape, seed=shape[-1]):
+        x = x.to(dtype)
+        q, s = tr.quantize_rowwise(x)
+        ref = int8.quantize_rowwise(x)
+        assert torch.equal(q, ref.data), (fam, dtype)
+        assert torch.allclose(s, ref.scale, rtol=0, atol=0, equal_nan=True), (fam, dtype)
+
+
+@needs_triton
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_triton_epilogue_is_bit_exact(out_dtype):
+    tr = pytest.importorskip("solrl_triton.int8")
+    g = torch.Generator().manual_seed(2)
+    for m, n in [(1, 8), (33, 72), (100, 200)]:
+        acc = torch.randint(-(2**30), 2**30, (m, n), generator=g, dtype=torch.int32)
+        sx, sw = torch.rand(m, 1, generator=g) * 1e-3, torch.rand(n, 1, generator=g) * 1e-3
+        sx[0] = float("nan")
+        for bias in (None, torch.randn(n, generator=g), torch.randn(n, generator=g).bfloat16()):
+            got = tr.scale_epilogue(acc, sx, sw, bias, out_dtype)
+            want = int8.scale_epilogue(acc, sx, sw, bias, out_dtype)
+            assert got.dtype == out_dtype and torch.allclose(got.float(), want.float(), rtol=0, atol=0, equal_nan=True)
+
+
+@needs_triton
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_int_mm_path_matches_the_reference(monkeypatch, out_dtype):
+    """torch._int_mm (oneDNN on a CPU, cuBLASLt IMMA on a GPU) accumulates exactly in INT32 and the
+    epilogue does the reference's operations in its order: the same numbers (within one rounding of
+    the output dtype, here none), NaN rows included."""
+    monkeypatch.setenv("SOLRL_SIMULATE_SM", "80")
+    monkeypatch.delenv("SOLRL_BACKEND", raising=False)
+    for shape in [(1, 16), (7, 48), (3, 5, 128), (40, 1040)]:
+        for fam, x in families(shape, seed=3):
+            n = 24
+            w = torch.randn(n, shape[-1])
+            wq, b = int8.quantize_rowwise(w), torch.randn(n)
+            got = klinear._cuda_int8_linear(x, wq, b, out_dtype)
+            want = klinear._ref_int8_linear(x, wq, b, out_dtype)
+            assert got.shape == (*shape[:-1], n) and got.dtype == out_dtype
+            assert torch.allclose(got.float(), want.float(), rtol=0, atol=0, equal_nan=True), fam
+
+
+def test_int8_layers_requantize_in_place_and_report(monkeypatch):
+    monkeypatch.delenv("SOLRL_SIMULATE_SM", raising=False)
+    torch.manual_seed(0)
+    src = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 32))
+    copy = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 32))
+    copy.load_state_dict(src.state_dict())
+    rep = quantize_model(copy, "int8")
+    assert rep.quantized == ["0", "2"] and rep.recipe.name == "int8"
+    before, after = rep.weight_bytes()
+    assert after == 64 * 128 + 4 * 128 + 128 * 32 + 4 * 32 and before == 2 * (64 * 128 + 128 * 32)
+    ptrs = [copy[0].w_int8.data_ptr(), copy[0].w_scale.data_ptr()]
+    with torch.no_grad():
+        src[0].weight.mul_(3.0)
+    assert requantize_(copy, source=src) == 2
+    assert [copy[0].w_int8.data_ptr(), copy[0].w_scale.data_ptr()] == ptrs  # same storage: graphs stay valid
+    fresh = int8.quantize_rowwise(src[0].weight)
+    assert torch.equal(copy[0].w_int8, fresh.data) and torch.equal(copy[0].w_scale, fresh.scale)
+    torch.testing.assert_close(copy[0].weight, fresh.dequantize(torch.float32))
+    y = copy(torch.randn(5, 64))
+    assert y.shape == (5, 32) and torch.isfinite(y).all()
+
+
+def test_int8_is_a_w8a8_recipe():
+    with pytest.raises(ValueError, match="int8 is a W8A8 recipe"):
+        QuantRecipe("int8", quantize_activations=False)
+    with pytest.raises(ValueError, match="apply to NVFP4 recipes only"):
+        QuantRecipe("int8", rht=16)
