@@ -1,0 +1,105 @@
+"""What explores, and how it is compared: explore_precision=auto on a (simulated) GPU times only the
+formats that GPU's tensor cores run and never picks a slower one; every family's full-precision
+rollouts run the "old" LoRA merged into a copy, as the quantized copy has it (like-for-like)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from cpu_branches import force_cpu_bf16
+
+from solrl_engine import hw
+from solrl_engine.models.tiny import TinyConfig, TinyT2I
+from solrl_engine.rl import RLConfig
+from solrl_engine.rl.adapters import OLD
+from solrl_engine.rl.trainer import Trainer
+
+SMALL = TinyConfig(num_layers=1, heads=2, head_dim=16, text_dim=32, text_layers=1)
+
+
+@pytest.mark.parametrize(("sm", "plan"), [("75", ()), ("80", ("int8",)), ("86", ("int8",)), ("89", ("fp8", "int8")),
+                                         ("90", ("fp8", "int8")), ("100", ("nvfp4", "fp8", "int8"))])  # fmt: skip
+def test_auto_on_a_gpu_times_its_hardware_plan_and_never_picks_a_slower_precision(monkeypatch, sm, plan):
+    monkeypatch.setenv("SOLRL_SIMULATE_SM", sm)
+    assert hw.explore_candidates("cpu") == plan
+    rng = random.Random(int(sm))
+    for _ in range(200):  # stubbed timing tables: emulated NVFP4 is often "fastest" here, and never allowed below sm_100
+        t = {k: rng.uniform(1, 20) for k in ("policy", *hw.EXPLORE_CANDIDATES)}
+        ch = hw.resolve_explore_precision("auto", "cpu", torch.bfloat16, timings_ms=t)
+        faster = [k for k in plan if t[k] <= 0.95 * t["policy"]]
+        assert ch.precision == (min(faster, key=t.__getitem__) if faster else hw.POLICY), (t, ch)
+        assert f"sm_{sm[:-1]}{sm[-1]} (simulated)" in ch.reason
+        if sm in ("80", "86"):
+            assert ch.precision in ("int8", hw.POLICY)  # Ampere: INT8 or the policy, never emulated NVFP4
+    if not plan:
+        assert "no tensor cores" in hw.resolve_explore_precision("auto", "cpu", torch.bfloat16, timings_ms={}).reason
+
+
+def test_the_gpu_probe_times_the_plan_against_the_policy(monkeypatch):
+    """The probe itself on a simulated sm_80 (torch._int_mm runs on a CPU): only INT8 and the policy."""
+    monkeypatch.setenv("SOLRL_SIMULATE_SM", "80")
+    t = hw.probe_explore_timings({(64, 128): 2, (128, 64): 1}, {}, torch.float32, rows=32, reps=1)
+    assert set(t) == {"policy", "int8"} and all(v > 0 for v in t.values())
+
+
+def test_rollouts_on_an_ampere_take_int8_when_it_is_faster(tmp_path, monkeypatch):
+    from solrl_engine.rollout import Rollouts
+
+    monkeypatch.setenv("SOLRL_SIMULATE_SM", "80")
+    torch.manual_seed(0)
+    TinyT2I(SMALL).save(tmp_path / "m")
+    cfg = RLConfig(model="tiny", model_path=str(tmp_path / "m"), device="cpu", policy_dtype="float32",
+                   explore_skip_max_dim=0)  # fmt: skip
+    monkeypatch.setattr(hw, "probe_explore_timings", lambda *a, **k: {"policy": 1.0, "int8": 0.6, "nvfp4": 0.1})
+    ro = Rollouts(cfg, explore=True)
+    assert ro.explore.recipe == "int8" and "candidates int8" in ro.explore_choice.reason
+    monkeypatch.setattr(hw, "probe_explore_timings", lambda *a, **k: {"policy": 1.0, "int8": 1.5})
+    assert Rollouts(cfg, explore=True).explore is None  # INT8 slower than the policy: the policy explores
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory):
+    torch.manual_seed(0)
+    d = tmp_path_factory.mktemp("small_tiny")
+    TinyT2I(SMALL).save(d)
+    return str(d)
+
+
+def _cfg(small_model: str, out, **kw) -> RLConfig:
+    base = dict(name="t_like", family="naive_scaling", model_path=small_model, n=4, k=2, prompts_per_iter=2,
+                preview_steps=2, full_steps=3, iterations=1, eval_every=10, eval_prompt_count=2, eval_seeds=1,
+                save_every=10, lora_rank=4, lora_alpha=8, lr=5e-2, rollout_batch_size=8, train_batch_size=4,
+                output=str(out), device="cpu")  # fmt: skip
+    base.update(kw)
+    return RLConfig(**base)
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_the_baselines_explore_the_merged_adapter_and_match_the_policy(small_model, tmp_path, monkeypatch, bf16):
+    """naive_scaling explores through the policy copy with the "old" LoRA merged (as the quantized copy
+    holds it), the images equal the unmerged policy's (the BF16 regeneration's form) to float
+    tolerance, after updates too; merge_lora=False samples unmerged everywhere."""
+    from solrl_engine import hw as hw_mod
+
+    monkeypatch.setattr(hw_mod, "cxx_compiler", lambda *a, **k: None)
+    dtype = force_cpu_bf16(monkeypatch, bf16)
+    tr = Trainer(_cfg(small_model, tmp_path), progress=False)
+    assert tr.rollouts.rollout_form == "merged" and tr.explore is None
+    assert tr.explorer.transformer is tr.policy_copy.transformer and tr.explorer.tag == "old-merged"
+    for _ in range(2):
+        tr.step()  # the "old" adapter moves away from zero; the copy is refreshed in place
+    delta = max(m.get_delta_weight(OLD).abs().max().item() for m in tr.adapters.layers.values())
+    assert delta > 1e-4, "the old adapter must be non-zero for the comparison to mean anything"
+    cond = tr.rollouts.encode(["a red square", "a blue circle above a green triangle"])
+    seeds = [11, 12]
+    with tr.adapters.using(OLD):
+        merged = tr._sample(cond, seeds, 3, tr.policy_copy.transformer, "old-merged")
+        unmerged = tr._sample(cond, seeds, 3)  # the policy itself, PEFT's LoRA branches
+    tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(merged, unmerged, atol=tol, rtol=tol)
+    assert (merged - unmerged).abs().max() < tol
+    unm = Trainer(_cfg(small_model, tmp_path / "u", merge_lora=False), progress=False)
+    assert unm.rollouts.rollout_form == "unmerged" and unm.policy_copy is None and unm.explorer.transformer is None
+    assert unm.run()["rollout_form"] == "unmerged"
