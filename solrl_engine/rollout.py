@@ -100,6 +100,7 @@ class Rollouts:
             self.policy_copy = ExploreCopy(self.model.transformer, POLICY)
         self.explore = None
         self.explore_choice = None  # the resolved explore_precision and its reason, when exploring quantized
+        self.explore_bound: dict[str, Any] | None = None  # the copy's quantized FLOP share and speedup bound
         if explore:
             from solrl_engine.hw import resolve_explore_precision
 
@@ -142,12 +143,44 @@ class Rollouts:
             for k in nvfp4_only:
                 rule.pop(k)
         self.explore = None if recipe == POLICY else ExploreCopy(self.model.transformer, recipe, changes=rule)
+        self.explore_bound = self._speed_bound(choice) if self.explore is not None else None
+        if self.explore_bound is not None:
+            log.info("explore copy: %s", self.explore_bound["line"])
         if self.explore is not None and not self.explore.report.quantized and recipe != "bf16":
             log.warning(
                 "the explore copy quantizes no layer of %s under its rule (%s): exploration runs at full "
                 "precision; see quantization.txt in the run directory for why each layer was kept",
                 cfg.model, explore_rule(cfg, self.spec),
             )
+
+    # what one quantized GEMM gains over BF16 on the tensor cores of the hardware plan (peak-rate ratios),
+    # used for the bound where explore_precision was set rather than timed
+    NOMINAL_GEMM_SPEEDUP = {"fp8": 2.0, "int8": 2.0, "nvfp4": 4.0}
+
+    def _speed_bound(self, choice: Any) -> dict[str, Any] | None:
+        """The explore copy's quantized share of the denoiser's GEMM FLOPs (one eager step, batch 1) and
+        the Amdahl bound it puts on the explore forward's speedup at the GEMM rate ratio: measured at
+        start where auto timed it, else the tensor cores' nominal ratio on a GPU (none on a CPU)."""
+        from solrl_engine.nn.flops import amdahl_bound
+        from solrl_engine.rl.fidelity import linear_flops
+
+        copy = self.explore
+        if copy is None or copy.te or not copy.report.quantized:
+            return None
+        share = linear_flops(self, copy.transformer).quantized_share()
+        fmt = copy.quant_recipe.format
+        t = choice.timings_ms
+        if t.get("policy") and t.get(choice.precision):
+            rate, how = t["policy"] / t[choice.precision], "measured at start"
+        elif self.device.type == "cuda" and fmt in self.NOMINAL_GEMM_SPEEDUP:
+            rate, how = self.NOMINAL_GEMM_SPEEDUP[fmt], "the tensor cores' nominal ratio"
+        else:
+            line = f"{share:.0%} of the denoiser's GEMM FLOPs in {copy.recipe} (no GEMM timing to bound the speedup)"
+            return {"quantized_flop_share": share, "gemm_speedup": None, "bound": None, "line": line}
+        bound = amdahl_bound(share, rate)
+        line = (f"{share:.0%} of the denoiser's GEMM FLOPs in {copy.recipe}: at most {bound:.2f}x per forward at "
+                f"{rate:.2f}x per GEMM ({how})")  # fmt: skip
+        return {"quantized_flop_share": share, "gemm_speedup": rate, "bound": bound, "line": line}
 
     @property
     def rollout_form(self) -> str:

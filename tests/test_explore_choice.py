@@ -12,6 +12,7 @@ from cpu_branches import force_cpu_bf16
 
 from solrl_engine import hw
 from solrl_engine.models.tiny import TinyConfig, TinyT2I
+from solrl_engine.nn.flops import amdahl_bound
 from solrl_engine.rl import RLConfig
 from solrl_engine.rl.adapters import OLD
 from solrl_engine.rl.trainer import Trainer
@@ -37,6 +38,13 @@ def test_auto_on_a_gpu_times_its_hardware_plan_and_never_picks_a_slower_precisio
         assert "no tensor cores" in hw.resolve_explore_precision("auto", "cpu", torch.bfloat16, timings_ms={}).reason
 
 
+def test_amdahl_bound():
+    assert amdahl_bound(0.57, 1.6) == pytest.approx(1.272, abs=1e-3)  # the SANA rule at the H100's FP8 rate
+    assert amdahl_bound(1.0, 2.0) == 2.0 and amdahl_bound(0.0, 2.0) == 1.0
+    with pytest.raises(ValueError, match="share"):
+        amdahl_bound(1.5, 2.0)
+
+
 def test_the_gpu_probe_times_the_plan_against_the_policy(monkeypatch):
     """The probe itself on a simulated sm_80 (torch._int_mm runs on a CPU): only INT8 and the policy."""
     monkeypatch.setenv("SOLRL_SIMULATE_SM", "80")
@@ -55,6 +63,10 @@ def test_rollouts_on_an_ampere_take_int8_when_it_is_faster(tmp_path, monkeypatch
     monkeypatch.setattr(hw, "probe_explore_timings", lambda *a, **k: {"policy": 1.0, "int8": 0.6, "nvfp4": 0.1})
     ro = Rollouts(cfg, explore=True)
     assert ro.explore.recipe == "int8" and "candidates int8" in ro.explore_choice.reason
+    b = ro.explore_bound  # the start-up report: the quantized FLOP share and the Amdahl bound at the timed rate
+    assert 0.5 < b["quantized_flop_share"] < 1 and b["gemm_speedup"] == pytest.approx(1 / 0.6)
+    assert b["bound"] == pytest.approx(amdahl_bound(b["quantized_flop_share"], 1 / 0.6)) and b["bound"] < 1 / 0.6
+    assert f"{b['quantized_flop_share']:.0%} of the denoiser's GEMM FLOPs in int8: at most" in b["line"]
     monkeypatch.setattr(hw, "probe_explore_timings", lambda *a, **k: {"policy": 1.0, "int8": 1.5})
     assert Rollouts(cfg, explore=True).explore is None  # INT8 slower than the policy: the policy explores
 
