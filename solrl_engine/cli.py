@@ -53,7 +53,7 @@ def _pretrain_tiny(args: argparse.Namespace) -> int:
     from solrl_engine.models.tiny.pretrain import PretrainConfig, pretrain_tiny
 
     cfg = PretrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed, threads=args.threads)
-    metrics = pretrain_tiny(args.output, cfg, resume=args.resume, device=args.device)
+    metrics = _checked(lambda: pretrain_tiny(args.output, cfg, resume=args.resume, device=args.device))
     print(json.dumps(metrics, indent=2))
     print(f"weights, loss.png and sample grids are in {args.output}")
     return 0
@@ -330,7 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
     pt.add_argument("--seed", type=int, default=0)
     pt.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     pt.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    pt.add_argument("--resume", action="store_true", help="continue from OUTPUT/checkpoint.pt")
+    pt.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in OUTPUT/checkpoints that verifies "
+                    "(an old OUTPUT/checkpoint.pt too)")  # fmt: skip
     pt.set_defaults(func=_pretrain_tiny)
 
     sp = sub.add_parser("sample", help="sample images, score them, write a grid with each reward under its image")
