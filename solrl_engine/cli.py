@@ -330,8 +330,9 @@ def build_parser() -> argparse.ArgumentParser:
     pt.add_argument("--seed", type=int, default=0)
     pt.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     pt.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    pt.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in OUTPUT/checkpoints that verifies "
-                    "(an old OUTPUT/checkpoint.pt too)")  # fmt: skip
+    pt.add_argument("--resume", action="store_true",
+                    help="continue from the newest checkpoint in OUTPUT/checkpoints that verifies "
+                         "(an old OUTPUT/checkpoint.pt too)")  # fmt: skip
     pt.set_defaults(func=_pretrain_tiny)
 
     sp = sub.add_parser("sample", help="sample images, score them, write a grid with each reward under its image")
