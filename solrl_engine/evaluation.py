@@ -144,14 +144,23 @@ class Comparison:
                 f"reward {self.base.mean:.3f} -> {self.trained.mean:.3f}, gain {g:+.3f} +- {se:.3f}")  # fmt: skip
 
 
+def spread(n: int, k: int) -> list[int]:
+    """k indices evenly spaced over range(n) (all of them when n <= k): which prompts a picture shows,
+    chosen without looking at rewards, and in proportion to the kinds of prompt the set holds (the
+    shapes world's held-out set opens with its 12 one-object prompts, then 52 two-object ones)."""
+    return list(range(n)) if n <= k else [i * n // k for i in range(k)]
+
+
 def compare_figure(cmp: Comparison, header: str = "", labels: tuple[str, str] = ("base", "trained"),
                    max_pairs: int = 8, seeds_per_prompt: int = 1) -> Any:  # fmt: skip
-    """compare.png: the first seed of the first `max_pairs` prompts (in the set's order: not picked by
-    reward), base | trained side by side, each image's reward under it and the prompt under the pair."""
+    """compare.png: the first seed of `max_pairs` prompts spread evenly over the set (`spread`: not
+    picked by reward), base | trained side by side, each image's reward under it and the prompt under
+    the pair."""
     from solrl_engine.viz import pair_grid
 
     b, t = cmp.base, cmp.trained
-    pick = list(range(0, len(b.prompts), max(1, seeds_per_prompt)))[:max_pairs]
+    step = max(1, seeds_per_prompt)
+    pick = [i * step for i in spread(len(b.prompts) // step, max_pairs)]
     return pair_grid(
         b.images[pick], t.images[pick],
         [f"{b.rewards[i].item():.3f}" for i in pick],
@@ -175,13 +184,14 @@ def compare_adapters(ro: Rollouts, adapters: Any, prompts: Sequence[str], seeds_
 
 def write_compare(out_dir: Any, ro: Rollouts, adapters: Any, prompts: Sequence[str], header: str,
                   tracker: Any = None, step: int = 0, max_pairs: int = 8) -> tuple[Comparison, Any]:  # fmt: skip
-    """End of a training run: OUT/compare.png of the first `max_pairs` held-out prompts (seed 0),
-    base vs the EMA adapter, also to the tracker (TensorBoard / wandb) when the run logs to one.
+    """End of a training run: OUT/compare.png of `max_pairs` held-out prompts spread over the set (seed
+    0), base vs the EMA adapter, also to the tracker (TensorBoard / wandb) when the run logs to one.
     Regenerated here rather than kept from the first evaluation: a resumed run has the same picture,
     and it costs 2 x `max_pairs` images."""
     from pathlib import Path
 
-    cmp = compare_adapters(ro, adapters, list(prompts)[:max_pairs])
+    prompts = list(prompts)
+    cmp = compare_adapters(ro, adapters, [prompts[i] for i in spread(len(prompts), max_pairs)])
     g, se = cmp.gain
     head = f"{header}  |  these {len(cmp.base.rewards)}: {cmp.base.mean:.3f} -> {cmp.trained.mean:.3f} ({g:+.3f})"
     fig = compare_figure(cmp, head, ("base", "trained (EMA)"), max_pairs)

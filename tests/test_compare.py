@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from solrl_engine.cli import main
-from solrl_engine.evaluation import Comparison, EvalResult, compare_adapters, compare_figure
+from solrl_engine.evaluation import Comparison, EvalResult, compare_adapters, compare_figure, spread
 from solrl_engine.models.tiny import TinyConfig, TinyT2I
 from solrl_engine.viz import pair_grid
 
@@ -49,7 +49,12 @@ def test_pair_grid_sizes_tiles_for_the_resolution():
         pair_grid(torch.rand(2, 3, 8, 8), torch.rand(2, 3, 8, 8), caps, caps, ["only one"])
 
 
-def test_compare_figure_shows_the_first_prompts_not_the_best():
+def test_the_picture_spreads_its_prompts_over_the_set():
+    assert spread(64, 8) == [0, 8, 16, 24, 32, 40, 48, 56]  # the held-out set's kinds in proportion
+    assert spread(5, 8) == [0, 1, 2, 3, 4] and spread(9, 2) == [0, 4]
+
+
+def test_the_comparison_gain_is_paired_and_its_line_names_the_picture():
     prompts = [f"prompt {i}" for i in range(12)]
     base = EvalResult(prompts, [0] * 12, torch.rand(12, 3, 8, 8), torch.linspace(0, 1, 12))
     trained = EvalResult(prompts, [0] * 12, torch.rand(12, 3, 8, 8), torch.linspace(0, 1, 12) + 0.1)
