@@ -121,7 +121,9 @@ def test_a_bf16_pipeline_model_takes_fp32_latents_outside_autocast(name, pipes):
         want = f32.velocity(x, t, cond)
         got = b16.velocity(x, t, cond)
         assert got.dtype == torch.bfloat16 and torch.equal(got, b16.velocity(x.bfloat16(), t, cond.to(torch.bfloat16)))
-    assert (got.float() - want).norm() / want.norm() < 0.05  # BF16 rounding only
+    # BF16 rounding only: under 1% for SD3 and SANA on these random weights, 4-6% for FLUX (5.8% with
+    # diffusers 0.35.2, 3.7% with 0.42); a different computation would be off by about 100%
+    assert (got.float() - want).norm() / want.norm() < 0.1
 
 
 @pytest.mark.parametrize("name", sorted(BUILDERS))
