@@ -1,16 +1,17 @@
 """Sol-RL on the bundled tiny model with the analytic `shapes` reward.
 
 CPU-sized defaults (2 cores, about 5 minutes for the quickstart), tuned by a recorded sweep
-(README, "Tuning the quickstart"; bench/results/*-cpu-tiny-quickstart-sweep-round*.json):
+(docs/benchmarks-and-quickstart-tuning.md, "Tuning the quickstart";
+bench/results/*-cpu-tiny-quickstart-sweep-round*.json):
 8 prompts per iteration, N = 32 seeds explored per prompt, K = 8 trained on (the wider the
 exploration, the more contrastive the kept seeds), 3 of the 10 rollout times per sample
 (timestep_fraction 0.3: more prompts instead of more timesteps of the same samples), no KL term
 (at 1e-4 it changed nothing measurable and cost a forward per sample), LoRA rank 32 with lr 1e-3
 (2e-3 diverged), 20 iterations; the EMA adapter evaluated every 5 iterations on all 64 held-out
 prompts x 2 seeds, and on 16 training prompts x 2 seeds. lr 1e-3 is tuned for these 20 iterations:
-run past about 40 without a KL term it degrades (measured to 80 iterations, README "Longer runs"), so
-for a longer run set kl_beta=0.1 (or lr=3e-4). `paper_scale=true` switches to the paper's N = 96,
-K = 24 with 16 prompts per iteration (meant for a GPU):
+run past about 40 without a KL term it degrades (measured to 80 iterations: the same page, "Longer
+runs"), so for a longer run set kl_beta=0.1 (or lr=3e-4). `paper_scale=true` switches to the
+paper's N = 96, K = 24 with 16 prompts per iteration (meant for a GPU):
 
     solrl train configs/tiny.py:tiny_sol_rl_shapes
     solrl train configs/tiny.py:tiny_sol_rl_shapes --set paper_scale=true --set iterations=200
@@ -45,9 +46,10 @@ def _tiny(family: str, paper_scale: bool, **kw: object) -> RLConfig:
         timestep_fraction=0.3,
         rollout_batch_size=64,
         train_batch_size=32,
-        # the best NVFP4 explore recipe measured on this model (README, "NVFP4 recipes beyond the paper";
-        # bench/results/2026-11-24-cpu-tiny-recipes.json): a 128-point Hadamard rotation along K and
-        # 4-over-6 block scales, Spearman 0.906 against 0.877 for the TE recipe, +4.9% of the 4-bit FLOPs.
+        # the best NVFP4 explore recipe measured on this model (docs/nvfp4-recipes-and-fidelity.md,
+        # "NVFP4 recipes beyond the paper"; bench/results/2026-11-24-cpu-tiny-recipes.json): a 128-point
+        # Hadamard rotation along K and 4-over-6 block scales, Spearman 0.906 against 0.877 for the TE
+        # recipe, +4.9% of the 4-bit FLOPs.
         # Where emulated NVFP4 is slower than the policy (CPUs), explore_precision=auto explores with
         # the policy itself and these apply only when NVFP4 is set explicitly.
         explore_rht=128,
@@ -75,7 +77,7 @@ def _tiny(family: str, paper_scale: bool, **kw: object) -> RLConfig:
 
 
 # Which layers the explore copy quantizes is the model's rule (solrl_engine/models/tiny, SD3's:
-# the image-stream MLPs, Sol-RL's choice on SD3.5-L). Measured on this model (README,
+# the image-stream MLPs, Sol-RL's choice on SD3.5-L). Measured on this model (docs/nvfp4-recipes-and-fidelity.md,
 # bench/results/2026-11-22-cpu-tiny-fidelity-layer-rule.json): rank fidelity 0.876 with the rule
 # against 0.761 with every layer quantized (`--set explore_layers=`), the same held-out reward after
 # 60 iterations.

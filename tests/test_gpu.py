@@ -98,7 +98,7 @@ def test_parity_with_transformer_engine_nvfp4_quantizer():
     )
     for kind, x in families((256, 1024), seed=9):
         if kind == "nonfinite":
-            continue  # documented difference: see README, numerics contract
+            continue  # documented difference: see docs/kernels-and-numerics.md, numerics contract
         xb = x.to(CUDA, torch.bfloat16)
         t = q(xb)
         ours = nvfp4.quantize(xb)

@@ -260,7 +260,8 @@ def test_four_over_six_and_the_low_rank_branch_shrink_the_weight_error():
     """4-over-6 never loses per block; a rank-16 branch takes a planted low-rank outlier structure
     (a few directions 50x the rest, as large models' weights have) out of the 4-bit residual. The
     rotation is not claimed to help here: with 16-element blocks and E4M3 scales, NVFP4 already
-    adapts to most outliers (the fidelity table in the README measures what it does to rankings)."""
+    adapts to most outliers (the fidelity table in docs/nvfp4-recipes-and-fidelity.md measures what it
+    does to rankings)."""
     g = torch.Generator().manual_seed(0)
     u, v = torch.randn(128, 2, generator=g), torch.randn(2, 512, generator=g)
     w = torch.randn(128, 512, generator=g) * 0.02 + u @ v

@@ -3,7 +3,7 @@
 tests/data/te_nvfp4_golden.safetensors holds inputs of every family and the codes and block scales
 that TE's NVFP4QuantizerRef produced for them (see tests/data/make_te_golden.py). Compared bit for
 bit, with the sign of zero codes ignored (not part of the contract). For non-finite input our
-contract differs from TE on purpose (README, numerics contract): only finite blocks are compared,
+contract differs from TE on purpose (docs/kernels-and-numerics.md, numerics contract): only finite blocks are compared,
 with a static amax, and ours must decode the others to NaN.
 """
 

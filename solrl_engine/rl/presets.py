@@ -66,9 +66,9 @@ COMMON: dict[str, Any] = dict(
 # updates SD3.5 4, FLUX 12 with gradient checkpointing, SANA 16). Both are micro-batches (the update
 # accumulates gradients into one optimizer step), so they change memory and speed, never the result.
 # Estimates, not measurements (no real weights have run yet): weights on the GPU are SD3.5-L 20 GiB,
-# FLUX 28 GiB, SANA 6 GiB (README's memory table) plus a reward model of 1-4 GB. Rollouts are
-# inference without CFG, a few hundred MB of activations per image at these sizes: 24 for all (the
-# official size, already compute-bound at 1024-4096 image tokens). The update keeps every block's
+# FLUX 28 GiB, SANA 6 GiB (the memory table in docs/real-models-and-rewards.md) plus a reward model
+# of 1-4 GB. Rollouts are inference without CFG, a few hundred MB of activations per image at these
+# sizes: 24 for all (the official size, already compute-bound at 1024-4096 image tokens). The update keeps every block's
 # activations for backward: about 13-15 GB per 1024 px SD3.5-L sample (38 joint blocks of width 2432
 # over 4096 + 333 tokens), so 2 (4 would need about 55 GB beside the weights); FLUX keeps the
 # official gradient checkpointing (about 0.6 GB per 512 px sample) and its 12; SANA-1.6B at 1024 px
