@@ -1,0 +1,149 @@
+"""bench/predict.py: the meta-device FLOP count agrees with hooks on a real model, the roofline takes
+the slower bound, the ratios follow the explore speed, and the JSON carries its assumptions."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from solrl_engine.models import load_model
+from solrl_engine.nn.flops import count_linear_flops
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# tiny configs of the three families (the same kind tests/test_archs.py builds)
+TINY = {
+    "sd3": dict(num_layers=2, attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                caption_projection_dim=32, pooled_projection_dim=32, sample_size=8, pos_embed_max_size=16),
+    "flux": dict(num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+                 joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 6, 6)),
+    "sana": dict(num_attention_heads=2, attention_head_dim=16, num_layers=2, num_cross_attention_heads=2,
+                 cross_attention_head_dim=16, cross_attention_dim=32, caption_channels=32, sample_size=4),
+}  # fmt: skip
+RES = {"sd3": 64, "flux": 64, "sana": 128}
+
+
+def _bench(name: str):
+    """A script under bench/ (not a package) as a module (registered: its dataclasses look it up)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def predict():
+    return _bench("predict")
+
+
+@pytest.mark.parametrize("family", sorted(TINY))
+def test_meta_linear_flops_match_hooks_on_a_real_cpu_model(predict, family):
+    """The dispatch-level count on meta (torch's flop formulas on aten ops) and count_linear_flops'
+    module hooks on a real FP32 CPU model of the same config are two independent counts: they agree
+    per layer group, and the attention FLOPs follow 2 x 2 x B x heads x T^2 x head_dim."""
+    batch = 3
+    meta = predict.build_meta_model(family, TINY[family], RES[family])
+    assert next(meta.transformer.parameters()).device.type == "meta"
+    ops = predict.profile_forward(meta, batch)
+    got = {c.group: c.flops for c in ops if c.kind == "linear"}
+
+    torch.manual_seed(0)
+    real = load_model(family, "random", dtype=torch.float32, resolution=RES[family], arch=TINY[family])
+    x, t, cond = predict.forward_inputs(real, batch, device="cpu", dtype=torch.float32)
+    want = count_linear_flops(real.transformer, lambda: real.velocity(x, t, cond)).by_group()
+    assert got == pytest.approx(want, rel=1e-9)
+    assert sum(want.values()) > 0
+
+    attn = sum(c.flops for c in ops if c.kind == "attention")
+    if family == "sd3":  # joint attention over image + text tokens in every block
+        cfg = real.transformer.config
+        tokens = (RES[family] // 8 // cfg.patch_size) ** 2 + real.TEXT_TOKENS
+        heads, dim = cfg.num_attention_heads, cfg.attention_head_dim
+        assert attn == 2 * 2 * batch * heads * tokens**2 * dim * cfg.num_layers
+
+
+def test_quantized_layers_follow_the_family_rule(predict):
+    meta = predict.build_meta_model("sd3", TINY["sd3"], RES["sd3"])
+    q = predict.explore_layers(meta, "sd3", "fp8")
+    assert q and all(".ff." in n and "ff_context" not in n for n in q)  # SD3.5-L's rule: image-stream MLPs
+
+
+def test_roofline_takes_the_slower_bound(predict):
+    assert predict.roofline(1e12, 1e9, rate=1e12, bandwidth=1e12) == pytest.approx(1.0)  # compute-bound
+    assert predict.roofline(1e9, 4e12, rate=1e12, bandwidth=1e12) == pytest.approx(4.0)  # memory-bound
+    assert predict.roofline(0, 2e12, rate=1e12, bandwidth=1e12) == pytest.approx(2.0)
+
+
+def _device(predict, low_rate: float):
+    return predict.Device("X", {"bf16": 1e12, "fp8": low_rate}, 1e12, {"fp8": 0.5}, "fp8", False, "test")
+
+
+def test_quantized_gemms_are_priced_at_the_low_precision_rate(predict):
+    rows, kin, kout = 64, 128, 256
+    elems = dict(in_elems=rows * kin, weight_elems=kin * kout, out_elems=rows * kout)
+    c = predict.OpCost("blocks.*.ff", "linear", flops=2 * rows * kin * kout, bytes=2 * sum(elems.values()),
+                       layers={"blocks.0.ff"}, **elems)  # fmt: skip
+    fast, slow = _device(predict, 4e12), _device(predict, 0.5e12)
+    bf16 = predict.forward_seconds([c], fast, "bf16", set())
+    assert predict.forward_seconds([c], fast, "bf16", {"blocks.0.ff"}) == bf16  # BF16: nothing quantized
+    q_fast = predict.group_times([c], fast, "fp8", {"blocks.0.ff"})
+    assert set(q_fast) == {"blocks.*.ff [linear] fp8", "blocks.*.ff [quantize fp8]"}
+    assert q_fast["blocks.*.ff [linear] fp8"]["s"] < bf16
+    # the quantize pass reads BF16 and writes one byte per element at half the bandwidth
+    assert q_fast["blocks.*.ff [quantize fp8]"]["s"] == pytest.approx(64 * 128 * 3 / 0.5e12)
+    assert predict.forward_seconds([c], slow, "fp8", {"blocks.0.ff"}) > bf16
+    # fused: the quantize pass and elementwise work cost nothing
+    e = predict.OpCost("blocks.*.norm", "elementwise", bytes=1e9)
+    assert predict.forward_seconds([c, e], fast, "fp8", {"blocks.0.ff"}, fused=True) == pytest.approx(
+        q_fast["blocks.*.ff [linear] fp8"]["s"])  # fmt: skip
+
+
+@pytest.mark.parametrize("t_explore,faster", [(0.25, True), (1.0, True), (3.0, False)])
+def test_sol_rl_ratios_follow_the_explore_forward(predict, t_explore, faster):
+    """Sol-RL's rollout beats naive_scaling when its previews are cheap enough; at equal forward
+    speed it still wins by its step budget (96 x 10 against 96 x 6 + 24 x 10); a slow proxy loses."""
+    it = predict.iteration_seconds(1.0, t_explore, 1.0, 0.5, prompts=6, n=96, k=24, batch=24, preview_steps=6,
+                                   full_steps=10, timestep_fraction=0.6, train_batch=16)  # fmt: skip
+    naive, sol = it["naive_scaling"], it["sol_rl"]
+    assert naive["rollout"] == pytest.approx(24 * 10 * 1.0)
+    assert sol["rollout"] == pytest.approx(24 * 6 * t_explore + 6 * 10 * 1.0 + 0.5)
+    assert sol["train"] == naive["train"] == pytest.approx(6 * 9 * predict.TRAIN_FORWARDS * 1.0)
+    assert (naive["rollout"] / sol["rollout"] > 1) is faster
+    assert (naive["total"] / sol["total"] > 1) is faster
+
+
+def test_h100_rates_come_from_the_recorded_kernels_json(predict):
+    dev, taken = predict.h100_from_kernels(predict.KERNELS_JSON)
+    rec = json.loads(predict.KERNELS_JSON.read_text())
+    bf16 = sorted(g["bf16_mm"]["tflops"] for g in rec["gemms"] if g["gemm"][0] >= 1024)
+    assert bf16[0] * 1e12 <= dev.rates["bf16"] <= bf16[-1] * 1e12
+    assert dev.rates["fp8"] > dev.rates["bf16"] and dev.measured
+    a100 = predict.assumed_device("A100", dev, taken)
+    assert not a100.measured and "ASSUMED" in a100.source and a100.explore_precision == "int8"
+    assert a100.rates["bf16"] == pytest.approx(312e12 * taken["efficiency_vs_peak"]["bf16"])
+
+
+def test_script_writes_the_json_with_its_assumptions(predict, tmp_path, capsys):
+    """End to end on tiny configs (the full-size ones take a minute of CPU): table, JSON, the measured
+    run compared only where its model is predicted."""
+    out = tmp_path / "speed.json"
+    arch = {"sd35-large": TINY["sd3"], "sana-1.6b": TINY["sana"]}
+    res = {"sd35-large": RES["sd3"], "sana-1.6b": RES["sana"]}
+    predict.main(["--families", "sd35-large,sana-1.6b", "--batch", "sd35-large=4", "--batch", "sana-1.6b=4",
+                  "--train-batch", "2", "--out", str(out)], arch=arch, resolution=res)  # fmt: skip
+    rec = json.loads(out.read_text())
+    assert any("ASSUMED" in a for a in rec["assumptions"])
+    assert rec["devices"]["B200"]["measured"] is False and rec["devices"]["H100"]["measured"] is True
+    assert set(rec["families"]) == {"sd35-large", "sana-1.6b"}
+    d = rec["families"]["sd35-large"]["devices"]["B200"]
+    assert d["explore_precision"] == "nvfp4" and d["quantized_layers"] > 0
+    for mode in ("eager", "fused"):
+        r = d[mode]["ratios"]["sol_rl"]
+        it = d[mode]["iteration_s"]
+        assert r["rollout_vs_naive_scaling"] == pytest.approx(it["naive_scaling"]["rollout"] / it["sol_rl"]["rollout"])
+    assert [c["model"] for c in rec["measured_vs_predicted"]] == ["sana-1.6b", "sana-1.6b"]
+    assert "sd35-large" in capsys.readouterr().out
