@@ -26,7 +26,7 @@ def test_auto_on_a_gpu_times_its_hardware_plan_and_never_picks_a_slower_precisio
     monkeypatch.setenv("SOLRL_SIMULATE_SM", sm)
     assert hw.explore_candidates("cpu") == plan
     rng = random.Random(int(sm))
-    for _ in range(200):  # stubbed timing tables: emulated NVFP4 is often "fastest" here, and never allowed below sm_100
+    for _ in range(200):  # stubbed tables: emulated NVFP4 is often "fastest" here, never allowed below sm_100
         t = {k: rng.uniform(1, 20) for k in ("policy", *hw.EXPLORE_CANDIDATES)}
         ch = hw.resolve_explore_precision("auto", "cpu", torch.bfloat16, timings_ms=t)
         faster = [k for k in plan if t[k] <= 0.95 * t["policy"]]
