@@ -31,7 +31,7 @@ ROWS: dict[str, tuple[list[str], str]] = {
     "int8": (["explore_precision=int8"], "INT8 W8A8 on Sol-RL's rule (Ampere's choice)"),
     "all:fp8": (["explore_precision=fp8", "explore_layers=*"], "FP8 W8A8 on every eligible layer"),
     "all:int8": (["explore_precision=int8", "explore_layers=*"], "INT8 W8A8 on every eligible layer"),
-    "nvfp4": ([], "NVFP4 W4A4, Sol-RL's rule (image-stream MLPs), the TE recipe"),
+    "nvfp4": (["explore_precision=nvfp4"], "NVFP4 W4A4, Sol-RL's rule (image-stream MLPs), the TE recipe"),
     "rht16": (["explore_rht=16"], "+ 16-point random Hadamard rotation along K"),
     "rht32": (["explore_rht=32"], "+ 32-point rotation"),
     "rht64": (["explore_rht=64"], "+ 64-point rotation"),

@@ -18,7 +18,7 @@ from torch import nn
 
 from solrl_engine.models import ModelSpec, load_model, model_spec
 from solrl_engine.models.base import Conditioning, FlowModel
-from solrl_engine.quant.recipe import get_recipe
+from solrl_engine.quant.recipe import RECIPES, get_recipe
 from solrl_engine.rewards import RewardFn, check_reward, load_reward, parse_reward_args
 from solrl_engine.rl.config import RLConfig, autocast_for, resolve_policy_dtype, resolve_runtime
 from solrl_engine.sampling import GraphedSampler
@@ -26,10 +26,13 @@ from solrl_engine.sampling import GraphedSampler
 log = logging.getLogger("solrl_engine.rollout")
 
 
-def explore_rule(cfg: RLConfig, spec: ModelSpec) -> dict[str, Any]:
-    """The explore copy's layer rule: the model family's (the paper's choice), each part
+def explore_rule(cfg: RLConfig, spec: ModelSpec, precision: str | None = None) -> dict[str, Any]:
+    """The explore copy's layer rule: the model family's (the paper's choice), widened for a format
+    that allows it (`spec.explore_rule_by_format`, e.g. INT8 on every eligible layer), each part
     overridable from the config (explore_layers, explore_skip, explore_skip_max_dim)."""
     rule = dict(spec.explore_rule)
+    if precision is not None and precision in RECIPES:
+        rule.update(spec.explore_rule_by_format.get(get_recipe(precision).format, {}))
     if cfg.explore_layers is not None:
         rule["include"] = tuple(cfg.explore_layers)
     if cfg.explore_skip is not None:
@@ -133,7 +136,7 @@ class Rollouts:
         from solrl_engine.hw import POLICY
         from solrl_engine.rl.explore import ExploreCopy
 
-        cfg, rule = self.cfg, explore_rule(self.cfg, self.spec)
+        cfg, rule = self.cfg, explore_rule(self.cfg, self.spec, choice.precision)
         self.explore_choice, recipe = choice, choice.precision
         log.info("explore precision %s: %s", recipe, choice.reason)
         nvfp4_only = [k for k in ("rht", "four_over_six", "lowrank") if k in rule]

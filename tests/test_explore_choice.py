@@ -115,3 +115,24 @@ def test_the_baselines_explore_the_merged_adapter_and_match_the_policy(small_mod
     unm = Trainer(_cfg(small_model, tmp_path / "u", merge_lora=False), progress=False)
     assert unm.rollouts.rollout_form == "unmerged" and unm.policy_copy is None and unm.explorer.transformer is None
     assert unm.run()["rollout_form"] == "unmerged"
+
+
+def test_int8_explores_every_eligible_layer_fp8_and_nvfp4_keep_the_family_rule(tmp_path):
+    """Layer rules per precision: INT8 ranks the bundled model's previews as the BF16 preview does on
+    every eligible layer, so its rule widens; FP8 and NVFP4 keep the family's (image-stream MLPs)."""
+    from solrl_engine.models import model_spec
+    from solrl_engine.rollout import explore_rule
+
+    torch.manual_seed(0)
+    TinyT2I(SMALL).save(tmp_path / "m")
+    spec = model_spec("tiny")
+    cfg = RLConfig(model="tiny", model_path=str(tmp_path / "m"), device="cpu", policy_dtype="float32")
+    assert explore_rule(cfg, spec, "int8")["include"] == () and explore_rule(cfg, spec, "fp8") == spec.explore_rule
+    assert explore_rule(cfg, spec, "nvfp4") == spec.explore_rule == explore_rule(cfg, spec)
+    over = RLConfig(**{**cfg.__dict__, "explore_layers": ("transformer_blocks.*.ff.*",)})
+    assert explore_rule(over, spec, "int8")["include"] == ("transformer_blocks.*.ff.*",)  # the config still wins
+    from solrl_engine.rollout import Rollouts
+
+    wide = Rollouts(RLConfig(**{**cfg.__dict__, "explore_precision": "int8"}), explore=True).explore.report
+    rule = Rollouts(RLConfig(**{**cfg.__dict__, "explore_precision": "fp8"}), explore=True).explore.report
+    assert set(rule.quantized) < set(wide.quantized)

@@ -133,7 +133,7 @@ def unavailable_reason(backend: str, device: torch.device, op: str | None = None
             return f"the CUDA extension runs on CUDA tensors, not {device.type}"
         ext = cuda_extension()
         if ext is None:
-            return "the CUDA extension solrl_engine._C is not built (see README: building the extension)"
+            return "the CUDA extension solrl_engine._C is not built (docs/kernels-and-numerics.md: build it)"
         if op is not None and not hasattr(ext, op):
             return f"the CUDA extension has no {op} kernel"
         return None

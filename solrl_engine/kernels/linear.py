@@ -210,7 +210,7 @@ def _cutlass_requires(device: torch.device) -> str | None:
         return "the CUTLASS GEMM is built for sm_100a only"
     ext = cuda_extension()
     if ext is None or not hasattr(ext, "nvfp4_gemm_sm100"):
-        return "solrl_engine._C with its CUTLASS GEMM is not built (see README: building the extension)"
+        return "solrl_engine._C with its CUTLASS GEMM is not built (docs/kernels-and-numerics.md: build it)"
     return None
 
 
