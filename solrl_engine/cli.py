@@ -36,11 +36,15 @@ def _version(_: argparse.Namespace) -> int:
     dtype, why = hw.auto_policy_dtype("cuda" if cap else "cpu")
     print(f"policy       {str(dtype).removeprefix('torch.')} (auto: {why})")
     if cap:
-        print(f"explore      {auto_explore_recipe(cap)} (auto)")
+        from solrl_engine.hw import explore_candidates
+
+        plan = ", ".join(explore_candidates("cuda")) or "none (no NVFP4/FP8/INT8 tensor cores)"
+        print(f"explore      auto: timed at start among {plan} and the policy, the fastest taken "
+              f"(hardware plan: {auto_explore_recipe(cap)})")  # fmt: skip
         print("compile      torch.compile + CUDA graphs (compile family; other families unless compiled_sampler=false)")
     else:
-        print("explore      auto: timed per model at start, the cheapest precision faster than the policy's "
-              "(emulated NVFP4/FP8 on a CPU; the run log says which and why)")  # fmt: skip
+        print("explore      auto: timed per model at start, the fastest precision faster than the policy's "
+              "(NVFP4/FP8/INT8 on a CPU; the run log says which and why)")  # fmt: skip
         ok, why = hw.cpu_compile_available()
         how = "inductor: " + why if ok else "eager: " + why
         print(f"compile      {how} (compile family, and compiled_sampler=true; other families sample eagerly)")
