@@ -1,0 +1,641 @@
+"""The whole GPU picture in two device calls: ceilings, then each full-size denoiser's explore speed.
+
+Why: a GPU machine is lent rarely, for minutes, and bare. This script spends that time on what says
+whether Sol-RL pays off: the device's ceilings and, per full-size random-weight denoiser, one
+forward at the rollout batch in BF16 and in each explore precision, with where its time goes and
+the seconds per iteration that follow, beside bench/predict.py's speed model for the same device.
+
+    python bench/gpu_session.py --stages 0,1 --budget 540 --out $OUT      # device call 1
+    python bench/gpu_session.py --stages 2,3 --budget 540 --out $OUT      # device call 2
+    python bench/gpu_session.py --smoke --out /tmp/s                      # CPU, tiny shapes, < 1 min
+
+Stages: 0 device info, copy/GEMM ceilings, fast-path record of a small quantized model; 1..3 one
+model each (--models order, default sana-1.6b, sd35-large, flux-dev). DIR/gpu_session.json is
+rewritten after every stage, so a cut-off keeps what finished; a stage whose allowance does not
+fit the budget left is skipped and the JSON says so. See docs/gpu-session.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from solrl_engine.kernels.dispatch import device_capability
+from solrl_engine.models import ARCH_ALIASES, model_spec
+from solrl_engine.nn import fast_path
+from solrl_engine.nn.fast_path import reset_fast_path
+from solrl_engine.quant import get_recipe
+from solrl_engine.rl.explore import ExploreCopy
+
+HERE = Path(__file__).resolve().parent
+
+
+def _sibling(name: str) -> Any:
+    """Another bench script as a module (bench/ is no package); registered, as its dataclasses need."""
+    key = f"bench_{name}"
+    if key in sys.modules:
+        return sys.modules[key]
+    spec = importlib.util.spec_from_file_location(key, HERE / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.modules[key] = mod
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return mod
+
+
+predict = _sibling("predict")
+
+MODELS = ("sana-1.6b", "sd35-large", "flux-dev")
+ROLLOUT_BATCH = dict(predict.ROLLOUT_BATCH)  # SANA 48, FLUX 24, SD3.5-L 8: the rollout batch on one 80 GB GPU
+# seconds a stage is allowed (measured runs should sit below; a stage is skipped unless this fits)
+ALLOWANCE = {"gpu": {0: 75.0, "model": 270.0}, "smoke": {0: 8.0, "model": 12.0}}
+# compile adds a cold inductor compile per precision: about this much per model on a GPU (an estimate)
+COMPILE_ALLOWANCE = 150.0
+# tiny configs of the same diffusers classes for --smoke (the kind tests/test_predict.py builds)
+TINY = {
+    "sd35-large": dict(num_layers=2, attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                       caption_projection_dim=32, pooled_projection_dim=32, sample_size=8, pos_embed_max_size=16),
+    "flux-dev": dict(num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+                     joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 6, 6)),
+    "sana-1.6b": dict(num_attention_heads=2, attention_head_dim=16, num_layers=2, num_cross_attention_heads=2,
+                      cross_attention_head_dim=16, cross_attention_dim=32, caption_channels=32, sample_size=4),
+}  # fmt: skip
+TINY_RES = {"sd35-large": 64, "flux-dev": 64, "sana-1.6b": 128}
+TINY_BATCH = 2
+# the explore formats and the compute capability whose tensor cores run them (docs/explore-speed.md)
+FORMAT_SM = {"fp8": (8, 9), "int8": (8, 0), "nvfp4": (10, 0)}
+PREDICT_DEVICE_PRECISION = ("fp8", "int8", "nvfp4")
+
+
+# --- timing ----------------------------------------------------------------------------------------
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_ms(fn: Callable[[], Any], device: torch.device, warmup: int = 2, reps: int = 5) -> float:
+    """Median milliseconds of `fn` after warm-up: CUDA events on a GPU (no host sync per call inside
+    the timed span), perf_counter on a CPU."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return float(statistics.median(times))
+
+
+def format_unavailable(fmt: str, device: torch.device) -> str | None:
+    """None when `device` has tensor cores for `fmt` (or the CPU runs it, reference or simulated), else why not."""
+    cap = device_capability(device)
+    need = FORMAT_SM[fmt]
+    if device.type == "cpu" and cap is None:
+        return "the CPU has no FP4 GEMM and no SOLRL_SIMULATE_SM is set" if fmt == "nvfp4" else None
+    if cap is None or cap < need:
+        return f"needs sm_{need[0]}{need[1]}+ tensor cores; this device is {cap and f'sm_{cap[0]}{cap[1]}'}"
+    return None
+
+
+# --- stage 0: the device's ceilings ---------------------------------------------------------------
+
+
+def ceilings(device: torch.device, shape: tuple[int, int, int], copy_mib: int, reps: int) -> dict[str, Any]:
+    """Copy bandwidth and BF16 / FP8 row-wise / INT8 GEMM rates at one DiT-sized GEMM (m x n x k)."""
+    m, n, k = shape
+    out: dict[str, Any] = {"gemm_shape": [m, n, k]}
+    src = torch.randn(copy_mib * 2**20 // 2, device=device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src), device, reps=reps)
+    out["copy"] = {"median_ms": ms, "mib": copy_mib, "gb_per_s": 2 * src.numel() * 2 / (ms / 1e3) / 1e9}
+    del src, dst
+    flops = 2 * m * n * k
+    a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    w = torch.randn(n, k, device=device, dtype=torch.bfloat16)
+    ms = median_ms(lambda: a @ w.t(), device, reps=reps)
+    out["bf16_mm"] = {"median_ms": ms, "tflops": flops / (ms / 1e3) / 1e12}
+    why = format_unavailable("fp8", device)
+    if why is None:
+        try:
+            a8, w8 = a.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn)
+            sa = torch.ones(m, 1, device=device, dtype=torch.float32)
+            sw = torch.ones(1, n, device=device, dtype=torch.float32)
+            ms = median_ms(lambda: torch._scaled_mm(a8, w8.t(), sa, sw, out_dtype=torch.bfloat16), device, reps=reps)
+            out["fp8_scaled_mm_rowwise"] = {"median_ms": ms, "tflops": flops / (ms / 1e3) / 1e12}
+        except (RuntimeError, NotImplementedError) as e:
+            out["fp8_scaled_mm_rowwise"] = {"skipped": f"torch._scaled_mm failed here: {str(e).splitlines()[0]}"}
+    else:
+        out["fp8_scaled_mm_rowwise"] = {"skipped": why}
+    why = format_unavailable("int8", device)
+    if why is None:
+        try:
+            a8 = torch.randint(-127, 128, (m, k), device=device, dtype=torch.int8)
+            w8 = torch.randint(-127, 128, (n, k), device=device, dtype=torch.int8)
+            ms = median_ms(lambda: torch._int_mm(a8, w8.t()), device, reps=reps)
+            out["int8_int_mm"] = {"median_ms": ms, "tops": flops / (ms / 1e3) / 1e12}
+        except (RuntimeError, NotImplementedError) as e:
+            out["int8_int_mm"] = {"skipped": f"torch._int_mm failed here: {str(e).splitlines()[0]}"}
+    else:
+        out["int8_int_mm"] = {"skipped": why}
+    out["nvfp4"] = {"skipped": "no raw FP4 GEMM ceiling here: the NVFP4 explore forward (stages 1-3, sm_100+) times it"}
+    return out
+
+
+def small_fast_path(device: torch.device, formats: tuple[str, ...] = ("fp8", "int8", "nvfp4")) -> dict[str, Any]:
+    """Which implementation each quantized layer of a tiny FLUX-class denoiser ran, per format, under
+    BF16 autocast (the rollouts' setting): the cheapest check that the fast kernels are reached here."""
+    model = build_model("flux-dev", device, TINY["flux-dev"], TINY_RES["flux-dev"])
+    x, t, cond = predict.forward_inputs(model, 2, device=device, dtype=torch.bfloat16)
+    out: dict[str, Any] = {}
+    for fmt in formats:
+        copy = ExploreCopy(model.transformer, fmt)  # every eligible layer: the check is of the kernels
+        reset_fast_path(copy.transformer)
+        try:
+            with torch.no_grad(), _autocast(device):
+                model.velocity(x, t, cond, transformer=copy.transformer)
+            rec = fast_path(copy.transformer)
+            out[fmt] = {"summary": rec.summary(), **rec.to_dict()}
+        except Exception as e:  # a format this device cannot run at all: say so, keep the others
+            out[fmt] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+        del copy
+    return out
+
+
+# --- the full-size denoisers ---------------------------------------------------------------------
+
+
+def build_model(alias: str, device: torch.device, arch: dict[str, Any] | None, resolution: int | None) -> Any:
+    """The family's denoiser with random BF16 weights made on `device`: built on meta (bench/predict.py's
+    builder, no memory, no CPU init), then materialised there and initialised by kernels on the device.
+    Weights ~ N(0, 1/fan_in), 1-D weights 1 and biases 0 (stable activations, so no NaN paths are timed);
+    float buffers (SD3's position table) are random: the values do not change the time."""
+    model = predict.build_meta_model(alias, arch, resolution)
+    net = model.transformer
+    net.to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in net.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 1.0 / math.sqrt(p[0].numel()), generator=gen)
+            elif name.endswith("weight"):
+                p.fill_(1.0)
+            else:
+                p.zero_()
+        for b in net.buffers():
+            if b.is_floating_point():
+                b.normal_(0.0, 0.5, generator=gen)
+            else:
+                b.zero_()
+    model.device_ = torch.device(device)
+    return model.eval().requires_grad_(False)
+
+
+def _autocast(device: torch.device) -> Any:
+    return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+def explore_rule(alias: str, fmt: str) -> dict[str, Any]:
+    """The family's layer rule widened for the format as the engine's rollouts do (INT8: every eligible layer)."""
+    spec = model_spec(ARCH_ALIASES.get(alias, alias))
+    rule = dict(spec.explore_rule)
+    rule.update(spec.explore_rule_by_format.get(get_recipe(fmt).format, {}))
+    return rule
+
+
+# Kernel names -> groups, first match wins (lower-case substrings). GPU kernels: cuBLASLt's FP8 names
+# carry the element type (e4m3/e5m2), INT8 IMMA ones i8/s8/imma, FP4 e2m1; our Triton GEMMs are
+# _w4a4/_w4a16/_splitk_reduce and the INT8 scale epilogue _epilogue_kernel; our quantize kernels are
+# _fp8_rowwise/_int8_rowwise/_amax/_quantize/_rotate; flash/fmha/cudnn/efficient_attention are SDPA;
+# nvjet/gemm/xmma/cutlass that are none of the above are BF16 GEMMs; inductor's fused triton_poi/per/red
+# and ATen's elementwise/reduce/norm kernels are elementwise. CPU (smoke) rows are ATen ops: aten::_scaled_mm
+# and aten::_int_mm low-precision, aten::mm/addmm/bmm BF16, the solrl:: custom ops' own time is quantize.
+GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("attention", ("flash", "fmha", "scaled_dot_product", "efficient_attention", "cudnn_attn", "attention")),
+    ("quantize", ("_fp8_rowwise", "_int8_rowwise", "_amax", "_quantize", "_rotate", "rot_amax", "solrl::",
+                  "quantize", "amax")),
+    ("low_precision_gemm", ("_scaled_mm", "_int_mm", "e4m3", "e5m2", "e2m1", "i8i32", "imma", "_s8", "s8_", "int8",
+                            "fp8", "fp4", "_w4a4", "_w4a16", "_splitk_reduce", "_epilogue_kernel")),
+    ("bf16_gemm", ("gemm", "nvjet", "xmma", "cutlass", "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm",
+                   "matmul", "cublas", "conv")),
+    ("elementwise", ("elementwise", "vectorized", "reduce", "norm", "softmax", "gelu", "silu", "triton_", "copy",
+                     "aten::add", "aten::mul", "aten::cat", "aten::to", "aten::_to_copy", "aten::div", "aten::sub",
+                     "aten::rsqrt", "aten::pow", "aten::mean", "aten::neg", "aten::exp", "aten::sin", "aten::cos",
+                     "aten::clamp", "aten::where", "aten::fill_", "aten::zero_", "aten::abs", "aten::max", "aten::amax",
+                     "aten::contiguous", "aten::clone", "aten::tanh", "aten::sigmoid", "aten::chunk")),
+)  # fmt: skip
+
+
+def kernel_group(name: str) -> str:
+    """The group of one kernel (GPU) or ATen op (CPU) name; "other" when no substring matches."""
+    low = name.lower()
+    for group, keys in GROUPS:
+        if any(k in low for k in keys):
+            return group
+    return "other"
+
+
+def profile_groups(fn: Callable[[], Any], device: torch.device, top: int = 8) -> dict[str, Any]:
+    """One call of `fn` under torch.profiler: self time per group and its share, and the top kernels.
+    GPU: device kernels' self time; CPU: ATen ops' self CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        fn()
+        _sync(device)
+    rows: dict[str, float] = {}
+    for e in prof.key_averages():
+        if device.type == "cuda":
+            us = float(getattr(e, "self_device_time_total", 0.0) or 0.0)
+            if getattr(e, "device_type", None) is not None and "CUDA" not in str(e.device_type):
+                continue
+        else:
+            us = float(e.self_cpu_time_total)
+            if not e.key.startswith(("aten::", "solrl::")):
+                continue  # python/module frames: their self time is interpreter overhead, not kernels
+        if us > 0:
+            rows[e.key] = rows.get(e.key, 0.0) + us
+    total = sum(rows.values()) or 1.0
+    groups: dict[str, float] = {g: 0.0 for g, _ in GROUPS} | {"other": 0.0}
+    for k, us in rows.items():
+        groups[kernel_group(k)] += us
+    ranked = sorted(rows.items(), key=lambda kv: -kv[1])[:top]
+    return {
+        "total_ms": total / 1e3,
+        "share": {g: v / total for g, v in groups.items()},
+        "ms": {g: v / 1e3 for g, v in groups.items()},
+        "top": [{"name": k[:120], "ms": us / 1e3, "group": kernel_group(k)} for k, us in ranked],
+    }
+
+
+def forward_fn(model: Any, net: nn.Module, inputs: tuple, device: torch.device) -> Callable[[], Any]:
+    """One denoiser forward (velocity) through `net` under BF16 autocast and no grad, as rollouts run it."""
+    x, t, cond = inputs
+
+    def fwd() -> Any:
+        with torch.no_grad(), _autocast(device):
+            return model.velocity(x, t, cond, transformer=net)
+
+    return fwd
+
+
+def compiled_forward(model: Any, net: nn.Module, inputs: tuple, device: torch.device, reps: int,
+                     backend: str) -> dict[str, Any]:  # fmt: skip
+    """torch.compile(mode=None) of the whole forward through `net` (velocity, the same function eager
+    times): the first call's seconds (compile) apart from the median forward. The function, not the
+    module, is compiled: velocity's `transformer or self.transformer` calls len() on a compiled module."""
+    torch._dynamo.reset()
+
+    def velocity(x: torch.Tensor, t: torch.Tensor, cond: Any) -> torch.Tensor:
+        return model.velocity(x, t, cond, transformer=net)
+
+    compiled = torch.compile(velocity, mode=None, backend=backend)
+
+    def fwd() -> Any:
+        with torch.no_grad(), _autocast(device):
+            return compiled(*inputs)
+
+    t0 = time.perf_counter()
+    fwd()
+    _sync(device)
+    compile_s = time.perf_counter() - t0
+    return {"compile_s": compile_s, "forward_ms": median_ms(fwd, device, reps=reps), "backend": backend}
+
+
+def _release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def model_stage(alias: str, device: torch.device, cfg: dict[str, Any], dev_rates: Any) -> dict[str, Any]:
+    """One full-size (or tiny, smoke) denoiser: forwards per precision, eager first for all (the most
+    value per second), then compiled while the stage's time lasts; the fast-path record and profile of
+    each eager forward, seconds per iteration from them, and bench/predict.py's forward beside them."""
+    arch, res = (TINY[alias], TINY_RES[alias]) if cfg["smoke"] else (None, cfg["resolution"])
+    batch = TINY_BATCH if cfg["smoke"] else cfg["batch"].get(alias, ROLLOUT_BATCH[alias])
+    t0 = time.perf_counter()
+    model = build_model(alias, device, arch, res)
+    _sync(device)
+    out: dict[str, Any] = {
+        "model": alias, "batch": batch, "resolution": model.resolution, "latent_shape": list(model.latent_shape),
+        "params_b": sum(p.numel() for p in model.transformer.parameters()) / 1e9,
+        "build_s": time.perf_counter() - t0, "precisions": {},
+    }  # fmt: skip
+    inputs = predict.forward_inputs(model, batch, device=device, dtype=torch.bfloat16)
+    formats = ["bf16"] + list(cfg["formats"])
+    for fmt in formats:
+        why = None if fmt == "bf16" else format_unavailable(fmt, device)
+        out["precisions"][fmt] = {"skipped": why} if why else {}
+    for mode in ("eager", "compiled"):
+        for fmt in formats:
+            entry = out["precisions"][fmt]
+            if "skipped" in entry or "error" in entry:
+                continue
+            if mode == "compiled":
+                if not cfg["compile"]:
+                    entry["compiled"] = {"skipped": cfg["compile_why"]}
+                    continue
+                if time.monotonic() + cfg["compile_allowance"] > cfg["deadline"]:
+                    entry["compiled"] = {"skipped": f"under {cfg['compile_allowance']:.0f} s left of the stage for a "
+                                                    "cold compile"}  # fmt: skip
+                    continue
+            net = copy = None
+            try:
+                if fmt == "bf16":
+                    net = model.transformer
+                    entry["form"] = "plain BF16 weights (LoRA merged): every family's full-precision rollout form"
+                else:
+                    rule = explore_rule(alias, fmt)
+                    t1 = time.perf_counter()
+                    copy = ExploreCopy(model.transformer, fmt, changes=rule)
+                    _sync(device)
+                    net = copy.transformer
+                    entry.update(rule={k: list(v) if isinstance(v, tuple) else v for k, v in rule.items()},
+                                 build_copy_s=time.perf_counter() - t1)  # fmt: skip
+                    reset_fast_path(net)
+                if mode == "compiled":
+                    entry["compiled"] = compiled_forward(model, net, inputs, device, cfg["reps"],
+                                                         cfg["compile_backend"])  # fmt: skip
+                    continue
+                fwd = forward_fn(model, net, inputs, device)
+                entry["eager_ms"] = median_ms(fwd, device, reps=cfg["reps"])
+                if copy is not None:
+                    rec = fast_path(net)
+                    entry["fast_path"] = {"summary": rec.summary(), **rec.to_dict()}
+                    entry["quantized_layers"] = sorted(rec.layers)
+                entry["profile_eager"] = profile_groups(fwd, device)
+            except Exception as e:  # one precision failing must not lose the others
+                where = entry.setdefault("compiled", {}) if mode == "compiled" else entry
+                where["error"] = f"{type(e).__name__}: {e}"[:500]
+                where["traceback"] = traceback.format_exc(limit=4)[-1500:]
+            finally:
+                copy = net = None
+                _release(device)
+    out["iteration"] = iteration_table(out, batch)
+    out["predicted"] = predicted(alias, arch, res, batch, out, dev_rates)
+    del model
+    _release(device)
+    return out
+
+
+def iteration_table(rec: dict[str, Any], batch: int) -> dict[str, Any]:
+    """Seconds per iteration per GPU at the paper's settings from the measured forwards (bench/predict.py's
+    formula): explore ceil(N P / b) x preview_steps x t_explore + regen ceil(K P / b) x full_steps x t_bf16.
+    Training and refresh are left out (0 here): they are the same for both families, so the rollout ratio is
+    what Sol-RL changes; bench/predict.py's training estimate is in `predicted`."""
+    p = predict.PAPER
+    out: dict[str, Any] = {"settings": {**p, "rollout_batch": batch}, "training": "left out (rollout only)"}
+    precs = rec["precisions"]
+    for mode in ("eager", "compiled"):
+        t_bf16 = _ms(precs.get("bf16", {}), mode)
+        if t_bf16 is None:
+            continue
+        for fmt, e in precs.items():
+            t_q = _ms(e, mode)
+            if fmt == "bf16" or t_q is None:
+                continue
+            it = predict.iteration_seconds(t_bf16 / 1e3, t_q / 1e3, 0.0, 0.0, prompts=p["prompts_per_gpu"], n=p["n"],
+                                           k=p["k"], batch=batch, preview_steps=p["preview_steps"],
+                                           full_steps=p["full_steps"], timestep_fraction=p["timestep_fraction"],
+                                           train_batch=p["train_batch"])  # fmt: skip
+            naive, sol = it["naive_scaling"]["rollout"], it["sol_rl"]["rollout"]
+            out[f"{mode}/{fmt}"] = {"forward_speedup": t_bf16 / t_q, "naive_scaling_s": naive, "sol_rl_s": sol,
+                                    "sol_rl_vs_naive_scaling": naive / sol}  # fmt: skip
+    return out
+
+
+def _ms(entry: dict[str, Any], mode: str) -> float | None:
+    if mode == "eager":
+        return entry.get("eager_ms")
+    c = entry.get("compiled") or {}
+    return c.get("forward_ms")
+
+
+def device_from_ceilings(ceil: dict[str, Any], name: str) -> Any:
+    """bench/predict.py's Device for this machine from the measured ceilings (INT8 = FP8 rate when the
+    device lacks one of them; the quantize kernels' efficiency taken from the recorded H100, an assumption)."""
+    h100, _ = predict.h100_from_kernels(predict.KERNELS_JSON)
+    bf16 = ceil["bf16_mm"]["tflops"] * 1e12
+    fp8 = ceil.get("fp8_scaled_mm_rowwise", {}).get("tflops")
+    int8 = ceil.get("int8_int_mm", {}).get("tops")
+    rates = {"bf16": bf16, "fp8": (fp8 or int8 or 0) * 1e12 or bf16, "int8": (int8 or fp8 or 0) * 1e12 or bf16}
+    rates["nvfp4"] = 2 * rates["fp8"]  # assumed: twice the FP8 rate (Blackwell's dense ratio)
+    bw = ceil["copy"]["gb_per_s"] * 1e9
+    src = "measured by bench/gpu_session.py stage 0 (copy, BF16, FP8, INT8); NVFP4 2x FP8 and quantize efficiency assumed"
+    return predict.Device(name, rates, bw, dict(h100.quantize_efficiency), "fp8", True, src)
+
+
+def predicted(alias: str, arch: dict[str, Any] | None, res: int | None, batch: int, rec: dict[str, Any],
+              dev: Any) -> dict[str, Any]:  # fmt: skip
+    """bench/predict.py's roofline forward for this device (from the stage-0 ceilings) at the same batch,
+    per precision, on the layers the measured copy quantized; beside the measured forward."""
+    if dev is None:
+        return {"skipped": "no ceilings measured in this run"}
+    meta = predict.build_meta_model(alias, arch, res)
+    ops = predict.profile_forward(meta, batch)
+    out: dict[str, Any] = {"device_rates": {k: v / 1e12 for k, v in dev.rates.items()}, "forward_ms": {}}
+    for fmt, e in rec["precisions"].items():
+        q = set(e.get("quantized_layers", [])) if fmt != "bf16" else set()
+        if fmt != "bf16" and not q:
+            continue
+        try:
+            row = {m: predict.forward_seconds(ops, dev, fmt, q, fused=m == "fused") * 1e3 for m in ("eager", "fused")}
+        except (KeyError, ValueError) as err:
+            out["forward_ms"][fmt] = {"error": str(err)}
+            continue
+        row["measured_eager"] = e.get("eager_ms")
+        row["measured_compiled"] = _ms(e, "compiled")
+        out["forward_ms"][fmt] = row
+    p = predict.PAPER
+    t_train = predict.forward_seconds(predict.profile_forward(meta, p["train_batch"]), dev, "bf16", set())
+    b = out["forward_ms"].get("bf16", {})
+    for fmt, row in out["forward_ms"].items():
+        if fmt == "bf16" or "eager" not in row or "eager" not in b:
+            continue
+        it = predict.iteration_seconds(b["eager"] / 1e3, row["eager"] / 1e3, t_train, 0.0, prompts=p["prompts_per_gpu"],
+                                       n=p["n"], k=p["k"], batch=batch, preview_steps=p["preview_steps"],
+                                       full_steps=p["full_steps"], timestep_fraction=p["timestep_fraction"],
+                                       train_batch=p["train_batch"])  # fmt: skip
+        out[f"iteration_eager/{fmt}"] = {"naive_scaling_rollout_s": it["naive_scaling"]["rollout"],
+                                        "sol_rl_rollout_s": it["sol_rl"]["rollout"], "train_s": it["sol_rl"]["train"],
+                                        "sol_rl_vs_naive_scaling": it["naive_scaling"]["rollout"]
+                                        / it["sol_rl"]["rollout"]}  # fmt: skip
+    return out
+
+
+# --- the session ------------------------------------------------------------------------------------
+
+
+def summary_lines(rec: dict[str, Any]) -> list[str]:
+    """One screen: the ceilings, then per model and precision the forward (eager / compiled, measured vs
+    predicted), the fast-path count, the profile's biggest groups and Sol-RL's rollout ratio."""
+    info = rec.get("info", {})
+    lines = [f"gpu_session on {info.get('name')} ({info.get('capability', info.get('device'))}), torch "
+             f"{info.get('torch')}; {rec['elapsed_s']:.0f} s of {rec['budget_s']:.0f} s budget"]  # fmt: skip
+    c = rec.get("ceilings")
+    if c:
+        def rate(key: str, unit: str) -> str:
+            v = c.get(key, {})
+            return f"{v[unit]:.3g}" if unit in v else "skip"
+
+        lines.append(f"ceilings {c['gemm_shape']}: copy {c['copy']['gb_per_s']:.0f} GB/s, bf16 {rate('bf16_mm', 'tflops')}"
+                     f" TFLOP/s, fp8 {rate('fp8_scaled_mm_rowwise', 'tflops')}, int8 {rate('int8_int_mm', 'tops')} TOP/s")  # fmt: skip
+    fp = rec["stages"].get("0", {}).get("fast_path_small")
+    for fmt, v in (fp or {}).items():
+        lines.append(f"fast path {fmt}: {v.get('summary', v.get('error', '')).splitlines()[0][:100]}")
+    lines.append(f"{'model':<11}{'prec':<6}{'eager ms':>9}{'pred':>8}{'comp ms':>9}{'fwd x':>7}{'fast':>8}"
+                 f"{'sol/naive':>10}  profile (largest shares)")  # fmt: skip
+    for key in sorted(k for k in rec["stages"] if k != "0"):
+        s = rec["stages"][key]
+        if "precisions" not in s:
+            lines.append(f"stage {key}: {s.get('error', 'no result')[:100]}")
+            continue
+        bf = s["precisions"].get("bf16", {})
+        for fmt, e in s["precisions"].items():
+            if "skipped" in e or "error" in e:
+                lines.append(f"{s['model']:<11}{fmt:<6} {(e.get('skipped') or e.get('error'))[:90]}")
+                continue
+            pred = s.get("predicted", {}).get("forward_ms", {}).get(fmt, {}).get("eager")
+            comp = _ms(e, "compiled")
+            x = bf.get("eager_ms") / e["eager_ms"] if bf.get("eager_ms") and fmt != "bf16" else None
+            fpr = e.get("fast_path")
+            fast = f"{fpr['fast']}/{fpr['layers']}" if fpr else "-"
+            ratio = s.get("iteration", {}).get(f"eager/{fmt}", {}).get("sol_rl_vs_naive_scaling")
+            shares = sorted(e["profile_eager"]["share"].items(), key=lambda kv: -kv[1])[:3]
+            lines.append(f"{s['model']:<11}{fmt:<6}{e['eager_ms']:>9.1f}{_f(pred):>8}{_f(comp):>9}{_f(x, 2):>7}"
+                         f"{fast:>8}{_f(ratio, 2):>10}  " + " ".join(f"{g} {v:.0%}" for g, v in shares))  # fmt: skip
+    for k, why in rec["skipped"].items():
+        lines.append(f"stage {k} skipped: {why}")
+    return lines
+
+
+def _f(v: float | None, digits: int = 1) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--stages", default="0,1,2,3", help="comma list: 0 ceilings, 1..3 the --models in order")
+    ap.add_argument("--budget", type=float, default=540.0, help="seconds this call may spend (stages that do not fit "
+                    "their allowance in what is left are skipped)")  # fmt: skip
+    ap.add_argument("--out", default="bench/results/gpu-session", help="folder for gpu_session.json")
+    ap.add_argument("--models", default=",".join(MODELS), help="the models of stages 1, 2, 3")
+    ap.add_argument("--resolution", type=int, default=1024, help="pixels (smaller to fit time or memory)")
+    ap.add_argument("--batch", action="append", default=[], help="rollout batch of a model, e.g. flux-dev=16")
+    ap.add_argument("--formats", default="fp8,int8,nvfp4", help="explore formats (each skipped where the device lacks it)")
+    ap.add_argument("--no-compile", action="store_true", help="eager only")
+    ap.add_argument("--compile-backend", default=None, help="torch.compile backend (default inductor; smoke: eager)")
+    ap.add_argument("--reps", type=int, default=None, help="timed forwards per median (default 5; smoke 2)")
+    ap.add_argument("--gemm", default="4096x2048x2048", help="stage 0's GEMM shape m x n x k")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny configs of the same classes, every stage, < 1 min")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Run the chosen stages within the budget, writing the JSON after each; print the summary."""
+    args = build_parser().parse_args(argv)
+    start = time.monotonic()
+    smoke = args.smoke
+    device = torch.device("cuda" if torch.cuda.is_available() and not smoke else "cpu")
+    stages = [int(s) for s in args.stages.split(",") if s.strip()]
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "gpu_session.json"
+    allowance = ALLOWANCE["smoke" if smoke else "gpu"]
+    compile_on = not args.no_compile
+    cfg: dict[str, Any] = {
+        "smoke": smoke, "resolution": args.resolution, "reps": args.reps or (2 if smoke else 5),
+        "batch": {k: int(v) for k, _, v in (b.partition("=") for b in args.batch)},
+        "formats": [f.strip() for f in args.formats.split(",") if f.strip()],
+        "compile": compile_on, "compile_why": "--no-compile",
+        "compile_backend": args.compile_backend or ("eager" if smoke else "inductor"),
+        "compile_allowance": 1.0 if smoke else COMPILE_ALLOWANCE,
+    }  # fmt: skip
+    rec: dict[str, Any] = {
+        "bench": "gpu-session", "argv": sys.argv[1:] if argv is None else list(argv), "budget_s": args.budget,
+        "info": _sibling("kernels")._device_info(device), "env": {"SOLRL_SIMULATE_SM": os.environ.get(
+            "SOLRL_SIMULATE_SM")}, "allowance_s": {str(k): v for k, v in allowance.items()},
+        "stages": {}, "skipped": {}, "elapsed_s": 0.0,
+    }  # fmt: skip
+    if smoke:
+        rec["smoke"] = "CPU, tiny configs of the same diffusers classes: checks the script, measures nothing"
+
+    def write() -> None:
+        rec["elapsed_s"] = time.monotonic() - start
+        path.write_text(json.dumps(rec, indent=2, default=str))
+
+    gemm = tuple(int(v) for v in args.gemm.lower().split("x"))
+    if smoke:
+        gemm = (64, 32, 32)
+    copy_mib = 4 if smoke else 512
+    dev_rates = None
+    for stage in stages:
+        need = allowance[0] if stage == 0 else allowance["model"]
+        left = args.budget - (time.monotonic() - start)
+        if need > left:
+            rec["skipped"][str(stage)] = f"needs about {need:.0f} s, {left:.0f} s of the budget left"
+            print(f"== stage {stage}: skipped ({rec['skipped'][str(stage)]})", flush=True)
+            write()
+            continue
+        t0 = time.monotonic()
+        print(f"== stage {stage}", flush=True)
+        try:
+            if stage == 0:
+                c = ceilings(device, gemm, copy_mib, reps=cfg["reps"] * 4)  # type: ignore[arg-type]
+                rec["ceilings"] = c
+                res: dict[str, Any] = {"ceilings": c, "fast_path_small": small_fast_path(device)}
+            else:
+                if stage > len(models):
+                    raise ValueError(f"stage {stage} has no model: --models names {len(models)}")
+                if "ceilings" not in rec:  # the second device call: quick ceilings for the prediction
+                    rec["ceilings"] = ceilings(device, gemm, copy_mib, reps=cfg["reps"] * 2)  # type: ignore[arg-type]
+                if dev_rates is None:
+                    dev_rates = device_from_ceilings(rec["ceilings"], str(rec["info"].get("name")))
+                # compile runs while this stage's share lasts: its allowance, or the budget less the later stages'
+                later = sum(allowance["model"] for s in stages if s > stage)
+                cfg["deadline"] = max(t0 + need, start + args.budget - later)
+                res = model_stage(models[stage - 1], device, cfg, dev_rates)
+        except Exception as e:
+            res = {"error": f"{type(e).__name__}: {e}"[:500], "traceback": traceback.format_exc(limit=6)[-2000:]}
+        res["seconds"] = time.monotonic() - t0
+        rec["stages"][str(stage)] = res
+        write()
+        print(f"== stage {stage}: {res['seconds']:.1f} s{' (error)' if 'error' in res else ''}", flush=True)
+    rec["elapsed_s"] = time.monotonic() - start
+    lines = summary_lines(rec)
+    rec["summary"] = lines
+    write()
+    print("\n".join(lines))
+    print(f"wrote {path}")
+    return rec
+
+
+if __name__ == "__main__":
+    main()
