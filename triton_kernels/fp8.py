@@ -53,20 +53,29 @@ def _row_blocks(k: int, interp: bool) -> tuple[int, int]:
     return max(1, min(64, (8192 if interp else 2048) // block_k)), block_k
 
 
-def quantize_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., K] -> (E4M3 data [..., K] as torch.float8_e4m3fn, fp32 decode scales [..., 1])."""
+def launch_rowwise(
+    kernel: object, x: torch.Tensor, code_dtype: torch.dtype, fmt: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check `x`, allocate the codes and [..., 1] FP32 scales, and run a row-wise quantize `kernel`
+    (arguments: x, codes, scales, rows, K, BLOCK_M, BLOCK_K, IN_BF16) over every row."""
     if x.dtype not in _DTYPES:
-        raise TypeError(f"FP8 quantize takes float32, bfloat16 or float16; got {x.dtype}.")
+        raise TypeError(f"{fmt} quantize takes float32, bfloat16 or float16; got {x.dtype}.")
     if x.dim() == 0 or x.shape[-1] == 0:
-        raise ValueError(f"row-wise FP8 needs a non-empty last dimension; got shape {tuple(x.shape)}.")
+        raise ValueError(f"row-wise {fmt} needs a non-empty last dimension; got shape {tuple(x.shape)}.")
     x = x.contiguous()
     k = x.shape[-1]
     rows = x.numel() // k
-    q = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    q = torch.empty(x.shape, dtype=code_dtype, device=x.device)
     scale = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
     if rows:
         block_m, block_k = _row_blocks(k, os.environ.get("TRITON_INTERPRET", "0") == "1")
         src = x.view(torch.int16) if x.dtype == torch.bfloat16 else x
-        _fp8_rowwise_kernel[(triton.cdiv(rows, block_m),)](src, q, scale, rows, k, BLOCK_M=block_m, BLOCK_K=block_k,
-                                                           IN_BF16=x.dtype == torch.bfloat16)  # fmt: skip
+        kernel[(triton.cdiv(rows, block_m),)](src, q, scale, rows, k, BLOCK_M=block_m, BLOCK_K=block_k,  # type: ignore[index]
+                                              IN_BF16=x.dtype == torch.bfloat16)  # fmt: skip
+    return q, scale
+
+
+def quantize_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] -> (E4M3 data [..., K] as torch.float8_e4m3fn, fp32 decode scales [..., 1])."""
+    q, scale = launch_rowwise(_fp8_rowwise_kernel, x, torch.uint8, "FP8")
     return q.view(torch.float8_e4m3fn), scale

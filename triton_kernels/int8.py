@@ -8,16 +8,13 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from ._numerics import is_finite, load_f32, store_out
-from .fp8 import _row_blocks
+from .fp8 import launch_rowwise
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 TINY = 1.401298464324817e-45  # the smallest fp32 subnormal: the least scale of a non-zero row
 
@@ -54,22 +51,7 @@ def _int8_rowwise_kernel(x_ptr, q_ptr, scale_ptr, M, K, BLOCK_M: tl.constexpr, B
 
 def quantize_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., K] -> (int8 codes [..., K], fp32 decode scales [..., 1])."""
-    if x.dtype not in _DTYPES:
-        raise TypeError(f"INT8 quantize takes float32, bfloat16 or float16; got {x.dtype}.")
-    if x.dim() == 0 or x.shape[-1] == 0:
-        raise ValueError(f"row-wise INT8 needs a non-empty last dimension; got shape {tuple(x.shape)}.")
-    x = x.contiguous()
-    k = x.shape[-1]
-    rows = x.numel() // k
-    q = torch.empty(x.shape, dtype=torch.int8, device=x.device)
-    scale = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
-    if rows:
-        block_m, block_k = _row_blocks(k, os.environ.get("TRITON_INTERPRET", "0") == "1")
-        src = x.view(torch.int16) if x.dtype == torch.bfloat16 else x
-        grid = (triton.cdiv(rows, block_m),)
-        _int8_rowwise_kernel[grid](src, q, scale, rows, k, BLOCK_M=block_m, BLOCK_K=block_k,
-                                   IN_BF16=x.dtype == torch.bfloat16)  # fmt: skip
-    return q, scale
+    return launch_rowwise(_int8_rowwise_kernel, x, torch.int8, "INT8")
 
 
 @triton.jit

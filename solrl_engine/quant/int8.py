@@ -18,25 +18,16 @@ from dataclasses import dataclass
 
 import torch
 
+from solrl_engine.quant.fp8 import FP8Tensor
+
 QMAX = 127.0
 TINY = torch.finfo(torch.float32).smallest_normal * torch.finfo(torch.float32).eps  # the smallest subnormal
 
 
 @dataclass
-class Int8Tensor:
-    """int8 codes with FP32 decode scales broadcastable against them ([..., 1] per row)."""
-
-    data: torch.Tensor
-    scale: torch.Tensor
-    orig_dtype: torch.dtype = torch.float32
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.data.shape
-
-    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """x' = float(q) * scale, cast to `dtype` (default: the source dtype)."""
-        return (self.data.float() * self.scale).to(dtype or self.orig_dtype)
+class Int8Tensor(FP8Tensor):
+    """int8 codes with FP32 decode scales broadcastable against them ([..., 1] per row): FP8Tensor's
+    layout and decode (x' = float(q) * scale), other codes."""
 
 
 def row_scales(x: torch.Tensor) -> torch.Tensor:
