@@ -28,7 +28,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from contextlib import nullcontext
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +76,9 @@ TINY = {
 }  # fmt: skip
 TINY_RES = {"sd35-large": 64, "flux-dev": 64, "sana-1.6b": 128}
 TINY_BATCH = 2
+# stage 0's fast-path check on a GPU: a small FLUX-class model with GEMM dims the fast kernels take
+SMALL_FLUX = dict(num_layers=1, num_single_layers=1, attention_head_dim=64, num_attention_heads=4,
+                  joint_attention_dim=256, pooled_projection_dim=256, axes_dims_rope=(16, 24, 24))  # fmt: skip
 # the explore formats and the compute capability whose tensor cores run them (docs/explore-speed.md)
 FORMAT_SM = {"fp8": (8, 9), "int8": (8, 0), "nvfp4": (10, 0)}
 PREDICT_DEVICE_PRECISION = ("fp8", "int8", "nvfp4")
@@ -133,7 +136,7 @@ def ceilings(device: torch.device, shape: tuple[int, int, int], copy_mib: int, r
     dst = torch.empty_like(src)
     ms = median_ms(lambda: dst.copy_(src), device, reps=reps)
     out["copy"] = {"median_ms": ms, "mib": copy_mib, "gb_per_s": 2 * src.numel() * 2 / (ms / 1e3) / 1e9}
-    del src, dst
+    src = dst = torch.empty(0)  # free the buffers before the GEMMs
     flops = 2 * m * n * k
     a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
     w = torch.randn(n, k, device=device, dtype=torch.bfloat16)
@@ -166,11 +169,14 @@ def ceilings(device: torch.device, shape: tuple[int, int, int], copy_mib: int, r
     return out
 
 
-def small_fast_path(device: torch.device, formats: tuple[str, ...] = ("fp8", "int8", "nvfp4")) -> dict[str, Any]:
-    """Which implementation each quantized layer of a tiny FLUX-class denoiser ran, per format, under
-    BF16 autocast (the rollouts' setting): the cheapest check that the fast kernels are reached here."""
-    model = build_model("flux-dev", device, TINY["flux-dev"], TINY_RES["flux-dev"])
-    x, t, cond = predict.forward_inputs(model, 2, device=device, dtype=torch.bfloat16)
+def small_fast_path(device: torch.device, small: bool, formats: tuple[str, ...] = ("fp8", "int8", "nvfp4")
+                    ) -> dict[str, Any]:  # fmt: skip
+    """Which implementation each quantized layer of a small FLUX-class denoiser ran, per format, under
+    BF16 autocast (the rollouts' setting): the cheapest check that the fast kernels are reached here.
+    `small`: SMALL_FLUX at 256 px and batch 4 (GEMM rows and dims the GPU kernels take); else TINY."""
+    arch, res, batch = (SMALL_FLUX, 256, 4) if small else (TINY["flux-dev"], TINY_RES["flux-dev"], 2)
+    model = build_model("flux-dev", device, arch, res)
+    x, t, cond = predict.forward_inputs(model, batch, device=device, dtype=torch.bfloat16)
     out: dict[str, Any] = {}
     for fmt in formats:
         copy = ExploreCopy(model.transformer, fmt)  # every eligible layer: the check is of the kernels
@@ -179,7 +185,8 @@ def small_fast_path(device: torch.device, formats: tuple[str, ...] = ("fp8", "in
             with torch.no_grad(), _autocast(device):
                 model.velocity(x, t, cond, transformer=copy.transformer)
             rec = fast_path(copy.transformer)
-            out[fmt] = {"summary": rec.summary(), **rec.to_dict()}
+            out[fmt] = {"summary": rec.summary(), **rec.to_dict(), "model": {"arch": arch, "resolution": res,
+                                                                              "batch": batch}}  # fmt: skip
         except Exception as e:  # a format this device cannot run at all: say so, keep the others
             out[fmt] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
         del copy
@@ -366,6 +373,7 @@ def model_stage(alias: str, device: torch.device, cfg: dict[str, Any], dev_rates
                                                     "cold compile"}  # fmt: skip
                     continue
             net = copy = None
+            t_entry = time.perf_counter()
             try:
                 if fmt == "bf16":
                     net = model.transformer
@@ -390,6 +398,7 @@ def model_stage(alias: str, device: torch.device, cfg: dict[str, Any], dev_rates
                     entry["fast_path"] = {"summary": rec.summary(), **rec.to_dict()}
                     entry["quantized_layers"] = sorted(rec.layers)
                 entry["profile_eager"] = profile_groups(fwd, device)
+                entry["eager_total_s"] = time.perf_counter() - t_entry
             except Exception as e:  # one precision failing must not lose the others
                 where = entry.setdefault("compiled", {}) if mode == "compiled" else entry
                 where["error"] = f"{type(e).__name__}: {e}"[:500]
@@ -397,6 +406,7 @@ def model_stage(alias: str, device: torch.device, cfg: dict[str, Any], dev_rates
             finally:
                 copy = net = None
                 _release(device)
+            cfg["progress"](out)  # a cut-off inside this stage keeps the precisions that finished
     out["iteration"] = iteration_table(out, batch)
     out["predicted"] = predicted(alias, arch, res, batch, out, dev_rates)
     del model
@@ -447,7 +457,7 @@ def device_from_ceilings(ceil: dict[str, Any], name: str) -> Any:
     rates = {"bf16": bf16, "fp8": (fp8 or int8 or 0) * 1e12 or bf16, "int8": (int8 or fp8 or 0) * 1e12 or bf16}
     rates["nvfp4"] = 2 * rates["fp8"]  # assumed: twice the FP8 rate (Blackwell's dense ratio)
     bw = ceil["copy"]["gb_per_s"] * 1e9
-    src = "measured by bench/gpu_session.py stage 0 (copy, BF16, FP8, INT8); NVFP4 2x FP8 and quantize efficiency assumed"
+    src = "measured here (copy, BF16, FP8, INT8); NVFP4 = 2x FP8 and the quantize efficiency assumed"
     return predict.Device(name, rates, bw, dict(h100.quantize_efficiency), "fp8", True, src)
 
 
@@ -500,12 +510,14 @@ def summary_lines(rec: dict[str, Any]) -> list[str]:
              f"{info.get('torch')}; {rec['elapsed_s']:.0f} s of {rec['budget_s']:.0f} s budget"]  # fmt: skip
     c = rec.get("ceilings")
     if c:
+
         def rate(key: str, unit: str) -> str:
             v = c.get(key, {})
             return f"{v[unit]:.3g}" if unit in v else "skip"
 
-        lines.append(f"ceilings {c['gemm_shape']}: copy {c['copy']['gb_per_s']:.0f} GB/s, bf16 {rate('bf16_mm', 'tflops')}"
-                     f" TFLOP/s, fp8 {rate('fp8_scaled_mm_rowwise', 'tflops')}, int8 {rate('int8_int_mm', 'tops')} TOP/s")  # fmt: skip
+        lines.append(f"ceilings {c['gemm_shape']}: copy {c['copy']['gb_per_s']:.0f} GB/s, bf16 "
+                     f"{rate('bf16_mm', 'tflops')} TFLOP/s, fp8 {rate('fp8_scaled_mm_rowwise', 'tflops')}, "
+                     f"int8 {rate('int8_int_mm', 'tops')} TOP/s")  # fmt: skip
     fp = rec["stages"].get("0", {}).get("fast_path_small")
     for fmt, v in (fp or {}).items():
         lines.append(f"fast path {fmt}: {v.get('summary', v.get('error', '')).splitlines()[0][:100]}")
@@ -548,10 +560,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--models", default=",".join(MODELS), help="the models of stages 1, 2, 3")
     ap.add_argument("--resolution", type=int, default=1024, help="pixels (smaller to fit time or memory)")
     ap.add_argument("--batch", action="append", default=[], help="rollout batch of a model, e.g. flux-dev=16")
-    ap.add_argument("--formats", default="fp8,int8,nvfp4", help="explore formats (each skipped where the device lacks it)")
+    ap.add_argument("--formats", default="fp8,int8,nvfp4", help="explore formats (skipped where the device lacks one)")
     ap.add_argument("--no-compile", action="store_true", help="eager only")
     ap.add_argument("--compile-backend", default=None, help="torch.compile backend (default inductor; smoke: eager)")
-    ap.add_argument("--reps", type=int, default=None, help="timed forwards per median (default 5; smoke 2)")
+    ap.add_argument("--reps", type=int, default=None, help="timed forwards per median, after 2 warm-ups (default 3; "
+                    "a full-size forward is 0.3-4 s, steady on a GPU; smoke 2)")  # fmt: skip
     ap.add_argument("--gemm", default="4096x2048x2048", help="stage 0's GEMM shape m x n x k")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny configs of the same classes, every stage, < 1 min")
     return ap
@@ -571,7 +584,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     allowance = ALLOWANCE["smoke" if smoke else "gpu"]
     compile_on = not args.no_compile
     cfg: dict[str, Any] = {
-        "smoke": smoke, "resolution": args.resolution, "reps": args.reps or (2 if smoke else 5),
+        "smoke": smoke, "resolution": args.resolution, "reps": args.reps or (2 if smoke else 3),
         "batch": {k: int(v) for k, _, v in (b.partition("=") for b in args.batch)},
         "formats": [f.strip() for f in args.formats.split(",") if f.strip()],
         "compile": compile_on, "compile_why": "--no-compile",
@@ -590,6 +603,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     def write() -> None:
         rec["elapsed_s"] = time.monotonic() - start
         path.write_text(json.dumps(rec, indent=2, default=str))
+
+    def save_partial(key: str, part: dict[str, Any]) -> None:
+        rec["stages"][key] = {**part, "partial": True}
+        write()
 
     gemm = tuple(int(v) for v in args.gemm.lower().split("x"))
     if smoke:
@@ -610,7 +627,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if stage == 0:
                 c = ceilings(device, gemm, copy_mib, reps=cfg["reps"] * 4)  # type: ignore[arg-type]
                 rec["ceilings"] = c
-                res: dict[str, Any] = {"ceilings": c, "fast_path_small": small_fast_path(device)}
+                res: dict[str, Any] = {"ceilings": c, "fast_path_small": small_fast_path(device, not smoke)}
             else:
                 if stage > len(models):
                     raise ValueError(f"stage {stage} has no model: --models names {len(models)}")
@@ -621,6 +638,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 # compile runs while this stage's share lasts: its allowance, or the budget less the later stages'
                 later = sum(allowance["model"] for s in stages if s > stage)
                 cfg["deadline"] = max(t0 + need, start + args.budget - later)
+                cfg["progress"] = partial(save_partial, str(stage))
                 res = model_stage(models[stage - 1], device, cfg, dev_rates)
         except Exception as e:
             res = {"error": f"{type(e).__name__}: {e}"[:500], "traceback": traceback.format_exc(limit=6)[-2000:]}
