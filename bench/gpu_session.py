@@ -317,6 +317,7 @@ def compiled_forward(model: Any, net: nn.Module, inputs: tuple, device: torch.de
     times): the first call's seconds (compile) apart from the median forward. The function, not the
     module, is compiled: velocity's `transformer or self.transformer` calls len() on a compiled module."""
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
 
     def velocity(x: torch.Tensor, t: torch.Tensor, cond: Any) -> torch.Tensor:
         return model.velocity(x, t, cond, transformer=net)
@@ -331,7 +332,9 @@ def compiled_forward(model: Any, net: nn.Module, inputs: tuple, device: torch.de
     fwd()
     _sync(device)
     compile_s = time.perf_counter() - t0
-    return {"compile_s": compile_s, "forward_ms": median_ms(fwd, device, reps=reps), "backend": backend}
+    breaks = sum(torch._dynamo.utils.counters["graph_break"].values())  # > 0: parts of the forward ran eager
+    return {"compile_s": compile_s, "forward_ms": median_ms(fwd, device, reps=reps), "backend": backend,
+            "graph_breaks": breaks}  # fmt: skip
 
 
 def _release(device: torch.device) -> None:
@@ -405,6 +408,8 @@ def model_stage(alias: str, device: torch.device, cfg: dict[str, Any], dev_rates
                 where["traceback"] = traceback.format_exc(limit=4)[-1500:]
             finally:
                 copy = net = None
+                if mode == "compiled":
+                    torch._dynamo.reset()  # its caches hold the compiled copy's weights
                 _release(device)
             cfg["progress"](out)  # a cut-off inside this stage keeps the precisions that finished
     out["iteration"] = iteration_table(out, batch)
@@ -530,6 +535,8 @@ def summary_lines(rec: dict[str, Any]) -> list[str]:
             continue
         bf = s["precisions"].get("bf16", {})
         for fmt, e in s["precisions"].items():
+            if "eager_ms" not in e:
+                e = {"skipped": "not run (cut off)", **e}
             if "skipped" in e or "error" in e:
                 lines.append(f"{s['model']:<11}{fmt:<6} {(e.get('skipped') or e.get('error'))[:90]}")
                 continue
@@ -553,12 +560,14 @@ def _f(v: float | None, digits: int = 1) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--stages", default="0,1,2,3", help="comma list: 0 ceilings, 1..3 the --models in order")
+    ap.add_argument("--stages", default="0,1,2,3", help="comma list, run in the order given: 0 ceilings, 1..3 the "
+                    "--models in order")  # fmt: skip
     ap.add_argument("--budget", type=float, default=540.0, help="seconds this call may spend (stages that do not fit "
                     "their allowance in what is left are skipped)")  # fmt: skip
     ap.add_argument("--out", default="bench/results/gpu-session", help="folder for gpu_session.json")
     ap.add_argument("--models", default=",".join(MODELS), help="the models of stages 1, 2, 3")
-    ap.add_argument("--resolution", type=int, default=1024, help="pixels (smaller to fit time or memory)")
+    ap.add_argument("--resolution", type=int, default=None, help="pixels for every model (default: each family's "
+                    "own, as its rollouts and bench/predict.py use: SANA 1024, SD3.5-L 1024, FLUX 512)")  # fmt: skip
     ap.add_argument("--batch", action="append", default=[], help="rollout batch of a model, e.g. flux-dev=16")
     ap.add_argument("--formats", default="fp8,int8,nvfp4", help="explore formats (skipped where the device lacks one)")
     ap.add_argument("--no-compile", action="store_true", help="eager only")
@@ -613,7 +622,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         gemm = (64, 32, 32)
     copy_mib = 4 if smoke else 512
     dev_rates = None
-    for stage in stages:
+    for pos, stage in enumerate(stages):
         need = allowance[0] if stage == 0 else allowance["model"]
         left = args.budget - (time.monotonic() - start)
         if need > left:
@@ -636,7 +645,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 if dev_rates is None:
                     dev_rates = device_from_ceilings(rec["ceilings"], str(rec["info"].get("name")))
                 # compile runs while this stage's share lasts: its allowance, or the budget less the later stages'
-                later = sum(allowance["model"] for s in stages if s > stage)
+                later = sum(allowance[0] if s == 0 else allowance["model"] for s in stages[pos + 1 :])
                 cfg["deadline"] = max(t0 + need, start + args.budget - later)
                 cfg["progress"] = partial(save_partial, str(stage))
                 res = model_stage(models[stage - 1], device, cfg, dev_rates)
