@@ -179,9 +179,10 @@ def small_fast_path(device: torch.device, small: bool, formats: tuple[str, ...] 
     x, t, cond = predict.forward_inputs(model, batch, device=device, dtype=torch.bfloat16)
     out: dict[str, Any] = {}
     for fmt in formats:
-        copy = ExploreCopy(model.transformer, fmt)  # every eligible layer: the check is of the kernels
-        reset_fast_path(copy.transformer)
+        copy = None
         try:
+            copy = ExploreCopy(model.transformer, fmt)  # every eligible layer: the check is of the kernels
+            reset_fast_path(copy.transformer)
             with torch.no_grad(), _autocast(device):
                 model.velocity(x, t, cond, transformer=copy.transformer)
             rec = fast_path(copy.transformer)
@@ -412,8 +413,12 @@ def model_stage(alias: str, device: torch.device, cfg: dict[str, Any], dev_rates
                     torch._dynamo.reset()  # its caches hold the compiled copy's weights
                 _release(device)
             cfg["progress"](out)  # a cut-off inside this stage keeps the precisions that finished
-    out["iteration"] = iteration_table(out, batch)
-    out["predicted"] = predicted(alias, arch, res, batch, out, dev_rates)
+    for key, make in (("iteration", lambda: iteration_table(out, batch)),
+                      ("predicted", lambda: predicted(alias, arch, res, batch, out, dev_rates))):  # fmt: skip
+        try:
+            out[key] = make()
+        except Exception as e:  # keep the measurements when a derived table fails
+            out[key] = {"error": f"{type(e).__name__}: {e}"[:500], "traceback": traceback.format_exc(limit=4)[-1500:]}
     del model
     _release(device)
     return out
@@ -526,29 +531,39 @@ def summary_lines(rec: dict[str, Any]) -> list[str]:
     fp = rec["stages"].get("0", {}).get("fast_path_small")
     for fmt, v in (fp or {}).items():
         lines.append(f"fast path {fmt}: {v.get('summary', v.get('error', '')).splitlines()[0][:100]}")
-    lines.append(f"{'model':<11}{'prec':<6}{'eager ms':>9}{'pred':>8}{'comp ms':>9}{'fwd x':>7}{'fast':>8}"
-                 f"{'sol/naive':>10}  profile (largest shares)")  # fmt: skip
+    lines.append(f"{'':<17}{'--- forward ms ---':>26}{'- vs bf16 -':>14}{'':>8}{'sol_rl / naive':>22}")
+    lines.append(f"{'model':<11}{'prec':<6}{'eager':>8}{'pred':>8}{'compiled':>10}{'eager':>7}{'comp':>7}{'fast':>8}"
+                 f"{'eager':>7}{'comp':>7}{'pred':>7}{'compile s':>10}  eager profile (largest shares)")  # fmt: skip
     for key in sorted(k for k in rec["stages"] if k != "0"):
         s = rec["stages"][key]
         if "precisions" not in s:
             lines.append(f"stage {key}: {s.get('error', 'no result')[:100]}")
             continue
         bf = s["precisions"].get("bf16", {})
+        it, pr = s.get("iteration", {}), s.get("predicted", {})
         for fmt, e in s["precisions"].items():
             if "eager_ms" not in e:
                 e = {"skipped": "not run (cut off)", **e}
             if "skipped" in e or "error" in e:
                 lines.append(f"{s['model']:<11}{fmt:<6} {(e.get('skipped') or e.get('error'))[:90]}")
                 continue
-            pred = s.get("predicted", {}).get("forward_ms", {}).get(fmt, {}).get("eager")
-            comp = _ms(e, "compiled")
-            x = bf.get("eager_ms") / e["eager_ms"] if bf.get("eager_ms") and fmt != "bf16" else None
+            pred = pr.get("forward_ms", {}).get(fmt, {}).get("eager")
+            comp, comp_bf = _ms(e, "compiled"), _ms(bf, "compiled")
+            q = fmt != "bf16"
+            x = bf["eager_ms"] / e["eager_ms"] if q and bf.get("eager_ms") else None
+            xc = comp_bf / comp if q and comp and comp_bf else None
             fpr = e.get("fast_path")
             fast = f"{fpr['fast']}/{fpr['layers']}" if fpr else "-"
-            ratio = s.get("iteration", {}).get(f"eager/{fmt}", {}).get("sol_rl_vs_naive_scaling")
+            r_e = it.get(f"eager/{fmt}", {}).get("sol_rl_vs_naive_scaling")
+            r_c = it.get(f"compiled/{fmt}", {}).get("sol_rl_vs_naive_scaling")
+            r_p = pr.get(f"iteration_eager/{fmt}", {}).get("sol_rl_vs_naive_scaling")
+            cs = (e.get("compiled") or {}).get("compile_s")
             shares = sorted(e["profile_eager"]["share"].items(), key=lambda kv: -kv[1])[:3]
-            lines.append(f"{s['model']:<11}{fmt:<6}{e['eager_ms']:>9.1f}{_f(pred):>8}{_f(comp):>9}{_f(x, 2):>7}"
-                         f"{fast:>8}{_f(ratio, 2):>10}  " + " ".join(f"{g} {v:.0%}" for g, v in shares))  # fmt: skip
+            lines.append(f"{s['model']:<11}{fmt:<6}{e['eager_ms']:>8.1f}{_f(pred):>8}{_f(comp):>10}{_f(x, 2):>7}"
+                         f"{_f(xc, 2):>7}{fast:>8}{_f(r_e, 2):>7}{_f(r_c, 2):>7}{_f(r_p, 2):>7}{_f(cs, 0):>10}  "
+                         + " ".join(f"{g} {v:.0%}" for g, v in shares))  # fmt: skip
+    lines.append("pred: bench/predict.py's eager roofline from this run's ceilings; sol_rl / naive: rollout "
+                 "s/iteration at P=6, N=96, K=24, 6/10 steps")  # fmt: skip
     for k, why in rec["skipped"].items():
         lines.append(f"stage {k} skipped: {why}")
     return lines
