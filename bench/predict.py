@@ -234,9 +234,11 @@ def profile_forward(model: Any, batch: int) -> list[OpCost]:
 
 
 def explore_layers(model: Any, alias: str, precision: str) -> set[str]:
-    """Names of the linears the family's explore copy quantizes in `precision` (its rule, on meta)."""
+    """Names of the linears the family's explore copy quantizes in `precision` (its rule, widened per
+    format as the rollouts widen it: INT8 on every eligible layer; on meta)."""
     spec = model_spec(ARCH_ALIASES.get(alias, alias))
-    recipe = get_recipe(precision).with_(**spec.explore_rule)
+    rule = {**spec.explore_rule, **spec.explore_rule_by_format.get(get_recipe(precision).format, {})}
+    recipe = get_recipe(precision).with_(**rule)
     return set(plan_quantization(model.transformer, recipe).quantized)
 
 

@@ -195,7 +195,7 @@ class PipelineFlowModel(nn.Module):
     ) -> torch.Tensor:
         """Velocity (noise - x0) at flow time t in [0, 1] (scalar or [B]), in the transformer's dtype:
         `x` is cast to it first, as the stock pipelines cast their latents (see `input_dtype`)."""
-        net = transformer or self.transformer
+        net = transformer if transformer is not None else self.transformer  # a compiled module has no truth value
         x = x.to(input_dtype(net))
         t = torch.as_tensor(t, device=x.device, dtype=torch.float32).expand(x.shape[0])
         return self._forward(net, x, t, cond)
