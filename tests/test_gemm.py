@@ -107,9 +107,15 @@ def test_fp8_scaled_mm_matches_reference(mnk):
         got = linear._cuda_fp8_linear(x, w, b, True)
         assert got.dtype == torch.bfloat16 and got.shape == (m, n)
         _close(got, want, 1e-2)
-    # activations other than BF16 keep the reference (cuBLASLt row-wise writes BF16 only)
+    # FP32 activations (a LayerNorm's output under CUDA autocast) are quantized from FP32 and take the
+    # same GEMM (cuBLASLt row-wise writes BF16; the caller's out_dtype is cast from it), not the reference
     xf = x.float()
-    assert torch.equal(linear._cuda_fp8_linear(xf, w, bias, True), linear._ref_fp8_linear(xf, w, bias, True))
+    for out in (torch.bfloat16, torch.float32):
+        got = linear._cuda_fp8_linear(xf, w, bias, True, out)
+        assert got.dtype == out
+        _close(got, linear._ref_fp8_linear(xf, w, bias, True, out), 1e-2)
+        if k % 16 == 0:  # same codes from FP32 and from its BF16 copy: the same BF16 GEMM result
+            assert torch.equal(got.bfloat16(), linear._cuda_fp8_linear(x, w, bias, True))
 
 
 def test_fp4_scaled_mm_operands_are_cublas_layout():
