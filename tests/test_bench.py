@@ -1,26 +1,18 @@
 """The kernel benchmark script runs end to end (tiny CPU sizes) and writes its JSON record."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
+from bench_scripts import load_bench
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _bench(name: str):
-    """A script under bench/ (not a package) as a module."""
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_kernel_bench_writes_json(tmp_path, dtype):
-    mod = _bench("kernels")
+    mod = load_bench("kernels")
     argv = ["--device", "cpu", "--shapes", "32x64", "--dtype", dtype, "--reps", "60", "--out", str(tmp_path)]
     path = mod.main(argv + ["--gemms", "16x32x64"])
     rec = json.loads(path.read_text())
@@ -42,7 +34,7 @@ def test_e2e_bench_runs_every_family_and_writes_ratios(tmp_path, monkeypatch):
     # the compiled CPU sampler has its own tests (test_cpu_runtime.py); a cold inductor compile here would
     # cost a minute, so the `compile` family samples eagerly (the fallback without a C++ compiler)
     monkeypatch.setattr(hw, "cxx_compiler", lambda *a, **k: None)
-    mod = _bench("e2e")
+    mod = load_bench("e2e")
     argv = ["--model", "tiny", "--iterations", "1", "--warmup", "0", "--n", "4", "--k", "2", "--prompts", "1"]
     path = mod.main(argv + ["--explore-precision", "nvfp4", "--out", str(tmp_path)])
     rec = json.loads(path.read_text())
@@ -76,7 +68,7 @@ def test_sass_counter_compiles_the_gemms_for_sm90a(tmp_path):
 
 
 def test_reward_terms_averages_each_term_over_the_prompts_it_applies_to():
-    mod = _bench("reward_terms")
+    mod = load_bench("reward_terms")
     from solrl_engine.evaluation import generate
     from solrl_engine.models.tiny import load_tiny
     from solrl_engine.rewards import shapes
@@ -94,7 +86,7 @@ def test_reward_terms_averages_each_term_over_the_prompts_it_applies_to():
 
 
 def test_quickstart_sweep_summarizes_a_run_and_plots_recorded_rows(tmp_path):
-    qs = _bench("quickstart_sweep")
+    qs = load_bench("quickstart_sweep")
     assert qs.parse_row("lr:lr=3e-3| iterations=40") == ("lr", ["lr=3e-3", "iterations=40"])
     assert qs.parse_row("base:") == ("base", [])
     with pytest.raises(SystemExit, match="NAME:SET"):

@@ -1,31 +1,15 @@
 """bench/gpu_session.py's smoke mode: every stage runs on the CPU with tiny shapes and writes its part of the
 JSON, a budget too small for the later stages skips them and says so, and the summary prints."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _bench(name: str):
-    """A script under bench/ (not a package) as a module (registered: its dataclasses look it up)."""
-    key = f"bench_{name}"
-    if key in sys.modules:
-        return sys.modules[key]
-    spec = importlib.util.spec_from_file_location(key, ROOT / "bench" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+from bench_scripts import load_bench
 
 
 @pytest.fixture(scope="module")
 def session():
-    return _bench("gpu_session")
+    return load_bench("gpu_session")
 
 
 def test_smoke_runs_every_stage_and_writes_each_part(session, tmp_path, capsys):

@@ -1,18 +1,14 @@
 """bench/predict.py: the meta-device FLOP count agrees with hooks on a real model, the roofline takes
 the slower bound, the ratios follow the explore speed, and the JSON carries its assumptions."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from bench_scripts import load_bench
 
 from solrl_engine.models import load_model
 from solrl_engine.nn.flops import count_linear_flops
-
-ROOT = Path(__file__).resolve().parents[1]
 
 # tiny configs of the three families (the same kind tests/test_archs.py builds)
 TINY = {
@@ -26,18 +22,9 @@ TINY = {
 RES = {"sd3": 64, "flux": 64, "sana": 128}
 
 
-def _bench(name: str):
-    """A script under bench/ (not a package) as a module (registered: its dataclasses look it up)."""
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.fixture(scope="module")
 def predict():
-    return _bench("predict")
+    return load_bench("predict")
 
 
 @pytest.mark.parametrize("family", sorted(TINY))
