@@ -28,6 +28,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from copy import deepcopy
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -37,10 +38,14 @@ from torch import nn
 
 from solrl_engine.kernels.dispatch import device_capability
 from solrl_engine.models import ARCH_ALIASES, model_spec
-from solrl_engine.nn import fast_path
+from solrl_engine.nn import fast_path, plan_quantization, requantize_
 from solrl_engine.nn.fast_path import reset_fast_path
 from solrl_engine.quant import get_recipe
+from solrl_engine.rl import presets
+from solrl_engine.rl.adapters import OLD, TRAIN, LoraAdapters
+from solrl_engine.rl.distributed import Dist
 from solrl_engine.rl.explore import ExploreCopy
+from solrl_engine.rl.update import nft_update
 
 HERE = Path(__file__).resolve().parent
 
@@ -65,6 +70,12 @@ ROLLOUT_BATCH = dict(predict.ROLLOUT_BATCH)  # SANA 48, FLUX 24, SD3.5-L 8: the 
 ALLOWANCE = {"gpu": {0: 75.0, "model": 270.0}, "smoke": {0: 8.0, "model": 12.0}}
 # compile adds a cold inductor compile per precision: about this much per model on a GPU (an estimate)
 COMPILE_ALLOWANCE = 150.0
+# the training phase (LoRA attached, each copy's refresh, one nft_update warm-up + 2 timed): seconds it needs
+# left of the stage to start (an estimate: a few update batches of SD3.5-L / FLUX take a few seconds each)
+TRAIN_ALLOWANCE = {"gpu": 45.0, "smoke": 1.0}
+# torchao's inference configs our FP8 / INT8 explore copies are timed against (the peer a user would reach for)
+TORCHAO_CONFIGS = {"fp8": "Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())",
+                   "int8": "Int8DynamicActivationInt8WeightConfig()"}  # fmt: skip
 # tiny configs of the same diffusers classes for --smoke (the kind tests/test_predict.py builds)
 TINY = {
     "sd35-large": dict(num_layers=2, attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
@@ -235,6 +246,14 @@ def explore_rule(alias: str, fmt: str) -> dict[str, Any]:
     return rule
 
 
+def explore_selection(net: nn.Module, alias: str, fmt: str) -> list[str]:
+    """The linears our explore copy quantizes for `fmt`: the plan quantize_model makes inside ExploreCopy
+    (plan_quantization, the same recipe and rule), so a peer quantizes exactly those. 1x1 convolutions are
+    left out: torchao's linear configs do not take them."""
+    report = plan_quantization(net, get_recipe(fmt).with_(**explore_rule(alias, fmt)))
+    return [d.name for d in report.layers if d.quantized and d.kind == "linear"]
+
+
 # Kernel names -> groups, first match wins (lower-case substrings). GPU kernels: cuBLASLt's FP8 names
 # carry the element type (e4m3/e5m2), INT8 IMMA ones i8/s8/imma, FP4 e2m1; our Triton GEMMs are
 # _w4a4/_w4a16/_splitk_reduce and the INT8 scale epilogue _epilogue_kernel; our quantize kernels are
@@ -344,10 +363,235 @@ def _release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def _compile_skip(cfg: dict[str, Any]) -> str | None:
+    """Why a compiled forward is not started now (compile off, or too little of the stage left), else None."""
+    if not cfg["compile"]:
+        return cfg["compile_why"]
+    if time.monotonic() + cfg["compile_allowance"] > cfg["deadline"]:
+        return f"under {cfg['compile_allowance']:.0f} s left of the stage for a cold compile"
+    return None
+
+
+def _error(e: BaseException, limit: int = 4) -> dict[str, str]:
+    return {"error": f"{type(e).__name__}: {e}"[:500], "traceback": traceback.format_exc(limit=limit)[-1500:]}
+
+
+# --- the peer: torchao on the same layers ----------------------------------------------------------
+
+
+def torchao_unavailable(fmt: str, device: torch.device) -> str | None:
+    """None when torchao can run its `fmt` config here, else why not. Its float8 config asserts CUDA
+    sm_89+ itself, so a CPU (even with SOLRL_SIMULATE_SM) is skipped up front, not recorded as an error."""
+    if fmt not in TORCHAO_CONFIGS:
+        return f"no torchao peer for {fmt}"
+    try:
+        import torchao  # noqa: F401
+    except Exception as e:  # not installed, or built for another torch
+        return f"torchao does not import ({type(e).__name__}: {str(e)[:120]}): pip install -e '.[peers]'"
+    if fmt == "fp8":
+        if device.type != "cuda":
+            return "torchao's float8 dynamic quantization needs a CUDA GPU of sm_89+; this is the CPU"
+        cap = torch.cuda.get_device_capability(device)
+        if cap < (8, 9):
+            return f"torchao's float8 dynamic quantization needs sm_89+; this device is sm_{cap[0]}{cap[1]}"
+    return None
+
+
+def torchao_config(fmt: str) -> Any:
+    """torchao's config for `fmt`. set_inductor_config=False: its recommended inductor settings (coordinate-
+    descent autotuning, global for the process) would compile the peer, and every later compile of ours,
+    differently; both are compiled with the same default settings instead."""
+    from torchao.quantization import (
+        Float8DynamicActivationFloat8WeightConfig,
+        Int8DynamicActivationInt8WeightConfig,
+        PerRow,
+    )
+
+    if fmt == "fp8":
+        return Float8DynamicActivationFloat8WeightConfig(granularity=PerRow(), set_inductor_config=False)
+    return Int8DynamicActivationInt8WeightConfig(set_inductor_config=False)
+
+
+def torchao_copy(net: nn.Module, alias: str, fmt: str) -> tuple[nn.Module, list[str], list[str]]:
+    """A deep copy of the BF16 transformer with torchao's `fmt` config on exactly the linears our explore
+    copy quantizes (explore_selection as quantize_'s filter_fn); the names selected, and those torchao converted."""
+    from torchao.quantization import quantize_
+    from torchao.utils import TorchAOBaseTensor
+
+    names = sorted(explore_selection(net, alias, fmt))
+    wanted = set(names)
+    peer = deepcopy(net)
+    quantize_(peer, torchao_config(fmt), filter_fn=lambda _m, fqn: fqn in wanted)
+    done = sorted(n for n, m in peer.named_modules() if isinstance(getattr(m, "weight", None), TorchAOBaseTensor))
+    return peer, names, done
+
+
+def torchao_peer(model: Any, alias: str, fmt: str, inputs: tuple, device: torch.device, cfg: dict[str, Any],
+                 mode: str, entry: dict[str, Any]) -> None:  # fmt: skip
+    """torchao's dynamic-activation quantization of the layers our copy quantized, timed as ours is (same
+    inputs, median_ms, compiled_forward): the peer our explore forward should beat. Writes entry["torchao"];
+    errors (torchao's own checks included) are recorded, never raised."""
+    ao = entry.setdefault("torchao", {})
+    if "skipped" in ao or "error" in ao:
+        return
+    if mode == "eager":
+        why = torchao_unavailable(fmt, device) or (None if cfg["torchao"] else "--no-torchao")
+        if why:
+            ao["skipped"] = why
+            return
+    elif "eager_ms" not in ao:
+        return
+    elif why := _compile_skip(cfg):
+        ao["compiled"] = {"skipped": why}
+        return
+    peer = None
+    try:
+        t1 = time.perf_counter()
+        peer, names, done = torchao_copy(model.transformer, alias, fmt)
+        _sync(device)
+        if mode == "eager":
+            import torchao
+
+            ours = set(entry.get("quantized_layers", []))
+            # same_layers_as_ours: torchao converted every linear our copy quantizes, and no other layer; our
+            # 1x1 convolutions (SANA's) have no torchao counterpart and stay BF16 in the peer
+            ao.update(config=TORCHAO_CONFIGS[fmt], version=torchao.__version__, layers=len(done),
+                      same_layers_as_ours=done == names and set(names) <= ours,
+                      ours_not_in_peer=sorted(ours - set(done)), build_s=time.perf_counter() - t1)  # fmt: skip
+            ao["eager_ms"] = median_ms(forward_fn(model, peer, inputs, device), device, reps=cfg["reps"])
+        else:
+            ao["compiled"] = compiled_forward(model, peer, inputs, device, cfg["reps"], cfg["compile_backend"])
+    except Exception as e:  # torchao refusing a layer or a device must not lose the rest of the stage
+        (ao.setdefault("compiled", {}) if mode == "compiled" else ao).update(_error(e))
+    finally:
+        peer = None
+        if mode == "compiled":
+            torch._dynamo.reset()
+        _release(device)
+
+
+# --- training: one nft_update, and the explore copy's refresh ---------------------------------------
+
+
+def train_settings(alias: str, smoke: bool, batch: dict[str, int]) -> dict[str, Any]:
+    """The family's update as its paper preset runs it (solrl_engine/rl/presets.py): train batch, gradient
+    checkpointing, timestep fraction, LoRA rank / alpha / targets. `batch` overrides the train batch."""
+    fam = ARCH_ALIASES.get(alias, alias)
+    p = presets.PAPER[fam]
+    return {
+        "batch": TINY_BATCH if smoke else batch.get(alias, p["train_batch_size"]),
+        "checkpointing": bool(p["gradient_checkpointing"]), "timestep_fraction": p["timestep_fraction"],
+        "lora_rank": presets.COMMON["lora_rank"], "lora_alpha": presets.COMMON["lora_alpha"],
+        "lora_targets": list(p.get("lora_targets") or model_spec(fam).lora_targets),
+    }  # fmt: skip
+
+
+def attach_lora(net: nn.Module, ts: dict[str, Any]) -> LoraAdapters:
+    """The trained and "old" LoRA adapters on the policy, as the trainer attaches them (FP32 adapters on
+    BF16 base weights, gradient checkpointing where the family's preset uses it)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        adapters = LoraAdapters(net, ts["lora_rank"], ts["lora_alpha"], tuple(ts["lora_targets"]))
+    for p in adapters.params(TRAIN) + adapters.params(OLD):
+        p.data = p.data.float()
+    adapters.ema = [e.float() for e in adapters.ema]
+    if ts["checkpointing"]:
+        net.enable_gradient_checkpointing()
+    return adapters
+
+
+def refresh_time(model: Any, adapters: LoraAdapters, alias: str, fmt: str, device: torch.device,
+                 reps: int) -> dict[str, Any]:  # fmt: skip
+    """One refresh of the `fmt` explore copy from the policy, in place, as the trainer's step 5 does it
+    (ExploreCopy.refresh: the "old" LoRA merged and the LoRA layers re-quantized); beside it, requantize_ of
+    every quantized layer from the policy module (what bench/predict.py's refresh estimate prices)."""
+    copy = ExploreCopy(model.transformer, fmt, changes=explore_rule(alias, fmt))
+    copy.attach(adapters)  # the trainer's attach: checks, frozen tensors shared, and a first refresh (the warm-up)
+    _sync(device)
+    ms = median_ms(lambda: copy.refresh(adapters), device, warmup=0, reps=reps)
+    all_ms = median_ms(lambda: requantize_(copy.transformer, source=model.transformer), device, warmup=1, reps=reps)
+    return {"refresh_ms": ms, "refresh": {
+        "what": "ExploreCopy.refresh, the trainer's: the LoRA layers merged and re-quantized in place",
+        "layers": len(adapters.layers), "requantize_all_ms": all_ms,
+        "requantize_all_layers": len(copy.report.quantized)}}  # fmt: skip
+
+
+def time_nft_update(model: Any, adapters: LoraAdapters, alias: str, device: torch.device, ts: dict[str, Any],
+                    reps: int) -> dict[str, Any]:  # fmt: skip
+    """One DiffusionNFT update batch: nft_update on `batch` samples at one timestep (the "old" and reference
+    no-grad forwards, the policy's forward and backward, then the LoRA optimizer step and the EMA / "old"
+    moves), after one warm-up. A paper iteration runs iteration_table's update_batches of these."""
+    b = ts["batch"]
+    fam = ARCH_ALIASES.get(alias, alias)
+    # one step budget and every timestep of it: n_t = 1, so one call is one update batch
+    c = presets.paper_config(fam, "sol_rl", "pickscore", train_batch_size=b, full_steps=1, timestep_fraction=1.0)
+    opt = torch.optim.AdamW(adapters.params(TRAIN), lr=c.lr, weight_decay=c.weight_decay)
+    gen = torch.Generator().manual_seed(0)
+    x0 = torch.randn(b, *model.latent_shape, device=device, dtype=torch.bfloat16)
+    _, _, cond = predict.forward_inputs(model, b, device=device, dtype=torch.bfloat16)
+    adv = torch.linspace(-1.0, 1.0, b, device=device)
+    sigmas = torch.tensor([0.75])
+    done = [0]
+
+    def update() -> None:
+        nft_update(model, adapters, opt, c, x0=x0, cond=cond, adv=adv, sigmas=sigmas, gen=gen, b_global=b, row0=0,
+                   iteration=done[0], dist=Dist(), autocast=lambda: _autocast(device))  # fmt: skip
+        done[0] += 1
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    ms = median_ms(update, device, warmup=1, reps=reps)
+    out: dict[str, Any] = {"ms": ms, "batch": b, "checkpointing": ts["checkpointing"], "calls": done[0],
+                           "kl": c.kl_beta > 0}  # fmt: skip
+    if device.type == "cuda":
+        out["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    return out
+
+
+def training_phase(model: Any, alias: str, device: torch.device, out: dict[str, Any], cfg: dict[str, Any]) -> None:
+    """Between the eager and the compiled forwards: LoRA on the policy as the trainer attaches it, each
+    explore copy's refresh (entry["refresh_ms"]), then one nft_update at the family's train batch
+    (out["nft_update"]). The LoRA is removed after, so the compiled forwards time the plain BF16 weights."""
+    ts, net = out["train_settings"], model.transformer
+    if not cfg["train"]:
+        out["nft_update"] = {"skipped": "--no-train"}
+        return
+    if time.monotonic() + cfg["train_allowance"] > cfg["deadline"]:
+        out["nft_update"] = {"skipped": f"under {cfg['train_allowance']:.0f} s left of the stage"}
+        return
+    adapters = None
+    try:
+        adapters = attach_lora(net, ts)
+        for fmt, entry in out["precisions"].items():
+            if fmt == "bf16" or "eager_ms" not in entry:
+                continue
+            try:
+                entry.update(refresh_time(model, adapters, alias, fmt, device, cfg["reps"]))
+            except Exception as e:  # one copy failing must not lose the update's time
+                entry["refresh"] = _error(e)
+            finally:
+                _release(device)
+            cfg["progress"](out)
+        out["nft_update"] = time_nft_update(model, adapters, alias, device, ts, 2)
+    except Exception as e:
+        out["nft_update"] = _error(e)
+    finally:
+        adapters = None
+        if ts["checkpointing"]:
+            net.disable_gradient_checkpointing()
+        if getattr(net, "peft_config", None):
+            net.unload_lora()
+        net.requires_grad_(False)
+        _release(device)
+    cfg["progress"](out)
+
+
 def model_stage(alias: str, device: torch.device, cfg: dict[str, Any], dev_rates: Any) -> dict[str, Any]:
     """One full-size (or tiny, smoke) denoiser: forwards per precision, eager first for all (the most
-    value per second), then compiled while the stage's time lasts; the fast-path record and profile of
-    each eager forward, seconds per iteration from them, and bench/predict.py's forward beside them."""
+    value per second), each FP8 / INT8 one beside torchao's on the same layers; then the training phase (each
+    copy's refresh, one nft_update); then compiled while the stage's time lasts, ours before torchao's. The
+    fast-path record and profile of each eager forward, seconds per iteration from all of these, and
+    bench/predict.py's forward beside them."""
     arch, res = (TINY[alias], TINY_RES[alias]) if cfg["smoke"] else (None, cfg["resolution"])
     batch = TINY_BATCH if cfg["smoke"] else cfg["batch"].get(alias, ROLLOUT_BATCH[alias])
     t0 = time.perf_counter()
@@ -357,6 +601,7 @@ def model_stage(alias: str, device: torch.device, cfg: dict[str, Any], dev_rates
         "model": alias, "batch": batch, "resolution": model.resolution, "latent_shape": list(model.latent_shape),
         "params_b": sum(p.numel() for p in model.transformer.parameters()) / 1e9,
         "build_s": time.perf_counter() - t0, "precisions": {},
+        "train_settings": train_settings(alias, cfg["smoke"], cfg["train_batch"]),
     }  # fmt: skip
     inputs = predict.forward_inputs(model, batch, device=device, dtype=torch.bfloat16)
     formats = ["bf16"] + list(cfg["formats"])
@@ -364,18 +609,15 @@ def model_stage(alias: str, device: torch.device, cfg: dict[str, Any], dev_rates
         why = None if fmt == "bf16" else format_unavailable(fmt, device)
         out["precisions"][fmt] = {"skipped": why} if why else {}
     for mode in ("eager", "compiled"):
+        if mode == "compiled":  # the update and refreshes first: they feed the iteration table; compile is extra
+            training_phase(model, alias, device, out, cfg)
         for fmt in formats:
             entry = out["precisions"][fmt]
             if "skipped" in entry or "error" in entry:
                 continue
-            if mode == "compiled":
-                if not cfg["compile"]:
-                    entry["compiled"] = {"skipped": cfg["compile_why"]}
-                    continue
-                if time.monotonic() + cfg["compile_allowance"] > cfg["deadline"]:
-                    entry["compiled"] = {"skipped": f"under {cfg['compile_allowance']:.0f} s left of the stage for a "
-                                                    "cold compile"}  # fmt: skip
-                    continue
+            if mode == "compiled" and (why := _compile_skip(cfg)):
+                entry["compiled"] = {"skipped": why}
+                continue
             net = copy = None
             t_entry = time.perf_counter()
             try:
@@ -394,25 +636,31 @@ def model_stage(alias: str, device: torch.device, cfg: dict[str, Any], dev_rates
                 if mode == "compiled":
                     entry["compiled"] = compiled_forward(model, net, inputs, device, cfg["reps"],
                                                          cfg["compile_backend"])  # fmt: skip
-                    continue
-                fwd = forward_fn(model, net, inputs, device)
-                entry["eager_ms"] = median_ms(fwd, device, reps=cfg["reps"])
-                if copy is not None:
-                    rec = fast_path(net)
-                    entry["fast_path"] = {"summary": rec.summary(), **rec.to_dict()}
-                    entry["quantized_layers"] = sorted(rec.layers)
-                entry["profile_eager"] = profile_groups(fwd, device)
-                entry["eager_total_s"] = time.perf_counter() - t_entry
+                else:
+                    fwd = forward_fn(model, net, inputs, device)
+                    entry["eager_ms"] = median_ms(fwd, device, reps=cfg["reps"])
+                    if copy is not None:
+                        rec = fast_path(net)
+                        entry["fast_path"] = {"summary": rec.summary(), **rec.to_dict()}
+                        entry["quantized_layers"] = sorted(rec.layers)
+                    entry["profile_eager"] = profile_groups(fwd, device)
+                    entry["eager_total_s"] = time.perf_counter() - t_entry
             except Exception as e:  # one precision failing must not lose the others
-                where = entry.setdefault("compiled", {}) if mode == "compiled" else entry
-                where["error"] = f"{type(e).__name__}: {e}"[:500]
-                where["traceback"] = traceback.format_exc(limit=4)[-1500:]
+                (entry.setdefault("compiled", {}) if mode == "compiled" else entry).update(_error(e))
             finally:
                 copy = net = None
                 if mode == "compiled":
                     torch._dynamo.reset()  # its caches hold the compiled copy's weights
                 _release(device)
+            if fmt in TORCHAO_CONFIGS and mode == "eager":  # the peer right after ours, once ours is freed
+                torchao_peer(model, alias, fmt, inputs, device, cfg, mode, entry)
             cfg["progress"](out)  # a cut-off inside this stage keeps the precisions that finished
+        if mode == "compiled":  # the peer's compiles after all of ours: ours are the measurements that matter most
+            for fmt in formats:
+                entry = out["precisions"][fmt]
+                if fmt in TORCHAO_CONFIGS and "skipped" not in entry and "error" not in entry:
+                    torchao_peer(model, alias, fmt, inputs, device, cfg, mode, entry)
+                    cfg["progress"](out)
     for key, make in (("iteration", lambda: iteration_table(out, batch)),
                       ("predicted", lambda: predicted(alias, arch, res, batch, out, dev_rates))):  # fmt: skip
         try:
@@ -424,13 +672,37 @@ def model_stage(alias: str, device: torch.device, cfg: dict[str, Any], dev_rates
     return out
 
 
-def iteration_table(rec: dict[str, Any], batch: int) -> dict[str, Any]:
-    """Seconds per iteration per GPU at the paper's settings from the measured forwards (bench/predict.py's
-    formula): explore ceil(N P / b) x preview_steps x t_explore + regen ceil(K P / b) x full_steps x t_bf16.
-    Training and refresh are left out (0 here): they are the same for both families, so the rollout ratio is
-    what Sol-RL changes; bench/predict.py's training estimate is in `predicted`."""
+def _settings(rec: dict[str, Any]) -> tuple[int, float]:
+    """(train batch, timestep fraction) of a model stage: its family's preset, else bench/predict.py's PAPER."""
+    ts, p = rec.get("train_settings") or {}, predict.PAPER
+    return ts.get("batch", p["train_batch"]), ts.get("timestep_fraction", p["timestep_fraction"])
+
+
+def update_batches(train_batch: int, timestep_fraction: float) -> int:
+    """Update batches per iteration per GPU at the paper's settings, counted as bench/predict.py's
+    iteration_seconds counts them: int(full_steps x timestep_fraction) timesteps x ceil(K P / train_batch)."""
     p = predict.PAPER
-    out: dict[str, Any] = {"settings": {**p, "rollout_batch": batch}, "training": "left out (rollout only)"}
+    n_t = max(1, int(p["full_steps"] * timestep_fraction))
+    return n_t * math.ceil(p["k"] * p["prompts_per_gpu"] / train_batch)
+
+
+def iteration_table(rec: dict[str, Any], batch: int) -> dict[str, Any]:
+    """Seconds per iteration per GPU at the paper's settings from the measured times, by bench/predict.py's
+    iteration_seconds: sol_rl = explore ceil(N P / b) x preview_steps x t_explore + regen ceil(K P / b) x
+    full_steps x t_bf16 + refresh + training, naive_scaling = ceil(N P / b) x full_steps x t_bf16 + training;
+    training = update_batches x t_update (the measured nft_update), the same for both. The rollout ratio is what
+    Sol-RL changes; the total ratio is what a run gains. A time not measured counts 0, and `training` says so."""
+    p = predict.PAPER
+    tb, tf = _settings(rec)
+    upd = rec.get("nft_update") or {}
+    t_update = upd.get("ms")
+    n_upd = update_batches(tb, tf)
+    training: dict[str, Any] = {"update_batches": n_upd, "update_ms": t_update,
+                                "train_s": n_upd * t_update / 1e3 if t_update else 0.0}  # fmt: skip
+    if t_update is None:
+        training["left_out"] = f"nft_update not measured ({upd.get('skipped') or upd.get('error') or 'not run'})"
+    out: dict[str, Any] = {"settings": {**p, "rollout_batch": batch, "train_batch": tb, "timestep_fraction": tf},
+                           "training": training}  # fmt: skip
     precs = rec["precisions"]
     for mode in ("eager", "compiled"):
         t_bf16 = _ms(precs.get("bf16", {}), mode)
@@ -440,13 +712,20 @@ def iteration_table(rec: dict[str, Any], batch: int) -> dict[str, Any]:
             t_q = _ms(e, mode)
             if fmt == "bf16" or t_q is None:
                 continue
-            it = predict.iteration_seconds(t_bf16 / 1e3, t_q / 1e3, 0.0, 0.0, prompts=p["prompts_per_gpu"], n=p["n"],
-                                           k=p["k"], batch=batch, preview_steps=p["preview_steps"],
-                                           full_steps=p["full_steps"], timestep_fraction=p["timestep_fraction"],
-                                           train_batch=p["train_batch"])  # fmt: skip
-            naive, sol = it["naive_scaling"]["rollout"], it["sol_rl"]["rollout"]
-            out[f"{mode}/{fmt}"] = {"forward_speedup": t_bf16 / t_q, "naive_scaling_s": naive, "sol_rl_s": sol,
-                                    "sol_rl_vs_naive_scaling": naive / sol}  # fmt: skip
+            refresh = e.get("refresh_ms")
+            # predict.py prices an update batch as TRAIN_FORWARDS forwards: the measured update is passed as such
+            it = predict.iteration_seconds(t_bf16 / 1e3, t_q / 1e3, (t_update or 0.0) / 1e3 / predict.TRAIN_FORWARDS,
+                                           (refresh or 0.0) / 1e3, prompts=p["prompts_per_gpu"], n=p["n"], k=p["k"],
+                                           batch=batch, preview_steps=p["preview_steps"], full_steps=p["full_steps"],
+                                           timestep_fraction=tf, train_batch=tb)  # fmt: skip
+            naive, sol = it["naive_scaling"], it["sol_rl"]
+            out[f"{mode}/{fmt}"] = {
+                "forward_speedup": t_bf16 / t_q, "naive_scaling_s": naive["rollout"], "sol_rl_s": sol["rollout"],
+                "sol_rl_vs_naive_scaling": naive["rollout"] / sol["rollout"], "refresh_s": sol["refresh"],
+                "refresh_measured": refresh is not None, "train_s": sol["train"],
+                "naive_scaling_total_s": naive["total"], "sol_rl_total_s": sol["total"],
+                "sol_rl_vs_naive_scaling_total": naive["total"] / sol["total"],
+            }  # fmt: skip
     return out
 
 
@@ -474,7 +753,8 @@ def device_from_ceilings(ceil: dict[str, Any], name: str) -> Any:
 def predicted(alias: str, arch: dict[str, Any] | None, res: int | None, batch: int, rec: dict[str, Any],
               dev: Any) -> dict[str, Any]:  # fmt: skip
     """bench/predict.py's roofline forward for this device (from the stage-0 ceilings) at the same batch,
-    per precision, on the layers the measured copy quantized; beside the measured forward."""
+    per precision, on the layers the measured copy quantized; beside the measured forward. Its update batch
+    and refresh estimates sit beside the measured ones, at the same train batch and timestep fraction."""
     if dev is None:
         return {"skipped": "no ceilings measured in this run"}
     meta = predict.build_meta_model(alias, arch, res)
@@ -493,19 +773,31 @@ def predicted(alias: str, arch: dict[str, Any] | None, res: int | None, batch: i
         row["measured_compiled"] = _ms(e, "compiled")
         out["forward_ms"][fmt] = row
     p = predict.PAPER
-    t_train = predict.forward_seconds(predict.profile_forward(meta, p["train_batch"]), dev, "bf16", set())
+    tb, tf = _settings(rec)
+    t_train = predict.forward_seconds(predict.profile_forward(meta, tb), dev, "bf16", set())
+    out["update_ms"] = {"predicted": predict.TRAIN_FORWARDS * t_train * 1e3, "train_batch": tb,
+                        "measured": (rec.get("nft_update") or {}).get("ms")}  # fmt: skip
     b = out["forward_ms"].get("bf16", {})
     for fmt, row in out["forward_ms"].items():
         if fmt == "bf16" or "eager" not in row or "eager" not in b:
             continue
-        it = predict.iteration_seconds(b["eager"] / 1e3, row["eager"] / 1e3, t_train, 0.0, prompts=p["prompts_per_gpu"],
-                                       n=p["n"], k=p["k"], batch=batch, preview_steps=p["preview_steps"],
-                                       full_steps=p["full_steps"], timestep_fraction=p["timestep_fraction"],
-                                       train_batch=p["train_batch"])  # fmt: skip
-        out[f"iteration_eager/{fmt}"] = {"naive_scaling_rollout_s": it["naive_scaling"]["rollout"],
-                                        "sol_rl_rollout_s": it["sol_rl"]["rollout"], "train_s": it["sol_rl"]["train"],
-                                        "sol_rl_vs_naive_scaling": it["naive_scaling"]["rollout"]
-                                        / it["sol_rl"]["rollout"]}  # fmt: skip
+        q = set(rec["precisions"][fmt].get("quantized_layers", []))
+        try:
+            refresh = predict.refresh_seconds(meta.transformer, dev, fmt, q)
+        except (KeyError, AttributeError):  # a format predict.py has no quantize efficiency for
+            refresh = 0.0
+        row["refresh_ms"], row["measured_refresh_ms"] = refresh * 1e3, rec["precisions"][fmt].get("refresh_ms")
+        row["measured_requantize_all_ms"] = (rec["precisions"][fmt].get("refresh") or {}).get("requantize_all_ms")
+        it = predict.iteration_seconds(b["eager"] / 1e3, row["eager"] / 1e3, t_train, refresh,
+                                       prompts=p["prompts_per_gpu"], n=p["n"], k=p["k"], batch=batch,
+                                       preview_steps=p["preview_steps"], full_steps=p["full_steps"],
+                                       timestep_fraction=tf, train_batch=tb)  # fmt: skip
+        naive, sol = it["naive_scaling"], it["sol_rl"]
+        out[f"iteration_eager/{fmt}"] = {
+            "naive_scaling_rollout_s": naive["rollout"], "sol_rl_rollout_s": sol["rollout"], "train_s": sol["train"],
+            "refresh_s": sol["refresh"], "sol_rl_vs_naive_scaling": naive["rollout"] / sol["rollout"],
+            "sol_rl_vs_naive_scaling_total": naive["total"] / sol["total"],
+        }  # fmt: skip
     return out
 
 
@@ -531,9 +823,11 @@ def summary_lines(rec: dict[str, Any]) -> list[str]:
     fp = rec["stages"].get("0", {}).get("fast_path_small")
     for fmt, v in (fp or {}).items():
         lines.append(f"fast path {fmt}: {v.get('summary', v.get('error', '')).splitlines()[0][:100]}")
-    lines.append(f"{'':<17}{'--- forward ms ---':>26}{'- vs bf16 -':>14}{'':>8}{'sol_rl / naive':>22}")
+    lines.append(f"{'':<17}{'--- forward ms ---':>26}{'- vs bf16 -':>14}{'':>8}{'sol_rl / naive':>22}{'':>10}"
+                 f"{'vs torchao':>14}{'':>7}{'total':>7}")  # fmt: skip
     lines.append(f"{'model':<11}{'prec':<6}{'eager':>8}{'pred':>8}{'compiled':>10}{'eager':>7}{'comp':>7}{'fast':>8}"
-                 f"{'eager':>7}{'comp':>7}{'pred':>7}{'compile s':>10}  eager profile (largest shares)")  # fmt: skip
+                 f"{'eager':>7}{'comp':>7}{'pred':>7}{'compile s':>10}{'eager':>7}{'comp':>7}{'refr ms':>9}"
+                 f"{'eager':>7}  eager profile (largest shares)")  # fmt: skip
     for key in sorted(k for k in rec["stages"] if k != "0"):
         s = rec["stages"][key]
         if "precisions" not in s:
@@ -557,16 +851,40 @@ def summary_lines(rec: dict[str, Any]) -> list[str]:
             r_e = it.get(f"eager/{fmt}", {}).get("sol_rl_vs_naive_scaling")
             r_c = it.get(f"compiled/{fmt}", {}).get("sol_rl_vs_naive_scaling")
             r_p = pr.get(f"iteration_eager/{fmt}", {}).get("sol_rl_vs_naive_scaling")
+            r_t = it.get(f"eager/{fmt}", {}).get("sol_rl_vs_naive_scaling_total")
             cs = (e.get("compiled") or {}).get("compile_s")
+            ao = e.get("torchao") or {}
+            ao_e = ao["eager_ms"] / e["eager_ms"] if "eager_ms" in ao else None  # our speed / torchao's
+            ao_c = _ms(ao, "compiled") / comp if _ms(ao, "compiled") and comp else None
             shares = sorted(e["profile_eager"]["share"].items(), key=lambda kv: -kv[1])[:3]
             lines.append(f"{s['model']:<11}{fmt:<6}{e['eager_ms']:>8.1f}{_f(pred):>8}{_f(comp):>10}{_f(x, 2):>7}"
-                         f"{_f(xc, 2):>7}{fast:>8}{_f(r_e, 2):>7}{_f(r_c, 2):>7}{_f(r_p, 2):>7}{_f(cs, 0):>10}  "
+                         f"{_f(xc, 2):>7}{fast:>8}{_f(r_e, 2):>7}{_f(r_c, 2):>7}{_f(r_p, 2):>7}{_f(cs, 0):>10}"
+                         f"{_f(ao_e, 2):>7}{_f(ao_c, 2):>7}{_f(e.get('refresh_ms')):>9}{_f(r_t, 2):>7}  "
                          + " ".join(f"{g} {v:.0%}" for g, v in shares))  # fmt: skip
+            why = ao.get("skipped") or ao.get("error") or (ao.get("compiled") or {}).get("error")
+            if why:
+                lines.append(f"{'':<17}torchao: {why.splitlines()[0][:100]}")
+        lines.append(train_line(s))
     lines.append("pred: bench/predict.py's eager roofline from this run's ceilings; sol_rl / naive: rollout "
-                 "s/iteration at P=6, N=96, K=24, 6/10 steps")  # fmt: skip
+                 "s/iteration at P=6, N=96, K=24, 6/10 steps (sol_rl's with its refresh); vs torchao: our "
+                 "forward's speed over torchao's on the same layers; total: sol_rl / naive s/iteration with "
+                 "refresh and nft_update training")  # fmt: skip
     for k, why in rec["skipped"].items():
         lines.append(f"stage {k} skipped: {why}")
     return lines
+
+
+def train_line(s: dict[str, Any]) -> str:
+    """One model's training: the measured nft_update, and the seconds per iteration it adds."""
+    upd, tr = s.get("nft_update") or {}, (s.get("iteration") or {}).get("training") or {}
+    head = f"{s['model']:<11}train "
+    if "ms" not in upd:
+        return head + f"nft_update not measured: {(upd.get('skipped') or upd.get('error') or 'not run')[:90]}"
+    pred = ((s.get("predicted") or {}).get("update_ms") or {}).get("predicted")
+    peak = f", peak {upd['peak_gib']:.1f} GiB" if "peak_gib" in upd else ""
+    return (head + f"nft_update {upd['ms']:.1f} ms per update batch of {upd['batch']} (pred {_f(pred)}), "
+            f"checkpointing {'on' if upd['checkpointing'] else 'off'}{peak}; x {tr.get('update_batches')} update "
+            f"batches = {_f(tr.get('train_s'), 2)} s/iteration")  # fmt: skip
 
 
 def _f(v: float | None, digits: int = 1) -> str:
@@ -585,7 +903,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "own, as its rollouts and bench/predict.py use: SANA 1024, SD3.5-L 1024, FLUX 512)")  # fmt: skip
     ap.add_argument("--batch", action="append", default=[], help="rollout batch of a model, e.g. flux-dev=16")
     ap.add_argument("--formats", default="fp8,int8,nvfp4", help="explore formats (skipped where the device lacks one)")
+    ap.add_argument("--train-batch", action="append", default=[], help="train batch of a model's nft_update, e.g. "
+                    "sd35-large=1 (default: its paper preset's)")  # fmt: skip
     ap.add_argument("--no-compile", action="store_true", help="eager only")
+    ap.add_argument("--no-train", action="store_true", help="no nft_update and no refresh timing")
+    ap.add_argument("--no-torchao", action="store_true", help="no torchao peer")
     ap.add_argument("--compile-backend", default=None, help="torch.compile backend (default inductor; smoke: eager)")
     ap.add_argument("--reps", type=int, default=None, help="timed forwards per median, after 2 warm-ups (default 3; "
                     "a full-size forward is 0.3-4 s, steady on a GPU; smoke 2)")  # fmt: skip
@@ -610,6 +932,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cfg: dict[str, Any] = {
         "smoke": smoke, "resolution": args.resolution, "reps": args.reps or (2 if smoke else 3),
         "batch": {k: int(v) for k, _, v in (b.partition("=") for b in args.batch)},
+        "train_batch": {k: int(v) for k, _, v in (b.partition("=") for b in args.train_batch)},
+        "train": not args.no_train, "train_allowance": TRAIN_ALLOWANCE["smoke" if smoke else "gpu"],
+        "torchao": not args.no_torchao,
         "formats": [f.strip() for f in args.formats.split(",") if f.strip()],
         "compile": compile_on, "compile_why": "--no-compile",
         "compile_backend": args.compile_backend or ("eager" if smoke else "inductor"),

@@ -1,10 +1,17 @@
 """bench/gpu_session.py's smoke mode: every stage runs on the CPU with tiny shapes and writes its part of the
-JSON, a budget too small for the later stages skips them and says so, and the summary prints."""
+JSON (forwards, the torchao peer, each copy's refresh, one nft_update), a budget too small for the later
+stages skips them and says so, and the summary prints. The smoke run is shared by the tests that read it."""
 
+import contextlib
+import importlib.util
+import io
 import json
+import math
 
 import pytest
 from bench_scripts import load_bench
+
+MODELS = ("sana-1.6b", "sd35-large", "flux-dev")
 
 
 @pytest.fixture(scope="module")
@@ -12,10 +19,22 @@ def session():
     return load_bench("gpu_session")
 
 
-def test_smoke_runs_every_stage_and_writes_each_part(session, tmp_path, capsys):
-    rec = session.main(["--smoke", "--stages", "0,1,2,3", "--budget", "600", "--out", str(tmp_path)])
-    out = capsys.readouterr().out
-    saved = json.loads((tmp_path / "gpu_session.json").read_text())
+@pytest.fixture(scope="module")
+def smoke(session, tmp_path_factory):
+    """One smoke run of every stage: (returned record, the JSON on disk, what it printed)."""
+    out_dir = tmp_path_factory.mktemp("gpu-session")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        rec = session.main(["--smoke", "--stages", "0,1,2,3", "--budget", "600", "--out", str(out_dir)])
+    return rec, json.loads((out_dir / "gpu_session.json").read_text()), printed.getvalue()
+
+
+def _positive(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and v > 0 and math.isfinite(v)
+
+
+def test_smoke_runs_every_stage_and_writes_each_part(smoke):
+    rec, saved, out = smoke
     assert saved["stages"].keys() == {"0", "1", "2", "3"} and not saved["skipped"]
     s0 = saved["stages"]["0"]
     assert "error" not in s0, s0.get("traceback")
@@ -23,7 +42,7 @@ def test_smoke_runs_every_stage_and_writes_each_part(session, tmp_path, capsys):
     for fmt in ("fp8", "int8", "nvfp4"):  # the CPU runs every layer on the reference, and the record says so
         fp = s0["fast_path_small"][fmt]
         assert fp["layers"] > 0 and fp["fast"] + fp["reference"] == fp["layers"], fp
-    for key, model in zip(("1", "2", "3"), ("sana-1.6b", "sd35-large", "flux-dev"), strict=True):
+    for key, model in zip(("1", "2", "3"), MODELS, strict=True):
         s = saved["stages"][key]
         assert s.get("model") == model and "partial" not in s, s.get("error")
         p = s["precisions"]
@@ -45,8 +64,75 @@ def test_smoke_runs_every_stage_and_writes_each_part(session, tmp_path, capsys):
         saved["stages"]["1"]["precisions"]["fp8"]["quantized_layers"]
     )  # fmt: skip  (SANA's rule is narrower)
     assert rec["summary"] == saved["summary"]
-    for line in ("ceilings", "sana-1.6b  fp8", "sd35-large int8", "flux-dev   bf16", "wrote"):
+    for line in ("ceilings", "sana-1.6b  fp8", "sd35-large int8", "flux-dev   bf16", "vs torchao", "wrote"):
         assert line in out
+
+
+def test_smoke_times_one_update_and_each_refresh_and_counts_them_per_iteration(session, smoke):
+    _, saved, out = smoke
+    for key, model in zip(("1", "2", "3"), MODELS, strict=True):
+        s = saved["stages"][key]
+        upd, ts = s["nft_update"], s["train_settings"]
+        assert "error" not in upd, upd.get("traceback")
+        assert _positive(upd["ms"]) and upd["batch"] == ts["batch"] == session.TINY_BATCH
+        assert upd["checkpointing"] is (model == "flux-dev")  # the FLUX preset trains with checkpointing
+        assert upd["calls"] == 3  # one warm-up + 2 timed
+        for fmt in ("fp8", "int8"):
+            e = s["precisions"][fmt]
+            assert "error" not in e.get("refresh", {}), e["refresh"].get("traceback")
+            assert _positive(e["refresh_ms"]) and _positive(e["refresh"]["requantize_all_ms"])
+            assert e["refresh"]["layers"] > 0 and e["refresh"]["requantize_all_layers"] == len(e["quantized_layers"])
+        tr = s["iteration"]["training"]
+        n_t = max(1, int(10 * ts["timestep_fraction"]))
+        assert tr["update_batches"] == n_t * math.ceil(24 * 6 / ts["batch"]) and "left_out" not in tr
+        for mode in ("eager", "compiled"):
+            it = s["iteration"][f"{mode}/int8"]
+            assert _positive(it["train_s"]) and _positive(it["refresh_s"]) and it["refresh_measured"]
+            assert it["train_s"] == pytest.approx(tr["update_batches"] * upd["ms"] / 1e3)
+            assert it["refresh_s"] == pytest.approx(s["precisions"]["int8"]["refresh_ms"] / 1e3)
+            assert it["sol_rl_total_s"] == pytest.approx(it["sol_rl_s"] + it["train_s"])
+            assert it["naive_scaling_total_s"] == pytest.approx(it["naive_scaling_s"] + it["train_s"])
+        pr = s["predicted"]
+        assert _positive(pr["update_ms"]["predicted"]) and pr["update_ms"]["measured"] == upd["ms"]
+        assert _positive(pr["iteration_eager/fp8"]["train_s"]) and _positive(pr["forward_ms"]["fp8"]["refresh_ms"])
+        assert f"{model:<11}train nft_update" in out
+
+
+def test_smoke_times_the_torchao_peer_on_the_same_layers(smoke):
+    _, saved, _ = smoke
+    for key in ("1", "2", "3"):
+        p = saved["stages"][key]["precisions"]
+        assert "sm_89" in p["fp8"]["torchao"]["skipped"]  # torchao's float8 asserts a GPU; the CPU skips it
+        ao = p["int8"]["torchao"]
+        if importlib.util.find_spec("torchao") is None:
+            assert "torchao" in ao["skipped"]
+            pytest.skip("torchao is not installed (pip install -e '.[peers]'): its INT8 peer is skipped, as checked")
+        assert "error" not in ao and "error" not in ao["compiled"], ao.get("traceback") or ao["compiled"]
+        assert _positive(ao["eager_ms"]) and _positive(ao["compiled"]["forward_ms"])
+        # every linear of ours, no other; SANA's 1x1 convolutions are ours alone
+        assert ao["same_layers_as_ours"] and ao["layers"] > 0
+        assert ao["layers"] + len(ao["ours_not_in_peer"]) == len(p["int8"]["quantized_layers"])
+
+
+def test_iteration_table_adds_refresh_and_training_to_the_rollouts(session):
+    """sol_rl = ceil(N P / b) x 6 x t_q + ceil(K P / b) x 10 x t_bf16 + refresh + training; naive_scaling =
+    ceil(N P / b) x 10 x t_bf16 + training; training = n_t x ceil(K P / train batch) x t_update."""
+    rec = {
+        "precisions": {"bf16": {"eager_ms": 100.0}, "fp8": {"eager_ms": 60.0, "refresh_ms": 50.0}},
+        "train_settings": {"batch": 12, "timestep_fraction": 0.4},
+        "nft_update": {"ms": 900.0, "batch": 12, "checkpointing": True},
+    }
+    t = session.iteration_table(rec, 24)
+    updates = 4 * math.ceil(24 * 6 / 12)
+    assert t["training"]["update_batches"] == updates
+    it = t["eager/fp8"]
+    train = updates * 0.9
+    assert it["train_s"] == pytest.approx(train)
+    assert it["sol_rl_total_s"] == pytest.approx(24 * 6 * 0.06 + 6 * 10 * 0.1 + 0.05 + train)
+    assert it["naive_scaling_total_s"] == pytest.approx(24 * 10 * 0.1 + train)
+    rec.pop("nft_update")
+    t = session.iteration_table(rec, 24)
+    assert t["eager/fp8"]["train_s"] == 0.0 and "not measured" in t["training"]["left_out"]
 
 
 def test_a_small_budget_skips_the_later_stages_and_says_so(session, tmp_path, capsys):
