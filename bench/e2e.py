@@ -96,6 +96,7 @@ def run_family(cfg: RLConfig, warmup: int) -> dict[str, object]:
     res["compiles"] = st.compiles
     res["compile_s"] = st.compile_s
     res["time_compile_s"] = st.overhead_s  # once per run: compile + capture, out of the phase times
+    res["compile_census"] = st.census.to_dict()  # each compiled graph's GEMMs: traced scaled GEMMs, opaque ops
     if torch.cuda.is_available():
         res["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
     del trainer

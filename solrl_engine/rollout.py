@@ -125,8 +125,13 @@ class Rollouts:
         graphed = FAMILY_TABLE[cfg.family].compiled or want
         if graphed and self.device.type not in ("cuda", "cpu"):
             log.info("compiled sampler: needs a CUDA device or the CPU; sampling eagerly on %s.", self.device.type)
+        if graphed:
+            from solrl_engine.sampling.compile import use_cache_dir
+
+            use_cache_dir(cfg.compile_cache_dir)
         self.sampler = GraphedSampler(self.model, enabled=graphed and self.device.type in ("cuda", "cpu"),
-                                      cpu_compile=graphed)  # fmt: skip
+                                      cpu_compile=graphed, mode=cfg.compile_mode, regional=cfg.compile_regional,
+                                      blocks=self.spec.repeated_blocks)  # fmt: skip
 
     def build_explore(self, choice: Any) -> None:
         """Explore as `choice` (an hw.ExploreChoice) says: a quantized copy of the policy's transformer

@@ -52,7 +52,7 @@ from solrl_engine.kernels.ops import (
     nvfp4_dequantize,
     nvfp4_quantize,
 )
-from solrl_engine.quant import hadamard, int8, nvfp4
+from solrl_engine.quant import fp8, hadamard, int8, nvfp4
 from solrl_engine.quant.fp8 import FP8Tensor
 from solrl_engine.quant.int8 import Int8Tensor
 from solrl_engine.quant.nvfp4 import NVFP4Tensor
@@ -83,9 +83,7 @@ WEIGHT_ONLY_HINT = ("weight-only GEMMs take BF16/FP16 activations: run the explo
 PASSED_OVER_HINT = "the layer's GEMM line in QuantReport (quantization.txt) says why the fast kernel was passed over"
 
 
-def _traced(
-    tag: str, x: torch.Tensor, fn: Callable[[], torch.Tensor], hint: str
-) -> torch.Tensor:
+def _traced(tag: str, x: torch.Tensor, fn: Callable[[], torch.Tensor], hint: str) -> torch.Tensor:
     """Run one layer's GEMM with autocast off (the op writes its own out_dtype; inner matmuls must not
     be recast), recording what ran under `tag` when the layer has one."""
     dev = x.device.type
@@ -274,8 +272,19 @@ def _nvfp4_linear_op(
 
 
 @_nvfp4_linear_op.register_fake
-def _(x, qdata, scale, global_scale, bias, quantize_input, rht_signs=None, four_over_six=False, backend="",  # noqa: ANN001, ANN202
-      out_dtype=None, tag=""):  # noqa: ANN001
+def _(
+    x,
+    qdata,
+    scale,
+    global_scale,
+    bias,
+    quantize_input,
+    rht_signs=None,
+    four_over_six=False,
+    backend="",  # noqa: ANN001, ANN202
+    out_dtype=None,
+    tag="",
+):  # noqa: ANN001
     return x.new_empty((*x.shape[:-1], qdata.shape[0]), dtype=out_dtype or x.dtype)
 
 
@@ -393,7 +402,10 @@ def fp8_linear(
     out_dtype: torch.dtype | None = None, tag: str = "",
 ) -> torch.Tensor:  # fmt: skip
     """y = x W^T + b with W in FP8 (per output channel); x FP8 per token (W8A8) or as is (W8A16);
-    in `out_dtype` (default x's). `tag` (a layer's) records what ran (`dispatch.runs`)."""
+    in `out_dtype` (default x's). `tag` (a layer's) records what ran (`dispatch.runs`); under
+    torch.compile a layer on `cuda` takes the traced form (`traced_fp8_linear`)."""
+    if quantize_input and traced(backend) and x.numel():
+        return traced_fp8_linear(x, weight, bias, out_dtype or x.dtype)
     return _fp8_linear_op(x, weight.data, weight.scale, bias, quantize_input, backend, out_dtype, tag)
 
 
@@ -469,5 +481,68 @@ def int8_linear(
     out_dtype: torch.dtype | None = None, tag: str = "",
 ) -> torch.Tensor:  # fmt: skip
     """y = x W^T + b, W8A8: W INT8 per output channel, x INT8 per token (symmetric, solrl_engine.quant.int8);
-    in `out_dtype` (default x's). `tag` (a layer's) records what ran (`dispatch.runs`)."""
+    in `out_dtype` (default x's). `tag` (a layer's) records what ran (`dispatch.runs`); under
+    torch.compile a layer on `cuda` takes the traced form (`traced_int8_linear`)."""
+    if traced(backend) and x.numel():
+        return traced_int8_linear(x, weight, bias, out_dtype or x.dtype)
     return _int8_linear_op(x, weight.data, weight.scale, bias, backend, out_dtype, tag)
+
+
+# --- traced forms (under torch.compile) -------------------------------------------------------------
+# Under torch.compile the opaque custom ops above hide the activation quantize from inductor: the
+# producer (a norm, a modulation, a GELU) writes its output, then the op reads it again for the row
+# amax and the cast. The traced forms are the same math as the layer's `cuda` implementation written
+# as plain torch ops (the reference quantize, then the scaled GEMM cuBLASLt runs), so inductor fuses
+# the amax and the cast into the kernel that produces x and the epilogue into the GEMM's consumer.
+# They run only where the layer chose `cuda` (its GEMM fits; a CPU counts under SOLRL_SIMULATE_SM)
+# and only while dynamo traces; eager calls keep the custom ops. What a compiled graph holds is
+# recorded by its census (solrl_engine.sampling.compile), not per call.
+
+TRACE_QUANTIZE = True  # `set_trace_quantize(False)`: compiled models keep the opaque ops (for comparison)
+
+
+def set_trace_quantize(on: bool) -> None:
+    """Whether compiled quantized layers take their traced form (the default) or the opaque custom op.
+    Dynamo guards on this flag, so changing it recompiles rather than reusing a stale graph."""
+    global TRACE_QUANTIZE
+    TRACE_QUANTIZE = bool(on)
+
+
+def traced(backend: str) -> bool:
+    """True while dynamo traces a call whose layer runs the `cuda` implementation: take the traced form."""
+    return backend == "cuda" and TRACE_QUANTIZE and torch.compiler.is_compiling()
+
+
+def _no_autocast(x: torch.Tensor) -> contextlib.AbstractContextManager:
+    dev = x.device.type
+    return torch.autocast(dev, enabled=False) if torch.is_autocast_enabled(dev) else contextlib.nullcontext()
+
+
+def traced_fp8_linear(
+    x: torch.Tensor, weight: FP8Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """W8A8 FP8 as `_cuda_fp8_linear` computes it: the reference row-wise quantize (traceable, so fused
+    into x's producer), cuBLASLt's row-wise `torch._scaled_mm` with BF16 output, cast to `out_dtype`."""
+    x2 = _flat(x)
+    with _no_autocast(x):
+        xq = fp8.quantize_rowwise(x2)
+        b = None if bias is None else bias.to(torch.bfloat16)
+        y = torch._scaled_mm(xq.data, weight.data.t(), scale_a=xq.scale.reshape(-1, 1),
+                             scale_b=weight.scale.reshape(1, -1), bias=b, out_dtype=torch.bfloat16)  # fmt: skip
+        return _finish(y, x, out_dtype)
+
+
+def traced_int8_linear(
+    x: torch.Tensor, weight: Int8Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """W8A8 INT8 as `_cuda_int8_linear` computes it: the reference row-wise quantize (fused into x's
+    producer), `torch._int_mm` (rows padded to 17 on CUDA), the reference epilogue (fused after it)."""
+    x2 = _flat(x)
+    m, (n, k) = x2.shape[0], weight.data.shape
+    with _no_autocast(x):
+        s = int8.row_scales(x2)
+        a = int8.encode(x2, s)
+        if x.device.type == "cuda" and m < MIN_INT_MM_ROWS:
+            a = torch.cat([a, a.new_zeros(MIN_INT_MM_ROWS - m, k)])
+        acc = torch._int_mm(a, weight.data.t())[:m]
+        return int8.scale_epilogue(acc, s, weight.scale, bias, out_dtype).reshape(*x.shape[:-1], n)

@@ -44,6 +44,9 @@ class ModelSpec:
     guidance: "cfg" (classifier-free guidance against the empty prompt, in the sampler) or
         "embedded" (FLUX.1-dev's distilled guidance, an input of the transformer).
     pipeline: the diffusers pipeline class the weights load into (and LoRA exports load back into).
+    repeated_blocks: the transformer's repeated block classes: the compiled sampler compiles each
+        once and reuses it for every instance (regional compilation; diffusers declares this for
+        FLUX only, as `_repeated_blocks`).
     """
 
     name: str
@@ -62,6 +65,7 @@ class ModelSpec:
     )
     guidance: str = "cfg"
     guidance_scale: float = 1.0
+    repeated_blocks: tuple[str, ...] = ()
 
     def build(self, path: str | Path | None, device: torch.device | str, dtype: torch.dtype, **options: Any
               ) -> FlowModel:  # fmt: skip

@@ -121,4 +121,5 @@ SPEC = ModelSpec(
     explore_rule={},  # every eligible linear; the recipe's defaults keep embedders, adaLN and proj_out
     guidance="embedded",
     guidance_scale=3.5,
+    repeated_blocks=("FluxTransformerBlock", "FluxSingleTransformerBlock"),
 )

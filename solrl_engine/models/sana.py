@@ -91,4 +91,5 @@ SPEC = ModelSpec(
     explore_rule=SANA_EXPLORE_RULE,
     guidance="cfg",
     guidance_scale=1.0,
+    repeated_blocks=("SanaTransformerBlock",),
 )

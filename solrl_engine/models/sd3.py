@@ -27,6 +27,7 @@ SD3_LORA_TARGETS = (
     "attn.to_add_out",
 )
 SD3_EXPLORE_RULE: dict[str, Any] = {"include": ("transformer_blocks.*.ff.*",)}
+SD3_BLOCKS = ("JointTransformerBlock", "SD3SingleTransformerBlock")  # the MMDiT's repeated blocks
 
 
 class SD3Model(PipelineFlowModel):
@@ -83,4 +84,5 @@ SPEC = ModelSpec(
     explore_rule=SD3_EXPLORE_RULE,
     guidance="cfg",
     guidance_scale=1.0,
+    repeated_blocks=SD3_BLOCKS,
 )

@@ -93,6 +93,14 @@ class RLConfig:
     # CUDA; off on a CPU, where a cold inductor compile (~25 s per batch shape on 2 cores) costs more than
     # a short run saves (rollouts about 1.3x faster once compiled); true compiles there too.
     compiled_sampler: bool | None = None
+    # how the compiled sampler compiles (solrl_engine.sampling.compile): compile_mode None is inductor's
+    # default (no autotuning), "max-autotune-no-cudagraphs" searches kernels (minutes per shape, cold);
+    # compile_regional compiles the rollout copies' repeated transformer blocks once instead of the whole
+    # module; compile_cache_dir keeps inductor's compiled code on disk for the next run (None: torch's
+    # temporary per-user directory)
+    compile_mode: str | None = None
+    compile_regional: bool = True
+    compile_cache_dir: str | None = None
     rollout_batch_size: int = 96
     decode_batch_size: int = 8  # images per VAE decode call (memory at 1024 px)
     offload_text_encoders: bool = True  # move the text encoders to CPU after the prompts are encoded
@@ -166,6 +174,11 @@ class RLConfig:
             raise bad("solver", "choose 'euler' or 'dpm2'")
         if self.explore_precision not in EXPLORE_PRECISIONS:
             raise bad("explore_precision", f"choose one of {EXPLORE_PRECISIONS}")
+        from solrl_engine.sampling.compile import COMPILE_MODES
+
+        if self.compile_mode not in COMPILE_MODES:
+            raise bad("compile_mode", f"choose one of {COMPILE_MODES} (null: inductor's default, no autotuning; modes "
+                                      "with inductor's own CUDA graphs are refused: the sampler captures the loop)")
         if not 0 < self.timestep_fraction <= 1:
             raise bad("timestep_fraction", "must be in (0, 1]")
         if self.beta <= 0:

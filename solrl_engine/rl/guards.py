@@ -15,7 +15,8 @@ log = logging.getLogger("solrl_engine.rl")
 # config keys that do not change which seeds, samples or updates come next: free to change on resume
 SAFE_TO_CHANGE_ON_RESUME = {
     "name", "output", "iterations", "device", "eval_every", "save_every", "keep_checkpoints", "log_with",
-    "compiled_sampler", "rollout_batch_size", "decode_batch_size", "offload_text_encoders", "gradient_checkpointing",
+    "compiled_sampler", "compile_mode", "compile_regional", "compile_cache_dir",
+    "rollout_batch_size", "decode_batch_size", "offload_text_encoders", "gradient_checkpointing",
     "proxy_floor", "proxy_window", "proxy_fallback", "nonfinite_policy",
 }  # fmt: skip
 

@@ -545,6 +545,8 @@ class Trainer:
             "mean_time_total_s": sum(h["time_total_s"] for h in history) / max(1, len(history)),
             # one-off sampler compilation (CPU: inductor) or graph capture (GPU), out of the times above
             "time_compile_s": self.rollouts.sampler.stats.overhead_s,
+            # what the compiled graphs compute their GEMMs with (quantized layers traced, or opaque ops)
+            "compile_census": self.rollouts.sampler.stats.census.to_dict(),
             "nonfinite_skipped": self.nonfinite,
             "stopped_early": self.iteration < c.iterations,
         }

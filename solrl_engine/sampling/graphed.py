@@ -11,6 +11,11 @@ id), so each gets its own graph once.
 On a CPU there are no graphs: with `cpu_compile=True` the denoiser is torch.compile'd through
 inductor (C++; one compile per batch shape and Python-level state, the first call of each timed as
 `stats.compile_s`), else, and with `enabled=False`, it is the eager `sample`, unchanged.
+
+How it compiles (solrl_engine.sampling.compile): a rollout copy's repeated blocks in place, once per
+block class (regional); a module that trains (the policy itself) whole, behind a wrapper; inductor's
+default mode unless `mode` asks for autotuning; every compiled graph's GEMMs counted in
+`stats.census` (quantized layers take their traced form there: the quantize fused into its producer).
 """
 
 from __future__ import annotations
@@ -25,6 +30,14 @@ import torch
 from torch import nn
 
 from solrl_engine.models.base import Conditioning, FlowModel
+from solrl_engine.sampling.compile import (
+    Census,
+    census_backend,
+    check_mode,
+    compile_regions,
+    repeated_blocks,
+    trainable,
+)
 from solrl_engine.sampling.sampler import SOLVERS, _solve, sample, schedule_pair, seeded_noise
 
 log = logging.getLogger("solrl_engine.sampling")
@@ -45,14 +58,16 @@ class _Graph:
 @dataclass
 class GraphStats:
     """What capture and compilation cost and how often they were avoided (the bench reports these).
-    capture_s (GPU: compile + warm-up + capture) and compile_s (CPU: compile + one forward) are one-off
-    costs: `overhead_s` is their sum, which the trainer keeps out of its phase times."""
+    compile_s (the first, compiling forward of each shape: GPU warm-up, CPU forward) and capture_s
+    (GPU: the graph capture alone) are one-off costs: `overhead_s` is their sum, which the trainer keeps
+    out of its phase times. `census`: what the compiled graphs compute their GEMMs with."""
 
     captures: int = 0
     capture_s: list[float] = field(default_factory=list)
     replays: int = 0
     compiles: int = 0
     compile_s: list[float] = field(default_factory=list)
+    census: Census = field(default_factory=Census)
 
     @property
     def overhead_s(self) -> float:
@@ -77,14 +92,17 @@ class _Compiled:
 class GraphedSampler:
     """`sample` with each (batch, steps, solver, ...) shape captured once and replayed after.
 
-    compile: torch.compile the denoiser first ("max-autotune-no-cudagraphs": we capture ourselves).
-    Batches are chunked to `batch_size`; a short last chunk is padded to it (the padding rows are
-    dropped), so one graph serves every call of that size.
+    compile: torch.compile the denoiser first (`mode`, default inductor's without autotuning; no
+    inductor CUDA graphs in any mode: we capture ourselves). Batches are chunked to `batch_size`; a
+    short last chunk gets a graph of its own size (no padded rows computed), captured once.
+    regional: compile a rollout copy's repeated blocks (`blocks`: the ModelSpec's `repeated_blocks`)
+    in place rather than the whole module.
     """
 
     def __init__(
-        self, model: FlowModel, enabled: bool = True, compile: bool = True, warmup: int = 1, cpu_compile: bool = False
-    ) -> None:
+        self, model: FlowModel, enabled: bool = True, compile: bool = True, warmup: int = 1, cpu_compile: bool = False,
+        mode: str | None = None, regional: bool = True, blocks: Sequence[str] = (),
+    ) -> None:  # fmt: skip
         """`cpu_compile`: on a CPU, torch.compile (inductor) instead of sampling eagerly. Off by
         default: a compile costs tens of seconds on a few cores (the `compile` family and
         compiled_sampler turn it on); it also needs a C++ compiler, without one it stays eager."""
@@ -94,6 +112,9 @@ class GraphedSampler:
         self.enabled = enabled
         self.compile = compile
         self.warmup = warmup
+        self.mode = check_mode(mode)
+        self.regional = regional
+        self.blocks = tuple(blocks)
         self.cpu_compile = cpu_compile and enabled and compile
         if self.cpu_compile:
             from solrl_engine.hw import cpu_compile_available
@@ -109,12 +130,21 @@ class GraphedSampler:
         self._eager: set[int] = set()  # CPU: modules whose compilation failed, sampled eagerly
         self._pool: Any = None
 
-    def _module(self, transformer: nn.Module | None, mode: str | None = "max-autotune-no-cudagraphs") -> Any:
-        mod = transformer or self.model.transformer
+    def _module(self, transformer: nn.Module | None) -> Any:
+        """The compiled form of `transformer` (default the model's): its blocks compiled in place when
+        it is a rollout copy and regional is on, else a compiled wrapper of the whole module."""
+        mod = transformer if transformer is not None else self.model.transformer
         if not self.compile:
             return mod
         if id(mod) not in self._compiled:
-            self._compiled[id(mod)] = _Compiled(torch.compile(mod, mode=mode, dynamic=False))
+            backend = census_backend(self.stats.census, self.mode)
+            regions = 0 if not self.regional or trainable(mod) else compile_regions(mod, backend, self.blocks)
+            if regions:
+                log.info("regional compile: %d repeated blocks (%s) compiled in place", regions,
+                         ", ".join(sorted({type(b).__name__ for b in repeated_blocks(mod, self.blocks)})))  # fmt: skip
+                self._compiled[id(mod)] = mod
+            else:
+                self._compiled[id(mod)] = _Compiled(torch.compile(mod, backend=backend, dynamic=False))
         return self._compiled[id(mod)]
 
     def reset(self) -> None:
@@ -158,13 +188,10 @@ class GraphedSampler:
         outs = []
         for i in range(0, len(seeds), bs):
             chunk, c = list(seeds[i : i + bs]), cond[i : i + bs]
-            n = len(chunk)
-            if n < bs:  # pad to the captured shape with copies of the last row
-                chunk += [chunk[-1]] * (bs - n)
-                c = Conditioning.cat([c] + [c[n - 1 : n]] * (bs - n))
+            n = len(chunk)  # a short last chunk is captured at its own size: padding would compute waste rows
             x = seeded_noise(chunk, tuple(self.model.latent_shape), device, dtype)
             u_sig = None if uncond is None else [(tuple(t.shape), t.dtype) for t in uncond.tensors()]
-            key = (bs, steps, shift, solver, dtype, [(tuple(t.shape), t.dtype) for t in c.tensors()],
+            key = (n, steps, shift, solver, dtype, [(tuple(t.shape), t.dtype) for t in c.tensors()],
                    id(transformer), tag, guidance_scale, u_sig, amp)  # fmt: skip
             key = repr(key)
             g = self._graphs.get(key) or self._capture(key, x, c, steps, shift, solver, transformer, guidance_scale,
@@ -177,7 +204,7 @@ class GraphedSampler:
                     dst.copy_(src)
             g.graph.replay()
             self.stats.replays += 1
-            outs.append(g.out[:n].clone())
+            outs.append(g.out.clone())
         return torch.cat(outs)
 
     def _sample_cpu(
@@ -203,7 +230,7 @@ class GraphedSampler:
         if id(mod_eager) in self._eager:
             return sample(self.model, cond, seeds, steps, shift, solver, guidance_scale, uncond, batch_size, dtype,
                           transformer)  # fmt: skip
-        mod = self._module(transformer, mode=None)
+        mod = self._module(transformer)
         bs = batch_size or len(seeds)
         amp = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
         for i in range(0, len(seeds), bs):
@@ -228,7 +255,8 @@ class GraphedSampler:
             self._warm.add(key)
             self.stats.compiles += 1
             self.stats.compile_s.append(time.perf_counter() - t0)
-            log.info("compiled the sampler's denoiser on CPU (batch %d) in %.1f s", len(c), self.stats.compile_s[-1])
+            log.info("compiled the sampler's denoiser on CPU (batch %d) in %.1f s; %s", len(c), self.stats.compile_s[-1],
+                     self.stats.census.summary())  # fmt: skip
         return sample(self.model, cond, seeds, steps, shift, solver, guidance_scale, uncond, batch_size, dtype, mod)
 
     def _capture(
@@ -261,6 +289,10 @@ class GraphedSampler:
             for _ in range(self.warmup):
                 run()
         torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()  # compile (first shape of a module) + warm-up forwards, apart from capture
+        self.stats.compiles += 1
+        self.stats.compile_s.append(t1 - t0)
         graph = torch.cuda.CUDAGraph()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
@@ -270,6 +302,9 @@ class GraphedSampler:
         g = _Graph(graph, sx, sc, out, sig, su)
         self._graphs[key] = g
         self.stats.captures += 1
-        self.stats.capture_s.append(time.perf_counter() - t0)
-        log.info("captured a sampling graph (batch %d, %d steps) in %.2f s", len(x), steps, self.stats.capture_s[-1])
+        self.stats.capture_s.append(time.perf_counter() - t1)
+        log.info("sampling graph (batch %d, %d steps): compile + warm-up %.1f s, capture %.2f s", len(x), steps,
+                 self.stats.compile_s[-1], self.stats.capture_s[-1])  # fmt: skip
+        if len(self.stats.census.graphs) and self.stats.captures == 1:
+            log.info("compiled denoiser: %s", self.stats.census.summary())
         return g

@@ -1,7 +1,7 @@
 """The bundled default model (see MODEL_CARD.md beside this file)."""
 
 from solrl_engine.models import ModelSpec
-from solrl_engine.models.sd3 import SD3_EXPLORE_RULE, SD3_LORA_TARGETS
+from solrl_engine.models.sd3 import SD3_BLOCKS, SD3_EXPLORE_RULE, SD3_LORA_TARGETS
 from solrl_engine.models.tiny.model import TinyConfig, TinyT2I, load_tiny
 
 # The real SD3 class at a tiny size, so it takes SD3's LoRA targets and SD3's explore rule (the
@@ -16,6 +16,7 @@ SPEC = ModelSpec(
     explore_rule=SD3_EXPLORE_RULE,
     guidance="cfg",
     guidance_scale=1.0,
+    repeated_blocks=SD3_BLOCKS,
 )
 
 __all__ = ["SPEC", "TinyConfig", "TinyT2I", "load_tiny"]

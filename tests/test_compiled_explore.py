@@ -1,0 +1,229 @@
+"""Compiled explore with the quantize traced, proven on a CPU through inductor (C++), at a simulated
+GPU capability (SOLRL_SIMULATE_SM) where torch._scaled_mm and torch._int_mm run on the CPU:
+
+- the traced forms of the FP8 and INT8 layers give the eager fast path's bits under torch.compile;
+- inductor fuses the activation's row amax and cast into the kernel that produces the activation;
+- the compiled graphs hold scaled GEMMs and no opaque quantized op (the census records it);
+- regional compilation compiles a rollout copy's repeated block once, never a training module in place;
+- the compiled sampler on the tiny model and the tiny real-class pipelines (saved, reloaded) gives the
+  eager explore's outputs to the precision's tolerance.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from families import families
+from tiny_pipelines import SIZES, build_flux, build_sana, build_sd3
+from torch import nn
+
+from solrl_engine.hw import cpu_compile_available
+from solrl_engine.kernels import linear as klinear
+from solrl_engine.models import load_model, model_spec
+from solrl_engine.nn import QuantLinear, fast_path
+from solrl_engine.rl.config import ConfigError, RLConfig
+from solrl_engine.rl.explore import POLICY, ExploreCopy
+from solrl_engine.sampling import GraphedSampler, sample
+from solrl_engine.sampling.compile import (
+    OPAQUE,
+    Census,
+    census_backend,
+    compile_regions,
+    repeated_blocks,
+    use_cache_dir,
+)
+
+pytestmark = pytest.mark.skipif(not cpu_compile_available()[0], reason="inductor needs a C++ compiler on a CPU")
+
+SM = {"fp8": "90", "int8": "80"}  # the GPU generation whose fast GEMM each format's layer takes
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+    klinear.set_trace_quantize(True)
+
+
+def _compiled(fn, census: Census):
+    return torch.compile(fn, backend=census_backend(census), dynamic=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_traced_layer_gives_the_eager_fast_paths_numbers(fmt, dtype, monkeypatch):
+    monkeypatch.setenv("SOLRL_SIMULATE_SM", SM[fmt])
+    monkeypatch.delenv("SOLRL_BACKEND", raising=False)
+    torch.manual_seed(0)
+    for shape in [(7, 48), (3, 5, 128)]:
+        lin = nn.Linear(shape[-1], 32)
+        layer = QuantLinear.from_linear(lin, fmt)
+        assert layer.choose_kernel()[0] == "cuda"
+        census = Census()
+        fn = _compiled(layer, census)
+        for name, x in families(shape, seed=len(shape)):
+            x = x.to(dtype)
+            want = layer(x)
+            assert fast_path(nn.Sequential(layer)).fast == ["0"], f"{name}: eager ran {fast_path(layer).summary()}"
+            got = fn(x)
+            assert got.dtype == want.dtype == dtype
+            if fmt == "fp8":  # the quantize and cuBLASLt's GEMM as eager runs them: the same bits
+                torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True, msg=name)
+            else:  # the same codes and INT32 sums; inductor may contract the epilogue's scale and bias into an FMA
+                torch.testing.assert_close(got, want, rtol=2e-6 if dtype == torch.float32 else 8e-3, atol=0,
+                                           equal_nan=True, msg=name)  # fmt: skip
+        assert census.traced == len(census.graphs) == 1 and census.opaque == 0, census.summary()
+
+
+def _norm_then_quantized(fmt: str) -> nn.Module:
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.LayerNorm(64, elementwise_affine=False)
+            self.proj = QuantLinear.from_linear(nn.Linear(64, 128), fmt)
+
+        def forward(self, x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+            return self.proj(self.norm(x) * (1 + scale) + shift)  # adaLN modulation, as a DiT block has
+
+    return Block()
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_the_activation_quantize_fuses_into_the_norm_that_produces_it(fmt, monkeypatch):
+    from torch._inductor.utils import run_and_get_code
+
+    monkeypatch.setenv("SOLRL_SIMULATE_SM", SM[fmt])
+    torch.manual_seed(1)
+    block = _norm_then_quantized(fmt)
+    x, shift, scale = torch.randn(4, 16, 64), torch.randn(4, 1, 64), torch.randn(4, 1, 64)
+    census = Census()
+    _, code = run_and_get_code(_compiled(block, census), x, shift, scale)
+    kernels = set(re.findall(r"\b(cpp_fused_\w+)", "\n".join(code)))
+    fused = [k for k in kernels if "native_layer_norm" in k and "amax" in k]
+    assert fused, f"no kernel computes the norm and the row amax together: {sorted(kernels)}"
+    gemm = "_scaled_mm" if fmt == "fp8" else "_int_mm"
+    assert re.search(rf"extern_kernels\.{gemm}\(", "\n".join(code)), "the scaled GEMM is not cuBLASLt's (extern) op"
+    assert census.traced == 1 and census.opaque == 0
+    # the opaque custom op, for contrast: inductor cannot see into it
+    torch._dynamo.reset()
+    klinear.set_trace_quantize(False)
+    opaque = Census()
+    _, code = run_and_get_code(_compiled(block, opaque), x, shift, scale)
+    assert opaque.total()[OPAQUE] == 1 and opaque.traced == 0
+    assert not any("amax" in k for k in re.findall(r"\b(cpp_fused_\w+)", "\n".join(code)))
+
+
+def test_regional_compile_traces_each_block_class_once_and_never_a_training_module():
+    torch.manual_seed(2)
+    model = load_model("tiny")
+    spec = model_spec("tiny")
+    copy = ExploreCopy(model.transformer, POLICY)
+    blocks = repeated_blocks(copy.transformer, spec.repeated_blocks)
+    assert len(blocks) == model.config.num_layers
+    census = Census()
+    assert compile_regions(copy.transformer, census_backend(census), spec.repeated_blocks) == len(blocks)
+    cond = model.encode_prompts(["a red circle", "a blue square"])
+    x, t = torch.randn(2, *model.latent_shape), torch.full((), 0.6)
+    with torch.no_grad():
+        got = model.velocity(x, t, cond, transformer=copy.transformer)
+        want = model.velocity(x, t, cond)  # the eager policy: same weights, no LoRA yet
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    # six blocks, at most three variants of one class (SD3's last block is context-only): traced once each
+    assert 1 <= len(census.graphs) <= 3, census.summary()
+    # the trained policy: the sampler compiles it whole behind a wrapper, its blocks stay eager
+    gs = GraphedSampler(model, cpu_compile=True, blocks=spec.repeated_blocks)
+    model.transformer.requires_grad_(True)
+    wrapped = gs._module(None)
+    assert wrapped is not model.transformer
+    assert all(
+        getattr(b, "_compiled_call_impl", None) is None
+        for b in repeated_blocks(model.transformer, spec.repeated_blocks)
+    )
+
+
+BUILDERS = {"sd3": build_sd3, "flux": build_flux, "sana": build_sana}
+
+
+@pytest.fixture(scope="module")
+def pipes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("compiled")
+    return {name: build(root / name) for name, build in BUILDERS.items()}
+
+
+def _explore(model, spec, fmt: str) -> tuple[dict[str, float], Census, ExploreCopy]:
+    """The compiled sampler against the eager one on the same quantized copy, beside quantization's own
+    error (mean absolute differences of the samples). One step compares the same computation; over
+    several steps a trajectory is chaotic in FP8/INT8 codes (a last-bit difference upstream flips a
+    code, which moves the sample by a quantization step), so there the two are compared by accuracy."""
+    copy = ExploreCopy(model.transformer, fmt, changes=spec.explore_rule)
+    cond = model.encode_prompts(["a red circle", "a blue square"])
+    seeds = [3, 4]
+    gs = GraphedSampler(model, cpu_compile=True, blocks=spec.repeated_blocks)
+    out: dict[str, float] = {}
+    for steps in (1, 3):
+        policy = sample(model, cond, seeds, steps)
+        eager = sample(model, cond, seeds, steps, transformer=copy.transformer)
+        got = gs.sample(cond, seeds, steps, transformer=copy.transformer)
+        out[f"compiled_vs_eager_{steps}"] = float((got - eager).abs().mean())
+        out[f"eager_vs_policy_{steps}"] = float((eager - policy).abs().mean())
+        out[f"compiled_vs_policy_{steps}"] = float((got - policy).abs().mean())
+    assert gs.stats.compiles == 1 and gs.stats.compile_s[0] > 0  # one denoiser graph serves both step counts
+    return out, gs.stats.census, copy
+
+
+@pytest.mark.parametrize(("name", "fmt"), [("tiny", "fp8"), ("tiny", "int8"), ("sd3", "fp8"), ("flux", "fp8"),
+                                           ("sana", "int8")])  # fmt: skip
+def test_compiled_explore_matches_eager_on_the_real_classes(name, fmt, pipes, monkeypatch):
+    monkeypatch.setenv("SOLRL_SIMULATE_SM", SM[fmt])
+    monkeypatch.delenv("SOLRL_BACKEND", raising=False)
+    torch.manual_seed(3)
+    model = load_model("tiny") if name == "tiny" else load_model(name, pipes[name], "cpu", torch.float32,
+                                                                 resolution=SIZES[name])  # fmt: skip
+    spec = model_spec(name)
+    err, census, copy = _explore(model, spec, fmt)
+    in_blocks = sum(isinstance(m, QuantLinear) for b in repeated_blocks(copy.transformer, spec.repeated_blocks)
+                    for m in b.modules())  # fmt: skip
+    assert in_blocks, "the family's rule quantizes nothing inside its repeated blocks"
+    # every compiled graph's quantized GEMMs are traced scaled GEMMs; none is an opaque op
+    assert census.traced >= 1 and census.opaque == 0, census.summary()
+    # one step: compiled explore computes what eager explore does, far inside quantization's own error
+    assert err["eager_vs_policy_1"] > 0
+    assert err["compiled_vs_eager_1"] <= 0.05 * err["eager_vs_policy_1"], err
+    # three steps: compiled explore is as accurate as eager explore
+    assert err["compiled_vs_policy_3"] <= 1.5 * err["eager_vs_policy_3"], err
+
+
+def test_compile_config_keys_are_checked_and_read():
+    with pytest.raises(ConfigError, match="compile_mode"):
+        RLConfig(compile_mode="max-autotune").validate()
+    RLConfig(compile_mode="max-autotune-no-cudagraphs", compile_regional=False).validate()
+    gs = GraphedSampler(load_model("tiny"), cpu_compile=True, mode="max-autotune-no-cudagraphs", regional=False)
+    assert gs.mode == "max-autotune-no-cudagraphs" and not gs.regional
+
+
+def test_a_cache_dir_makes_the_second_process_load_compiled_code(tmp_path):
+    """compile_cache_dir: a second run (a fresh process, as a new job or machine given the directory)
+    finds the first's FX graph in the cache instead of compiling it."""
+    script = textwrap.dedent(f"""
+        import torch
+        from solrl_engine.sampling.compile import use_cache_dir
+        use_cache_dir({str(tmp_path / "cache")!r})
+        f = torch.compile(lambda x: torch.nn.functional.gelu(x) * 2 + 1)
+        f(torch.randn(8, 8))
+        c = torch._dynamo.utils.counters["inductor"]
+        print("HITS", c["fxgraph_cache_hit"], "MISSES", c["fxgraph_cache_miss"])
+    """)  # fmt: skip
+    outs = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300) for _ in "ab"]
+    for o in outs:
+        assert o.returncode == 0, o.stderr[-2000:]
+    first, second = (re.search(r"HITS (\d+) MISSES (\d+)", o.stdout).groups() for o in outs)
+    assert first == ("0", "1") and second == ("1", "0"), (first, second)
+    assert (tmp_path / "cache").is_dir() and any((tmp_path / "cache").rglob("*"))
+    assert use_cache_dir(None) is None
