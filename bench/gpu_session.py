@@ -46,6 +46,7 @@ from solrl_engine.rl.adapters import OLD, TRAIN, LoraAdapters
 from solrl_engine.rl.distributed import Dist
 from solrl_engine.rl.explore import ExploreCopy
 from solrl_engine.rl.update import nft_update
+from solrl_engine.sampling.compile import Census, census_backend, compile_regions, uncompile_regions
 
 HERE = Path(__file__).resolve().parent
 
@@ -238,6 +239,11 @@ def _autocast(device: torch.device) -> Any:
     return torch.autocast(device.type, dtype=torch.bfloat16)
 
 
+def _blocks(alias: str) -> tuple[str, ...]:
+    """The family's repeated block classes: compiled once each (regional), as the compiled sampler does."""
+    return model_spec(ARCH_ALIASES.get(alias, alias)).repeated_blocks
+
+
 def explore_rule(alias: str, fmt: str) -> dict[str, Any]:
     """The family's layer rule widened for the format as the engine's rollouts do (INT8: every eligible layer)."""
     spec = model_spec(ARCH_ALIASES.get(alias, alias))
@@ -332,29 +338,57 @@ def forward_fn(model: Any, net: nn.Module, inputs: tuple, device: torch.device) 
 
 
 def compiled_forward(model: Any, net: nn.Module, inputs: tuple, device: torch.device, reps: int,
-                     backend: str) -> dict[str, Any]:  # fmt: skip
-    """torch.compile(mode=None) of the whole forward through `net` (velocity, the same function eager
-    times): the first call's seconds (compile) apart from the median forward. The function, not the
-    module, is compiled: velocity's `transformer or self.transformer` calls len() on a compiled module."""
+                     backend: str, blocks: tuple[str, ...] = ()) -> dict[str, Any]:  # fmt: skip
+    """The forward through `net` as the compiled sampler runs it: its repeated blocks compiled in place
+    (regional, `blocks`: the family's ModelSpec.repeated_blocks; inductor's default mode), with the census
+    of what each compiled graph computes its GEMMs with; without `blocks`, torch.compile of the whole
+    velocity function. The first call's seconds (cold compile) apart from the median forward; on a GPU
+    the forward also captured in a CUDA graph and replayed (`graphed_ms`), as rollouts replay the loop.
+    The blocks are restored to eager after."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
+    census = Census()
+    inner = census_backend(census, None, "eager" if backend == "eager" else "inductor")
 
     def velocity(x: torch.Tensor, t: torch.Tensor, cond: Any) -> torch.Tensor:
         return model.velocity(x, t, cond, transformer=net)
 
-    compiled = torch.compile(velocity, mode=None, backend=backend)
+    regions = compile_regions(net, inner, blocks) if blocks else 0
+    compiled = velocity if regions else torch.compile(velocity, backend=inner)
 
     def fwd() -> Any:
-        with torch.no_grad(), _autocast(device):
+        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=False):
             return compiled(*inputs)
 
-    t0 = time.perf_counter()
-    fwd()
-    _sync(device)
-    compile_s = time.perf_counter() - t0
-    breaks = sum(torch._dynamo.utils.counters["graph_break"].values())  # > 0: parts of the forward ran eager
-    return {"compile_s": compile_s, "forward_ms": median_ms(fwd, device, reps=reps), "backend": backend,
-            "graph_breaks": breaks}  # fmt: skip
+    try:
+        t0 = time.perf_counter()
+        fwd()
+        _sync(device)
+        compile_s = time.perf_counter() - t0
+        breaks = sum(torch._dynamo.utils.counters["graph_break"].values())  # > 0: parts of the forward ran eager
+        out = {"compile_s": compile_s, "forward_ms": median_ms(fwd, device, reps=reps), "backend": backend,
+               "regional_blocks": regions, "graph_breaks": breaks, "census": census.to_dict(),
+               "census_summary": census.summary()}  # fmt: skip
+        if device.type == "cuda":
+            out["graphed_ms"] = graphed_ms(fwd, device, reps)
+            out["profile"] = profile_groups(fwd, device)
+        return out
+    finally:
+        uncompile_regions(net)
+
+
+def graphed_ms(fwd: Callable[[], Any], device: torch.device, reps: int) -> float:
+    """`fwd` captured once in a CUDA graph (after a warm-up on a side stream), the median replay in ms."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fwd()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fwd()
+    torch.cuda.synchronize()
+    return median_ms(graph.replay, device, reps=reps)
 
 
 def _release(device: torch.device) -> None:
@@ -460,7 +494,8 @@ def torchao_peer(model: Any, alias: str, fmt: str, inputs: tuple, device: torch.
                       ours_not_in_peer=sorted(ours - set(done)), build_s=time.perf_counter() - t1)  # fmt: skip
             ao["eager_ms"] = median_ms(forward_fn(model, peer, inputs, device), device, reps=cfg["reps"])
         else:
-            ao["compiled"] = compiled_forward(model, peer, inputs, device, cfg["reps"], cfg["compile_backend"])
+            ao["compiled"] = compiled_forward(model, peer, inputs, device, cfg["reps"], cfg["compile_backend"],
+                                              _blocks(alias))  # fmt: skip
     except Exception as e:  # torchao refusing a layer or a device must not lose the rest of the stage
         (ao.setdefault("compiled", {}) if mode == "compiled" else ao).update(_error(e))
     finally:
@@ -635,7 +670,7 @@ def model_stage(alias: str, device: torch.device, cfg: dict[str, Any], dev_rates
                     reset_fast_path(net)
                 if mode == "compiled":
                     entry["compiled"] = compiled_forward(model, net, inputs, device, cfg["reps"],
-                                                         cfg["compile_backend"])  # fmt: skip
+                                                         cfg["compile_backend"], _blocks(alias))  # fmt: skip
                 else:
                     fwd = forward_fn(model, net, inputs, device)
                     entry["eager_ms"] = median_ms(fwd, device, reps=cfg["reps"])
@@ -861,6 +896,9 @@ def summary_lines(rec: dict[str, Any]) -> list[str]:
                          f"{_f(xc, 2):>7}{fast:>8}{_f(r_e, 2):>7}{_f(r_c, 2):>7}{_f(r_p, 2):>7}{_f(cs, 0):>10}"
                          f"{_f(ao_e, 2):>7}{_f(ao_c, 2):>7}{_f(e.get('refresh_ms')):>9}{_f(r_t, 2):>7}  "
                          + " ".join(f"{g} {v:.0%}" for g, v in shares))  # fmt: skip
+            census = (e.get("compiled") or {}).get("census_summary")
+            if q and census:  # traced scaled GEMMs (quantize fused) or opaque ops, per compiled graph
+                lines.append(f"{'':<17}compiled: {census[:100]}")
             why = ao.get("skipped") or ao.get("error") or (ao.get("compiled") or {}).get("error")
             if why:
                 lines.append(f"{'':<17}torchao: {why.splitlines()[0][:100]}")

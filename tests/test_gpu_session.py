@@ -55,6 +55,11 @@ def test_smoke_runs_every_stage_and_writes_each_part(smoke):
             assert sum(shares.values()) == pytest.approx(1.0) and shares["bf16_gemm"] > 0
             if fmt != "bf16":
                 assert e["fast_path"]["layers"] == len(e["quantized_layers"]) > 0
+            # compiled as the sampler compiles: the repeated blocks in place, each compiled graph's GEMMs counted
+            c = e["compiled"]
+            assert c["regional_blocks"] > 0 and c["census"]["graphs"] >= 1, c
+            # no simulated GPU here: a quantized layer runs the reference, an opaque op (only `cuda` is traced)
+            assert c["census"]["traced"] == 0 and (c["census"]["opaque"] > 0) == (fmt != "bf16"), c["census"]
         # INT8 widens the family rule (every eligible layer); FP8 keeps it, except FLUX whose rule is every layer
         assert len(p["int8"]["quantized_layers"]) >= len(p["fp8"]["quantized_layers"])
         it = s["iteration"]["eager/fp8"]

@@ -104,8 +104,9 @@ class Census:
         return {"graphs": len(self.graphs), "gemms": dict(self.total()), "traced": self.traced, "opaque": self.opaque}
 
 
-def census_backend(census: Census, mode: str | None = None) -> Callable[..., Any]:
-    """A torch.compile backend: inductor (with `mode`'s options) after counting the graph's GEMMs."""
+def census_backend(census: Census, mode: str | None = None, inner: str = "inductor") -> Callable[..., Any]:
+    """A torch.compile backend: inductor (with `mode`'s options) after counting the graph's GEMMs;
+    `inner="eager"` runs the traced graph as is (dynamo's tracing without inductor: quick checks)."""
     from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
 
@@ -113,6 +114,8 @@ def census_backend(census: Census, mode: str | None = None) -> Callable[..., Any
 
     def backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         census.graphs.append(gemm_census(gm))
+        if inner == "eager":
+            return gm.forward
         return compile_fx(gm, list(example_inputs), config_patches=dict(patches))
 
     return backend
@@ -192,3 +195,10 @@ def compile_regions(transformer: nn.Module, backend: Callable[..., Any], names: 
         if getattr(b, "_compiled_call_impl", None) is None:
             b.compile(backend=backend, dynamic=False)
     return len(blocks)
+
+
+def uncompile_regions(transformer: nn.Module) -> None:
+    """Undo `compile_regions`: every block runs eagerly again (a benchmark that times both forms)."""
+    for m in transformer.modules():
+        if getattr(m, "_compiled_call_impl", None) is not None:
+            m._compiled_call_impl = None

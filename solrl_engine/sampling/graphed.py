@@ -255,8 +255,8 @@ class GraphedSampler:
             self._warm.add(key)
             self.stats.compiles += 1
             self.stats.compile_s.append(time.perf_counter() - t0)
-            log.info("compiled the sampler's denoiser on CPU (batch %d) in %.1f s; %s", len(c), self.stats.compile_s[-1],
-                     self.stats.census.summary())  # fmt: skip
+            log.info("compiled the sampler's denoiser on CPU (batch %d) in %.1f s; %s", len(c),
+                     self.stats.compile_s[-1], self.stats.census.summary())  # fmt: skip
         return sample(self.model, cond, seeds, steps, shift, solver, guidance_scale, uncond, batch_size, dtype, mod)
 
     def _capture(
