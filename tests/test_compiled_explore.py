@@ -227,3 +227,63 @@ def test_a_cache_dir_makes_the_second_process_load_compiled_code(tmp_path):
     assert first == ("0", "1") and second == ("1", "0"), (first, second)
     assert (tmp_path / "cache").is_dir() and any((tmp_path / "cache").rglob("*"))
     assert use_cache_dir(None) is None
+
+
+def test_nvfp4_layers_keep_their_block_scales_pre_swizzled_through_requantize():
+    """Blackwell's FP4 GEMM reads the weight's block scales in the 128x4 tiled order: the layer writes
+    that copy with the scales (construction, requantize_), in place, not per call; it is not saved."""
+    from solrl_engine.nn import requantize_
+    from solrl_engine.quant import nvfp4
+
+    torch.manual_seed(4)
+    src = nn.Sequential(nn.Linear(64, 48))
+    layer = QuantLinear.from_linear(src[0], "nvfp4")
+    torch.testing.assert_close(layer.w_scale_swizzled, nvfp4.swizzle_scales(layer.w_scale).view(torch.uint8),
+                               rtol=0, atol=0)  # fmt: skip
+    assert "w_scale_swizzled" not in layer.state_dict()
+    q = nn.Sequential(layer)
+    ptr, before = layer.w_scale_swizzled.data_ptr(), layer.w_scale_swizzled.clone()
+    with torch.no_grad():
+        src[0].weight.mul_(3.0).add_(torch.randn_like(src[0].weight))
+    requantize_(q, src)
+    assert layer.w_scale_swizzled.data_ptr() == ptr and not torch.equal(layer.w_scale_swizzled, before)
+    torch.testing.assert_close(layer.w_scale_swizzled, nvfp4.swizzle_scales(layer.w_scale).view(torch.uint8),
+                               rtol=0, atol=0)  # fmt: skip
+
+
+def test_traced_nvfp4_activation_operands_are_the_references_bits_under_inductor():
+    """The traced W4A4 form's activation side (quantize + scale swizzle), compiled by inductor, against the
+    eager reference on every input family; its GEMM (cuBLASLt FP4) runs on Blackwell only (test_gpu)."""
+    from solrl_engine.quant import nvfp4
+
+    def operands(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        a, sa, g = klinear.nvfp4_activation_operands(x)
+        return a.view(torch.uint8), sa.view(torch.uint8), g
+
+    def reference(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        t = nvfp4.quantize(x)
+        return t.qdata, nvfp4.swizzle_scales(t.scale).view(torch.uint8), t.global_scale
+
+    census = Census()
+    fn = _compiled(operands, census)
+    for shape in [(7, 48), (64, 256)]:
+        for name, x in families(shape, seed=5):
+            for got, want in zip(fn(x), reference(x), strict=True):
+                torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True, msg=name)
+    assert len(census.graphs) == 2  # one per shape, no graph breaks
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (10, 0),
+                    reason="cuBLASLt's FP4 GEMM needs Blackwell (sm_100+)")  # fmt: skip
+def test_compiled_nvfp4_layer_matches_eager_on_blackwell():
+    torch.manual_seed(6)
+    layer = QuantLinear.from_linear(nn.Linear(256, 128).cuda(), "nvfp4")
+    assert layer.choose_kernel()[0] == "cuda"
+    census = Census()
+    fn = _compiled(layer, census)
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        want, got = layer(x), fn(x)
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+    assert census.traced == 1 and census.opaque == 0

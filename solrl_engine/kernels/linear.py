@@ -151,17 +151,26 @@ def scaled_mm_fp4_operands(t: NVFP4Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return t.qdata.view(torch.float4_e2m1fn_x2), nvfp4.swizzle_scales(t.scale)
 
 
+def _weight_fp4_operands(w: NVFP4Tensor, swizzled: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weight's cuBLASLt FP4 operands, its scales from the layer's pre-swizzled copy when given."""
+    if swizzled is None:
+        return scaled_mm_fp4_operands(w)
+    return w.qdata.view(torch.float4_e2m1fn_x2), swizzled.view(torch.float8_e4m3fn)
+
+
 def _cuda_nvfp4_linear(
     x: torch.Tensor, weight: NVFP4Tensor, bias: torch.Tensor | None, quantize_input: bool,
     rht_signs: torch.Tensor | None = None, four_over_six: bool = False, out_dtype: torch.dtype | None = None,
+    w_swizzled: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
+    """`w_swizzled`: the weight's block scales already in the tiled order (the layer keeps them so)."""
     n, k = weight.shape
     if _cuda_fits(x.device, k, n, quantize_input, four_over_six, rht_signs is not None) is not None:
         # reached only through `call` (a layer's `choose` never picks cuda for these): the Triton GEMM
         return _tr_nvfp4_linear(x, weight, bias, quantize_input, rht_signs, four_over_six, out_dtype)
     xq = nvfp4_quantize(_flat(x))
     a, sa = scaled_mm_fp4_operands(xq)
-    b, sb = scaled_mm_fp4_operands(weight)
+    b, sb = _weight_fp4_operands(weight, w_swizzled)
     acc = torch._scaled_mm(a, b.t(), sa, sb, out_dtype=torch.float32)
     acc = acc * (xq.global_scale * weight.global_scale)
     if bias is not None:
@@ -173,6 +182,7 @@ def _cuda_nvfp4_linear(
 def _cutlass_nvfp4_linear(
     x: torch.Tensor, weight: NVFP4Tensor, bias: torch.Tensor | None, quantize_input: bool,
     rht_signs: torch.Tensor | None = None, four_over_six: bool = False, out_dtype: torch.dtype | None = None,
+    w_swizzled: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """The extension's CUTLASS sm100 GEMM (alpha and bias in its epilogue) after its one-launch
     quantize that writes swizzled scales."""
@@ -184,7 +194,7 @@ def _cutlass_nvfp4_linear(
     xq = cuda_quantize(_flat(x), swizzle=True)
     alpha = xq.global_scale * weight.global_scale
     b = None if bias is None else bias.to(torch.bfloat16).contiguous()
-    sb = nvfp4.swizzle_scales(weight.scale).view(torch.uint8)
+    sb = w_swizzled if w_swizzled is not None else nvfp4.swizzle_scales(weight.scale).view(torch.uint8)
     stream = torch.cuda.current_stream(x.device).cuda_stream
     y = ext.nvfp4_gemm_sm100(xq.qdata, xq.scale.view(torch.uint8), weight.qdata, sb, alpha, b, stream)
     ran("cutlass: CUTLASS sm100 NVFP4 GEMM")
@@ -258,9 +268,12 @@ def _nvfp4_linear_op(
     backend: str = "",
     out_dtype: torch.dtype | None = None,
     tag: str = "",
+    scale_swizzled: torch.Tensor | None = None,
 ) -> torch.Tensor:
     w = NVFP4Tensor(qdata, scale, global_scale, torch.float32)
     opts = {"rht_signs": rht_signs, "four_over_six": four_over_six} if rht_signs is not None or four_over_six else {}
+    if scale_swizzled is not None and backend in ("cuda", "cutlass"):  # the implementations that read them
+        opts["w_swizzled"] = scale_swizzled
 
     def gemm() -> torch.Tensor:
         if backend:  # the layer's own choice (QuantLinear.kernel)
@@ -284,6 +297,7 @@ def _(
     backend="",  # noqa: ANN001, ANN202
     out_dtype=None,
     tag="",
+    scale_swizzled=None,
 ):  # noqa: ANN001
     return x.new_empty((*x.shape[:-1], qdata.shape[0]), dtype=out_dtype or x.dtype)
 
@@ -291,17 +305,21 @@ def _(
 def nvfp4_linear(
     x: torch.Tensor, weight: NVFP4Tensor, bias: torch.Tensor | None, quantize_input: bool,
     rht_signs: torch.Tensor | None = None, four_over_six: bool = False, backend: str = "",
-    out_dtype: torch.dtype | None = None, tag: str = "",
+    out_dtype: torch.dtype | None = None, tag: str = "", scale_swizzled: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """y = x W^T + b with W in NVFP4; x NVFP4-quantized per call (W4A4) or kept as is (W4A16).
 
     The exact NVFP4 GEMM: products of decoded block values summed in FP32, then times the two
     global scales, plus bias, in `out_dtype` (default x's). With `rht_signs` the weight is stored
     rotated along K (W R) and x is rotated inside its quantize (x R); `four_over_six` picks x's block
-    scales 4-or-6. `tag` (a layer's) records what ran (`dispatch.runs`).
+    scales 4-or-6. `tag` (a layer's) records what ran (`dispatch.runs`). `scale_swizzled`: W's block
+    scales in cuBLASLt's tiled order, kept by the layer (the Blackwell GEMM reads them as they are).
+    Under torch.compile a W4A4 TE-recipe layer on `cuda` takes the traced form (`traced_nvfp4_linear`).
     """
+    if quantize_input and traced(backend) and rht_signs is None and not four_over_six and x.numel():
+        return traced_nvfp4_linear(x, weight, bias, out_dtype or x.dtype, scale_swizzled)
     return _nvfp4_linear_op(x, weight.qdata, weight.scale, weight.global_scale, bias, quantize_input, rht_signs,
-                            four_over_six, backend, out_dtype, tag)  # fmt: skip
+                            four_over_six, backend, out_dtype, tag, scale_swizzled)  # fmt: skip
 
 
 # --- FP8 -----------------------------------------------------------------------------------------
@@ -546,3 +564,27 @@ def traced_int8_linear(
             a = torch.cat([a, a.new_zeros(MIN_INT_MM_ROWS - m, k)])
         acc = torch._int_mm(a, weight.data.t())[:m]
         return int8.scale_epilogue(acc, s, weight.scale, bias, out_dtype).reshape(*x.shape[:-1], n)
+
+
+def nvfp4_activation_operands(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes as float4_e2m1fn_x2, swizzled E4M3 block scales, global decode scale) of the rows of x2: the
+    reference quantize (TE recipe) in plain torch ops, so inductor fuses it with x2's producer."""
+    xq = nvfp4.quantize(x2)
+    return xq.qdata.view(torch.float4_e2m1fn_x2), nvfp4.swizzle_scales(xq.scale), xq.global_scale
+
+
+def traced_nvfp4_linear(
+    x: torch.Tensor, weight: NVFP4Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
+    w_swizzled: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """W4A4 NVFP4 as `_cuda_nvfp4_linear` computes it on Blackwell: the traced activation quantize, cuBLASLt's
+    block-scaled FP4 `torch._scaled_mm` on the layer's pre-swizzled weight scales, then both global scales
+    and the bias (fused by inductor after the GEMM)."""
+    x2 = _flat(x)
+    with _no_autocast(x):
+        a, sa, xg = nvfp4_activation_operands(x2)
+        b, sb = _weight_fp4_operands(weight, w_swizzled)
+        acc = torch._scaled_mm(a, b.t(), sa, sb, out_dtype=torch.float32) * (xg * weight.global_scale)
+        if bias is not None:
+            acc = acc + bias.float()
+        return _finish(acc, x, out_dtype)

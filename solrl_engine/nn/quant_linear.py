@@ -20,6 +20,7 @@ from torch import nn
 
 from solrl_engine import kernels
 from solrl_engine.quant import hadamard
+from solrl_engine.quant import nvfp4 as nvfp4_ref
 from solrl_engine.quant.fp8 import FP8Tensor
 from solrl_engine.quant.int8 import Int8Tensor
 from solrl_engine.quant.nvfp4 import NVFP4Tensor
@@ -76,6 +77,11 @@ class QuantLinear(nn.Module):
                 "w_scale", torch.zeros(out_features, in_features // 16, dtype=torch.float8_e4m3fn, device=device)
             )
             self.register_buffer("w_global_scale", torch.ones((), dtype=torch.float32, device=device))
+            # the block scales again in cuBLASLt's 128x4 tiled order, written with them (set_weight_), so the
+            # Blackwell GEMM reads them as they are instead of swizzling them per call; derived, so not saved
+            self.register_buffer("w_scale_swizzled", torch.zeros(
+                nvfp4_ref.swizzled_numel(out_features, in_features // 16), dtype=torch.uint8, device=device),
+                persistent=False)  # fmt: skip
             # the rotation's signs (the weight is stored rotated; inputs are rotated inside their quantize)
             signs = hadamard.signs(r.rht, r.rht_seed, device) if r.rht else None
             self.register_buffer("rht_signs", signs)
@@ -150,6 +156,7 @@ class QuantLinear(nn.Module):
             if self.recipe.lowrank:
                 w = self._residual_(w)
             kernels.nvfp4_quantize_into_(self._nvfp4(), w, None, self.recipe.four_over_six, self.rht_signs)
+            self.w_scale_swizzled.copy_(nvfp4_ref.swizzle_scales(self.w_scale).view(torch.uint8))
         elif fmt == "fp8":
             q = kernels.fp8_quantize_rowwise(w)
             self.w_data.copy_(q.data)
@@ -230,7 +237,7 @@ class QuantLinear(nn.Module):
         if fmt == "nvfp4":
             r = self.recipe
             y = kernels.nvfp4_linear(x, self._nvfp4(), self.bias, act, self.rht_signs, r.four_over_six, backend,
-                                     out, tag)  # fmt: skip
+                                     out, tag, self.w_scale_swizzled)  # fmt: skip
             if self.lr_up is not None:  # the BF16 low-rank branch on the un-rotated input
                 xb = x.to(self.lr_down.dtype)
                 y = y + nn.functional.linear(nn.functional.linear(xb, self.lr_down), self.lr_up).to(y.dtype)

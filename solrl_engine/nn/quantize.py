@@ -33,6 +33,10 @@ class LayerDecision:
     kernel: str = ""  # a quantized layer's GEMM implementation and why (QuantLinear.choose_kernel)
 
 
+def _ceil(v: int, m: int) -> int:
+    return -(-v // m) * m
+
+
 @dataclass
 class QuantReport:
     """What quantize_model did to each nn.Linear, and why."""
@@ -56,10 +60,11 @@ class QuantReport:
             if d.quantized:
                 n = d.in_features * d.out_features
                 before += 2 * n
-                after += {"nvfp4": n // 2 + n // 16 + 4, "fp8": n + 4 * d.out_features, "int8": n + 4 * d.out_features,
-                          "bf16": 2 * n}[
-                    self.recipe.format
-                ]
+                # NVFP4: codes, block scales, global scale, and the block scales' tiled copy (QuantLinear's
+                # w_scale_swizzled, padded to 128x4 tiles)
+                swizzled = _ceil(d.out_features, 128) * _ceil(d.in_features // 16, 4)
+                after += {"nvfp4": n // 2 + n // 16 + 4 + swizzled, "fp8": n + 4 * d.out_features,
+                          "int8": n + 4 * d.out_features, "bf16": 2 * n}[self.recipe.format]  # fmt: skip
                 after += 2 * self.recipe.lowrank * (d.in_features + d.out_features)  # the BF16 branch
         return before, after
 
