@@ -116,3 +116,14 @@ def test_quickstart_sweep_summarizes_a_run_and_plots_recorded_rows(tmp_path):
         qs.plot([str(failed)], tmp_path / "x.png")
     with pytest.raises(SystemExit, match="--from"):
         qs.main(["--plot", str(tmp_path / "y.png")])
+
+
+def test_compile_time_bench_compiles_a_cold_regional_block_in_a_fresh_process():
+    from solrl_engine.hw import cpu_compile_available
+
+    if not cpu_compile_available()[0]:
+        pytest.skip("inductor needs a C++ compiler on a CPU")
+    mod = load_bench("compile_time")
+    r = mod.measure(1, "regional", 1)
+    assert "error" not in r, r.get("error")
+    assert r["compile_s"] > r["second_call_s"] > 0 and r["graphs"] == 1 == r["census"]["graphs"]
