@@ -10,6 +10,7 @@ import random
 
 import pytest
 import torch
+from torch import nn
 
 from solrl_engine import hw
 from solrl_engine.models.tiny import TinyConfig, TinyT2I
@@ -256,3 +257,27 @@ def test_every_rank_takes_rank_zeros_explore_choice(tmp_path, monkeypatch):
 
     ro = Rollouts(cfg, explore=True, dist=RankZeroSaysFP8())
     assert ro.explore is not None and ro.explore.recipe == "fp8" and ro.explore_choice.reason == "rank 0's timings"
+
+
+def test_a_burst_of_load_while_the_policy_is_timed_does_not_pick_a_slower_candidate(monkeypatch):
+    """The policy is timed again after the candidates and each layer keeps its fastest call: load on the
+    machine only adds time, so a policy pass slowed 4x by other work must not lose to a 2.8x slower
+    candidate (what a loaded machine did to `auto` before)."""
+    true_ms = {"policy": 1.0, "fp8_weight_only": 2.8}
+    state = {"policy_passes": 0}
+
+    def fake_call_ms(fn, dev):
+        mod = fn.__defaults__[0]
+        name = "policy" if isinstance(mod, nn.Linear) else mod.recipe.name
+        if name == "policy" and state["policy_passes"] < 2:  # warm-up and the first timed pass, under load
+            state["policy_passes"] += 1
+            return 4.0 * true_ms[name]
+        return true_ms[name]
+
+    hw._PROBE_CACHE.clear()
+    monkeypatch.setattr(hw, "_call_ms", fake_call_ms)
+    t = hw.probe_explore_timings({(64, 64): 1}, {}, torch.float32, rows=16, reps=1, candidates=["fp8_weight_only"])
+    assert t == {"policy": 1.0, "fp8_weight_only": 2.8}
+    choice = hw.resolve_explore_precision("auto", "cpu", torch.float32, timings_ms=t)
+    assert choice.precision == hw.POLICY
+    hw._PROBE_CACHE.clear()
