@@ -137,15 +137,21 @@ def test_regional_compile_traces_each_block_class_once_and_never_a_training_modu
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     # six blocks, at most three variants of one class (SD3's last block is context-only): traced once each
     assert 1 <= len(census.graphs) <= 3, census.summary()
-    # the trained policy: the sampler compiles it whole behind a wrapper, its blocks stay eager
+    # a module that trains (the policy, evaluated with an adapter active): its blocks run compiled while the
+    # sampler calls it and eager after, so the training step never runs them
     gs = GraphedSampler(model, cpu_compile=True, blocks=spec.repeated_blocks)
     model.transformer.requires_grad_(True)
-    wrapped = gs._module(None)
-    assert wrapped is not model.transformer
-    assert all(
-        getattr(b, "_compiled_call_impl", None) is None
-        for b in repeated_blocks(model.transformer, spec.repeated_blocks)
-    )
+    seen: list[bool] = []
+    first = repeated_blocks(model.transformer, spec.repeated_blocks)[0]
+    first.register_forward_pre_hook(lambda m, a: seen.append(getattr(m, "_compiled_call_impl", None) is not None))
+    got = gs.sample(cond, [5, 6], 1)
+    want = sample(model, cond, [5, 6], 1)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    c = gs.stats.census
+    assert 1 <= len(c.graphs) <= 3 and "conv2d (full precision)" not in c.total(), c.summary()  # blocks only
+    assert all(getattr(b, "_compiled_call_impl", None) is None for b in repeated_blocks(model.transformer,
+                                                                                        spec.repeated_blocks))
+    assert seen and seen[-1] is False  # the eager sample after it ran the block eagerly
 
 
 BUILDERS = {"sd3": build_sd3, "flux": build_flux, "sana": build_sana}

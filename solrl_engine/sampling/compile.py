@@ -197,6 +197,30 @@ def compile_regions(transformer: nn.Module, backend: Callable[..., Any], names: 
     return len(blocks)
 
 
+class RegionalWhileCalled:
+    """A module that trains (the policy sampling with an adapter active, e.g. for evaluation), its repeated
+    blocks compiled for the duration of each call only: the compiled forms are switched in for the call
+    and out after it, so the training step's forward and backward never run them. The dynamo cache
+    belongs to the block's code, so switching costs nothing and recompiles nothing."""
+
+    def __init__(self, module: nn.Module, blocks: Sequence[nn.Module], backend: Callable[..., Any]) -> None:
+        raise_recompile_limit()
+        self.module = module
+        self._impls = [(b, torch.compile(b._call_impl, backend=backend, dynamic=False)) for b in blocks]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        for b, impl in self._impls:
+            b._compiled_call_impl = impl
+        try:
+            return self.module(*args, **kwargs)
+        finally:
+            for b, _ in self._impls:
+                b._compiled_call_impl = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.module, name)
+
+
 def uncompile_regions(transformer: nn.Module) -> None:
     """Undo `compile_regions`: every block runs eagerly again (a benchmark that times both forms)."""
     for m in transformer.modules():

@@ -32,6 +32,7 @@ from torch import nn
 from solrl_engine.models.base import Conditioning, FlowModel
 from solrl_engine.sampling.compile import (
     Census,
+    RegionalWhileCalled,
     census_backend,
     check_mode,
     compile_regions,
@@ -131,17 +132,23 @@ class GraphedSampler:
         self._pool: Any = None
 
     def _module(self, transformer: nn.Module | None) -> Any:
-        """The compiled form of `transformer` (default the model's): its blocks compiled in place when
-        it is a rollout copy and regional is on, else a compiled wrapper of the whole module."""
+        """The compiled form of `transformer` (default the model's). Regional (the default): a rollout
+        copy's repeated blocks compiled in place; a module that trains, its blocks compiled only while
+        the sampler calls it. Else (or with no repeated blocks found) a compiled wrapper of the whole."""
         mod = transformer if transformer is not None else self.model.transformer
         if not self.compile:
             return mod
         if id(mod) not in self._compiled:
             backend = census_backend(self.stats.census, self.mode)
-            regions = 0 if not self.regional or trainable(mod) else compile_regions(mod, backend, self.blocks)
-            if regions:
-                log.info("regional compile: %d repeated blocks (%s) compiled in place", regions,
-                         ", ".join(sorted({type(b).__name__ for b in repeated_blocks(mod, self.blocks)})))  # fmt: skip
+            blocks = repeated_blocks(mod, self.blocks) if self.regional else []
+            names = ", ".join(sorted({type(b).__name__ for b in blocks}))
+            if blocks and trainable(mod):
+                log.info("regional compile: %d repeated blocks (%s) of a training module, compiled while sampling",
+                         len(blocks), names)  # fmt: skip
+                self._compiled[id(mod)] = RegionalWhileCalled(mod, blocks, backend)
+            elif blocks:
+                compile_regions(mod, backend, self.blocks)
+                log.info("regional compile: %d repeated blocks (%s) compiled in place", len(blocks), names)
                 self._compiled[id(mod)] = mod
             else:
                 self._compiled[id(mod)] = _Compiled(torch.compile(mod, backend=backend, dynamic=False))
