@@ -5,12 +5,14 @@ whether Sol-RL pays off: the device's ceilings and, per full-size random-weight 
 forward at the rollout batch in BF16 and in each explore precision, with where its time goes and
 the seconds per iteration that follow, beside bench/predict.py's speed model for the same device.
 
-    python bench/gpu_session.py --stages 0,1 --budget 540 --out $OUT      # device call 1
+    python bench/gpu_session.py --stages 0,1,4 --budget 540 --out $OUT    # device call 1
     python bench/gpu_session.py --stages 2,3 --budget 540 --out $OUT      # device call 2
-    python bench/gpu_session.py --smoke --out /tmp/s                      # CPU, tiny shapes, < 1 min
+    python bench/gpu_session.py --smoke --out /tmp/s                      # CPU, tiny shapes, ~2 min
 
 Stages: 0 device info, copy/GEMM ceilings, fast-path record of a small quantized model; 1..3 one
-model each (--models order, default sana-1.6b, sd35-large, flux-dev). DIR/gpu_session.json is
+model each (--models order, default sana-1.6b, sd35-large, flux-dev); 4 one real trainer iteration
+of `compile` and `sol_rl` on SANA-1.6B against the seconds the iteration table predicts from stage
+1's forwards (so it follows stage 1 in the same call; skipped when too little is left). DIR/gpu_session.json is
 rewritten after every stage, so a cut-off keeps what finished; a stage whose allowance does not
 fit the budget left is skipped and the JSON says so. See docs/gpu-session.md.
 """
@@ -18,6 +20,7 @@ fit the budget left is skipped and the JSON says so. See docs/gpu-session.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import importlib.util
 import json
@@ -25,6 +28,7 @@ import math
 import os
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -68,7 +72,7 @@ predict = _sibling("predict")
 MODELS = ("sana-1.6b", "sd35-large", "flux-dev")
 ROLLOUT_BATCH = dict(predict.ROLLOUT_BATCH)  # SANA 48, FLUX 24, SD3.5-L 8: the rollout batch on one 80 GB GPU
 # seconds a stage is allowed (measured runs should sit below; a stage is skipped unless this fits)
-ALLOWANCE = {"gpu": {0: 75.0, "model": 270.0}, "smoke": {0: 8.0, "model": 12.0}}
+ALLOWANCE = {"gpu": {0: 75.0, "model": 270.0, "trainer": 240.0}, "smoke": {0: 8.0, "model": 12.0, "trainer": 8.0}}
 # compile adds a cold inductor compile per precision: about this much per model on a GPU (an estimate)
 COMPILE_ALLOWANCE = 150.0
 # the training phase (LoRA attached, each copy's refresh, one nft_update warm-up + 2 timed): seconds it needs
@@ -764,6 +768,91 @@ def iteration_table(rec: dict[str, Any], batch: int) -> dict[str, Any]:
     return out
 
 
+# --- stage 4: one real trainer iteration against the table --------------------------------------------
+
+TRAINER_STAGE = 4
+TRAINER_MODEL = "sana-1.6b"  # the smallest full-size denoiser: its iteration fits a stage
+TRAINER_FAMILIES = ("compile", "sol_rl")
+
+
+def trainer_stage(device: torch.device, cfg: dict[str, Any], rec: dict[str, Any]) -> dict[str, Any]:
+    """One iteration of the real trainer (bench/e2e.py's run_family: solrl_engine.rl.Trainer) of `compile`
+    and `sol_rl` on SANA-1.6B (random weights, stand-in text encoder and VAE), 1 prompt, N = 96, K = 24,
+    after one warm-up iteration (compile, capture), beside the seconds iteration_seconds predicts for the
+    same settings from this session's measured SANA forwards (its model stage): the check that the
+    table's formula accounts for what a trainer iteration spends (decode, reward, sampling overheads)."""
+    e2e = _sibling("e2e")
+    smoke = cfg["smoke"]
+    model = "tiny" if smoke else TRAINER_MODEL
+    argv = ["--model", model, "--iterations", "1", "--warmup", "1", "--prompts", "1"]
+    argv += ["--n", "4", "--k", "2", "--rollout-batch", "4"] if smoke else ["--rollout-batch", str(
+        cfg["batch"].get(TRAINER_MODEL, ROLLOUT_BATCH[TRAINER_MODEL]))]  # fmt: skip
+    args = e2e.build_parser().parse_args(argv)
+    out: dict[str, Any] = {"model": model, "argv": argv, "families": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for fam in TRAINER_FAMILIES:
+            c = e2e.family_config(fam, args, tmp)
+            if smoke:  # sol_rl samples eagerly here (`compile` compiles by definition: one cold CPU compile)
+                c = dataclasses.replace(c, compiled_sampler=False)
+            try:
+                out["families"][fam] = e2e.run_family(c, warmup=1)
+                out["families"][fam]["settings"] = {k: getattr(c, k) for k in (
+                    "n", "k", "prompts_per_iter", "preview_steps", "full_steps", "rollout_batch_size",
+                    "train_batch_size", "timestep_fraction")}  # fmt: skip
+            except Exception as e:  # one family failing keeps the other
+                out["families"][fam] = _error(e)
+            cfg["progress"](out)
+            _release(device)
+    fams = out["families"]
+    if all("time_rollout_s" in fams.get(f, {}) for f in TRAINER_FAMILIES):
+        out["sol_rl_vs_compile"] = {k: fams["compile"][k] / fams["sol_rl"][k] for k in
+                                    ("time_rollout_s", "time_total_s")}  # fmt: skip
+    out["predicted_from_forwards"] = trainer_prediction(rec, fams, TRAINER_MODEL if not smoke else None)
+    return out
+
+
+def trainer_prediction(rec: dict[str, Any], fams: dict[str, Any], alias: str | None) -> dict[str, Any]:
+    """iteration_seconds at each trainer run's own settings from the model stage's compiled forwards
+    (CUDA-graph replay where measured: what the compiled sampler runs), the precision sol_rl explored in,
+    its refresh, and the measured nft_update scaled to the trainer's train batch (linear in the batch: an
+    assumption); each family's measured rollout and total over the prediction."""
+    stage = next((s for s in rec["stages"].values() if alias and s.get("model") == alias), None)
+    if stage is None:
+        return {"skipped": "no model stage of this model in this session's record to predict from"}
+    precs = stage.get("precisions", {})
+    sol = fams.get("sol_rl", {})
+    fmt = str(sol.get("explore_recipe", "")).split("+")[0]
+
+    def fwd_ms(e: dict[str, Any]) -> float | None:
+        c = e.get("compiled") or {}
+        return c.get("graphed_ms") or c.get("forward_ms") or e.get("eager_ms")
+
+    t_bf16 = fwd_ms(precs.get("bf16", {}))
+    t_q = fwd_ms(precs.get(fmt, {})) if fmt in precs else t_bf16  # the policy explored: its own forward
+    upd = stage.get("nft_update") or {}
+    if t_bf16 is None or t_q is None or "ms" not in upd or "settings" not in sol:
+        return {"skipped": f"missing a measured forward ({fmt or 'bf16'}) or the nft_update in the model stage"}
+    st = sol["settings"]
+    t_update = upd["ms"] * st["train_batch_size"] / upd["batch"]
+    it = predict.iteration_seconds(t_bf16 / 1e3, t_q / 1e3, t_update / 1e3 / predict.TRAIN_FORWARDS,
+                                   (precs.get(fmt, {}).get("refresh_ms") or 0.0) / 1e3,
+                                   prompts=st["prompts_per_iter"], n=st["n"], k=st["k"],
+                                   batch=st["rollout_batch_size"], preview_steps=st["preview_steps"],
+                                   full_steps=st["full_steps"], timestep_fraction=st["timestep_fraction"],
+                                   train_batch=st["train_batch_size"])  # fmt: skip
+    out: dict[str, Any] = {"explore_precision": fmt or "policy", "forward_ms": {"bf16": t_bf16, "explore": t_q},
+                           "update_ms_scaled": t_update}  # fmt: skip
+    for fam, table in (("compile", "naive_scaling"), ("sol_rl", "sol_rl")):
+        m = fams.get(fam, {})
+        if "time_rollout_s" not in m:
+            continue
+        p = it[table]
+        out[fam] = {"predicted_rollout_s": p["rollout"], "predicted_total_s": p["total"],
+                    "measured_over_predicted_rollout": m["time_rollout_s"] / p["rollout"],
+                    "measured_over_predicted_total": m["time_total_s"] / p["total"]}  # fmt: skip
+    return out
+
+
 def _ms(entry: dict[str, Any], mode: str) -> float | None:
     if mode == "eager":
         return entry.get("eager_ms")
@@ -865,6 +954,9 @@ def summary_lines(rec: dict[str, Any]) -> list[str]:
                  f"{'eager':>7}  eager profile (largest shares)")  # fmt: skip
     for key in sorted(k for k in rec["stages"] if k != "0"):
         s = rec["stages"][key]
+        if key == str(TRAINER_STAGE) and "families" in s:
+            lines.extend(trainer_lines(s))
+            continue
         if "precisions" not in s:
             lines.append(f"stage {key}: {s.get('error', 'no result')[:100]}")
             continue
@@ -912,6 +1004,29 @@ def summary_lines(rec: dict[str, Any]) -> list[str]:
     return lines
 
 
+def trainer_lines(s: dict[str, Any]) -> list[str]:
+    """Stage 4 in a few lines: each family's measured seconds per iteration, the ratio, and measured over
+    predicted (1.0: the iteration table's formula accounts for the whole iteration)."""
+    lines = [f"trainer ({s['model']}, {' '.join(s['argv'][2:])}): one iteration after a warm-up"]
+    pred = s.get("predicted_from_forwards", {})
+    for fam, m in s["families"].items():
+        if "error" in m:
+            lines.append(f"  {fam:<8} {m['error'][:100]}")
+            continue
+        p = pred.get(fam, {})
+        vs = (f"; measured / predicted: rollout {_f(p.get('measured_over_predicted_rollout'), 2)}, total "
+              f"{_f(p.get('measured_over_predicted_total'), 2)}") if p else ""  # fmt: skip
+        lines.append(f"  {fam:<8} rollout {m['time_rollout_s']:.1f} s, train {m['time_train_s']:.1f} s, total "
+                     f"{m['time_total_s']:.1f} s, compile {m['time_compile_s']:.0f} s "
+                     f"({m['explore_recipe']}){vs}")  # fmt: skip
+    r = s.get("sol_rl_vs_compile")
+    if r:
+        lines.append(f"  sol_rl vs compile: rollout {r['time_rollout_s']:.2f}x, iteration {r['time_total_s']:.2f}x")
+    if "skipped" in pred:
+        lines.append(f"  no prediction: {pred['skipped']}")
+    return lines
+
+
 def train_line(s: dict[str, Any]) -> str:
     """One model's training: the measured nft_update, and the seconds per iteration it adds."""
     upd, tr = s.get("nft_update") or {}, (s.get("iteration") or {}).get("training") or {}
@@ -932,7 +1047,7 @@ def _f(v: float | None, digits: int = 1) -> str:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stages", default="0,1,2,3", help="comma list, run in the order given: 0 ceilings, 1..3 the "
-                    "--models in order")  # fmt: skip
+                    "--models in order, 4 one trainer iteration of compile and sol_rl on SANA-1.6B")  # fmt: skip
     ap.add_argument("--budget", type=float, default=540.0, help="seconds this call may spend (stages that do not fit "
                     "their allowance in what is left are skipped)")  # fmt: skip
     ap.add_argument("--out", default="bench/results/gpu-session", help="folder for gpu_session.json")
@@ -1001,7 +1116,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     copy_mib = 4 if smoke else 512
     dev_rates = None
     for pos, stage in enumerate(stages):
-        need = allowance[0] if stage == 0 else allowance["model"]
+        need = allowance[0] if stage == 0 else allowance["trainer"] if stage == TRAINER_STAGE else allowance["model"]
         left = args.budget - (time.monotonic() - start)
         if need > left:
             rec["skipped"][str(stage)] = f"needs about {need:.0f} s, {left:.0f} s of the budget left"
@@ -1015,6 +1130,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 c = ceilings(device, gemm, copy_mib, reps=cfg["reps"] * 4)  # type: ignore[arg-type]
                 rec["ceilings"] = c
                 res: dict[str, Any] = {"ceilings": c, "fast_path_small": small_fast_path(device, not smoke)}
+            elif stage == TRAINER_STAGE:
+                cfg["progress"] = partial(save_partial, str(stage))
+                res = trainer_stage(device, cfg, rec)
             else:
                 if stage > len(models):
                     raise ValueError(f"stage {stage} has no model: --models names {len(models)}")
@@ -1023,7 +1141,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 if dev_rates is None:
                     dev_rates = device_from_ceilings(rec["ceilings"], str(rec["info"].get("name")))
                 # compile runs while this stage's share lasts: its allowance, or the budget less the later stages'
-                later = sum(allowance[0] if s == 0 else allowance["model"] for s in stages[pos + 1 :])
+                later = sum(allowance[0] if s == 0 else allowance["trainer"] if s == TRAINER_STAGE else
+                            allowance["model"] for s in stages[pos + 1 :])  # fmt: skip
                 cfg["deadline"] = max(t0 + need, start + args.budget - later)
                 cfg["progress"] = partial(save_partial, str(stage))
                 res = model_stage(models[stage - 1], device, cfg, dev_rates)

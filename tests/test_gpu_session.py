@@ -25,7 +25,7 @@ def smoke(session, tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("gpu-session")
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        rec = session.main(["--smoke", "--stages", "0,1,2,3", "--budget", "600", "--out", str(out_dir)])
+        rec = session.main(["--smoke", "--stages", "0,1,2,3,4", "--budget", "600", "--out", str(out_dir)])
     return rec, json.loads((out_dir / "gpu_session.json").read_text()), printed.getvalue()
 
 
@@ -35,7 +35,7 @@ def _positive(v: object) -> bool:
 
 def test_smoke_runs_every_stage_and_writes_each_part(smoke):
     rec, saved, out = smoke
-    assert saved["stages"].keys() == {"0", "1", "2", "3"} and not saved["skipped"]
+    assert saved["stages"].keys() == {"0", "1", "2", "3", "4"} and not saved["skipped"]
     s0 = saved["stages"]["0"]
     assert "error" not in s0, s0.get("traceback")
     assert s0["ceilings"]["copy"]["gb_per_s"] > 0 and s0["ceilings"]["bf16_mm"]["tflops"] > 0
@@ -149,3 +149,42 @@ def test_a_small_budget_skips_the_later_stages_and_says_so(session, tmp_path, ca
     assert list(saved["stages"]) == ["0"]
     assert set(saved["skipped"]) == {"1", "2"} and all("budget" in why for why in saved["skipped"].values())
     assert "stage 1 skipped" in capsys.readouterr().out
+
+
+def test_smoke_runs_one_trainer_iteration_of_compile_and_sol_rl(smoke):
+    _, saved, out = smoke
+    s4 = saved["stages"]["4"]
+    assert "error" not in s4 and "partial" not in s4, s4.get("traceback")
+    for fam in ("compile", "sol_rl"):
+        m = s4["families"][fam]
+        assert "error" not in m, m.get("traceback")
+        assert m["time_total_s"] >= m["time_rollout_s"] > 0 and m["time_train_s"] > 0
+        assert m["settings"]["n"] == 4 and len(m["raw"]) == 2  # the warm-up and the timed iteration
+    assert s4["families"]["sol_rl"]["time_regen_s"] > 0
+    r = s4["sol_rl_vs_compile"]["time_rollout_s"]
+    assert r == pytest.approx(s4["families"]["compile"]["time_rollout_s"] / s4["families"]["sol_rl"]["time_rollout_s"])
+    # the smoke's model stages are tiny SANA configs, its trainer the bundled model: nothing to predict from
+    assert "skipped" in s4["predicted_from_forwards"]
+    assert "sol_rl vs compile: rollout" in out
+
+
+def test_trainer_prediction_uses_the_model_stages_forwards_at_the_trainers_settings(session):
+    """Stage 4's check: iteration_seconds at the trainer's own settings from the model stage's compiled
+    (graph-replayed where measured) forwards, its refresh and the nft_update scaled to the train batch."""
+    stage = {"model": "sana-1.6b", "nft_update": {"ms": 800.0, "batch": 16},
+             "precisions": {"bf16": {"eager_ms": 900.0, "compiled": {"forward_ms": 700.0, "graphed_ms": 600.0}},
+                            "fp8": {"eager_ms": 800.0, "compiled": {"forward_ms": 450.0}, "refresh_ms": 30.0}}}
+    settings = {"n": 96, "k": 24, "prompts_per_iter": 1, "preview_steps": 6, "full_steps": 10,
+                "rollout_batch_size": 48, "train_batch_size": 8, "timestep_fraction": 0.6}
+    fams = {"compile": {"time_rollout_s": 14.0, "time_total_s": 24.0, "settings": settings},
+            "sol_rl": {"time_rollout_s": 9.0, "time_total_s": 19.0, "settings": settings, "explore_recipe": "fp8"}}
+    p = session.trainer_prediction({"stages": {"1": stage}}, fams, "sana-1.6b")
+    assert p["explore_precision"] == "fp8" and p["forward_ms"] == {"bf16": 600.0, "explore": 450.0}
+    assert p["update_ms_scaled"] == 400.0  # 800 ms at batch 16, at the trainer's batch 8
+    # compile: ceil(96/48) = 2 chunks x 10 steps x 0.6 s; sol_rl: 2 x 6 x 0.45 + ceil(24/48) = 1 x 10 x 0.6 + 0.03
+    assert p["compile"]["predicted_rollout_s"] == pytest.approx(12.0)
+    assert p["sol_rl"]["predicted_rollout_s"] == pytest.approx(5.4 + 6.0 + 0.03)
+    train = 6 * 3 * 0.4  # int(10 x 0.6) timesteps x ceil(24 / 8) update batches x 0.4 s
+    assert p["sol_rl"]["predicted_total_s"] == pytest.approx(5.4 + 6.0 + 0.03 + train)
+    assert p["compile"]["measured_over_predicted_rollout"] == pytest.approx(14.0 / 12.0)
+    assert "skipped" in session.trainer_prediction({"stages": {}}, fams, "sana-1.6b")
