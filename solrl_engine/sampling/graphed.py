@@ -13,9 +13,10 @@ inductor (C++; one compile per batch shape and Python-level state, the first cal
 `stats.compile_s`), else, and with `enabled=False`, it is the eager `sample`, unchanged.
 
 How it compiles (solrl_engine.sampling.compile): a rollout copy's repeated blocks in place, once per
-block class (regional); a module that trains (the policy itself) whole, behind a wrapper; inductor's
-default mode unless `mode` asks for autotuning; every compiled graph's GEMMs counted in
-`stats.census` (quantized layers take their traced form there: the quantize fused into its producer).
+block class (regional); a module that trains (the policy, sampling with an adapter active), its blocks
+compiled only while the sampler calls it; inductor's default mode unless `mode` asks for autotuning;
+every compiled graph's GEMMs counted in `stats.census` (quantized layers take their traced form there:
+the quantize fused into its producer).
 """
 
 from __future__ import annotations
