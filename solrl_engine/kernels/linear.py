@@ -83,7 +83,9 @@ WEIGHT_ONLY_HINT = ("weight-only GEMMs take BF16/FP16 activations: run the explo
 PASSED_OVER_HINT = "the layer's GEMM line in QuantReport (quantization.txt) says why the fast kernel was passed over"
 
 
-def _traced(tag: str, x: torch.Tensor, fn: Callable[[], torch.Tensor], hint: str) -> torch.Tensor:
+def _traced(
+    tag: str, x: torch.Tensor, fn: Callable[[], torch.Tensor], hint: str
+) -> torch.Tensor:
     """Run one layer's GEMM with autocast off (the op writes its own out_dtype; inner matmuls must not
     be recast), recording what ran under `tag` when the layer has one."""
     dev = x.device.type
@@ -285,20 +287,8 @@ def _nvfp4_linear_op(
 
 
 @_nvfp4_linear_op.register_fake
-def _(
-    x,
-    qdata,
-    scale,
-    global_scale,
-    bias,
-    quantize_input,
-    rht_signs=None,
-    four_over_six=False,
-    backend="",  # noqa: ANN001, ANN202
-    out_dtype=None,
-    tag="",
-    scale_swizzled=None,
-):  # noqa: ANN001
+def _(x, qdata, scale, global_scale, bias, quantize_input, rht_signs=None, four_over_six=False, backend="",  # noqa: ANN001, ANN202
+      out_dtype=None, tag="", scale_swizzled=None):  # noqa: ANN001  # fmt: skip
     return x.new_empty((*x.shape[:-1], qdata.shape[0]), dtype=out_dtype or x.dtype)
 
 
