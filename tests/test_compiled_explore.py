@@ -293,3 +293,24 @@ def test_compiled_nvfp4_layer_matches_eager_on_blackwell():
         want, got = layer(x), fn(x)
     torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
     assert census.traced == 1 and census.opaque == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("fmt", "need"), [("fp8", (8, 9)), ("int8", (8, 0))])
+def test_compiled_8bit_layer_matches_eager_on_a_gpu(fmt, need):
+    """On a real GPU the traced quantize is Triton code inductor generated: the same codes as the eager
+    kernels up to its division and FMA rounding, so the layer's output agrees to BF16 rounding."""
+    if torch.cuda.get_device_capability() < need:
+        pytest.skip(f"{fmt} tensor cores need sm_{need[0]}{need[1]}+")
+    torch.manual_seed(7)
+    block = _norm_then_quantized(fmt).cuda()
+    assert block.proj.choose_kernel()[0] == "cuda"
+    x, shift, scale = (torch.randn(4, 64, 64, device="cuda"), torch.randn(4, 1, 64, device="cuda"),
+                       torch.randn(4, 1, 64, device="cuda"))  # fmt: skip
+    census = Census()
+    fn = _compiled(block, census)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        want, got = block(x, shift, scale), fn(x, shift, scale)
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    assert census.traced == 1 and census.opaque == 0
