@@ -50,8 +50,18 @@ OUT_JSON = RESULTS / "2026-11-25-speed-model.json"
 
 # rollout batch per family: the sizes bench/e2e.py's usage runs them at on one 80 GB GPU
 ROLLOUT_BATCH = {"sana-1.6b": 48, "flux-dev": 24, "sd35-large": 8}
-# the paper's setting: 48 prompts per iteration over 8 GPUs, N = 96 -> K = 24, 6 preview / 10 full steps
+# the paper's setting: 48 prompts per iteration over 8 GPUs, N = 96 -> K = 24, 6 preview / 10 full steps; the
+# train batch and timestep fraction here are the fallbacks: each family's paper preset gives its own
+# (`family_training`: SD3.5-L 2 / 0.6, FLUX 12 / 0.4, SANA 16 / 0.6, as the trainer runs them)
 PAPER = dict(prompts_per_gpu=6, n=96, k=24, preview_steps=6, full_steps=10, timestep_fraction=0.6, train_batch=16)
+
+
+def family_training(fam: str) -> tuple[int, float]:
+    """(train batch, timestep fraction) of a family's paper preset (solrl_engine/rl/presets.py), else PAPER's."""
+    from solrl_engine.rl import presets
+
+    p = presets.PAPER.get(ARCH_ALIASES.get(fam, fam), {})
+    return p.get("train_batch_size", PAPER["train_batch"]), p.get("timestep_fraction", PAPER["timestep_fraction"])
 # bytes per element of a weight / activation in each precision (NVFP4: 4 bits + one E4M3 scale per 16)
 ELEM_BYTES = {"bf16": 2.0, "fp8": 1.0, "int8": 1.0, "nvfp4": 0.5 + 1 / 16}
 # forward-equivalents of one training sample-timestep of nft_update: the old and reference adapters'
@@ -444,12 +454,14 @@ def predict(families: list[str], devices: list[Device], batches: dict[str, int],
         model = build_meta_model(fam, (arch or {}).get(fam), (resolution or {}).get(fam))
         b = batches[fam]
         profiles = {b: profile_forward(model, b)}
-        tb = settings["train_batch"]
+        tb, tf = family_training(fam)
+        tb = settings.get("train_batch") or tb  # --train-batch overrides every family's
+        loop = {**_loop(settings), "timestep_fraction": tf}
         profiles.setdefault(tb, profile_forward(model, tb))
         ops = profiles[b]
         lin = sum(c.flops for c in ops if c.kind == "linear")
         fam_out: dict[str, Any] = {
-            "rollout_batch": b, "train_batch": tb, "latent_shape": list(model.latent_shape),
+            "rollout_batch": b, "train_batch": tb, "timestep_fraction": tf, "latent_shape": list(model.latent_shape),
             "forward_gflops": {k: sum(c.flops for c in ops if c.kind == k) / 1e9 for k in
                                ("linear", "attention", "conv")},
             "forward_gbytes_bf16": sum(c.bytes for c in ops) / 1e9,
@@ -471,7 +483,7 @@ def predict(families: list[str], devices: list[Device], batches: dict[str, int],
                 t_bf16 = sum(v["s"] for v in times_bf16.values())
                 t_q = sum(v["s"] for v in times_q.values())
                 t_train = forward_seconds(profiles[tb], dev, "bf16", set(), fused)
-                it = iteration_seconds(t_bf16, t_q, t_train, refresh, batch=b, train_batch=tb, **_loop(settings))
+                it = iteration_seconds(t_bf16, t_q, t_train, refresh, batch=b, train_batch=tb, **loop)
                 base = it["naive_scaling"]
                 entry[mode] = {
                     "forward_ms": {"bf16": t_bf16 * 1e3, prec: t_q * 1e3}, "forward_speedup": t_bf16 / t_q,
@@ -579,7 +591,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--k", type=int, default=PAPER["k"])
     ap.add_argument("--preview-steps", type=int, default=PAPER["preview_steps"])
     ap.add_argument("--full-steps", type=int, default=PAPER["full_steps"])
-    ap.add_argument("--train-batch", type=int, default=PAPER["train_batch"])
+    ap.add_argument("--train-batch", type=int, default=None, help="every family's train batch (default: each "
+                    "family's paper preset: SD3.5-L 2, FLUX 12, SANA 16)")  # fmt: skip
     ap.add_argument("--kernels", default=str(KERNELS_JSON), help="a bench/kernels.py record of the H100")
     ap.add_argument("--measured", action="append", default=[], help="bench/e2e.py records to compare with")
     ap.add_argument("--out", default=str(OUT_JSON))
@@ -596,8 +609,8 @@ def main(argv: list[str] | None = None, arch: dict[str, dict[str, Any]] | None =
         name, _, val = item.partition("=")
         batches[name] = int(val)
     settings = dict(prompts_per_gpu=args.prompts_per_gpu, n=args.n, k=args.k, preview_steps=args.preview_steps,
-                    full_steps=args.full_steps, timestep_fraction=PAPER["timestep_fraction"],
-                    train_batch=args.train_batch)  # fmt: skip
+                    full_steps=args.full_steps, timestep_fraction=None,
+                    train_batch=args.train_batch)  # fmt: skip  (None: each family's paper preset)
     h100, taken = h100_from_kernels(Path(args.kernels))
     devices = [h100, assumed_device("A100", h100, taken), assumed_device("B200", h100, taken)]
     measured = measured_runs([Path(p) for p in (args.measured or MEASURED_E2E)])
@@ -605,6 +618,8 @@ def main(argv: list[str] | None = None, arch: dict[str, dict[str, Any]] | None =
     rec = {
         "bench": "speed-model",
         "settings": settings,
+        "settings_note": "train_batch / timestep_fraction null: each family's paper preset (families.*.train_batch, "
+                         "timestep_fraction)",
         "devices": {d.name: asdict(d) for d in devices},
         "h100_measurements_taken": taken,
         "peaks_assumed": PEAKS,
