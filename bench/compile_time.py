@@ -31,7 +31,7 @@ from solrl_engine.models import model_spec
 from solrl_engine.rl.explore import POLICY, ExploreCopy
 from solrl_engine.sampling.compile import Census, census_backend, compile_regions
 
-layers, how, batch = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+layers, how, batch = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])  # argv[4]: timed forwards after two
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 torch.manual_seed(0)
 model = TinyT2I(TinyConfig(num_layers=layers)).to(dev)
@@ -48,19 +48,26 @@ c = model.encode_prompts(["a red circle"] * batch)
 x = torch.randn(batch, 3, 32, 32, device=dev)
 t = torch.full((batch,), 500.0, device=dev)
 kw = dict(hidden_states=x, encoder_hidden_states=c.hidden, pooled_projections=c.pooled, timestep=t, return_dict=False)
+def timed():
+    t0 = time.perf_counter(); fwd(**kw)
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
 with torch.no_grad():
-    t0 = time.perf_counter(); fwd(**kw); cold = time.perf_counter() - t0
-    t0 = time.perf_counter(); fwd(**kw); warm = time.perf_counter() - t0
-print(json.dumps({"compile_s": cold, "second_call_s": warm, "graphs": len(census.graphs),
-                  "census": census.to_dict()}))
+    cold = timed()
+    warm = timed()
+    runs = sorted(timed() for _ in range(int(sys.argv[4])))
+print(json.dumps({"compile_s": cold, "second_call_s": warm, "forward_ms_median": 1e3 * runs[len(runs) // 2],
+                  "forward_ms_min": 1e3 * runs[0], "graphs": len(census.graphs), "census": census.to_dict()}))
 """
 
 
-def measure(layers: int, how: str, batch: int) -> dict[str, Any]:
-    """One cold compile in a fresh process with its own empty inductor cache."""
+def measure(layers: int, how: str, batch: int, reps: int = 5) -> dict[str, Any]:
+    """One cold compile in a fresh process with its own empty inductor cache, then `reps` timed forwards."""
     with tempfile.TemporaryDirectory() as cache:
         env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, TRITON_CACHE_DIR=str(Path(cache) / "triton"))
-        r = subprocess.run([sys.executable, "-c", CHILD, str(layers), how, str(batch)], capture_output=True,
+        r = subprocess.run([sys.executable, "-c", CHILD, str(layers), how, str(batch), str(reps)], capture_output=True,
                            text=True, env=env, timeout=1800)  # fmt: skip
     if r.returncode:
         return {"error": r.stderr[-1500:]}
@@ -70,7 +77,8 @@ def measure(layers: int, how: str, batch: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", default="6,24", help="transformer depths to compile (comma-separated)")
-    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=24)
+    ap.add_argument("--reps", type=int, default=7, help="timed forwards after the compile (median and min kept)")
     ap.add_argument("--out", default=None, help="JSON path (default: print only)")
     args = ap.parse_args(argv)
     import torch
@@ -79,15 +87,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for layers in (int(v) for v in args.layers.split(",")):
         row: dict[str, Any] = {"layers": layers}
         for how in ("whole", "regional"):
-            row[how] = measure(layers, how, args.batch)
-            print(f"{layers:3d} layers, {how:8s}: {row[how].get('compile_s', float('nan')):6.1f} s cold, "
-                  f"{row[how].get('graphs', '?')} graphs", flush=True)  # fmt: skip
+            row[how] = measure(layers, how, args.batch, args.reps)
+            r, nan = row[how], float("nan")
+            print(f"{layers:3d} layers, {how:8s}: {r.get('compile_s', nan):6.1f} s cold, {r.get('graphs', '?')} "
+                  f"graphs, forward {r.get('forward_ms_median', nan):.1f} ms", flush=True)  # fmt: skip
         if "compile_s" in row["whole"] and "compile_s" in row["regional"]:
             row["whole_over_regional"] = row["whole"]["compile_s"] / row["regional"]["compile_s"]
+            row["regional_forward_over_whole"] = (row["regional"]["forward_ms_median"]
+                                                  / row["whole"]["forward_ms_median"])  # fmt: skip
         rows.append(row)
     res = {
         "what": "cold torch.compile (inductor, default mode) of the bundled model's SD3 transformer: whole module "
-                "vs its repeated block compiled once (regional), first forward's seconds, fresh process and cache",
+                "vs its repeated block compiled once (regional), first forward's seconds, fresh process and cache; "
+                "then the compiled forward's time (median of --reps after two calls)",
         "command": "python bench/compile_time.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "date": str(dt.date.today()),
         "machine": {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",

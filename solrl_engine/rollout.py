@@ -129,8 +129,9 @@ class Rollouts:
             from solrl_engine.sampling.compile import use_cache_dir
 
             use_cache_dir(cfg.compile_cache_dir)
+        regional = cfg.compile_regional if cfg.compile_regional is not None else self.device.type == "cuda"
         self.sampler = GraphedSampler(self.model, enabled=graphed and self.device.type in ("cuda", "cpu"),
-                                      cpu_compile=graphed, mode=cfg.compile_mode, regional=cfg.compile_regional,
+                                      cpu_compile=graphed, mode=cfg.compile_mode, regional=regional,
                                       blocks=self.spec.repeated_blocks)  # fmt: skip
 
     def build_explore(self, choice: Any) -> None:

@@ -240,6 +240,12 @@ def test_rollouts_build_the_explore_copy_the_timings_choose(tmp_path, monkeypatc
     assert ro.explore is None and ro.explore_choice.precision == hw.POLICY and ro.explore_recipe == "policy (float32)"
     explicit = Rollouts(RLConfig(**{**cfg.__dict__, "explore_precision": "nvfp4"}), explore=True)
     assert explicit.explore.recipe == "nvfp4+rht16"  # still selectable explicitly
+    # compile settings reach the sampler: regional compilation defaults off on a CPU, and the keys override
+    assert ro.sampler.regional is False and ro.sampler.mode is None and ro.sampler.blocks == ("JointTransformerBlock",
+                                                                                              "SD3SingleTransformerBlock")
+    tuned = Rollouts(RLConfig(**{**cfg.__dict__, "compile_regional": True,
+                                 "compile_mode": "max-autotune-no-cudagraphs"}), explore=False)  # fmt: skip
+    assert tuned.sampler.regional is True and tuned.sampler.mode == "max-autotune-no-cudagraphs"
 
 
 def test_every_rank_takes_rank_zeros_explore_choice(tmp_path, monkeypatch):

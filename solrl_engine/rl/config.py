@@ -95,11 +95,14 @@ class RLConfig:
     compiled_sampler: bool | None = None
     # how the compiled sampler compiles (solrl_engine.sampling.compile): compile_mode None is inductor's
     # default (no autotuning), "max-autotune-no-cudagraphs" searches kernels (minutes per shape, cold);
-    # compile_regional compiles the rollout copies' repeated transformer blocks once instead of the whole
-    # module; compile_cache_dir keeps inductor's compiled code on disk for the next run (None: torch's
-    # temporary per-user directory)
+    # compile_regional compiles the repeated transformer blocks once instead of the whole module (None: on
+    # with CUDA, where a cold whole-module compile of a full-size denoiser takes minutes and CUDA graphs hide
+    # the eager glue between blocks; off on a CPU, where the bundled model compiles whole in 40 s and its
+    # forward runs 58 ms that way against 109 ms regional at batch 24: bench/results/2026-11-25-cpu-compile-time.json);
+    # compile_cache_dir keeps inductor's compiled code on disk for the next run (None: torch's temporary
+    # per-user directory)
     compile_mode: str | None = None
-    compile_regional: bool = True
+    compile_regional: bool | None = None
     compile_cache_dir: str | None = None
     rollout_batch_size: int = 96
     decode_batch_size: int = 8  # images per VAE decode call (memory at 1024 px)
