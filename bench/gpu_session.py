@@ -81,7 +81,7 @@ TRAIN_ALLOWANCE = {"gpu": 45.0, "smoke": 1.0}
 # torchao's inference configs our FP8 / INT8 explore copies are timed against (the peer a user would reach for)
 TORCHAO_CONFIGS = {"fp8": "Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())",
                    "int8": "Int8DynamicActivationInt8WeightConfig()"}  # fmt: skip
-# tiny configs of the same diffusers classes for --smoke (the kind tests/test_predict.py builds)
+# tiny configs of the same diffusers classes for --smoke (tests/test_predict.py reuses them)
 TINY = {
     "sd35-large": dict(num_layers=2, attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
                        caption_projection_dim=32, pooled_projection_dim=32, sample_size=8, pos_embed_max_size=16),

@@ -7,19 +7,13 @@ import pytest
 import torch
 from bench_scripts import load_bench
 
-from solrl_engine.models import load_model
+from solrl_engine.models import ARCH_ALIASES, load_model
 from solrl_engine.nn.flops import count_linear_flops
 
-# tiny configs of the three families (the same kind tests/test_archs.py builds)
-TINY = {
-    "sd3": dict(num_layers=2, attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
-                caption_projection_dim=32, pooled_projection_dim=32, sample_size=8, pos_embed_max_size=16),
-    "flux": dict(num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
-                 joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 6, 6)),
-    "sana": dict(num_attention_heads=2, attention_head_dim=16, num_layers=2, num_cross_attention_heads=2,
-                 cross_attention_head_dim=16, cross_attention_dim=32, caption_channels=32, sample_size=4),
-}  # fmt: skip
-RES = {"sd3": 64, "flux": 64, "sana": 128}
+# tiny configs of the three families: the GPU session's smoke configs, by family name
+_SESSION = load_bench("gpu_session")
+TINY = {ARCH_ALIASES[alias]: arch for alias, arch in _SESSION.TINY.items()}
+RES = {ARCH_ALIASES[alias]: res for alias, res in _SESSION.TINY_RES.items()}
 
 
 @pytest.fixture(scope="module")

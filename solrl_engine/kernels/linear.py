@@ -160,6 +160,15 @@ def _weight_fp4_operands(w: NVFP4Tensor, swizzled: torch.Tensor | None) -> tuple
     return w.qdata.view(torch.float4_e2m1fn_x2), swizzled.view(torch.float8_e4m3fn)
 
 
+def _fp4_scaled_mm(a: torch.Tensor, sa: torch.Tensor, x_global: torch.Tensor, weight: NVFP4Tensor,
+                   w_swizzled: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    """cuBLASLt's block-scaled FP4 GEMM of the activation operands (`a`, swizzled `sa`) and the weight, then
+    both global scales and the bias, in FP32: the eager `cuda` implementation's and the traced form's one call."""
+    b, sb = _weight_fp4_operands(weight, w_swizzled)
+    acc = torch._scaled_mm(a, b.t(), sa, sb, out_dtype=torch.float32) * (x_global * weight.global_scale)
+    return acc if bias is None else acc + bias.float()
+
+
 def _cuda_nvfp4_linear(
     x: torch.Tensor, weight: NVFP4Tensor, bias: torch.Tensor | None, quantize_input: bool,
     rht_signs: torch.Tensor | None = None, four_over_six: bool = False, out_dtype: torch.dtype | None = None,
@@ -171,12 +180,7 @@ def _cuda_nvfp4_linear(
         # reached only through `call` (a layer's `choose` never picks cuda for these): the Triton GEMM
         return _tr_nvfp4_linear(x, weight, bias, quantize_input, rht_signs, four_over_six, out_dtype)
     xq = nvfp4_quantize(_flat(x))
-    a, sa = scaled_mm_fp4_operands(xq)
-    b, sb = _weight_fp4_operands(weight, w_swizzled)
-    acc = torch._scaled_mm(a, b.t(), sa, sb, out_dtype=torch.float32)
-    acc = acc * (xq.global_scale * weight.global_scale)
-    if bias is not None:
-        acc = acc + bias.float()
+    acc = _fp4_scaled_mm(*scaled_mm_fp4_operands(xq), xq.global_scale, weight, w_swizzled, bias)
     ran("cuda: cuBLASLt NVFP4 block-scaled _scaled_mm")
     return _finish(acc, x, out_dtype)
 
@@ -363,17 +367,17 @@ def _cuda_fp8_linear(
         return _finish(acc, x, out_dtype)
     if _fp8_fits(x.device, k, n) is not None or x2.shape[0] == 0 or weight.scale.numel() != n:
         return _ref_fp8_linear(x, weight, bias, quantize_input, out_dtype)
-    xq = fp8_quantize_rowwise(x2)
-    y = torch._scaled_mm(
-        xq.data,
-        weight.data.t(),
-        scale_a=xq.scale.reshape(-1, 1).contiguous(),
-        scale_b=weight.scale.reshape(1, -1).contiguous(),
-        bias=None if bias is None else bias.to(torch.bfloat16),
-        out_dtype=torch.bfloat16,
-    )
+    y = _fp8_scaled_mm(fp8_quantize_rowwise(x2), weight, bias)
     ran("cuda: cuBLASLt FP8 row-wise _scaled_mm")
     return _finish(y, x, out_dtype)
+
+
+def _fp8_scaled_mm(xq: FP8Tensor, weight: FP8Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """cuBLASLt's row-wise FP8 GEMM of quantized rows and weight, bias fused, BF16 out (what it writes for
+    row-wise scales): the eager `cuda` implementation's and the traced form's one call."""
+    b = None if bias is None else bias.to(torch.bfloat16)
+    sa, sb = xq.scale.reshape(-1, 1).contiguous(), weight.scale.reshape(1, -1).contiguous()
+    return torch._scaled_mm(xq.data, weight.data.t(), scale_a=sa, scale_b=sb, bias=b, out_dtype=torch.bfloat16)
 
 
 def _fp8_tensor_cores(device: torch.device) -> str | None:
@@ -437,6 +441,14 @@ def _int8_fits(device: torch.device, k: int, n: int, **_: object) -> str | None:
 MIN_INT_MM_ROWS = 17  # torch._int_mm on CUDA needs more than 16 rows: fewer are padded with zero rows
 
 
+def _int_mm_rows(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """INT32 a @ w.T through `torch._int_mm`, rows zero-padded to MIN_INT_MM_ROWS on CUDA and cut back."""
+    m, k = a.shape
+    if a.device.type == "cuda" and m < MIN_INT_MM_ROWS:
+        a = torch.cat([a, a.new_zeros(MIN_INT_MM_ROWS - m, k)])
+    return torch._int_mm(a, w.t())[:m]
+
+
 def _cuda_int8_linear(
     x: torch.Tensor, weight: Int8Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None
 ) -> torch.Tensor:
@@ -447,10 +459,7 @@ def _cuda_int8_linear(
     if _int8_fits(x.device, k, n) is not None or x2.shape[0] == 0:
         return _ref_int8_linear(x, weight, bias, out_dtype)
     xq = int8_quantize_rowwise(x2)
-    a, m = xq.data, x2.shape[0]
-    if x.device.type == "cuda" and m < MIN_INT_MM_ROWS:
-        a = torch.cat([a, a.new_zeros(MIN_INT_MM_ROWS - m, k)])
-    acc = torch._int_mm(a, weight.data.t())[:m]
+    acc = _int_mm_rows(xq.data, weight.data)
     y = int8_scale_epilogue(acc, xq.scale, weight.scale, bias, out_dtype or x.dtype)
     ran("cuda: torch._int_mm INT8 GEMM + scale epilogue")
     return y.reshape(*x.shape[:-1], n)
@@ -531,13 +540,8 @@ def traced_fp8_linear(
 ) -> torch.Tensor:
     """W8A8 FP8 as `_cuda_fp8_linear` computes it: the reference row-wise quantize (traceable, so fused
     into x's producer), cuBLASLt's row-wise `torch._scaled_mm` with BF16 output, cast to `out_dtype`."""
-    x2 = _flat(x)
     with _no_autocast(x):
-        xq = fp8.quantize_rowwise(x2)
-        b = None if bias is None else bias.to(torch.bfloat16)
-        y = torch._scaled_mm(xq.data, weight.data.t(), scale_a=xq.scale.reshape(-1, 1),
-                             scale_b=weight.scale.reshape(1, -1), bias=b, out_dtype=torch.bfloat16)  # fmt: skip
-        return _finish(y, x, out_dtype)
+        return _finish(_fp8_scaled_mm(fp8.quantize_rowwise(_flat(x)), weight, bias), x, out_dtype)
 
 
 def traced_int8_linear(
@@ -546,14 +550,10 @@ def traced_int8_linear(
     """W8A8 INT8 as `_cuda_int8_linear` computes it: the reference row-wise quantize (fused into x's
     producer), `torch._int_mm` (rows padded to 17 on CUDA), the reference epilogue (fused after it)."""
     x2 = _flat(x)
-    m, (n, k) = x2.shape[0], weight.data.shape
     with _no_autocast(x):
         s = int8.row_scales(x2)
-        a = int8.encode(x2, s)
-        if x.device.type == "cuda" and m < MIN_INT_MM_ROWS:
-            a = torch.cat([a, a.new_zeros(MIN_INT_MM_ROWS - m, k)])
-        acc = torch._int_mm(a, weight.data.t())[:m]
-        return int8.scale_epilogue(acc, s, weight.scale, bias, out_dtype).reshape(*x.shape[:-1], n)
+        acc = _int_mm_rows(int8.encode(x2, s), weight.data)
+        return int8.scale_epilogue(acc, s, weight.scale, bias, out_dtype).reshape(*x.shape[:-1], weight.shape[0])
 
 
 def nvfp4_activation_operands(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -570,11 +570,6 @@ def traced_nvfp4_linear(
     """W4A4 NVFP4 as `_cuda_nvfp4_linear` computes it on Blackwell: the traced activation quantize, cuBLASLt's
     block-scaled FP4 `torch._scaled_mm` on the layer's pre-swizzled weight scales, then both global scales
     and the bias (fused by inductor after the GEMM)."""
-    x2 = _flat(x)
     with _no_autocast(x):
-        a, sa, xg = nvfp4_activation_operands(x2)
-        b, sb = _weight_fp4_operands(weight, w_swizzled)
-        acc = torch._scaled_mm(a, b.t(), sa, sb, out_dtype=torch.float32) * (xg * weight.global_scale)
-        if bias is not None:
-            acc = acc + bias.float()
+        acc = _fp4_scaled_mm(*nvfp4_activation_operands(_flat(x)), weight, w_swizzled, bias)
         return _finish(acc, x, out_dtype)

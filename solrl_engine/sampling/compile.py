@@ -51,14 +51,8 @@ OPAQUE = "opaque quantized op (quantize not fused)"
 
 
 def _kind(target: Any) -> str | None:
-    kind = _KINDS.get(target)
-    if kind is not None:
-        return kind
-    name = str(getattr(target, "__name__", "")) if not isinstance(target, torch._ops.OpOverloadPacket) else ""
-    qual = str(target)
-    if qual.startswith("solrl.") or ".solrl." in qual or name.startswith("solrl"):
-        return OPAQUE
-    return None
+    """A node target's GEMM kind; our custom ops (torch.ops.solrl.*) print as "solrl.<op>[.overload]"."""
+    return _KINDS.get(target) or (OPAQUE if str(target).startswith("solrl.") else None)
 
 
 def gemm_census(gm: torch.fx.GraphModule) -> Counter[str]:
