@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from solrl_engine import kernels
+from solrl_engine.kernels.dispatch import triton_module
 
 GPU_SHAPES = ["8192x8192", "4096x3072", "4096x12288", "16384x2432"]  # square, FLUX/SD3.5-L-like DiT
 CPU_SHAPES = ["256x1024"]
@@ -177,7 +178,7 @@ def bench_gemm(m: int, n: int, k: int, device: torch.device, reps: int) -> dict[
     ops: dict[str, Callable[[], object]] = {"bf16_mm": lambda: torch.mm(x, w.t())}
     notes: dict[str, str] = {}
     if device.type == "cuda":
-        from solrl_triton import gemm
+        gemm = triton_module("gemm")
 
         ops["nvfp4_w4a4_gemm"] = lambda: gemm.w4a4_gemm(
             xq.qdata, xq.scale, xq.global_scale, wq.qdata, wq.scale, wq.global_scale

@@ -97,7 +97,9 @@ def main(argv: list[str] | None = None) -> Path:
         sys.exit("bench/sass.py compiles real GPU code: run it without TRITON_INTERPRET=1")
     import triton
 
-    from solrl_triton import gemm
+    from solrl_engine.kernels.dispatch import triton_module
+
+    gemm = triton_module("gemm")
 
     rows = []
     for cfg in gemm._w4a4_configs():

@@ -16,6 +16,10 @@ try:
     import triton  # noqa: F401
 
     HAS_TRITON = True
+    # a checkout that is not installed (a lent GPU machine's copy): triton_kernels/ imports as solrl_triton
+    from solrl_engine.kernels.dispatch import source_tree_kernels
+
+    source_tree_kernels()
 except ImportError:  # the dev extra installs it; without it Triton tests are skipped
     HAS_TRITON = False
 

@@ -99,3 +99,28 @@ def test_each_quantized_layer_records_its_gemm_in_the_report(monkeypatch):
     monkeypatch.setenv("SOLRL_BACKEND", "triton")  # a changed request is seen by the next forward
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert "triton: Triton kernels need a CUDA device" in m[0].choose_kernel()[1]
+
+
+def test_the_triton_kernels_import_from_a_checkout_that_is_not_installed(tmp_path):
+    """A lent GPU machine runs a bare copy with PYTHONPATH=. and nothing installed: `solrl_triton` exists only
+    through setup.py's package_dir there, so the dispatch seam loads the triton_kernels/ folder under that name.
+    `python -S` runs no .pth file, so the editable install of the test environment is invisible."""
+    import subprocess
+    import sys
+    import sysconfig
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    code = (
+        "import importlib.util, solrl_engine.kernels.dispatch as d\n"
+        "print(importlib.util.find_spec('solrl_triton'))\n"
+        "print(d.unavailable_reason('triton', __import__('torch').device('cpu')))\n"
+        "m = d.triton_module('fp8'); print(m.__name__, m.__file__)\n"
+    )
+    site = sysconfig.get_paths()["purelib"]
+    env = {"PYTHONPATH": f"{root}:{site}", "TRITON_INTERPRET": "1", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    spec, reason, mod = out.stdout.splitlines()[-3:]
+    assert spec == "None" and reason == "None"  # not installed, and still available
+    assert mod == f"solrl_triton.fp8 {root / 'triton_kernels' / 'fp8.py'}"

@@ -46,13 +46,61 @@ def _import(name: str) -> ModuleType | str:
         return f"{type(e).__name__}: {e}"
 
 
+TRITON_PACKAGE = "solrl_triton"
+
+
+@functools.cache
+def source_tree_kernels() -> str | None:
+    """Make the repository's triton_kernels/ folder importable as `solrl_triton` when the project is run
+    from a checkout without being installed (a lent GPU machine runs a bare copy with PYTHONPATH=.):
+    setup.py's package_dir gives it that name only on install. Returns where `solrl_triton` comes from,
+    or None when neither an installed package nor the folder beside solrl_engine/ exists."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    if TRITON_PACKAGE in sys.modules:
+        return getattr(sys.modules[TRITON_PACKAGE], "__file__", None)
+    spec = importlib.util.find_spec(TRITON_PACKAGE)
+    if spec is not None:
+        return spec.origin
+    folder = Path(__file__).resolve().parents[2] / "triton_kernels"
+    if not (folder / "__init__.py").is_file():
+        return None
+    spec = importlib.util.spec_from_file_location(TRITON_PACKAGE, folder / "__init__.py",
+                                                  submodule_search_locations=[str(folder)])  # fmt: skip
+    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.modules[TRITON_PACKAGE] = mod  # before exec: the package's relative imports find it
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return spec.origin
+
+
+def _triton_unavailable() -> str | None:
+    """None when our Triton kernels import, else why not and what to do (Triton missing, or the kernels
+    neither installed nor beside solrl_engine/ in a checkout)."""
+    mod = _import("triton")
+    if isinstance(mod, str):
+        return f"Triton is not installed ({mod}); pip install triton"
+    if source_tree_kernels() is None:
+        return (f"the Triton kernels ({TRITON_PACKAGE}) are not installed and no triton_kernels/ folder lies beside "
+                "solrl_engine/: pip install -e . from the repository")  # fmt: skip
+    mod = _import(TRITON_PACKAGE)
+    if isinstance(mod, str):
+        return f"the Triton kernels do not import ({mod})"
+    return None
+
+
 def triton_module(name: str) -> ModuleType:
     """Import solrl_triton.<name>, the repository's triton_kernels/ folder (lazily: Triton is an
     optional dependency). It is installed under that name, not as `triton_kernels`: the Triton project
-    ships a package of that name (imported by vLLM and SGLang), and one would shadow the other."""
-    mod = _import(f"solrl_triton.{name}")
+    ships a package of that name (imported by vLLM and SGLang), and one would shadow the other. From a
+    checkout that is not installed, the folder is loaded under that name (source_tree_kernels)."""
+    why = _triton_unavailable()
+    if why is not None:
+        raise ImportError(f"Triton kernels unavailable: {why}")
+    mod = _import(f"{TRITON_PACKAGE}.{name}")
     if isinstance(mod, str):
-        raise ImportError(f"Triton kernels unavailable ({mod}); install with: pip install triton")
+        raise ImportError(f"Triton kernel module {TRITON_PACKAGE}.{name} does not import: {mod}")
     return mod
 
 
@@ -122,9 +170,9 @@ def unavailable_reason(backend: str, device: torch.device, op: str | None = None
     if backend == "reference":
         return None
     if backend == "triton":
-        mod = _import("triton")
-        if isinstance(mod, str):
-            return f"Triton is not installed ({mod}); pip install triton"
+        why = _triton_unavailable()
+        if why is not None:
+            return why
         if device.type == "cuda" or interpreting():
             return None
         return f"Triton kernels need a CUDA device, or TRITON_INTERPRET=1 on {device.type}"
