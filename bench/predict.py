@@ -103,18 +103,30 @@ def build_meta_model(alias: str, arch: dict[str, Any] | None = None, resolution:
     return cls(pipe, device="meta", dtype=torch.bfloat16, resolution=resolution)
 
 
-def forward_inputs(model: Any, batch: int, device: str | torch.device = "meta", dtype: torch.dtype = torch.bfloat16
-                   ) -> tuple[torch.Tensor, torch.Tensor, Conditioning]:  # fmt: skip
-    """Latents, flow time and stand-in text conditioning of one rollout batch (shapes only on meta)."""
+def forward_inputs(model: Any, batch: int, device: str | torch.device = "meta", dtype: torch.dtype = torch.bfloat16,
+                   seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, Conditioning]:  # fmt: skip
+    """Latents, flow time and stand-in text conditioning of one rollout batch, all on `device` (a captured
+    forward reads them there: a CPU tensor would be a host copy inside the capture). Random, not zeros: a GEMM
+    of zeros runs faster than one of data, and a quantize of zero rows takes its degenerate branch. Latents
+    and text states ~ N(0, 1), the flow time uniform in [0.2, 0.8] (drawn on the CPU from `seed`, so every
+    device gets the same values); shapes only on meta."""
     hidden, pooled = model._standin_dims()
     tokens = model.TEXT_TOKENS
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        if torch.device(device).type == "meta":
+            return torch.empty(*shape, device=device, dtype=dtype)
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
     cond = Conditioning(
-        torch.zeros(batch, tokens, hidden, device=device, dtype=dtype),
-        None if pooled is None else torch.zeros(batch, pooled, device=device, dtype=dtype),
+        randn(batch, tokens, hidden),
+        None if pooled is None else randn(batch, pooled),
         torch.ones(batch, tokens, dtype=torch.long, device=device) if pooled is None else None,
     )
-    x = torch.zeros(batch, *model.latent_shape, device=device, dtype=dtype)
-    return x, torch.tensor(0.5), cond
+    x = randn(batch, *model.latent_shape)
+    t = (0.2 + 0.6 * torch.rand((), generator=gen)).to(device)
+    return x, t, cond
 
 
 @dataclass

@@ -32,9 +32,9 @@ _UIDS = itertools.count()
 def io_dtypes(x: torch.Tensor) -> tuple[torch.dtype, torch.dtype]:
     """(the dtype a linear computes in, its output dtype) for input `x`: the autocast dtype under
     autocast (nn.Linear's behaviour: inputs of any float dtype are cast, the output is that dtype),
-    else x's own."""
+    else x's own. A device without autocast (meta: shape tracing, the capture rehearsal) has none."""
     dev = x.device.type
-    if torch.is_autocast_enabled(dev) and x.is_floating_point():
+    if x.is_floating_point() and torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev):
         d = torch.get_autocast_dtype(dev)
         return d, d
     return x.dtype, x.dtype

@@ -21,9 +21,10 @@ the quantize fused into its producer).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +32,7 @@ import torch
 from torch import nn
 
 from solrl_engine.models.base import Conditioning, FlowModel
+from solrl_engine.sampling.capture import Violation, rehearse_capture
 from solrl_engine.sampling.compile import (
     Census,
     RegionalWhileCalled,
@@ -267,6 +269,57 @@ class GraphedSampler:
                      self.stats.compile_s[-1], self.stats.census.summary())  # fmt: skip
         return sample(self.model, cond, seeds, steps, shift, solver, guidance_scale, uncond, batch_size, dtype, mod)
 
+    def _region(
+        self,
+        x: torch.Tensor,
+        cond: Conditioning,
+        steps: int,
+        shift: float | None,
+        solver: str,
+        transformer: nn.Module | None,
+        guidance_scale: float,
+        uncond: Conditioning | None,
+        amp: tuple[bool, torch.dtype],
+    ) -> tuple[Callable[[], torch.Tensor], torch.Tensor, Conditioning, torch.Tensor, Conditioning | None]:
+        """What a capture records: the loop over static copies of its inputs (returned with them: they must
+        outlive the graph). Everything the loop reads is made on x's device here, before capture; `rehearse`
+        checks that without a GPU."""
+        mod = self._module(transformer)
+        sig, host = schedule_pair(self.model, steps, shift, x.device)
+        sx, sc = x.clone(), cond.map(torch.clone)
+        su = None if uncond is None else uncond.map(torch.clone)
+        dev = x.device.type
+        use_amp = amp[0] and torch.amp.is_autocast_available(dev)
+
+        def run() -> torch.Tensor:
+            # autocast's weight-cast cache must be off under capture (cached casts would go stale)
+            ctx = torch.autocast(dev, dtype=amp[1], cache_enabled=False) if use_amp else contextlib.nullcontext()
+            with ctx:
+                return _solve(self.model, sx, sc, sig, host, solver, guidance_scale, su, mod)
+
+        return run, sx, sc, sig, su
+
+    def rehearse(
+        self,
+        cond: Conditioning,
+        seeds: Sequence[int],
+        steps: int,
+        shift: float | None = None,
+        solver: str = "euler",
+        dtype: torch.dtype = torch.float32,
+        transformer: nn.Module | None = None,
+        guidance_scale: float = 1.0,
+        uncond: Conditioning | None = None,
+    ) -> list[Violation]:
+        """The capture of one batch rehearsed on cond's device (the meta device: shapes only) under
+        CaptureGuard: every op of the captured loop that a CUDA graph could not hold (host syncs, host
+        tensors, host-to-device copies), with its line of code; empty when the capture is safe."""
+        x = seeded_noise(list(seeds), tuple(self.model.latent_shape), cond.hidden.device, dtype)
+        amp = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
+        run = self._region(x, cond, steps, shift, solver, transformer, guidance_scale,
+                           None if guidance_scale == 1.0 else uncond, amp)[0]  # fmt: skip
+        return rehearse_capture(run, x.device)
+
     def _capture(
         self,
         key: str,
@@ -281,15 +334,7 @@ class GraphedSampler:
         amp: tuple[bool, torch.dtype],
     ) -> _Graph:
         t0 = time.perf_counter()
-        mod = self._module(transformer)
-        sig, host = schedule_pair(self.model, steps, shift, x.device)
-        sx, sc = x.clone(), cond.map(torch.clone)
-        su = None if uncond is None else uncond.map(torch.clone)
-
-        def run() -> torch.Tensor:
-            # autocast's weight-cast cache must be off under capture (cached casts would go stale)
-            with torch.autocast("cuda", dtype=amp[1], enabled=amp[0], cache_enabled=False):
-                return _solve(self.model, sx, sc, sig, host, solver, guidance_scale, su, mod)
+        run, sx, sc, sig, su = self._region(x, cond, steps, shift, solver, transformer, guidance_scale, uncond, amp)
 
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
