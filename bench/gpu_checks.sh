@@ -1,9 +1,6 @@
 #!/usr/bin/env bash
-# On a lent device machine (30 minutes, bare), run bench/gpu_session.py instead: the ceilings and the
-# three full-size denoisers' BF16/FP8/INT8 forwards, eager and compiled, in two calls of 9.5 minutes
-# (docs/gpu-session.md):
-#   python3 bench/gpu_session.py --stages 0,1,4 --budget 540 --out $OUT
-#   python3 bench/gpu_session.py --stages 2,3 --budget 540 --out $OUT
+# On a lent device machine (30 minutes, bare, the project not installed), make the GPU session's two
+# device calls instead (docs/gpu-session.md): `bash bench/device_call.sh 1`, then `... 2`.
 # This script is the long form, for a machine held for an hour or more.
 # Everything that needs a GPU, in the order to run it: correctness first, then kernel benchmarks,
 # then end-to-end ones. Each stage writes its log and JSON under OUT (default bench/results) and a

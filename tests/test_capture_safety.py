@@ -26,7 +26,8 @@ def _meta(v):
 
 @pytest.fixture(scope="module")
 def session():
-    return load_bench("gpu_session")
+    """bench/session_common.py: the GPU session's models, inputs and timed forward."""
+    return load_bench("session_common")
 
 
 # --- the guard catches what a capture cannot hold (each a positive control) ------------------------------

@@ -11,7 +11,7 @@ from solrl_engine.models import ARCH_ALIASES, load_model
 from solrl_engine.nn.flops import count_linear_flops
 
 # tiny configs of the three families: the GPU session's smoke configs, by family name
-_SESSION = load_bench("gpu_session")
+_SESSION = load_bench("session_common")
 TINY = {ARCH_ALIASES[alias]: arch for alias, arch in _SESSION.TINY.items()}
 RES = {ARCH_ALIASES[alias]: res for alias, res in _SESSION.TINY_RES.items()}
 

@@ -1,0 +1,204 @@
+"""What the GPU session's stages share: the models and their tiny smoke configs, the timer, the formats a device
+runs, building a full-size random-weight denoiser on the device, its forward, and its CUDA-graph replay.
+
+Why its own file: bench/gpu_session.py (the calls, stages and clock), session_forwards.py (one model's forwards)
+and session_train.py (its refresh and update) all build on these, and none of them on each other's internals.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is no package: its scripts import each other
+import predict  # noqa: E402
+
+from solrl_engine.kernels.dispatch import device_capability  # noqa: E402
+from solrl_engine.models import ARCH_ALIASES, model_spec  # noqa: E402
+from solrl_engine.nn import plan_quantization  # noqa: E402
+from solrl_engine.quant import get_recipe  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+
+
+MODELS = ("sana-1.6b", "sd35-large", "flux-dev")
+
+
+ROLLOUT_BATCH = dict(predict.ROLLOUT_BATCH)  # SANA 48, FLUX 24, SD3.5-L 8: the rollout batch on one 80 GB GPU
+
+
+# torchao's inference configs our FP8 / INT8 explore copies are timed against (the peer a user would reach for)
+TORCHAO_CONFIGS = {"fp8": "Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())",
+                   "int8": "Int8DynamicActivationInt8WeightConfig()"}  # fmt: skip
+
+
+# tiny configs of the same diffusers classes for --smoke (tests/test_predict.py reuses them)
+TINY = {
+    "sd35-large": dict(num_layers=2, attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                       caption_projection_dim=32, pooled_projection_dim=32, sample_size=8, pos_embed_max_size=16),
+    "flux-dev": dict(num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+                     joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 6, 6)),
+    "sana-1.6b": dict(num_attention_heads=2, attention_head_dim=16, num_layers=2, num_cross_attention_heads=2,
+                      cross_attention_head_dim=16, cross_attention_dim=32, caption_channels=32, sample_size=4),
+}  # fmt: skip
+
+
+TINY_RES = {"sd35-large": 64, "flux-dev": 64, "sana-1.6b": 128}
+
+
+TINY_BATCH = 2
+
+
+# the preflight's small FLUX-class model: GEMM dims the fast kernels take, seconds to build and run
+SMALL_FLUX = dict(num_layers=1, num_single_layers=1, attention_head_dim=64, num_attention_heads=4,
+                  joint_attention_dim=256, pooled_projection_dim=256, axes_dims_rope=(16, 24, 24))  # fmt: skip
+
+
+# the explore formats and the compute capability whose tensor cores run them (docs/explore-speed.md)
+FORMAT_SM = {"fp8": (8, 9), "int8": (8, 0), "nvfp4": (10, 0)}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_ms(fn: Callable[[], Any], device: torch.device, warmup: int = 2, reps: int = 5) -> float:
+    """Median milliseconds of `fn` after warm-up: CUDA events on a GPU (no host sync per call inside
+    the timed span), perf_counter on a CPU."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return float(statistics.median(times))
+
+
+def format_unavailable(fmt: str, device: torch.device) -> str | None:
+    """None when `device` has tensor cores for `fmt` (or the CPU runs it, reference or simulated), else why not."""
+    cap = device_capability(device)
+    need = FORMAT_SM[fmt]
+    if device.type == "cpu" and cap is None:
+        return "the CPU has no FP4 GEMM and no SOLRL_SIMULATE_SM is set" if fmt == "nvfp4" else None
+    if cap is None or cap < need:
+        return f"needs sm_{need[0]}{need[1]}+ tensor cores; this device is {cap and f'sm_{cap[0]}{cap[1]}'}"
+    return None
+
+
+def build_model(alias: str, device: torch.device, arch: dict[str, Any] | None, resolution: int | None) -> Any:
+    """The family's denoiser with random BF16 weights made on `device`: built on meta (bench/predict.py's
+    builder, no memory, no CPU init), then materialised there and initialised by kernels on the device.
+    Weights ~ N(0, 1/fan_in), 1-D weights 1 and biases 0 (stable activations, so no NaN paths are timed);
+    float buffers (SD3's position table) are random: the values do not change the time."""
+    model = predict.build_meta_model(alias, arch, resolution)
+    net = model.transformer
+    net.to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in net.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 1.0 / math.sqrt(p[0].numel()), generator=gen)
+            elif name.endswith("weight"):
+                p.fill_(1.0)
+            else:
+                p.zero_()
+        for b in net.buffers():
+            if b.is_floating_point():
+                b.normal_(0.0, 0.5, generator=gen)
+            else:
+                b.zero_()
+    model.device_ = torch.device(device)
+    return model.eval().requires_grad_(False)
+
+
+def _autocast(device: torch.device) -> Any:
+    """BF16 autocast, as rollouts run; none on a device without it (meta: the capture rehearsal)."""
+    if not torch.amp.is_autocast_available(device.type):
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+def _blocks(alias: str) -> tuple[str, ...]:
+    """The family's repeated block classes: compiled once each (regional), as the compiled sampler does."""
+    return model_spec(ARCH_ALIASES.get(alias, alias)).repeated_blocks
+
+
+def explore_rule(alias: str, fmt: str) -> dict[str, Any]:
+    """The family's layer rule widened for the format as the engine's rollouts do (INT8: every eligible layer)."""
+    spec = model_spec(ARCH_ALIASES.get(alias, alias))
+    rule = dict(spec.explore_rule)
+    rule.update(spec.explore_rule_by_format.get(get_recipe(fmt).format, {}))
+    return rule
+
+
+def explore_selection(net: nn.Module, alias: str, fmt: str) -> list[str]:
+    """The linears our explore copy quantizes for `fmt`: the plan quantize_model makes inside ExploreCopy
+    (plan_quantization, the same recipe and rule), so a peer quantizes exactly those. 1x1 convolutions are
+    left out: torchao's linear configs do not take them."""
+    report = plan_quantization(net, get_recipe(fmt).with_(**explore_rule(alias, fmt)))
+    return [d.name for d in report.layers if d.quantized and d.kind == "linear"]
+
+
+def forward_fn(model: Any, net: nn.Module, inputs: tuple, device: torch.device) -> Callable[[], Any]:
+    """One denoiser forward (velocity) through `net` under BF16 autocast and no grad, as rollouts run it."""
+    x, t, cond = inputs
+
+    def fwd() -> Any:
+        with torch.no_grad(), _autocast(device):
+            return model.velocity(x, t, cond, transformer=net)
+
+    return fwd
+
+
+def graphed_ms(fwd: Callable[[], Any], device: torch.device, reps: int) -> float:
+    """`fwd` captured once in a CUDA graph (after a warm-up on a side stream), the median replay in ms. Every
+    tensor `fwd` reads must already be on the device (tests/test_capture_safety.py rehearses that on the CPU).
+    A capture that fails is ended and the device synchronized before the error propagates, so the process is
+    not left capturing."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fwd()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fwd()
+    finally:
+        with contextlib.suppress(Exception):
+            torch.cuda.synchronize()
+    return median_ms(graph.replay, device, reps=reps)
+
+
+def _release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _error(e: BaseException, limit: int = 4) -> dict[str, str]:
+    return {"error": f"{type(e).__name__}: {e}"[:500], "traceback": traceback.format_exc(limit=limit)[-1500:]}
+
