@@ -162,6 +162,11 @@ def _eval(args: argparse.Namespace) -> int:
     from solrl_engine.evaluation import COMPARE_PNG, Comparison, compare_figure, eval_grid, evaluate_rollouts
     from solrl_engine.rollout import Rollouts
 
+    for flag, value, what in (("--seeds", args.seeds, "seeds per prompt"),
+                              ("--max-prompts", args.max_prompts, "how many prompts to evaluate")):  # fmt: skip
+        if value < 1:
+            raise SystemExit(f"error: {flag} {value}: must be >= 1 ({what})")
+    _output_given(args.output)
     cfg = _load_cfg(args)
     if args.compare_base and not args.lora:
         raise SystemExit("error: --compare-base compares an adapter with the base model: give it with --lora "
@@ -199,6 +204,12 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _output_given(output: str | None) -> None:
+    """An empty --output would mean the current directory (or the default): refused rather than guessed."""
+    if output is not None and not output.strip():
+        raise SystemExit("error: --output is empty: name a directory (or leave --output out for the default)")
+
+
 def _checked(fn):  # noqa: ANN001, ANN202 - a thunk and its value
     """Run `fn`; a missing file or a bad value exits with its message, without a traceback."""
     try:
@@ -231,6 +242,7 @@ def _train(args: argparse.Namespace) -> int:
     from solrl_engine.rl.checkpoint import prepare_output
     from solrl_engine.rl.guards import NonFiniteError
 
+    _output_given(args.output)
     cfg = _load_cfg(args)
     if args.output:
         cfg = dataclasses.replace(cfg, output=args.output)
