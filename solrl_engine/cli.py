@@ -102,17 +102,11 @@ def _rollouts_from_args(args: argparse.Namespace):  # noqa: ANN202 - Rollouts, i
 
 
 def load_lora_into(transformer: object, directory: str) -> None:
-    """Load an exported adapter (OUT/lora, OUT/lora_ema, OUT/lora_best) into a transformer, as a pipeline would."""
-    if not Path(directory, "pytorch_lora_weights.safetensors").exists():
-        raise FileNotFoundError(
-            f"--lora {directory}: no pytorch_lora_weights.safetensors there; pass a run's lora/, lora_ema/ or "
-            "lora_best/ directory (written by `solrl train`)"
-        )
-    from solrl_engine.rl.export import WEIGHT_NAME
+    """Load an exported adapter (OUT/lora, OUT/lora_ema, OUT/lora_best) into a transformer, as a pipeline
+    would, checked against its manifest first (rl.export.load_lora)."""
+    from solrl_engine.rl.export import load_lora
 
-    transformer.load_lora_adapter(  # type: ignore[attr-defined]
-        directory, prefix="transformer", adapter_name="lora", weight_name=WEIGHT_NAME
-    )
+    load_lora(transformer, directory)
 
 
 def _sample(args: argparse.Namespace) -> int:
@@ -160,6 +154,7 @@ def _eval(args: argparse.Namespace) -> int:
     --compare-base also the base model on the same prompts and seeds, side by side (compare.png)."""
     from solrl_engine.data import load_prompts
     from solrl_engine.evaluation import COMPARE_PNG, Comparison, compare_figure, eval_grid, evaluate_rollouts
+    from solrl_engine.rl.sealed import write_atomic
     from solrl_engine.rollout import Rollouts
 
     for flag, value, what in (("--seeds", args.seeds, "seeds per prompt"),
@@ -185,7 +180,7 @@ def _eval(args: argparse.Namespace) -> int:
     if cmp is not None:
         summary.update(base_reward_mean=base.mean, base_reward_stderr=base.stderr, paired_gain=cmp.gain[0],
                        paired_gain_stderr=cmp.gain[1])  # fmt: skip
-    (out / "eval.json").write_text(json.dumps(summary, indent=2))
+    write_atomic(out / "eval.json", json.dumps(summary, indent=2))
     with (out / "samples.jsonl").open("w") as f:
         for i, (p, s, r) in enumerate(zip(res.prompts, res.seeds, res.rewards.tolist(), strict=True)):
             rec = {"prompt": p, "seed": s, "reward": r}
