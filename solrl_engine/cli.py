@@ -102,17 +102,11 @@ def _rollouts_from_args(args: argparse.Namespace):  # noqa: ANN202 - Rollouts, i
 
 
 def load_lora_into(transformer: object, directory: str) -> None:
-    """Load an exported adapter (OUT/lora, OUT/lora_ema, OUT/lora_best) into a transformer, as a pipeline would."""
-    if not Path(directory, "pytorch_lora_weights.safetensors").exists():
-        raise FileNotFoundError(
-            f"--lora {directory}: no pytorch_lora_weights.safetensors there; pass a run's lora/, lora_ema/ or "
-            "lora_best/ directory (written by `solrl train`)"
-        )
-    from solrl_engine.rl.export import WEIGHT_NAME
+    """Load an exported adapter (OUT/lora, OUT/lora_ema, OUT/lora_best) into a transformer, as a pipeline
+    would, checked against its manifest first (rl.export.load_lora)."""
+    from solrl_engine.rl.export import load_lora
 
-    transformer.load_lora_adapter(  # type: ignore[attr-defined]
-        directory, prefix="transformer", adapter_name="lora", weight_name=WEIGHT_NAME
-    )
+    load_lora(transformer, directory)
 
 
 def _sample(args: argparse.Namespace) -> int:
@@ -160,8 +154,14 @@ def _eval(args: argparse.Namespace) -> int:
     --compare-base also the base model on the same prompts and seeds, side by side (compare.png)."""
     from solrl_engine.data import load_prompts
     from solrl_engine.evaluation import COMPARE_PNG, Comparison, compare_figure, eval_grid, evaluate_rollouts
+    from solrl_engine.rl.sealed import write_atomic
     from solrl_engine.rollout import Rollouts
 
+    for flag, value, what in (("--seeds", args.seeds, "seeds per prompt"),
+                              ("--max-prompts", args.max_prompts, "how many prompts to evaluate")):  # fmt: skip
+        if value < 1:
+            raise SystemExit(f"error: {flag} {value}: must be >= 1 ({what})")
+    _output_given(args.output)
     cfg = _load_cfg(args)
     if args.compare_base and not args.lora:
         raise SystemExit("error: --compare-base compares an adapter with the base model: give it with --lora "
@@ -180,7 +180,7 @@ def _eval(args: argparse.Namespace) -> int:
     if cmp is not None:
         summary.update(base_reward_mean=base.mean, base_reward_stderr=base.stderr, paired_gain=cmp.gain[0],
                        paired_gain_stderr=cmp.gain[1])  # fmt: skip
-    (out / "eval.json").write_text(json.dumps(summary, indent=2))
+    write_atomic(out / "eval.json", json.dumps(summary, indent=2))
     with (out / "samples.jsonl").open("w") as f:
         for i, (p, s, r) in enumerate(zip(res.prompts, res.seeds, res.rewards.tolist(), strict=True)):
             rec = {"prompt": p, "seed": s, "reward": r}
@@ -197,6 +197,12 @@ def _eval(args: argparse.Namespace) -> int:
         compare_figure(cmp, head, ("base", "with LoRA"), seeds_per_prompt=args.seeds).save(out / COMPARE_PNG)
         print(cmp.line(out / COMPARE_PNG, what=args.lora))
     return 0
+
+
+def _output_given(output: str | None) -> None:
+    """An empty --output would mean the current directory (or the default): refused rather than guessed."""
+    if output is not None and not output.strip():
+        raise SystemExit("error: --output is empty: name a directory (or leave --output out for the default)")
 
 
 def _checked(fn):  # noqa: ANN001, ANN202 - a thunk and its value
@@ -220,23 +226,55 @@ def _load_cfg(args: argparse.Namespace):  # noqa: ANN202 - RLConfig, imported la
 
 
 def _train(args: argparse.Namespace) -> int:
+    import contextlib
     import dataclasses
     import logging
+    import os
 
+    from solrl_engine.rl import rundir
+    from solrl_engine.rl.guards import NonFiniteError
     from solrl_engine.rl.trainer import Trainer
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    import os
-
-    from solrl_engine.rl.checkpoint import prepare_output
-    from solrl_engine.rl.guards import NonFiniteError
-
+    _output_given(args.output)
+    mode = _checked(lambda: rundir.start_mode(args.resume, args.overwrite, args.auto_resume))
     cfg = _load_cfg(args)
     if args.output:
         cfg = dataclasses.replace(cfg, output=args.output)
-    if os.environ.get("RANK", "0") == "0":  # before any model loads: an existing run is never clobbered
-        _checked(lambda: prepare_output(cfg.output or f"runs/{cfg.name}", args.resume, args.overwrite))
-    trainer = _checked(lambda: Trainer(cfg))
+    out = Path(cfg.output or f"runs/{cfg.name}")
+    trainer = None
+    with contextlib.ExitStack() as held:
+        try:
+            with rundir.start_up_signals():  # SIGTERM / SIGHUP while loading: one line, nothing changed
+                if os.environ.get("RANK", "0") == "0":  # before any model loads: one writer, nothing clobbered
+                    _checked(lambda: held.enter_context(rundir.hold(out)))
+                    _checked(lambda: rundir.check_start(out, mode))
+                trainer = _checked(lambda: Trainer(cfg))
+                _start_banner(cfg, trainer)
+            summary = trainer.run(resume=mode == "resume", overwrite=mode == "overwrite", auto_resume=mode == "auto")
+        except (KeyboardInterrupt, rundir.Stopped) as e:
+            return _stopped_at_once(e, out)
+        except (NonFiniteError, ValueError, OSError) as e:
+            raise SystemExit(f"error: {e}") from None
+    print(json.dumps(summary, indent=2))
+    if summary.get("stopped_by"):  # the last line says so, and how to go on; the exit code says which signal
+        import shlex
+        import signal
+
+        sets = [a for s in args.set or [] for a in ("--set", s)]
+        again = shlex.join(["solrl", "train", args.config, *sets, "--output", str(out), "--resume"])
+        where = " (under the same torchrun line)" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+        print(f"stopped by {summary['stopped_by']} at iteration {summary['iterations']} of {cfg.iterations}, with a "
+              f"checkpoint; continue with{where}: {again}")  # fmt: skip
+        return rundir.EXIT_CODES[signal.Signals[summary["stopped_by"]]]
+    if summary.get("compare_png") and summary.get("heldout_gain_final") is not None:  # the line a run ends with
+        print(f"before/after: {summary['compare_png']} (base vs EMA adapter, same prompts and seeds); held-out "
+              f"reward {summary['heldout_reward_start']:.3f} -> {summary['heldout_reward_final']:.3f}, paired gain "
+              f"{summary['heldout_gain_final']:+.3f} +- {summary['heldout_gain_stderr_final']:.3f}")  # fmt: skip
+    return 0
+
+
+def _start_banner(cfg, trainer) -> None:  # noqa: ANN001 - RLConfig and Trainer, imported lazily
     print(
         f"{cfg.name}: model {cfg.model}, family {cfg.family}, N={cfg.n} -> K={cfg.k}, {cfg.prompts_per_iter} "
         f"prompts/iter, {cfg.iterations} iterations, output {trainer.out}"
@@ -247,16 +285,26 @@ def _train(args: argparse.Namespace) -> int:
     if trainer.explore is not None and trainer.dist.main:
         print(trainer.explore.report.summary())
         print(f"(every layer's decision: {trainer.out / 'quantization.txt'})")
-    try:
-        summary = trainer.run(resume=args.resume, overwrite=args.overwrite)
-    except (NonFiniteError, ValueError) as e:
-        raise SystemExit(f"error: {e}") from None
-    print(json.dumps(summary, indent=2))
-    if summary.get("compare_png") and summary.get("heldout_gain_final") is not None:  # the line a run ends with
-        print(f"before/after: {summary['compare_png']} (base vs EMA adapter, same prompts and seeds); held-out "
-              f"reward {summary['heldout_reward_start']:.3f} -> {summary['heldout_reward_final']:.3f}, paired gain "
-              f"{summary['heldout_gain_final']:+.3f} +- {summary['heldout_gain_stderr_final']:.3f}")  # fmt: skip
-    return 0
+
+
+def _stopped_at_once(e: BaseException, out: Path) -> int:
+    """Ctrl-C or SIGTERM / SIGHUP during start-up, or a second Ctrl-C during the run: one line, its code."""
+    import signal
+
+    from solrl_engine.rl import rundir
+    from solrl_engine.rl.checkpoint import latest
+
+    signum = e.signum if isinstance(e, rundir.Stopped) else signal.SIGINT
+    name = signal.Signals(signum).name
+    if isinstance(e, rundir.Stopped) and e.iteration is not None:
+        ck = latest(out / "checkpoints")
+        then = f"`--resume` continues from {ck}" if ck else "no checkpoint was written yet: start it again"
+        print(f"stopped by a second {name} during iteration {e.iteration + 1}, without its checkpoint; {then}",
+              file=sys.stderr)  # fmt: skip
+    else:
+        print(f"stopped by {name} during start-up, before training began: nothing in {out} was changed",
+              file=sys.stderr)  # fmt: skip
+    return rundir.EXIT_CODES[signum]
 
 
 def _fidelity(args: argparse.Namespace) -> int:
@@ -364,8 +412,14 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("config", help="CONFIG_SPEC: path/to/config.py:function")
     tr.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field (repeatable)")
     tr.add_argument("--output", default=None, help="run directory (default: runs/<config name>)")
-    tr.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
-    tr.add_argument("--overwrite", action="store_true", help="start over in an output directory that holds a run")
+    tr.add_argument("--resume", action="store_true",
+                    help="continue from the newest checkpoint that verifies (none: an error, nothing changed)")
+    tr.add_argument("--overwrite", action="store_true",
+                    help="start over in an output directory that holds a run: once the start is validated, the old "
+                         "run is moved to OUTPUT/replaced-<time>/ (nothing is deleted)")
+    tr.add_argument("--auto-resume", action="store_true",
+                    help="resume when OUTPUT holds a checkpoint, else start (moving a run without one aside): for "
+                         "job scripts that are requeued after preemption")  # fmt: skip
     tr.set_defaults(func=_train)
 
     ev = sub.add_parser("eval", help="mean of each reward over a prompt set, with a trained LoRA: grids + JSON")
@@ -404,12 +458,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Exit codes: 0 done, 1 an error (one line), 2 a usage error, 128 + N stopped by signal N (130 SIGINT,
+    143 SIGTERM, 129 SIGHUP; a stopped `solrl train` has checkpointed and names the command that resumes)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print(f"interrupted (Ctrl-C): `solrl {args.command}` stopped", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

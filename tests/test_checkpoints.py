@@ -62,7 +62,9 @@ def _damage(path: Path, how: str) -> str:
 
 
 def _mtimes(out: Path) -> dict[Path, int]:
-    return {p: p.stat().st_mtime_ns for p in [out, *out.rglob("*")]}
+    """Every entry under OUT and its mtime. OUT's own mtime is left out: a start takes the run's lock
+    (OUT/.solrl.lock, docs/checkpoints.md) before it checks anything, and a refused start removes it again."""
+    return {p: p.stat().st_mtime_ns for p in out.rglob("*")}
 
 
 def _same_adapters(a: Path, b: Path) -> None:

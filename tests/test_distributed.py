@@ -49,12 +49,13 @@ def test_torchrun_two_ranks_match_one_process(small_model, tmp_path, dtype):
     one, two = tmp_path / "one", tmp_path / "two"
     tol = tolerance(dtype)
     assert main(_args(small_model, one, dtype)) == 0
-    solrl = Path(sys.executable).parent / "solrl"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--no-python", str(solrl),
+    # `solrl` from this tree (not an installed copy) on every rank
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "solrl_engine.cli",
            *_args(small_model, two, dtype)]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-4000:]
+    assert not (two / ".solrl.lock").exists()  # rank 0 held the run's lock for the job, and let it go
     # writing the LoRA imports SD3's pipeline, whose SigLIP processor transformers warns about without
     # torchvision: nothing a user of the run can act on, so it stays off the progress bar
     assert "requires torchvision" not in out.stderr

@@ -17,6 +17,7 @@ from tiny_pipelines import SIZES, build_clip_reward, build_flux, build_sana, bui
 from solrl_engine.cli import load_lora_into, main
 from solrl_engine.models import load_model, model_spec
 from solrl_engine.rl.explore import ExploreCopy
+from solrl_engine.rl.export import load_lora
 
 BUILDERS = {"sd3": build_sd3, "flux": build_flux, "sana": build_sana}
 PRESET = {"sd3": "configs/sd3.py:sd3_sol_rl_clipscore", "flux": "configs/flux1.py:flux1_sol_rl_clipscore",
@@ -71,7 +72,7 @@ def test_solrl_train_on_a_saved_pipeline_and_load_its_lora_into_the_stock_pipeli
                     output_type="pt", guidance_scale=1.0, **kw).images  # fmt: skip
 
     before = images()
-    pipe.load_lora_weights(out / "lora")
+    load_lora(pipe, out / "lora")  # pipe.load_lora_weights, after the adapter is checked against its manifest
     after = images()
     assert before.shape == after.shape and torch.isfinite(after).all()
     assert (after - before).abs().max() > 1e-4  # the trained adapter changes what the stock pipeline draws

@@ -1,5 +1,5 @@
 """Scale and trust on CPU: resume after SIGKILL anywhere (mid-iteration, mid-checkpoint) reproduces an
-uninterrupted run's metrics bit for bit; SIGTERM stops with a checkpoint; an existing run is never
+uninterrupted run's metrics bit for bit; SIGTERM stops with a checkpoint and exit code 143; an existing run is never
 clobbered; bad input (non-finite rewards, wrong reward shapes, an unwritable or full output) gets a
 clear error and loses nothing; the proxy-drift guard warns and falls back, and a normal run never
 triggers it."""
@@ -73,9 +73,11 @@ def reference(small_model: str, tmp_path_factory: pytest.TempPathFactory) -> lis
 
 
 def _spawn(small_model: str, out: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    solrl = Path(sys.executable).parent / "solrl"
-    return subprocess.Popen([str(solrl), *_argv(small_model, out)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, env={**os.environ, **(env or {})}, cwd=ROOT)  # fmt: skip
+    """`solrl train` in a child process, from this tree (not an installed copy)."""
+    path = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    return subprocess.Popen([sys.executable, "-m", "solrl_engine.cli", *_argv(small_model, out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONPATH": path, **(env or {})}, cwd=ROOT)  # fmt: skip
 
 
 def _wait_for(pred, proc: subprocess.Popen, timeout: float = 120) -> None:  # noqa: ANN001
@@ -93,7 +95,9 @@ def test_sigkill_mid_checkpoint_write_then_resume_is_bit_identical(small_model, 
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (out / "checkpoints" / "iter_000001").exists()  # the half-written one never became a checkpoint
-    assert main(_argv(small_model, out, "--resume")) == 0  # no complete checkpoint: starts from the beginning
+    with pytest.raises(SystemExit, match="no checkpoint to resume"):  # --resume insists on one
+        main(_argv(small_model, out, "--resume"))
+    assert main(_argv(small_model, out, "--auto-resume")) == 0  # a job script's way: none yet, so it starts over
     _same_records(reference, _records(out))
 
 
@@ -113,9 +117,9 @@ def test_sigterm_stops_after_the_iteration_with_a_checkpoint(small_model, refere
     proc = _spawn(small_model, out)
     _wait_for(lambda: (out / "metrics.jsonl").exists() and len(_records(out)) >= 1, proc)
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=120) == 0
+    assert proc.wait(timeout=120) == 143  # 128 + SIGTERM: not the 0 of a finished run
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["stopped_early"] and summary["iterations"] < 4
+    assert summary["stopped_early"] and summary["iterations"] < 4 and summary["stopped_by"] == "SIGTERM"
     assert (out / "checkpoints" / f"iter_{summary['iterations']:06d}").exists()
     assert main(_argv(small_model, out, "--resume")) == 0
     _same_records(reference, _records(out))
@@ -130,6 +134,7 @@ def test_an_existing_run_is_never_clobbered(small_model, tmp_path):
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == before  # nothing in OUT changed
     assert main(_argv(small_model, out, "--overwrite", iterations=1)) == 0
     assert [r["iter"] for r in _records(out)] == [1]
+    assert len(list(out.glob("replaced-*/metrics.jsonl"))) == 1  # the old run, moved aside
 
 
 def test_resume_with_another_config_is_refused_naming_what_differs(small_model, tmp_path):

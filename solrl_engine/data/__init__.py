@@ -44,7 +44,11 @@ def _read_jsonl(path: Path, text: str) -> list[str]:
 def read_prompt_file(path: str | Path) -> list[str]:
     """Prompts of one file: JSON lines for .jsonl, else one per line (blank lines skipped)."""
     path = Path(path)
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        why = f"byte {e.start}: {e.reason}"
+        raise ValueError(f"prompt file {path} is not UTF-8 text ({why}): save it as UTF-8") from None
     if path.suffix == ".jsonl":
         prompts = _read_jsonl(path, text)
     else:

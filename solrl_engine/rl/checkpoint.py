@@ -19,9 +19,8 @@ command that converts it (`python -m solrl_engine.rl.checkpoint convert DIR`). T
 (sealed directories, the tensors + JSON encoding) is solrl_engine.rl.sealed; docs/checkpoints.md has
 the layout, the guarantees and their measured cost.
 
-`prepare_output` guards a run directory before anything loads: an existing run is never
-overwritten without --resume or --overwrite, an unwritable or full disk fails at once, and a
---resume whose every checkpoint is damaged stops there.
+The run directory around the checkpoints (its lock, what a start checks, --overwrite, logs cut back
+on resume) is solrl_engine.rl.rundir.
 """
 
 from __future__ import annotations
@@ -267,11 +266,11 @@ def resume_point(root: str | Path, dist: Any = None) -> Path | None:
 
 # --- a run directory ---------------------------------------------------------------------------------
 
-RUN_FILES = ("metrics.jsonl", "config.json", "summary.json", "reward.png", "quantization.txt")
+RUN_FILES = ("metrics.jsonl", "config.json", "summary.json", "reward.png", "quantization.txt", "compare.png")
 # the EMA adapter of the best held-out evaluation, and the file inside it that says which one that was
 BEST_LORA, BEST_INFO = "lora_best", "solrl_best.json"
 EXPORTS = ("lora", "lora_ema", BEST_LORA)
-RUN_DIRS = ("checkpoints", "lora", "lora_ema", BEST_LORA, "tensorboard")
+RUN_DIRS = ("checkpoints", "lora", "lora_ema", BEST_LORA, "tensorboard", "wandb")
 MIN_FREE_BYTES = 64 * 2**20
 
 
@@ -284,44 +283,6 @@ def verify_run(out: str | Path) -> list[Verdict]:
     if (out / "checkpoint.pt").is_file():
         found.append(_verify_legacy(out / "checkpoint.pt", out / "checkpoint.pt"))
     return found
-
-
-def prepare_output(out: str | Path, resume: bool = False, overwrite: bool = False) -> Path:
-    """Check (and with `overwrite`, clear) a run directory before training starts.
-
-    Raises FileExistsError when `out` holds a run and neither `resume` nor `overwrite` is set (nothing
-    is touched), PermissionError when it cannot be written, OSError when its disk is nearly full,
-    CheckpointError when resuming and no checkpoint verifies (nothing is touched)."""
-    out = Path(out)
-    existing = [f for f in RUN_FILES + RUN_DIRS if (out / f).exists()] + [p.name for p in out.glob("eval_*.png")]
-    if existing and not resume and not overwrite:
-        raise FileExistsError(
-            f"{out} already holds a run ({', '.join(sorted(existing)[:4])}...): pass --resume to continue it, "
-            "--overwrite to start over in it, or choose another --output"
-        )
-    if resume:  # before the first write: a resume with nothing usable changes nothing (the trainer warns)
-        pick(out / "checkpoints", warn=False)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".solrl_write_test"
-        probe.write_bytes(b"x")
-        probe.unlink()
-    except OSError as e:
-        raise PermissionError(f"cannot write to the output directory {out}: {e}; choose a writable --output") from e
-    free = shutil.disk_usage(out).free
-    if free < MIN_FREE_BYTES:
-        raise OSError(
-            f"only {free / 2**20:.0f} MiB free on the disk of {out}: checkpoints need room; free space or choose "
-            "another --output (the run has not started)"
-        )
-    if overwrite and not resume:
-        for f in RUN_FILES:
-            (out / f).unlink(missing_ok=True)
-        for p in out.glob("eval_*.png"):
-            p.unlink()
-        for d in RUN_DIRS:
-            shutil.rmtree(out / d, ignore_errors=True)
-    return out
 
 
 # --- converting an old checkpoint ----------------------------------------------------------------------

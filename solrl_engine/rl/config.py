@@ -11,6 +11,7 @@ import dataclasses
 import difflib
 import importlib.util
 import inspect
+import math
 import types
 import typing
 from dataclasses import dataclass, fields
@@ -182,10 +183,24 @@ class RLConfig:
         if self.compile_mode not in COMPILE_MODES:
             raise bad("compile_mode", f"choose one of {COMPILE_MODES} (null: inductor's default, no autotuning; modes "
                                       "with inductor's own CUDA graphs are refused: the sampler captures the loop)")
+        for f in fields(self):  # a NaN passes every comparison below; an infinity only a few
+            v = getattr(self, f.name)
+            if isinstance(v, float) and not math.isfinite(v) and not (f.name == "grad_clip" and v == math.inf):
+                raise bad(f.name, "must be a finite number")
+        if self.lr <= 0:
+            raise bad("lr", "the learning rate must be > 0, e.g. 3e-4")
+        for key in ("weight_decay", "kl_beta"):
+            if getattr(self, key) < 0:
+                raise bad(key, "must be >= 0 (0: off)")
+        if self.grad_clip <= 0 or self.adv_clip <= 0:
+            raise bad("grad_clip" if self.grad_clip <= 0 else "adv_clip", "must be > 0")
         if not 0 < self.timestep_fraction <= 1:
             raise bad("timestep_fraction", "must be in (0, 1]")
         if self.beta <= 0:
             raise bad("beta", "must be > 0 (the loss divides by it)")
+        if self.eval_prompt_count < 1:
+            raise bad("eval_prompt_count", "must be >= 1: the held-out evaluation is how a run is judged and which "
+                                           "adapter is kept as lora_best (raise eval_every to evaluate less often)")
         if self.explore_skip_max_dim is not None and self.explore_skip_max_dim < 0:
             raise bad("explore_skip_max_dim", "must be >= 0 (0 quantizes layers of every width)")
         if self.explore_rht not in (0, 16, 32, 64, 128):
@@ -250,8 +265,16 @@ def resolve_policy_dtype(cfg: RLConfig, device: torch.device) -> tuple[torch.dty
 
 
 def resolve_runtime(cfg: RLConfig) -> tuple[torch.device, torch.dtype]:
-    """(device, policy dtype); see `resolve_policy_dtype` for the dtype and its reason."""
+    """(device, policy dtype); see `resolve_policy_dtype` for the dtype and its reason. A CUDA device that
+    is not there is a ConfigError naming the key, before any model loads (not torch's bare assertion)."""
     dev = torch.device(cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        why = "this PyTorch is a CPU build" if torch.version.cuda is None else "PyTorch sees no CUDA device"
+        raise ConfigError(f"config {cfg.name!r}: device = {cfg.device!r}, but {why}: set device=cpu (or auto, which "
+                          "takes a GPU when there is one), or install a CUDA PyTorch")  # fmt: skip
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ConfigError(f"config {cfg.name!r}: device = {cfg.device!r}, but there are only "
+                          f"{torch.cuda.device_count()} CUDA devices (cuda:0 ..)")  # fmt: skip
     return dev, resolve_policy_dtype(cfg, dev)[0]
 
 
@@ -318,12 +341,19 @@ def load_config(spec: str, overrides: list[str] | None = None) -> RLConfig:
         )
     path_s, fn_name = spec.rsplit(":", 1)
     path = Path(path_s)
+    example = "e.g. configs/tiny.py:tiny_sol_rl_shapes"
     if not path.exists():
         raise ConfigError(f"config file {path} does not exist (run from the repository root, or give its full path)")
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a directory: name a .py file in it and a function, {example}")
     mod_spec = importlib.util.spec_from_file_location(f"solrl_config_{path.stem}", path)
-    assert mod_spec and mod_spec.loader
+    if path.suffix != ".py" or mod_spec is None or mod_spec.loader is None:
+        raise ConfigError(f"config file {path} is not a Python file: a config is a .py file and a function, {example}")
     mod = importlib.util.module_from_spec(mod_spec)
-    mod_spec.loader.exec_module(mod)
+    try:
+        mod_spec.loader.exec_module(mod)
+    except SyntaxError as e:
+        raise ConfigError(f"config file {path}, line {e.lineno}: {e.msg}") from None
     fn = getattr(mod, fn_name, None)
     if not callable(fn):
         found = [n for n, v in vars(mod).items() if callable(v) and not n.startswith("_") and n != "RLConfig"]

@@ -9,16 +9,23 @@ targets) so a loader does not assume alpha = rank. Each directory is written und
 sealed with a MANIFEST.json (each file's size and SHA-256, every file fsynced) and renamed into
 place, so a crash never leaves a half-written adapter where the last good one was and `solrl verify`
 can tell a damaged copy from a good one (docs/checkpoints.md).
+
+`load_lora` is how the engine reads an adapter back (`solrl eval --lora`, `solrl sample --lora`, your
+own code): it checks the directory against its MANIFEST.json first and refuses a damaged one in one
+line; `verify_adapter` is the same check for code that loads with diffusers itself
+(`pipe.load_lora_weights`). An adapter without a manifest (diffusers' own exports) loads unchecked.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 from solrl_engine.models import pipeline_class as resolve_pipeline_class
 from solrl_engine.rl.adapters import TRAIN, LoraAdapters
-from solrl_engine.rl.sealed import commit, seal
+from solrl_engine.rl.sealed import MANIFEST, check_dir, commit, default_mode, seal
 
 WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 
@@ -52,6 +59,48 @@ def save_lora(
     )  # fmt: skip
     for name, text in (extra or {}).items():
         (tmp / name).write_text(text)
+    for f in tmp.iterdir():  # safetensors' save_file writes the weights with mode 0o600
+        os.chmod(f, default_mode())
     seal(tmp, {"kind": "lora", "adapter": "ema" if ema else "trained"})
     commit(tmp, directory)
     return directory
+
+
+class DamagedAdapter(ValueError):
+    """An exported adapter whose files do not match its MANIFEST.json, or that does not parse."""
+
+
+def verify_adapter(directory: str | Path) -> bool:
+    """Check an adapter directory against its MANIFEST.json: True when it verifies, False when it has no
+    manifest (diffusers' own exports: nothing to check), DamagedAdapter naming what differs otherwise."""
+    directory = Path(directory)
+    if not (directory / WEIGHT_NAME).is_file():
+        raise FileNotFoundError(f"{directory}: no {WEIGHT_NAME} there; pass a run's lora/, lora_ema/ or lora_best/ "
+                                "directory (written by `solrl train`)")  # fmt: skip
+    if not (directory / MANIFEST).exists():
+        return False
+    ok, detail = check_dir(directory)
+    if not ok:
+        raise DamagedAdapter(f"adapter {directory} is damaged: {detail}; restore it from a copy (`solrl verify RUN` "
+                             "checks a whole run; `--resume` writes a run's lora/ and lora_ema/ again)")  # fmt: skip
+    return True
+
+
+def load_lora(target: Any, directory: str | Path, adapter_name: str = "lora") -> None:
+    """Load an exported adapter into a diffusers transformer or pipeline, as `pipe.load_lora_weights`
+    would, after `verify_adapter`: a damaged one is refused (DamagedAdapter) instead of sampling with
+    altered weights, and one that does not parse is one line naming the file, not a SafetensorError."""
+    directory = Path(directory)
+    verify_adapter(directory)
+    try:
+        if hasattr(target, "load_lora_weights"):  # a pipeline
+            target.load_lora_weights(str(directory), weight_name=WEIGHT_NAME, adapter_name=adapter_name)
+        else:
+            target.load_lora_adapter(str(directory), prefix="transformer", adapter_name=adapter_name,
+                                     weight_name=WEIGHT_NAME)  # fmt: skip
+    except Exception as e:  # safetensors' SafetensorError and whatever peft hits in a file that does not parse
+        if type(e).__name__ != "SafetensorError" and not isinstance(e, OSError | EOFError):
+            raise
+        first = (str(e).splitlines() or [type(e).__name__])[0][:200]
+        raise DamagedAdapter(f"adapter {directory}: {WEIGHT_NAME} is unreadable ({type(e).__name__}: {first}); "
+                             "restore it from a copy or export it again") from None  # fmt: skip

@@ -92,7 +92,7 @@ def _hashable(k: Any) -> Any:
     return tuple(_hashable(x) for x in k) if isinstance(k, list | tuple) else k
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     """Make a directory's entries (new names, renames) durable; file systems that cannot are let be."""
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -114,6 +114,38 @@ def write_synced(path: Path, data: bytes) -> dict[str, Any]:
         f.flush()
         os.fsync(f.fileno())
     return _entry(data)
+
+
+def write_atomic(path: str | Path, text: str | bytes) -> Path:
+    """Replace `path` whole: written beside it under a temporary name, fsynced, renamed over it, the
+    directory fsynced. A crash or a full disk mid-write leaves the old file as it was, never half of
+    the new one (summary.json, config.json, a rewritten metrics.jsonl, eval.json)."""
+    path = Path(path)
+    tmp = path.with_name(f".tmp_{path.name}")
+    try:
+        write_synced(tmp, text.encode() if isinstance(text, str) else text)
+        os.chmod(tmp, default_mode())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+    return path
+
+
+def default_mode() -> int:
+    """The mode `open()` gives a new file under the process's umask (0o644 under the usual 022): what a
+    file written through a temporary file (mkstemp's 0o600) is given back, so every file of a run
+    directory is as readable as the rest."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)  # elsewhere: read by setting it (and back at once)
+    os.umask(mask)
+    return 0o666 & ~mask
 
 
 def _entry(data: bytes) -> dict[str, Any]:
@@ -145,7 +177,7 @@ def seal(directory: Path, meta: dict[str, Any], known: dict[str, dict[str, Any]]
                 os.fsync(f.fileno())
     body = {"format": FORMAT, **meta, "files": files}
     write_synced(directory / MANIFEST, json.dumps(body, indent=1).encode())
-    _fsync_dir(directory)
+    fsync_dir(directory)
 
 
 def commit(tmp: Path, final: Path) -> None:
@@ -155,7 +187,7 @@ def commit(tmp: Path, final: Path) -> None:
     if final.exists():
         final.rename(old)
     tmp.rename(final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     shutil.rmtree(old, ignore_errors=True)
 
 

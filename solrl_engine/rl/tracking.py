@@ -17,7 +17,11 @@ TRACKERS = ("tensorboard", "wandb")
 class Tracker:
     """Scalars and image grids to every configured backend; a no-op with none."""
 
-    def __init__(self, out: Path, backends: tuple[str, ...], name: str, config: dict[str, Any]) -> None:
+    def __init__(
+        self, out: Path, backends: tuple[str, ...], name: str, config: dict[str, Any], purge_step: int | None = None
+    ) -> None:
+        """`purge_step`: a resumed run's first iteration; TensorBoard drops the events a stopped run logged
+        from there on (they run again), as metrics.jsonl is cut back to the checkpoint."""
         self.tb = self.wandb = None
         for b in backends:
             if b not in TRACKERS:
@@ -30,7 +34,7 @@ class Tracker:
                     "log_with=tensorboard needs the tensorboard package: pip install tensorboard "
                     '(or pip install -e ".[logging]")'
                 ) from e
-            self.tb = SummaryWriter(log_dir=str(out / "tensorboard"))
+            self.tb = SummaryWriter(log_dir=str(out / "tensorboard"), purge_step=purge_step)
         if "wandb" in backends:
             try:
                 import wandb

@@ -12,6 +12,7 @@ one rank; pass the gathered rewards to `group_advantages` for the global std).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -28,7 +29,7 @@ from tqdm.auto import tqdm
 from solrl_engine.data import load_prompts
 from solrl_engine.evaluation import EvalResult, eval_grid, evaluate_rollouts, mean_stderr, write_compare
 from solrl_engine.models.base import Conditioning
-from solrl_engine.rl import checkpoint
+from solrl_engine.rl import checkpoint, rundir
 from solrl_engine.rl.adapters import OLD, TRAIN, LoraAdapters
 from solrl_engine.rl.config import FAMILY_TABLE, ConfigError, RLConfig, autocast_for
 from solrl_engine.rl.distributed import Dist
@@ -36,6 +37,7 @@ from solrl_engine.rl.explore import ExploreCopy
 from solrl_engine.rl.export import save_lora
 from solrl_engine.rl.guards import NonFiniteError, ProxyGuard, check_finite, check_resume_config
 from solrl_engine.rl.ranking import group_advantages, kendall, spearman
+from solrl_engine.rl.sealed import write_atomic
 from solrl_engine.rl.tracking import Tracker
 from solrl_engine.rl.update import nft_update
 from solrl_engine.rollout import Explorer, Rollouts
@@ -120,7 +122,7 @@ class Trainer:
         self.tracker: Tracker | None = None
         self.nonfinite = 0  # iterations whose update was skipped for non-finite values
         self.guard = ProxyGuard(cfg)
-        self._stop = False
+        self.signals = rundir.StopSignals()  # installed while `run` runs
 
     def _follow_explore(self) -> None:
         """Attach the explore copy (if any) and the merged policy copy (merge_lora) to the policy's
@@ -409,15 +411,12 @@ class Trainer:
             log.info("removing %s (iteration %s): it was written after the resumed checkpoint", best_dir, on_disk)
             shutil.rmtree(best_dir)
 
-    def _stop_requested(self) -> bool:
-        """A signal on any rank stops every rank after the same iteration."""
-        flag = torch.tensor([float(self._stop)], device=self.device)
-        return bool(self.dist.sum_(flag).item() > 0)
-
     def _checkpoint(self, main: bool) -> None:
         """Write a checkpoint and the exported adapters; never from a poisoned (non-finite) state."""
         if not all(bool(torch.isfinite(p).all()) for p in self.adapters.params(TRAIN) + self.adapters.ema):
-            raise NonFiniteError("the adapters", "refusing to checkpoint them; the last good checkpoint stays")
+            last = checkpoint.latest(self.out / "checkpoints")
+            kept = f"the last good checkpoint, {last}, stays" if last else "no checkpoint of this run was written yet"
+            raise NonFiniteError("the adapters", f"refusing to checkpoint them; {kept} (lr is {self.cfg.lr})")
         if main:
             checkpoint.save(self.out / "checkpoints", self.iteration, self._state(), self.cfg.keep_checkpoints)
             self.export()
@@ -440,55 +439,50 @@ class Trainer:
         save_lora(self.adapters, self.out / "lora", pipeline)
         save_lora(self.adapters, self.out / "lora_ema", pipeline, ema=True)
 
-    def _on_signal(self, signum: int, _frame: object) -> None:
-        log.warning("signal %d: stopping after this iteration with a checkpoint (resume with --resume)", signum)
-        self._stop = True
+    def run(self, resume: bool = False, overwrite: bool = False, auto_resume: bool = False) -> dict[str, Any]:
+        """Train for cfg.iterations. `resume`: from the newest checkpoint that verifies (none: NothingToResume,
+        nothing changed); `overwrite`: a new run, the old one moved aside once the start is validated;
+        `auto_resume`: whichever applies. Rank 0 holds OUT's lock throughout (rundir.hold). SIGINT, SIGTERM
+        and SIGHUP stop after the current iteration with a checkpoint (summary["stopped_by"])."""
+        mode = rundir.start_mode(resume, overwrite, auto_resume)
+        with rundir.hold(self.out) if self.dist.main else contextlib.nullcontext(), self.signals:
+            mode = self.dist.broadcast_object(rundir.check_start(self.out, mode) if self.dist.main else None)
+            return self._run(mode)
 
-    def run(self, resume: bool = False, overwrite: bool = False) -> dict[str, Any]:
-        """Train for cfg.iterations; with `resume`, continue from the newest complete checkpoint (from the
-        start when there is none). SIGINT / SIGTERM stop after the current iteration with a checkpoint."""
-        import signal
-        import threading
-
-        main = self.dist.main  # rank 0 alone writes; every rank computes
-        if main:
-            checkpoint.prepare_output(self.out, resume, overwrite)
-            if self.explore is not None:  # why each layer of the explore copy was or was not quantized
-                (self.out / "quantization.txt").write_text(str(self.explore.report) + "\n")
-        self.dist.barrier()
-        handlers = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                handlers[sig] = signal.signal(sig, self._on_signal)
-        try:
-            return self._run(resume)
-        finally:
-            for sig, h in handlers.items():
-                signal.signal(sig, h)
-
-    def _run(self, resume: bool) -> dict[str, Any]:
-        c, main = self.cfg, self.dist.main
+    def _run(self, mode: str) -> dict[str, Any]:
+        c, main = self.cfg, self.dist.main  # rank 0 alone writes; every rank computes
         metrics_path = self.out / "metrics.jsonl"
         history: list[dict[str, Any]] = []
-        # the newest checkpoint that verifies (damaged ones are named and skipped), the same on every rank
-        ck = checkpoint.resume_point(self.out / "checkpoints", self.dist) if resume else None
-        self.tracker = Tracker(self.out, c.log_with if main else (), c.name, dataclasses.asdict(c))
+        # the newest checkpoint that verifies (damaged ones are named and skipped), the same on every rank,
+        # restored (its config checked) before anything in OUT is written
+        ck = checkpoint.resume_point(self.out / "checkpoints", self.dist) if mode == "resume" else None
         if ck is not None:
             self._restore(checkpoint.load(ck))
-            if metrics_path.exists():  # drop records written after the checkpoint
-                lines = metrics_path.read_text().splitlines()
-                history = [json.loads(x) for x in lines if json.loads(x)["iter"] <= self.iteration]
-                self.dist.barrier()  # every rank has read it before rank 0 rewrites it
-                if main:
-                    metrics_path.write_text("".join(json.dumps(h) + "\n" for h in history))
-            log.info("resumed from %s at iteration %d", ck, self.iteration)
-        else:
+            history, cut = rundir.read_log(metrics_path, self.iteration)  # later records and a torn line go
+            self.dist.barrier()  # every rank has read it before rank 0 rewrites it
             if main:
-                metrics_path.write_text("")
-                (self.out / "config.json").write_text(json.dumps(dataclasses.asdict(c), indent=2))
+                if cut:
+                    log.warning("%s: cut back to iteration %d, the checkpoint's: dropped %s", metrics_path,
+                                self.iteration, cut)  # fmt: skip
+                write_atomic(metrics_path, "".join(json.dumps(h) + "\n" for h in history))
+                if rundir.damaged_exports(self.out):  # exports are made from the checkpoint's state
+                    self.export()
+            log.info("resumed from %s at iteration %d", ck, self.iteration)
+        elif main:
+            if mode == "overwrite":
+                rundir.move_aside(self.out)
+            write_atomic(metrics_path, "")
+            write_atomic(self.out / "config.json", json.dumps(dataclasses.asdict(c), indent=2))
+        if main and self.explore is not None:  # why each layer of the explore copy was or was not quantized
+            write_atomic(self.out / "quantization.txt", str(self.explore.report) + "\n")
+        self.dist.barrier()
+        self.tracker = Tracker(self.out, c.log_with if main else (), c.name, dataclasses.asdict(c),
+                               purge_step=self.iteration + 1 if ck is not None else None)  # fmt: skip
+        if ck is None:
             self.evaluate()
         bar = tqdm(total=c.iterations, initial=self.iteration, disable=not self.progress, desc=c.name)
         while self.iteration < c.iterations:
+            self.signals.iteration = self.iteration  # what a second Ctrl-C reports
             m = self.step()
             if self.iteration % c.eval_every == 0 or self.iteration == c.iterations:
                 m["heldout_reward"] = self.evaluate()
@@ -502,7 +496,7 @@ class Trainer:
                     f.write(json.dumps(m) + "\n")
                 self.tracker.log(m, self.iteration)
                 self._plot(history)
-            stop = self._stop_requested()
+            stop = self.signals.requested(self.dist, self.device)
             if self.iteration % c.save_every == 0 or self.iteration == c.iterations or stop:
                 self._checkpoint(main)
             bar.update(1)
@@ -514,8 +508,8 @@ class Trainer:
         bar.close()
         if main and not (self.out / "lora").exists():  # e.g. resumed at the end: still exported
             self.export()
-        compare = None
-        if main and self.eval_prompts and self.gains:  # the before/after picture, OUT/compare.png
+        compare, stopped = None, self.signals.name
+        if main and self.eval_prompts and self.gains and not stopped:  # before/after; a stopped run leaves at once
             it, g, se = self.gains[-1]
             head = f"{c.name}: held-out paired gain {g:+.3f} +- {se:.3f} ({len(self.eval_base)} images, iteration {it})"
             compare = write_compare(self.out, self.rollouts, self.adapters, self.eval_prompts, head, self.tracker,
@@ -549,8 +543,9 @@ class Trainer:
             "compile_census": self.rollouts.sampler.stats.census.to_dict(),
             "nonfinite_skipped": self.nonfinite,
             "stopped_early": self.iteration < c.iterations,
+            "stopped_by": stopped,  # the signal that stopped the run (None: it ran to the end)
         }
         if main:
-            (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
+            write_atomic(self.out / "summary.json", json.dumps(summary, indent=2))
         self.dist.barrier()
         return summary
