@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -25,8 +27,18 @@ def _run(script: str, *args: str) -> str:
 
 
 def test_explore_select_example(sd3):
+    """What the example prints, parsed: 2 prompts x K = 4 distinct seeds, the top K/2 then the bottom K/2 by
+    proxy reward, finite full-precision rewards, and rank correlations in [-1, 1]."""
     out = _run("explore_select.py", "--pipeline", str(sd3))
-    assert "selected seeds" in out and "full-precision rewards" in out and "spearman" in out
+    vals = dict(line.split(": ", 1) for line in out.splitlines() if ": " in line)
+    seeds = ast.literal_eval(vals["selected seeds (top 2, bottom 2)"])
+    proxy = ast.literal_eval(vals["proxy rewards"])
+    full = ast.literal_eval(vals["full-precision rewards"])
+    fid = ast.literal_eval(vals["proxy fidelity"])
+    assert len(seeds) == 2 and all(len(r) == 4 == len(set(r)) for r in seeds)
+    assert all(min(r[:2]) >= max(r[2:]) for r in proxy)
+    assert len(full) == 2 and all(len(r) == 4 and all(map(math.isfinite, r)) for r in full)
+    assert {"spearman", "kendall"} <= set(fid) and all(-1 <= fid[k] <= 1 for k in ("spearman", "kendall"))
 
 
 def test_grpo_loop_example(sd3):

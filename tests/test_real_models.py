@@ -7,6 +7,7 @@ pipeline."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,8 @@ from tiny_pipelines import SIZES, build_clip_reward, build_flux, build_sana, bui
 
 from solrl_engine.cli import load_lora_into, main
 from solrl_engine.models import load_model, model_spec
+from solrl_engine.nn import plan_quantization
+from solrl_engine.quant import get_recipe
 from solrl_engine.rl.explore import ExploreCopy
 from solrl_engine.rl.export import load_lora
 
@@ -54,8 +57,16 @@ def test_solrl_train_on_a_saved_pipeline_and_load_its_lora_into_the_stock_pipeli
     assert [r["iter"] for r in recs] == [1, 2]
     assert all(r["proxy_spearman"] is not None and r["loss"] == r["loss"] for r in recs)
     assert "heldout_reward" in recs[-1] and (out / "eval_00002.png").exists()
+    # the explore copy quantized exactly the layers the family's NVFP4 rule names: the report's count, its
+    # per-layer lines and an independent plan of the saved transformer agree, and the count is not zero
     quant = (out / "quantization.txt").read_text()
-    assert "quantized" in quant
+    head = re.match(r"quantize_model\[nvfp4\]: (\d+) of (\d+) Linear layers quantized", quant)
+    assert head, quant[:300]
+    done = int(head[1])
+    assert done == sum(line.startswith("  quantized ") for line in quant.splitlines())
+    base = load_model(name, pipes[name], "cpu", torch.float32, resolution=SIZES[name])
+    want = plan_quantization(base.transformer, get_recipe("nvfp4").with_(**model_spec(name).explore_rule))
+    assert done == len(want.quantized) > 0
     for d in ("lora", "lora_ema"):
         assert (out / d / "pytorch_lora_weights.safetensors").exists()
 

@@ -161,10 +161,6 @@ class PipelineFlowModel(nn.Module):
             if isinstance(getattr(self.pipe, n, None), nn.Module)
         ]  # fmt: skip
 
-    def text_encoder_bytes(self) -> int:
-        """What offloading the text encoders frees on the device (they are used once per prompt)."""
-        return sum(p.numel() * p.element_size() for enc in self._text_encoders() for p in enc.parameters())
-
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> Conditioning:
         """Per-prompt conditioning, cached (the text encoders run once per new prompt)."""

@@ -157,10 +157,6 @@ class GraphedSampler:
                 self._compiled[id(mod)] = _Compiled(torch.compile(mod, backend=backend, dynamic=False))
         return self._compiled[id(mod)]
 
-    def reset(self) -> None:
-        """Drop every captured graph (e.g. after replacing modules, not after in-place updates)."""
-        self._graphs.clear()
-
     @torch.no_grad()
     def sample(
         self,
