@@ -77,7 +77,7 @@ def run_family(family: str, sets: list[str], seed: int, budget_s: float, eval_ev
         "curve": curve,
         "iterations": tr.iteration,
         "s_per_iter": {p: statistics.mean(r[p] for r in done) for p in phases},
-        "explore": tr.rollouts.explore_recipe,
+        "explore": tr.explorer.recipe_label,
         "policy_dtype": str(tr.dtype).removeprefix("torch."),
         "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "output"},
     }

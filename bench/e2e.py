@@ -77,15 +77,15 @@ def run_family(cfg: RLConfig, warmup: int) -> dict[str, object]:
     res["time_rollout_s"] = res["time_explore_s"] + res["time_regen_s"]
     res["reward_mean"] = statistics.mean(r["reward_mean"] for r in timed)
     res["policy_dtype"] = str(trainer.dtype).removeprefix("torch.")
-    res["explore_recipe"] = trainer.rollouts.explore_recipe  # "policy (<dtype>)" where the policy explores
+    res["explore_recipe"] = trainer.explorer.recipe_label  # "policy (<dtype>)" where the policy explores
     # like-for-like: whether full-precision rollouts ran the "old" LoRA merged into a copy (as the quantized
     # copy has it) or as PEFT's unmerged branches; what the quantized layers ran; the copy's speedup bound
-    res["rollout_form"] = trainer.rollouts.rollout_form
+    res["rollout_form"] = trainer.rollout_form
     res["explore_fast_path"] = trainer.explorer.fast_path.to_dict() if trainer.explorer.fast_path else None
-    res["explore_bound"] = trainer.rollouts.explore_bound
+    res["explore_bound"] = trainer.explorer.bound
     if trainer.explore is not None:
         res["explore_quantized_layers"] = len(trainer.explore.report.quantized)
-    choice = trainer.rollouts.explore_choice
+    choice = trainer.explore_spec
     if choice is not None:
         res["explore_choice_reason"] = choice.reason
         res["explore_timings_ms"] = choice.timings_ms

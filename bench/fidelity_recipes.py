@@ -86,8 +86,8 @@ def extra_cost(sets: list[str], layers: list[tuple[int, int, int]]) -> dict[str,
 def main() -> None:
     from solrl_engine.nn import QuantLinear
     from solrl_engine.rl import load_config
-    from solrl_engine.rl.fidelity import fidelity, linear_flops
-    from solrl_engine.rollout import Rollouts
+    from solrl_engine.rl.fidelity import fidelity
+    from solrl_engine.rl.runtime import explorer_for
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, from {list(ROWS)}")
@@ -105,9 +105,9 @@ def main() -> None:
         t0 = time.perf_counter()
         captured: list[tuple[int, int, int]] = []
         res = fidelity(load_config(CONFIG, sets), args.prompts, args.n, args.k, oracle_cache=args.oracle_cache)
-        ro = Rollouts(load_config(CONFIG, sets), explore=True)  # the copy's 4-bit layers, for the cost
-        fl = linear_flops(ro, ro.explore.transformer)
-        mods = dict(ro.explore.transformer.named_modules())
+        ex = explorer_for(load_config(CONFIG, sets))  # the copy's 4-bit layers, for the cost
+        fl = ex.rollouts.linear_flops(ex.copy.transformer)
+        mods = dict(ex.copy.transformer.named_modules())
         for lname, fmt in fl.formats.items():
             if fmt == "nvfp4" and isinstance(mods[lname], QuantLinear):
                 i, o = mods[lname].in_features, mods[lname].out_features

@@ -28,9 +28,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from solrl_engine.explore.copy import ExploreCopy
 from solrl_engine.kernels import dispatch
 from solrl_engine.nn import fast_path, quantize_model, reset_fast_path
-from solrl_engine.rl.explore import ExploreCopy
 from solrl_engine.sampling.capture import rehearse_capture
 from solrl_engine.sampling.compile import Census, census_backend
 from solrl_engine.sampling.graphed import GraphedSampler

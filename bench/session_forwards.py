@@ -36,9 +36,9 @@ from session_summary import _ms
 from session_train import train_settings, training_phase
 from torch import nn
 
+from solrl_engine.explore.copy import ExploreCopy
 from solrl_engine.nn import fast_path
 from solrl_engine.nn.fast_path import reset_fast_path
-from solrl_engine.rl.explore import ExploreCopy
 from solrl_engine.sampling.compile import Census, census_backend, compile_regions, uncompile_regions
 
 # a compiled forward starts only while this much of its stage is left: one cold inductor compile of the family's

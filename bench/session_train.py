@@ -20,12 +20,12 @@ from session_common import (  # noqa: I001 - bench/ is on sys.path (session_comm
 )
 from torch import nn
 
+from solrl_engine.explore.copy import ExploreCopy
 from solrl_engine.models import ARCH_ALIASES, model_spec
 from solrl_engine.nn import requantize_
 from solrl_engine.rl import presets
 from solrl_engine.rl.adapters import OLD, TRAIN, LoraAdapters
 from solrl_engine.rl.distributed import Dist
-from solrl_engine.rl.explore import ExploreCopy
 from solrl_engine.rl.update import nft_update
 
 # the training phase (LoRA attached, each copy's refresh, one nft_update warm-up + 2 timed): seconds it needs

@@ -48,5 +48,5 @@ def test_e2e_iteration(benchmark, request: pytest.FixtureRequest, tmp_path: Path
     info = benchmark.extra_info
     info.update({p: statistics.median(r[p] for r in timed) for p in PHASES})
     info["time_rollout_s"] = info["time_explore_s"] + info["time_regen_s"]
-    benchmark.extra_info.update(explore=tr.rollouts.explore_recipe, n=cfg.n, k=cfg.k,
+    benchmark.extra_info.update(explore=tr.explorer.recipe_label, n=cfg.n, k=cfg.k,
                                 compile_s=tr.rollouts.sampler.stats.overhead_s)  # fmt: skip

@@ -15,8 +15,8 @@ def _version(_: argparse.Namespace) -> int:
 
     import solrl_engine
     from solrl_engine import hw
+    from solrl_engine.explore.choice import explore_candidates, hardware_plan
     from solrl_engine.kernels import backend_report
-    from solrl_engine.quant.recipe import auto_explore_recipe
 
     print(f"solrl-engine {solrl_engine.__version__}")
     print(f"python       {platform.python_version()}")
@@ -36,11 +36,9 @@ def _version(_: argparse.Namespace) -> int:
     dtype, why = hw.auto_policy_dtype("cuda" if cap else "cpu")
     print(f"policy       {str(dtype).removeprefix('torch.')} (auto: {why})")
     if cap:
-        from solrl_engine.hw import explore_candidates
-
         plan = ", ".join(explore_candidates("cuda")) or "none (no NVFP4/FP8/INT8 tensor cores)"
         print(f"explore      auto: timed at start among {plan} and the policy, the fastest taken "
-              f"(hardware plan: {auto_explore_recipe(cap)})")  # fmt: skip
+              f"(hardware plan: {hardware_plan('cuda')})")  # fmt: skip
         print("compile      torch.compile + CUDA graphs (compile family; other families unless compiled_sampler=false)")
     else:
         print("explore      auto: timed per model at start, the fastest precision faster than the policy's "
@@ -80,22 +78,20 @@ def _parse_seeds(spec: str) -> list[int]:
 
 def _rollouts_from_args(args: argparse.Namespace):  # noqa: ANN202 - Rollouts, imported lazily
     """A Rollouts for `solrl sample`: from --config, or from --model/--model-path/--reward."""
+    import dataclasses
+
     from solrl_engine.rl import RLConfig, apply_overrides
-    from solrl_engine.rollout import Rollouts
+    from solrl_engine.rl.runtime import build_rollouts
 
     if args.config:
         cfg = _load_cfg(args)
     else:
-        sets = [f"model={args.model}", f"reward={args.reward}", f"full_steps={args.steps}", f"solver={args.solver}",
-                f"preview_steps={min(6, args.steps)}"]  # fmt: skip
-        if args.model_path:
-            sets.append(f"model_path={args.model_path}")
-        if args.resolution:
-            sets.append(f"resolution={args.resolution}")
-        if args.shift is not None:
-            sets.append(f"shift={args.shift}")
-        cfg = _checked(lambda: apply_overrides(RLConfig(family="naive_scaling"), sets + (args.set or [])).validate())
-    ro = _checked(lambda: Rollouts(cfg))
+        given = {"model": args.model, "reward": args.reward, "full_steps": args.steps, "solver": args.solver,
+                 "preview_steps": min(6, args.steps), "model_path": args.model_path or None,
+                 "resolution": args.resolution or None, "shift": args.shift}  # fmt: skip
+        base = dataclasses.replace(RLConfig(family="naive_scaling"), **given)
+        cfg = _checked(lambda: apply_overrides(base, args.set or []).validate())
+    ro = _checked(lambda: build_rollouts(cfg))
     if args.lora:
         _checked(lambda: load_lora_into(ro.model.transformer, args.lora))
     return cfg, ro
@@ -154,8 +150,8 @@ def _eval(args: argparse.Namespace) -> int:
     --compare-base also the base model on the same prompts and seeds, side by side (compare.png)."""
     from solrl_engine.data import load_prompts
     from solrl_engine.evaluation import COMPARE_PNG, Comparison, compare_figure, eval_grid, evaluate_rollouts
+    from solrl_engine.rl.runtime import build_rollouts
     from solrl_engine.rl.sealed import write_atomic
-    from solrl_engine.rollout import Rollouts
 
     for flag, value, what in (("--seeds", args.seeds, "seeds per prompt"),
                               ("--max-prompts", args.max_prompts, "how many prompts to evaluate")):  # fmt: skip
@@ -167,7 +163,7 @@ def _eval(args: argparse.Namespace) -> int:
         raise SystemExit("error: --compare-base compares an adapter with the base model: give it with --lora "
                          "(a run's lora_ema/, lora/ or lora_best/)")  # fmt: skip
     prompts = _checked(lambda: load_prompts(args.prompts or cfg.eval_prompts))[: args.max_prompts]
-    ro = _checked(lambda: Rollouts(cfg))
+    ro = _checked(lambda: build_rollouts(cfg))
     base = evaluate_rollouts(ro, prompts, args.seeds, tag="base") if args.compare_base else None
     if args.lora:
         _checked(lambda: load_lora_into(ro.model.transformer, args.lora))
@@ -279,9 +275,9 @@ def _start_banner(cfg, trainer) -> None:  # noqa: ANN001 - RLConfig and Trainer,
         f"{cfg.name}: model {cfg.model}, family {cfg.family}, N={cfg.n} -> K={cfg.k}, {cfg.prompts_per_iter} "
         f"prompts/iter, {cfg.iterations} iterations, output {trainer.out}"
     )
-    choice = trainer.rollouts.explore_choice
-    if choice is not None and trainer.dist.main:
-        print(f"explore: {trainer.rollouts.explore_recipe} ({choice.reason})")
+    spec = trainer.explore_spec
+    if spec is not None and trainer.dist.main:
+        print(f"explore: {trainer.explorer.recipe_label} ({spec.reason})")
     if trainer.explore is not None and trainer.dist.main:
         print(trainer.explore.report.summary())
         print(f"(every layer's decision: {trainer.out / 'quantization.txt'})")

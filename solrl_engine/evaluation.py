@@ -17,7 +17,7 @@ from solrl_engine.rewards import RewardFn
 from solrl_engine.sampling import sample
 
 if TYPE_CHECKING:
-    from solrl_engine.rollout import Rollouts
+    from solrl_engine.sampling.rollouts import Rollouts
 
 
 def mean_stderr(r: torch.Tensor) -> tuple[float, float]:

@@ -13,15 +13,11 @@ import contextlib
 import os
 import platform
 import shutil
-import time
-from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
-from torch import nn
 
 # --- BF16 on the CPU --------------------------------------------------------------------------------
 
@@ -110,188 +106,41 @@ def cpu_compile_available(compiler: str | None = "") -> tuple[bool, str]:
     return True, f"inductor with {cxx}"
 
 
-# --- explore_precision=auto ---------------------------------------------------------------------------
-
-# Candidates for the explore copy on a CPU, where every format is emulated (or, for INT8 and FP8,
-# run by oneDNN / torch's CPU kernels): all of them are timed against the policy. On a GPU only the
-# formats with tensor cores on that device are candidates (`explore_candidates`).
-EXPLORE_CANDIDATES: tuple[str, ...] = ("nvfp4", "nvfp4_weight_only", "int8", "fp8", "fp8_weight_only")
-# explore_precision=auto's answer where no candidate is faster than the policy: no explore copy at all
-POLICY = "policy"
-# NVFP4-only recipe options: they cost time, so the NVFP4 candidates are timed with them
-NVFP4_OPTIONS = ("rht", "four_over_six", "lowrank")
+# --- the run's device, policy dtype and autocast ---------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class ExploreChoice:
-    """The explore recipe, why it was chosen, and the timings it was chosen from (ms; "policy": the
-    same layers at the policy's own precision), empty where nothing was measured. `precision` is
-    POLICY where no quantized copy pays off: the policy itself explores (at the preview steps)."""
-
-    precision: str
-    reason: str
-    timings_ms: dict[str, float] = field(default_factory=dict)
-
-
-def explore_candidates(device: torch.device | str) -> tuple[str, ...]:
-    """The precisions explore_precision=auto times on `device`: on a GPU (or a CPU under
-    SOLRL_SIMULATE_SM) those its tensor cores run, the hardware plan of docs/design.md section 2
-    (NVFP4 on sm_100+, FP8 on sm_89+, INT8 on sm_80+; never emulated NVFP4); on a CPU all of them."""
-    from solrl_engine import kernels
-
-    dev = torch.device(device)
-    cap = kernels.device_capability(dev)
-    if not kernels.gpu_like(dev) or cap is None:
-        return EXPLORE_CANDIDATES
-    plan = (("nvfp4", (10, 0)), ("fp8", (8, 9)), ("int8", (8, 0)))
-    return tuple(name for name, needs in plan if cap >= needs)
+def pick_device(setting: str = "auto") -> torch.device:
+    """The device a `device` setting names ("auto": a GPU when there is one); a CUDA device that is not
+    there is a ValueError saying why and what to set, before any model loads (not torch's assertion)."""
+    dev = torch.device(setting if setting != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        why = "this PyTorch is a CPU build" if torch.version.cuda is None else "PyTorch sees no CUDA device"
+        raise ValueError(f"device = {setting!r}, but {why}: set device=cpu (or auto, which takes a GPU when there "
+                         "is one), or install a CUDA PyTorch")  # fmt: skip
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device = {setting!r}, but there are only {torch.cuda.device_count()} CUDA devices "
+                         "(cuda:0 ..)")  # fmt: skip
+    return dev
 
 
-def choose_explore_precision(
-    timings_ms: Mapping[str, float], margin: float = 0.95, candidates: Iterable[str] | None = None
-) -> ExploreChoice:
-    """The fastest candidate at least 1 / margin times faster than "policy" in `timings_ms`, else
-    POLICY (explore with the policy itself): a slower proxy is never chosen automatically.
-    `candidates` (default: every timed precision) limits the choice, e.g. to a GPU's hardware plan."""
-    if "policy" not in timings_ms:
-        raise ValueError("timings_ms needs the policy's own time under the key 'policy'")
-    base = timings_ms["policy"]
-    table = ", ".join(f"{k} {v / base:.2f}x" for k, v in timings_ms.items() if k != "policy")
-    allowed = set(EXPLORE_CANDIDATES if candidates is None else candidates)
-    timed = sorted((t, k) for k, t in timings_ms.items() if k in allowed and t <= margin * base)
-    if timed:
-        t, name = timed[0]
-        why = f"the fastest precision measured faster than the policy's here ({name} {base / t:.2f}x faster; "
-        return ExploreChoice(name, why + f"time vs policy: {table})", dict(timings_ms))
-    return ExploreChoice(POLICY, f"no quantized precision is faster than the policy's here (time vs policy: {table}): "
-                                 "the policy itself explores; set explore_precision to use one anyway",
-                         dict(timings_ms))  # fmt: skip
+def policy_dtype(setting: str, device: torch.device) -> tuple[torch.dtype, str]:
+    """The policy's (base weights') dtype for a `policy_dtype` setting, and why: auto is BF16 on CUDA and
+    on CPUs with BF16 units (AVX512-BF16, AMX-BF16), FP32 on other CPUs, where BF16 is emulated and slower.
+    LoRA weights and optimizer state are FP32 either way (the trainer casts them)."""
+    if setting != "auto":
+        return getattr(torch, setting), "set in the config (policy_dtype)"
+    return auto_policy_dtype(device)
 
 
-def explore_layer_shapes(transformer: nn.Module, rule: Mapping[str, Any]) -> Counter[tuple[int, int]]:
-    """(in_features, out_features) -> count of the layers the explore copy would quantize under `rule`
-    (the model's layer rule, as QuantRecipe changes), planned without touching the model."""
-    from solrl_engine.nn import plan_quantization
-    from solrl_engine.quant.recipe import get_recipe
+def autocast_for(device: torch.device, dtype: torch.dtype | None = None) -> contextlib.AbstractContextManager:
+    """BF16 autocast on CUDA, and on a CPU when the policy (`dtype`) is BF16; nothing elsewhere.
 
-    rep = plan_quantization(transformer, get_recipe("nvfp4").with_(**dict(rule)))
-    return Counter((d.in_features, d.out_features) for d in rep.layers if d.quantized)
-
-
-_PROBE_CACHE: dict[tuple, dict[str, float]] = {}
-
-
-def _call_ms(fn: Callable[[], object], device: torch.device | None = None) -> float:
-    cuda = device is not None and device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    fn()
-    if cuda:
-        torch.cuda.synchronize(device)
-    return (time.perf_counter() - t0) * 1e3
-
-
-def _pass_ms(calls: Iterable[tuple[Any, torch.Tensor, int]], reps: int, dev: torch.device) -> float:
-    """ms of one pass over the layers: each layer's fastest of `reps` calls times its count."""
-    return sum(count * min(_call_ms(lambda mod=mod, x=x: mod(x), dev) for _ in range(reps)) for mod, x, count in calls)
-
-
-def probe_explore_timings(
-    shapes: Mapping[tuple[int, int], int],
-    rule: Mapping[str, Any],
-    dtype: torch.dtype,
-    rows: int | None = None,
-    reps: int | None = None,
-    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-    give_up: float = 2.0,
-    device: torch.device | str = "cpu",
-    candidates: Iterable[str] | None = None,
-) -> dict[str, float]:
-    """ms of the explore copy's quantized layers (`shapes`: (in, out) -> count) at each candidate
-    precision (default `explore_candidates(device)`) and at the policy's (`dtype`), on `device`, for
-    `rows` input rows (default 256 on a CPU, 4096 on a GPU: a rollout's tokens; fewer for wide layers
-    on a CPU): per layer, the fastest of `reps` calls (3 on a CPU, 10 on a GPU) after a warm-up call,
-    times its count, under `autocast` (the rollouts' own). The fastest, not the median, and the policy
-    timed again after the candidates (its faster pass kept): other work on the machine only ever adds
-    time, and a burst of it while the policy was timed once made a 2.8x slower candidate look faster.
-
-    A candidate whose warm-up pass (or its first layers) already takes `give_up` times the
-    policy's median cannot be chosen and is not timed further: its entry is that partial pass, far
-    above the policy's (a lower bound of its full pass). Emulated NVFP4 on a CPU is tens of times slower than the
-    policy, so this keeps the whole probe to about a second on the tiny model. Cached per process."""
-    from solrl_engine.nn import QuantLinear
-    from solrl_engine.quant.recipe import get_recipe
-
-    dev = torch.device(device)
-    gpu = dev.type == "cuda"
-    rows = rows if rows is not None else (4096 if gpu else 256)
-    reps = reps if reps is not None else (10 if gpu else 3)
-    names = tuple(explore_candidates(dev) if candidates is None else candidates)
-    extras = {k: rule[k] for k in NVFP4_OPTIONS if rule.get(k)}
-    key = (tuple(sorted(shapes.items())), tuple(sorted(extras.items())), dtype, rows, reps, give_up,
-           torch.get_num_threads(), str(dev), names)  # fmt: skip
-    if key in _PROBE_CACHE:
-        return dict(_PROBE_CACHE[key])
-    out: dict[str, float] = {}
-    with torch.random.fork_rng(devices=[]), torch.no_grad(), autocast():  # the run's RNG stream is untouched
-        torch.manual_seed(0)
-        layers = []
-        for (k, n), count in shapes.items():
-            m = rows if gpu else max(16, min(rows, (1 << 27) // max(1, k * n)))  # a CPU's cost stays bounded
-            layers.append((nn.Linear(k, n, dtype=dtype, device=dev), torch.randn(m, k, dtype=dtype, device=dev), count))
-        policy_calls: list[tuple[Any, torch.Tensor, int]] = []
-        for name in ("policy", *names):
-            recipe = None if name == "policy" else get_recipe(name)
-            if recipe is not None and recipe.format == "nvfp4":
-                recipe = recipe.with_(**extras)
-            calls, warm = [], 0.0
-            for lin, x, count in layers:  # the warm-up pass, abandoned as soon as it cannot win
-                mod = lin if recipe is None else QuantLinear.from_linear(lin, recipe)
-                warm += count * _call_ms(lambda mod=mod, x=x: mod(x), dev)
-                calls.append((mod, x, count))
-                if name != "policy" and warm > give_up * out["policy"]:
-                    break
-            if name != "policy" and warm > give_up * out["policy"]:
-                out[name] = warm
-                continue
-            out[name] = _pass_ms(calls, reps, dev)
-            policy_calls = policy_calls or calls
-        if names:
-            out["policy"] = min(out["policy"], _pass_ms(policy_calls, reps, dev))
-    _PROBE_CACHE[key] = out
-    return dict(out)
-
-
-def resolve_explore_precision(
-    precision: str,
-    device: torch.device | str,
-    dtype: torch.dtype,
-    transformer: nn.Module | None = None,
-    rule: Mapping[str, Any] | None = None,
-    timings_ms: Mapping[str, float] | None = None,
-    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-) -> ExploreChoice:
-    """explore_precision -> the recipe used, with its reason. A set precision passes through; "auto"
-    times this model's quantized layers at each candidate precision (`explore_candidates`: on a GPU the
-    formats its tensor cores run, on a CPU all) against the policy's own, and takes the fastest that
-    beats the policy, else the policy itself (`timings_ms` stubs the measurement)."""
-    if precision != "auto":
-        return ExploreChoice(precision, "set in the config (explore_precision)")
-    from solrl_engine import kernels
-
-    dev = torch.device(device)
-    cands = explore_candidates(dev)
-    cap = kernels.device_capability(dev)
-    where = f"sm_{cap[0]}{cap[1]}" + ("" if dev.type == "cuda" else " (simulated)") if cap else "this CPU"
-    if not cands:
-        return ExploreChoice(POLICY, f"{where} has no tensor cores for NVFP4, FP8 or INT8: the policy explores")
-    if timings_ms is None:
-        if transformer is None:
-            raise ValueError("explore_precision=auto times the model's layers: pass `transformer`")
-        shapes = explore_layer_shapes(transformer, rule or {})
-        if not shapes:
-            return ExploreChoice(POLICY, "the explore rule quantizes no layer of this model: the policy explores")
-        timings_ms = probe_explore_timings(shapes, rule or {}, dtype, autocast=autocast, device=dev, candidates=cands)
-    ch = choose_explore_precision(timings_ms, candidates=cands)
-    return ExploreChoice(ch.precision, f"{where}, candidates {', '.join(cands)}: {ch.reason}", ch.timings_ms)
+    Why on the CPU: the FP32 LoRA branch beside BF16 base weights would otherwise run in FP32 with
+    casts around it: measured on the tiny model (AVX512-BF16, 2 cores, batch 32) a LoRA policy's
+    forward takes 123 ms without autocast, 70 ms with it, 106 ms in FP32. An FP32 policy keeps exact
+    FP32 numerics on the CPU (no autocast)."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    if device.type == "cpu" and dtype == torch.bfloat16:
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+    return contextlib.nullcontext()

@@ -11,9 +11,9 @@ import pytest
 import torch
 from bench_scripts import load_bench
 
+from solrl_engine.explore.copy import ExploreCopy
 from solrl_engine.models.tiny.model import load_tiny
 from solrl_engine.nn import fast_path, reset_fast_path
-from solrl_engine.rl.explore import ExploreCopy
 from solrl_engine.sampling.capture import CaptureGuard, CaptureViolation, check_capture, rehearse_capture
 from solrl_engine.sampling.graphed import GraphedSampler
 

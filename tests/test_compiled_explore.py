@@ -23,12 +23,12 @@ from families import families
 from tiny_pipelines import SIZES, build_flux, build_sana, build_sd3
 from torch import nn
 
+from solrl_engine.explore.copy import POLICY, ExploreCopy
 from solrl_engine.hw import cpu_compile_available
 from solrl_engine.kernels import linear as klinear
 from solrl_engine.models import load_model, model_spec
 from solrl_engine.nn import QuantLinear, fast_path
 from solrl_engine.rl.config import ConfigError, RLConfig
-from solrl_engine.rl.explore import POLICY, ExploreCopy
 from solrl_engine.sampling import GraphedSampler, sample
 from solrl_engine.sampling.compile import (
     OPAQUE,

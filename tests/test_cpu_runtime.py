@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from solrl_engine import hw
+from solrl_engine.explore import choice
 from solrl_engine.models.tiny import TinyConfig, TinyT2I
 from solrl_engine.rl.config import RLConfig, autocast_for, resolve_policy_dtype, resolve_runtime
 from solrl_engine.sampling import GraphedSampler, sample
@@ -184,85 +185,88 @@ def test_compiled_cpu_sampler_matches_eager_and_compiles_once_per_shape():
 def test_auto_explore_never_picks_a_slower_precision():
     # emulated NVFP4 (and every other format) slower than the policy: explore at the policy's precision
     slow = {"policy": 10.0, "nvfp4": 60.0, "nvfp4_weight_only": 30.0, "fp8": 25.0, "fp8_weight_only": 12.0}
-    ch = hw.choose_explore_precision(slow)
-    assert ch.precision == hw.POLICY and "no quantized precision is faster" in ch.reason and "nvfp4 6.00x" in ch.reason
+    ch = choice.choose_explore_precision(slow)
+    assert ch.precision == choice.POLICY and "no quantized precision is faster" in ch.reason
+    assert "nvfp4 6.00x" in ch.reason
     # only FP8 weight-only is faster: that one, not the cheaper but slower NVFP4
-    ch = hw.choose_explore_precision({**slow, "fp8_weight_only": 6.0})
+    ch = choice.choose_explore_precision({**slow, "fp8_weight_only": 6.0})
     assert ch.precision == "fp8_weight_only" and "1.67x faster" in ch.reason
     # several faster: the fastest of them
-    assert hw.choose_explore_precision({**slow, "nvfp4": 4.0, "fp8": 5.0}).precision == "nvfp4"
-    assert hw.choose_explore_precision({**slow, "nvfp4": 5.0, "fp8": 4.0}).precision == "fp8"
+    assert choice.choose_explore_precision({**slow, "nvfp4": 4.0, "fp8": 5.0}).precision == "nvfp4"
+    assert choice.choose_explore_precision({**slow, "nvfp4": 5.0, "fp8": 4.0}).precision == "fp8"
     # within the margin is not faster
-    assert hw.choose_explore_precision({**slow, "fp8": 9.8}).precision == hw.POLICY
+    assert choice.choose_explore_precision({**slow, "fp8": 9.8}).precision == choice.POLICY
     rng = random.Random(0)
     for _ in range(200):
-        t = {k: rng.uniform(1, 20) for k in ("policy", *hw.EXPLORE_CANDIDATES)}
-        ch = hw.choose_explore_precision(t)
-        assert ch.precision == hw.POLICY or t[ch.precision] < t["policy"]
-        faster = [k for k in hw.EXPLORE_CANDIDATES if t[k] <= 0.95 * t["policy"]]
-        assert ch.precision == (min(faster, key=t.__getitem__) if faster else hw.POLICY)
+        t = {k: rng.uniform(1, 20) for k in ("policy", *choice.EXPLORE_CANDIDATES)}
+        ch = choice.choose_explore_precision(t)
+        assert ch.precision == choice.POLICY or t[ch.precision] < t["policy"]
+        faster = [k for k in choice.EXPLORE_CANDIDATES if t[k] <= 0.95 * t["policy"]]
+        assert ch.precision == (min(faster, key=t.__getitem__) if faster else choice.POLICY)
     with pytest.raises(ValueError, match="policy"):
-        hw.choose_explore_precision({"nvfp4": 1.0})
+        choice.choose_explore_precision({"nvfp4": 1.0})
 
 
 def test_resolve_explore_precision_passes_set_values_and_times_the_model_on_cpu():
-    assert hw.resolve_explore_precision("nvfp4", "cpu", torch.float32).precision == "nvfp4"
+    assert choice.resolve_explore_precision("nvfp4", "cpu", torch.float32).precision == "nvfp4"
     stub = {"policy": 1.0, "nvfp4": 3.0, "fp8": 0.5}
-    assert hw.resolve_explore_precision("auto", "cpu", torch.float32, timings_ms=stub).precision == "fp8"
+    assert choice.resolve_explore_precision("auto", "cpu", torch.float32, timings_ms=stub).precision == "fp8"
     m = _model()
     rule = {"include": ("transformer_blocks.*.ff.*",), "min_dim": 16}
-    shapes = hw.explore_layer_shapes(m.transformer, rule)
+    shapes = choice.explore_layer_shapes(m.transformer, rule)
     assert shapes and all(c >= 1 for c in shapes.values())
     state = torch.random.get_rng_state()
-    t = hw.probe_explore_timings(shapes, rule, torch.float32, rows=64, reps=1)
+    t = choice.probe_explore_timings(shapes, rule, torch.float32, rows=64, reps=1)
     assert torch.equal(torch.random.get_rng_state(), state)  # the run's RNG stream is untouched
-    assert set(t) == {"policy", *hw.EXPLORE_CANDIDATES} and all(v > 0 for v in t.values())
-    assert hw.probe_explore_timings(shapes, rule, torch.float32, rows=64, reps=1) == t  # cached
-    ch = hw.resolve_explore_precision("auto", "cpu", torch.float32, m.transformer, rule)
-    assert ch.precision in (hw.POLICY, *hw.EXPLORE_CANDIDATES) and ch.timings_ms
-    none = hw.resolve_explore_precision("auto", "cpu", torch.float32, m.transformer, {"include": ("nothing.*",)})
-    assert none.precision == hw.POLICY and "no layer" in none.reason
+    assert set(t) == {"policy", *choice.EXPLORE_CANDIDATES} and all(v > 0 for v in t.values())
+    assert choice.probe_explore_timings(shapes, rule, torch.float32, rows=64, reps=1) == t  # cached
+    ch = choice.resolve_explore_precision("auto", "cpu", torch.float32, m.transformer, rule)
+    assert ch.precision in (choice.POLICY, *choice.EXPLORE_CANDIDATES) and ch.timings_ms
+    none = choice.resolve_explore_precision("auto", "cpu", torch.float32, m.transformer, {"include": ("nothing.*",)})
+    assert none.precision == choice.POLICY and "no layer" in none.reason
 
 
-def test_rollouts_build_the_explore_copy_the_timings_choose(tmp_path, monkeypatch, caplog):
-    from solrl_engine.rollout import Rollouts
+def test_the_plan_builds_the_explore_copy_the_timings_choose(tmp_path, monkeypatch, caplog):
+    from solrl_engine.rl.runtime import build_rollouts, explorer_for
 
     _model().save(tmp_path / "m")
     cfg = RLConfig(model="tiny", model_path=str(tmp_path / "m"), device="cpu", policy_dtype="float32",
                    explore_rht=16, explore_skip_max_dim=0)  # fmt: skip
-    monkeypatch.setattr(hw, "probe_explore_timings", lambda *a, **k: {"policy": 1.0, "nvfp4": 5.0, "fp8": 0.5})
-    with caplog.at_level(logging.INFO, logger="solrl_engine.rollout"):
-        ro = Rollouts(cfg, explore=True)
-    assert ro.explore.recipe == "fp8" and ro.explore_choice.precision == "fp8"
+    monkeypatch.setattr(choice, "probe_explore_timings", lambda *a, **k: {"policy": 1.0, "nvfp4": 5.0, "fp8": 0.5})
+    with caplog.at_level(logging.INFO, logger="solrl_engine"):
+        ex = explorer_for(cfg)
+    assert ex.copy.recipe == "fp8" and ex.spec.precision == "fp8" and ex.spec.dropped == ("rht",)
     assert "explore precision fp8" in caplog.text and "explore_rht apply to NVFP4 only" in caplog.text
-    monkeypatch.setattr(hw, "probe_explore_timings", lambda *a, **k: {"policy": 1.0, "nvfp4": 5.0, "fp8": 2.0})
-    ro = Rollouts(cfg, explore=True)  # nothing faster than the policy: no copy, the policy explores itself
-    assert ro.explore is None and ro.explore_choice.precision == hw.POLICY and ro.explore_recipe == "policy (float32)"
-    explicit = Rollouts(RLConfig(**{**cfg.__dict__, "explore_precision": "nvfp4"}), explore=True)
-    assert explicit.explore.recipe == "nvfp4+rht16"  # still selectable explicitly
+    monkeypatch.setattr(choice, "probe_explore_timings", lambda *a, **k: {"policy": 1.0, "nvfp4": 5.0, "fp8": 2.0})
+    ex = explorer_for(cfg)  # nothing faster than the policy: no copy, the policy explores itself
+    assert ex.copy is None and ex.spec.precision == choice.POLICY and not ex.spec.quantized
+    assert ex.recipe_label == "policy (float32)"
+    explicit = explorer_for(RLConfig(**{**cfg.__dict__, "explore_precision": "nvfp4"}))
+    assert explicit.copy.recipe == "nvfp4+rht16" and explicit.spec.dropped == ()  # still selectable explicitly
     # compile settings reach the sampler: regional compilation defaults off on a CPU, and the keys override
+    ro = ex.rollouts
     assert ro.sampler.regional is False and ro.sampler.mode is None and ro.sampler.blocks == ("JointTransformerBlock",
                                                                                               "SD3SingleTransformerBlock")
-    tuned = Rollouts(RLConfig(**{**cfg.__dict__, "compile_regional": True,
-                                 "compile_mode": "max-autotune-no-cudagraphs"}), explore=False)  # fmt: skip
+    tuned = build_rollouts(RLConfig(**{**cfg.__dict__, "compile_regional": True,
+                                       "compile_mode": "max-autotune-no-cudagraphs"}))  # fmt: skip
     assert tuned.sampler.regional is True and tuned.sampler.mode == "max-autotune-no-cudagraphs"
 
 
 def test_every_rank_takes_rank_zeros_explore_choice(tmp_path, monkeypatch):
     """Under torchrun each rank times the candidates itself; the copy must be the same on all of them."""
-    from solrl_engine.rollout import Rollouts
+    from solrl_engine.rl.runtime import explorer_for
 
     _model().save(tmp_path / "m")
     cfg = RLConfig(model="tiny", model_path=str(tmp_path / "m"), device="cpu", policy_dtype="float32")
-    monkeypatch.setattr(hw, "probe_explore_timings", lambda *a, **k: {"policy": 1.0, "nvfp4": 5.0, "fp8": 5.0})
+    monkeypatch.setattr(choice, "probe_explore_timings", lambda *a, **k: {"policy": 1.0, "nvfp4": 5.0, "fp8": 5.0})
 
     class RankZeroSaysFP8:
         def broadcast_object(self, obj):
-            assert isinstance(obj, hw.ExploreChoice) and obj.precision == hw.POLICY  # this rank's own choice
-            return hw.ExploreChoice("fp8", "rank 0's timings")
+            assert isinstance(obj, choice.ExploreChoice) and obj.precision == choice.POLICY  # this rank's own choice
+            return choice.ExploreChoice("fp8", "rank 0's timings")
 
-    ro = Rollouts(cfg, explore=True, dist=RankZeroSaysFP8())
-    assert ro.explore is not None and ro.explore.recipe == "fp8" and ro.explore_choice.reason == "rank 0's timings"
+    ex = explorer_for(cfg, agree=RankZeroSaysFP8().broadcast_object)
+    assert ex.copy is not None and ex.copy.recipe == "fp8" and ex.spec.reason == "rank 0's timings"
 
 
 def test_a_burst_of_load_while_the_policy_is_timed_does_not_pick_a_slower_candidate(monkeypatch):
@@ -280,10 +284,10 @@ def test_a_burst_of_load_while_the_policy_is_timed_does_not_pick_a_slower_candid
             return 4.0 * true_ms[name]
         return true_ms[name]
 
-    hw._PROBE_CACHE.clear()
-    monkeypatch.setattr(hw, "_call_ms", fake_call_ms)
-    t = hw.probe_explore_timings({(64, 64): 1}, {}, torch.float32, rows=16, reps=1, candidates=["fp8_weight_only"])
+    choice._PROBE_CACHE.clear()
+    monkeypatch.setattr(choice, "_call_ms", fake_call_ms)
+    t = choice.probe_explore_timings({(64, 64): 1}, {}, torch.float32, rows=16, reps=1, candidates=["fp8_weight_only"])
     assert t == {"policy": 1.0, "fp8_weight_only": 2.8}
-    choice = hw.resolve_explore_precision("auto", "cpu", torch.float32, timings_ms=t)
-    assert choice.precision == hw.POLICY
-    hw._PROBE_CACHE.clear()
+    picked = choice.resolve_explore_precision("auto", "cpu", torch.float32, timings_ms=t)
+    assert picked.precision == choice.POLICY
+    choice._PROBE_CACHE.clear()

@@ -10,7 +10,7 @@ import pytest
 import torch
 from cpu_branches import force_cpu_bf16
 
-from solrl_engine import hw
+from solrl_engine.explore import choice
 from solrl_engine.models.tiny import TinyConfig, TinyT2I
 from solrl_engine.nn.flops import amdahl_bound
 from solrl_engine.rl import RLConfig
@@ -24,18 +24,19 @@ SMALL = TinyConfig(num_layers=1, heads=2, head_dim=16, text_dim=32, text_layers=
                                          ("90", ("fp8", "int8")), ("100", ("nvfp4", "fp8", "int8"))])  # fmt: skip
 def test_auto_on_a_gpu_times_its_hardware_plan_and_never_picks_a_slower_precision(monkeypatch, sm, plan):
     monkeypatch.setenv("SOLRL_SIMULATE_SM", sm)
-    assert hw.explore_candidates("cpu") == plan
+    assert choice.explore_candidates("cpu") == plan
     rng = random.Random(int(sm))
     for _ in range(200):  # stubbed tables: emulated NVFP4 is often "fastest" here, never allowed below sm_100
-        t = {k: rng.uniform(1, 20) for k in ("policy", *hw.EXPLORE_CANDIDATES)}
-        ch = hw.resolve_explore_precision("auto", "cpu", torch.bfloat16, timings_ms=t)
+        t = {k: rng.uniform(1, 20) for k in ("policy", *choice.EXPLORE_CANDIDATES)}
+        ch = choice.resolve_explore_precision("auto", "cpu", torch.bfloat16, timings_ms=t)
         faster = [k for k in plan if t[k] <= 0.95 * t["policy"]]
-        assert ch.precision == (min(faster, key=t.__getitem__) if faster else hw.POLICY), (t, ch)
+        assert ch.precision == (min(faster, key=t.__getitem__) if faster else choice.POLICY), (t, ch)
         assert f"sm_{sm[:-1]}{sm[-1]} (simulated)" in ch.reason
         if sm in ("80", "86"):
-            assert ch.precision in ("int8", hw.POLICY)  # Ampere: INT8 or the policy, never emulated NVFP4
+            assert ch.precision in ("int8", choice.POLICY)  # Ampere: INT8 or the policy, never emulated NVFP4
     if not plan:
-        assert "no tensor cores" in hw.resolve_explore_precision("auto", "cpu", torch.bfloat16, timings_ms={}).reason
+        none = choice.resolve_explore_precision("auto", "cpu", torch.bfloat16, timings_ms={})
+        assert "no tensor cores" in none.reason
 
 
 def test_amdahl_bound():
@@ -48,27 +49,27 @@ def test_amdahl_bound():
 def test_the_gpu_probe_times_the_plan_against_the_policy(monkeypatch):
     """The probe itself on a simulated sm_80 (torch._int_mm runs on a CPU): only INT8 and the policy."""
     monkeypatch.setenv("SOLRL_SIMULATE_SM", "80")
-    t = hw.probe_explore_timings({(64, 128): 2, (128, 64): 1}, {}, torch.float32, rows=32, reps=1)
+    t = choice.probe_explore_timings({(64, 128): 2, (128, 64): 1}, {}, torch.float32, rows=32, reps=1)
     assert set(t) == {"policy", "int8"} and all(v > 0 for v in t.values())
 
 
-def test_rollouts_on_an_ampere_take_int8_when_it_is_faster(tmp_path, monkeypatch):
-    from solrl_engine.rollout import Rollouts
+def test_the_plan_on_an_ampere_takes_int8_when_it_is_faster(tmp_path, monkeypatch):
+    from solrl_engine.rl.runtime import explorer_for
 
     monkeypatch.setenv("SOLRL_SIMULATE_SM", "80")
     torch.manual_seed(0)
     TinyT2I(SMALL).save(tmp_path / "m")
     cfg = RLConfig(model="tiny", model_path=str(tmp_path / "m"), device="cpu", policy_dtype="float32",
                    explore_skip_max_dim=0)  # fmt: skip
-    monkeypatch.setattr(hw, "probe_explore_timings", lambda *a, **k: {"policy": 1.0, "int8": 0.6, "nvfp4": 0.1})
-    ro = Rollouts(cfg, explore=True)
-    assert ro.explore.recipe == "int8" and "candidates int8" in ro.explore_choice.reason
-    b = ro.explore_bound  # the start-up report: the quantized FLOP share and the Amdahl bound at the timed rate
+    monkeypatch.setattr(choice, "probe_explore_timings", lambda *a, **k: {"policy": 1.0, "int8": 0.6, "nvfp4": 0.1})
+    ex = explorer_for(cfg)
+    assert ex.copy.recipe == "int8" and "candidates int8" in ex.spec.reason
+    b = ex.bound  # the start-up report: the quantized FLOP share and the Amdahl bound at the timed rate
     assert 0.5 < b["quantized_flop_share"] < 1 and b["gemm_speedup"] == pytest.approx(1 / 0.6)
     assert b["bound"] == pytest.approx(amdahl_bound(b["quantized_flop_share"], 1 / 0.6)) and b["bound"] < 1 / 0.6
     assert f"{b['quantized_flop_share']:.0%} of the denoiser's GEMM FLOPs in int8: at most" in b["line"]
-    monkeypatch.setattr(hw, "probe_explore_timings", lambda *a, **k: {"policy": 1.0, "int8": 1.5})
-    assert Rollouts(cfg, explore=True).explore is None  # INT8 slower than the policy: the policy explores
+    monkeypatch.setattr(choice, "probe_explore_timings", lambda *a, **k: {"policy": 1.0, "int8": 1.5})
+    assert explorer_for(cfg).copy is None  # INT8 slower than the policy: the policy explores
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +99,7 @@ def test_the_baselines_explore_the_merged_adapter_and_match_the_policy(small_mod
     monkeypatch.setattr(hw_mod, "cxx_compiler", lambda *a, **k: None)
     dtype = force_cpu_bf16(monkeypatch, bf16)
     tr = Trainer(_cfg(small_model, tmp_path), progress=False)
-    assert tr.rollouts.rollout_form == "merged" and tr.explore is None
+    assert tr.rollout_form == "merged" and tr.explore is None
     assert tr.explorer.transformer is tr.policy_copy.transformer and tr.explorer.tag == "old-merged"
     for _ in range(2):
         tr.step()  # the "old" adapter moves away from zero; the copy is refreshed in place
@@ -113,26 +114,26 @@ def test_the_baselines_explore_the_merged_adapter_and_match_the_policy(small_mod
     torch.testing.assert_close(merged, unmerged, atol=tol, rtol=tol)
     assert (merged - unmerged).abs().max() < tol
     unm = Trainer(_cfg(small_model, tmp_path / "u", merge_lora=False), progress=False)
-    assert unm.rollouts.rollout_form == "unmerged" and unm.policy_copy is None and unm.explorer.transformer is None
+    assert unm.rollout_form == "unmerged" and unm.policy_copy is None and unm.explorer.transformer is None
     assert unm.run()["rollout_form"] == "unmerged"
 
 
 def test_int8_explores_every_eligible_layer_fp8_and_nvfp4_keep_the_family_rule(tmp_path):
     """Layer rules per precision: INT8 ranks the bundled model's previews as the BF16 preview does on
     every eligible layer, so its rule widens; FP8 and NVFP4 keep the family's (image-stream MLPs)."""
+    from solrl_engine.explore.plan import explore_rule
     from solrl_engine.models import model_spec
-    from solrl_engine.rollout import explore_rule
+    from solrl_engine.rl.runtime import explore_settings, explorer_for
 
     torch.manual_seed(0)
     TinyT2I(SMALL).save(tmp_path / "m")
     spec = model_spec("tiny")
     cfg = RLConfig(model="tiny", model_path=str(tmp_path / "m"), device="cpu", policy_dtype="float32")
-    assert explore_rule(cfg, spec, "int8")["include"] == () and explore_rule(cfg, spec, "fp8") == spec.explore_rule
-    assert explore_rule(cfg, spec, "nvfp4") == spec.explore_rule == explore_rule(cfg, spec)
-    over = RLConfig(**{**cfg.__dict__, "explore_layers": ("transformer_blocks.*.ff.*",)})
+    s = explore_settings(cfg)
+    assert explore_rule(s, spec, "int8")["include"] == () and explore_rule(s, spec, "fp8") == spec.explore_rule
+    assert explore_rule(s, spec, "nvfp4") == spec.explore_rule == explore_rule(s, spec)
+    over = explore_settings(RLConfig(**{**cfg.__dict__, "explore_layers": ("transformer_blocks.*.ff.*",)}))
     assert explore_rule(over, spec, "int8")["include"] == ("transformer_blocks.*.ff.*",)  # the config still wins
-    from solrl_engine.rollout import Rollouts
-
-    wide = Rollouts(RLConfig(**{**cfg.__dict__, "explore_precision": "int8"}), explore=True).explore.report
-    rule = Rollouts(RLConfig(**{**cfg.__dict__, "explore_precision": "fp8"}), explore=True).explore.report
+    wide = explorer_for(RLConfig(**{**cfg.__dict__, "explore_precision": "int8"})).copy.report
+    rule = explorer_for(RLConfig(**{**cfg.__dict__, "explore_precision": "fp8"})).copy.report
     assert set(rule.quantized) < set(wide.quantized)

@@ -16,9 +16,9 @@ from tiny_pipelines import SIZES, build_flux, build_sana, build_sd3
 from torch import nn
 
 from solrl_engine import kernels
+from solrl_engine.explore.copy import ExploreCopy
 from solrl_engine.models import load_model, model_spec
 from solrl_engine.nn import QuantLinear, fast_path, quantize_model, reset_fast_path
-from solrl_engine.rl.explore import ExploreCopy
 
 BUILDERS = {"sd3": build_sd3, "flux": build_flux, "sana": build_sana}
 # the fast GEMM of each explore format and the GPU generation it needs (nvfp4: the Triton W4A4 GEMM of

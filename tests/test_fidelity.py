@@ -12,8 +12,8 @@ from solrl_engine.nn import quantize_model
 from solrl_engine.nn.flops import count_linear_flops, group_name
 from solrl_engine.quant import QuantRecipe
 from solrl_engine.rl import load_config
-from solrl_engine.rl.fidelity import candidate_groups, fidelity, linear_flops, search
-from solrl_engine.rollout import Rollouts
+from solrl_engine.rl.fidelity import candidate_groups, fidelity, search
+from solrl_engine.rl.runtime import explorer_for
 
 TINY = "configs/tiny.py:tiny_sol_rl_shapes"
 FAST = ["full_steps=2", "preview_steps=1", "explore_precision=nvfp4"]  # auto on a CPU may explore with the policy
@@ -44,15 +44,15 @@ def test_group_names_keep_inner_indices_apart():
 
 
 @pytest.fixture(scope="module")
-def tiny_ro():
-    return Rollouts(load_config(TINY, FAST), explore=True)
+def tiny_ex():
+    return explorer_for(load_config(TINY, FAST))
 
 
-def test_flop_share_counts_image_and_text_tokens(tiny_ro):
+def test_flop_share_counts_image_and_text_tokens(tiny_ex):
     """The image-stream MLP runs over the image tokens, the context MLP over the text tokens: the
     counted FLOPs are 2 x tokens x in x out for each."""
-    ro = tiny_ro
-    f = linear_flops(ro, ro.explore.transformer)
+    ro = tiny_ex.rollouts
+    f = ro.linear_flops(tiny_ex.copy.transformer)
     t = ro.model.transformer
     c, h, w = ro.model.latent_shape
     p = t.config.patch_size
@@ -84,8 +84,9 @@ def test_oracle_cache_is_reused_and_never_mixed(tmp_path):
 
 def test_search_orders_groups_and_keeps_the_target(tmp_path):
     cfg = load_config(TINY, FAST)
-    ro = Rollouts(cfg, explore=True)
-    groups = candidate_groups(ro)
+    ex = explorer_for(cfg)
+    ro = ex.rollouts
+    groups = candidate_groups(ro, ex.copy)
     names = [n for n, m in ro.model.transformer.named_modules() if isinstance(m, nn.Linear)]
     for g in groups:  # every pattern names its own layers and nothing else
         assert {n for n in names if fnmatch.fnmatchcase(n, g)} == {n for n in names if group_name(n) == g}
@@ -113,6 +114,5 @@ def test_search_cli_writes_a_rule_that_loads(tmp_path):
     snippet = out.with_suffix(".snippet.py").read_text()
     assert res["config_snippet"] in snippet
     cfg = load_config(TINY, FAST + [res["set_arg"].removeprefix("--set ")])
-    ro = Rollouts(cfg, explore=True)
-    quantized = set(ro.explore.report.quantized)
+    quantized = set(explorer_for(cfg).copy.report.quantized)
     assert {group_name(n) for n in quantized} == set(res["chosen"]["include"])

@@ -216,15 +216,15 @@ def test_quantize_a_diffusers_sd3_transformer_from_a_tiny_config():
         assert torch.equal(model(**inputs).sample, out)
 
 
-def test_auto_explore_recipe_follows_the_hardware_plan():
-    from solrl_engine.quant.recipe import auto_explore_recipe
+def test_the_hardware_plan_follows_the_tensor_cores(monkeypatch):
+    from solrl_engine.explore.choice import formats_with_tensor_cores, hardware_plan
 
-    assert auto_explore_recipe(None) == "nvfp4"  # CPU: emulated NVFP4
-    assert auto_explore_recipe((9, 0)) == "fp8"  # Hopper
-    assert auto_explore_recipe((8, 9)) == "fp8"  # Ada
-    assert auto_explore_recipe((8, 0)) == "int8" and auto_explore_recipe((8, 6)) == "int8"  # Ampere: INT8 tensor cores
-    assert auto_explore_recipe((7, 5)) == "nvfp4"  # below: a fidelity study's emulated proxy (auto times it first)
-    assert auto_explore_recipe((10, 0)) == "nvfp4" and auto_explore_recipe((12, 0)) == "nvfp4"
+    assert hardware_plan("cpu") == "nvfp4"  # CPU: emulated NVFP4 (a fidelity study's proxy)
+    for sm, want in (("90", "fp8"), ("89", "fp8"), ("80", "int8"), ("86", "int8"), ("75", "nvfp4"), ("100", "nvfp4"),
+                     ("120", "nvfp4")):  # fmt: skip
+        monkeypatch.setenv("SOLRL_SIMULATE_SM", sm)
+        assert hardware_plan("cpu") == want, sm  # a simulated GPU is that GPU
+    assert formats_with_tensor_cores((9, 0)) == ("fp8", "int8") and formats_with_tensor_cores(None) == ()
 
 
 def test_te_explore_says_what_to_install_when_unavailable():

@@ -443,7 +443,7 @@ def _adapters(policy: nn.Module, targets: tuple[str, ...] = ("attn.to_q", "ff.ne
 
 
 def test_explore_refresh_refuses_lora_updates_the_copy_cannot_take():
-    from solrl_engine.rl.explore import ExploreCopy
+    from solrl_engine.explore.copy import ExploreCopy
 
     policy = _sd3()
     ex = ExploreCopy(policy, "nvfp4")
@@ -473,8 +473,8 @@ def test_explore_refresh_refuses_lora_updates_the_copy_cannot_take():
 
 
 def test_explore_refresh_reaches_quantized_and_high_precision_lora_layers():
+    from solrl_engine.explore.copy import ExploreCopy
     from solrl_engine.rl.adapters import OLD
-    from solrl_engine.rl.explore import ExploreCopy
 
     rule = {"include": ("transformer_blocks.*.ff.*",)}  # to_q stays in high precision, ff.net.0.proj is NVFP4
     policy = _sd3()
@@ -500,7 +500,7 @@ def test_explore_refresh_reaches_quantized_and_high_precision_lora_layers():
 
 
 def test_explore_copy_takes_a_full_recipe_and_the_family_rule():
-    from solrl_engine.rl.explore import ExploreCopy
+    from solrl_engine.explore.copy import ExploreCopy
 
     sol = get_recipe("nvfp4").with_(skip_max_dim=64)  # attention projections (64 wide) stay BF16, MLPs go NVFP4
     ex = ExploreCopy(_sd3(), sol)

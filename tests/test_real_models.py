@@ -16,10 +16,10 @@ from cpu_branches import BRANCHES, assert_close, force_cpu_bf16
 from tiny_pipelines import SIZES, build_clip_reward, build_flux, build_sana, build_sd3
 
 from solrl_engine.cli import load_lora_into, main
+from solrl_engine.explore.copy import ExploreCopy
 from solrl_engine.models import load_model, model_spec
 from solrl_engine.nn import plan_quantization
 from solrl_engine.quant import get_recipe
-from solrl_engine.rl.explore import ExploreCopy
 from solrl_engine.rl.export import load_lora
 
 BUILDERS = {"sd3": build_sd3, "flux": build_flux, "sana": build_sana}

@@ -9,6 +9,7 @@ import pytest
 import torch
 from cpu_branches import BRANCHES, dtype_name, force_cpu_bf16
 
+from solrl_engine.explore import choice
 from solrl_engine.models.tiny import TinyConfig, TinyT2I
 from solrl_engine.rl import ConfigError, RLConfig
 from solrl_engine.rl.trainer import Trainer
@@ -213,15 +214,14 @@ def test_sol_rl_explores_with_the_policy_when_no_quantized_precision_is_faster(
 ):
     """explore_precision=auto on a CPU where every emulated format is slower: no copy is built, the
     policy previews at preview_steps, and the proxy statistics are still those of the previews."""
-    from solrl_engine import hw
 
-    slow = {"policy": 1.0, **{k: 3.0 for k in hw.EXPLORE_CANDIDATES}}
-    monkeypatch.setattr(hw, "probe_explore_timings", lambda *a, **k: dict(slow))
+    slow = {"policy": 1.0, **{k: 3.0 for k in choice.EXPLORE_CANDIDATES}}
+    monkeypatch.setattr(choice, "probe_explore_timings", lambda *a, **k: dict(slow))
     tr = Trainer(_cfg(small_model, tmp_path, explore_precision="auto"), progress=False)
-    assert tr.explore is None and tr.rollouts.explore_choice.precision == hw.POLICY
+    assert tr.explore is None and tr.explore_spec.precision == choice.POLICY
     # like-for-like with a quantized copy: the policy previews as its copy with the old LoRA merged
     assert tr.explorer.transformer is tr.policy_copy.transformer and tr.explorer.steps == 2  # preview_steps
-    assert tr.explorer.tag == "old-merged" and tr.rollouts.rollout_form == "merged"
+    assert tr.explorer.tag == "old-merged" and tr.rollout_form == "merged"
     summary = tr.run()
     assert summary["explore_recipe"] == f"policy ({dtype_name(cpu_policy)})"
     assert not (tmp_path / "quantization.txt").exists()
@@ -245,10 +245,9 @@ def test_updates_per_iter_takes_that_many_optimizer_steps(small_model, tmp_path)
 def test_resume_keeps_the_explore_precision_the_run_was_timed_into(small_model, tmp_path, monkeypatch):
     """explore_precision=auto is timed at start; a resumed run explores as its checkpoint says, here
     rebuilding the NVFP4 copy from the adapted policy although this start's timings chose the policy."""
-    from solrl_engine import hw
 
     fast = {"policy": 1.0, "nvfp4": 0.5}
-    monkeypatch.setattr(hw, "probe_explore_timings", lambda *a, **k: dict(fast))
+    monkeypatch.setattr(choice, "probe_explore_timings", lambda *a, **k: dict(fast))
     kw = dict(explore_precision="auto", iterations=4, eval_every=2)
     Trainer(_cfg(small_model, tmp_path / "full", **kw), progress=False).run()
     Trainer(_cfg(small_model, tmp_path / "part", **{**kw, "iterations": 2}), progress=False).run()

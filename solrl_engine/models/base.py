@@ -12,6 +12,10 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+# A reward: images [B, 3, H, W] in [0, 1] and their prompts -> one score each, Tensor[B]. Here, beside the
+# model interface, so the rollouts and the explorer can name it without importing the reward registry.
+RewardFn = Callable[[torch.Tensor, list[str]], torch.Tensor]
+
 
 @dataclass
 class Conditioning:

@@ -12,6 +12,8 @@ from typing import Literal
 Format = Literal["nvfp4", "fp8", "int8", "bf16"]
 FORMATS: tuple[str, ...] = ("nvfp4", "fp8", "int8", "bf16")
 RHT_SIZES: tuple[int, ...] = (16, 32, 64, 128)
+# the recipe options that apply to NVFP4 only (QuantRecipe fields; an explore config's explore_<option>)
+NVFP4_OPTIONS: tuple[str, ...] = ("rht", "four_over_six", "lowrank")
 
 # Layers kept in high precision by default: embedders (timestep, caption, patch), the adaLN
 # modulation and final projection. They are small, run once per step, and errors there shift every
@@ -79,7 +81,7 @@ class QuantRecipe:
             raise ValueError(f"rht must be 0 (off) or one of {RHT_SIZES}; got {self.rht}.")
         if self.lowrank < 0:
             raise ValueError(f"lowrank must be >= 0 (0: no low-rank branch); got {self.lowrank}.")
-        extras = [f for f in ("rht", "four_over_six", "lowrank") if getattr(self, f)]
+        extras = [f for f in NVFP4_OPTIONS if getattr(self, f)]
         if extras and self.format != "nvfp4":
             raise ValueError(
                 f"{', '.join(extras)} apply to NVFP4 recipes only; this recipe is {self.format}. "
@@ -147,18 +149,3 @@ def get_recipe(recipe: str | QuantRecipe) -> QuantRecipe:
     if isinstance(recipe, str) and recipe in RECIPES:
         return RECIPES[recipe]
     raise ValueError(f"unknown recipe {recipe!r}; choose one of {sorted(RECIPES)} or pass a QuantRecipe.")
-
-
-def auto_explore_recipe(capability: tuple[int, int] | None) -> str:
-    """The hardware plan's explore recipe for a device (docs/design.md section 2): native NVFP4 on
-    Blackwell (sm_100+), FP8 on Ada/Hopper (sm_89, sm_90: no FP4 tensor cores), INT8 on Ampere (sm_80,
-    sm_86: INT8 tensor cores only), emulated NVFP4 elsewhere (CPU included: a fidelity study's proxy).
-    explore_precision=auto times this against the policy before using it (solrl_engine.hw).
-    `capability` is torch.cuda.get_device_capability() or None for a CPU."""
-    if capability is not None and capability >= (10, 0):
-        return "nvfp4"
-    if capability is not None and capability >= (8, 9):
-        return "fp8"
-    if capability is not None and capability >= (8, 0):
-        return "int8"
-    return "nvfp4"

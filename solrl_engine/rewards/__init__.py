@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-RewardFn = Callable[[torch.Tensor, list[str]], torch.Tensor]
+from solrl_engine.models.base import RewardFn  # the name's home is the model interface
 
 # name -> "module:attribute" of a factory (or class) taking the reward's keyword arguments
 REWARDS: dict[str, str] = {

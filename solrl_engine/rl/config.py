@@ -6,7 +6,6 @@ Configs are Python functions returning an RLConfig (configs/<model>.py, named
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import difflib
 import importlib.util
@@ -18,6 +17,13 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
+
+from solrl_engine.explore.plan import EXPLORE_PRECISIONS, ExploreSettings
+from solrl_engine.explore.ranking import nk_problem
+from solrl_engine.hw import autocast_for, pick_device, policy_dtype
+
+__all__ = ["EXPLORE_PRECISIONS", "FAMILY_TABLE", "ConfigError", "RLConfig", "autocast_for", "load_config",
+           "resolve_policy_dtype", "resolve_runtime"]
 
 
 @dataclass(frozen=True)
@@ -45,7 +51,6 @@ FAMILY_TABLE: dict[str, FamilyRule] = {
     "sol_rl": FamilyRule(quantized_explore=True, preview=True, regenerate=True),  # previews -> K regenerated
 }
 FAMILIES = tuple(FAMILY_TABLE)
-EXPLORE_PRECISIONS = ("auto", "nvfp4", "nvfp4_weight_only", "int8", "fp8", "fp8_weight_only", "bf16", "te_nvfp4")
 
 
 class ConfigError(ValueError):
@@ -152,6 +157,18 @@ class RLConfig:
     policy_dtype: str = "auto"
     output: str = ""
 
+    def explore_settings(self) -> ExploreSettings:
+        """The explore_* keys as the explore layer takes them (explore.plan.ExploreSettings)."""
+        return ExploreSettings(
+            precision=self.explore_precision,
+            layers=None if self.explore_layers is None else tuple(self.explore_layers),
+            skip=None if self.explore_skip is None else tuple(self.explore_skip),
+            skip_max_dim=self.explore_skip_max_dim,
+            rht=self.explore_rht,
+            four_over_six=self.explore_four_over_six,
+            lowrank=self.explore_lowrank,
+        )
+
     def validate(self) -> RLConfig:
         """Raise ConfigError on anything that cannot run; return self."""
 
@@ -164,20 +181,17 @@ class RLConfig:
 
         if self.model not in MODELS:
             raise bad("model", f"unknown model family; choose one of {tuple(MODELS)}")
-        if self.n < 1 or self.k < 2:
-            raise bad("k", "need n >= 1 and k >= 2")
-        if self.k > self.n:
-            raise bad("k", f"cannot train on more seeds than are explored (n = {self.n}); set k <= n")
-        if self.k % 2:
-            raise bad("k", "k must be even: the top k/2 and bottom k/2 seeds are kept")
+        if (why := nk_problem(self.n, self.k)) is not None:
+            raise bad("k", why)
         if FAMILY_TABLE[self.family].all_rollouts and self.n != self.k:
             raise bad("n", f"{self.family} trains on every rollout, so n must equal k ({self.k})")
         if not 1 <= self.preview_steps <= self.full_steps:
             raise bad("preview_steps", f"must be between 1 and full_steps ({self.full_steps})")
         if self.solver not in ("euler", "dpm2"):
             raise bad("solver", "choose 'euler' or 'dpm2'")
-        if self.explore_precision not in EXPLORE_PRECISIONS:
-            raise bad("explore_precision", f"choose one of {EXPLORE_PRECISIONS}")
+        explore = self.explore_settings().problems()  # explore/plan.py checks its own settings
+        if explore and explore[0][0] == "precision":
+            raise bad("explore_precision", explore[0][1])
         from solrl_engine.sampling.compile import COMPILE_MODES
 
         if self.compile_mode not in COMPILE_MODES:
@@ -201,16 +215,8 @@ class RLConfig:
         if self.eval_prompt_count < 1:
             raise bad("eval_prompt_count", "must be >= 1: the held-out evaluation is how a run is judged and which "
                                            "adapter is kept as lora_best (raise eval_every to evaluate less often)")
-        if self.explore_skip_max_dim is not None and self.explore_skip_max_dim < 0:
-            raise bad("explore_skip_max_dim", "must be >= 0 (0 quantizes layers of every width)")
-        if self.explore_rht not in (0, 16, 32, 64, 128):
-            raise bad("explore_rht", "choose 0 (off), 16, 32, 64 or 128 (the rotation size along K)")
-        if self.explore_lowrank < 0:
-            raise bad("explore_lowrank", "must be >= 0 (0: no low-rank branch)")
-        for key in ("explore_rht", "explore_four_over_six", "explore_lowrank"):
-            if getattr(self, key) and self.explore_precision not in ("auto", "nvfp4", "nvfp4_weight_only"):
-                raise bad(key, f"applies to NVFP4 explore recipes; explore_precision is {self.explore_precision!r}: "
-                               "set explore_precision=nvfp4 (or auto) or leave it at its default")  # fmt: skip
+        for name, why in explore:
+            raise bad(ExploreSettings.key(name), why)
         if self.resolution is not None and self.resolution < 16:
             raise bad("resolution", "must be a pixel size >= 16 (None: the model's default)")
         if self.shift is not None and self.shift <= 0:
@@ -254,42 +260,19 @@ class RLConfig:
 
 
 def resolve_policy_dtype(cfg: RLConfig, device: torch.device) -> tuple[torch.dtype, str]:
-    """The policy's (base weights') dtype and why: policy_dtype=auto is BF16 on CUDA and on CPUs with
-    BF16 units (AVX512-BF16, AMX-BF16), FP32 on other CPUs, where BF16 is emulated and slower.
-    LoRA weights and optimizer state are FP32 either way (the trainer casts them)."""
-    if cfg.policy_dtype != "auto":
-        return getattr(torch, cfg.policy_dtype), "set in the config (policy_dtype)"
-    from solrl_engine.hw import auto_policy_dtype
-
-    return auto_policy_dtype(device)
+    """The config's policy dtype on `device`, and why (hw.policy_dtype: auto is BF16 on CUDA and on CPUs
+    with BF16 units, FP32 elsewhere)."""
+    return policy_dtype(cfg.policy_dtype, device)
 
 
 def resolve_runtime(cfg: RLConfig) -> tuple[torch.device, torch.dtype]:
-    """(device, policy dtype); see `resolve_policy_dtype` for the dtype and its reason. A CUDA device that
-    is not there is a ConfigError naming the key, before any model loads (not torch's bare assertion)."""
-    dev = torch.device(cfg.device if cfg.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        why = "this PyTorch is a CPU build" if torch.version.cuda is None else "PyTorch sees no CUDA device"
-        raise ConfigError(f"config {cfg.name!r}: device = {cfg.device!r}, but {why}: set device=cpu (or auto, which "
-                          "takes a GPU when there is one), or install a CUDA PyTorch")  # fmt: skip
-    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise ConfigError(f"config {cfg.name!r}: device = {cfg.device!r}, but there are only "
-                          f"{torch.cuda.device_count()} CUDA devices (cuda:0 ..)")  # fmt: skip
+    """(device, policy dtype) of a config; a CUDA device that is not there is a ConfigError naming the
+    key, before any model loads (hw.pick_device says why)."""
+    try:
+        dev = pick_device(cfg.device)
+    except ValueError as e:
+        raise ConfigError(f"config {cfg.name!r}: {e}") from None
     return dev, resolve_policy_dtype(cfg, dev)[0]
-
-
-def autocast_for(device: torch.device, dtype: torch.dtype | None = None) -> contextlib.AbstractContextManager:
-    """BF16 autocast on CUDA, and on a CPU when the policy (`dtype`) is BF16; nothing elsewhere.
-
-    Why on the CPU: the FP32 LoRA branch beside BF16 base weights would otherwise run in FP32 with
-    casts around it: measured on the tiny model (AVX512-BF16, 2 cores, batch 32) a LoRA policy's
-    forward takes 123 ms without autocast, 70 ms with it, 106 ms in FP32. An FP32 policy keeps exact
-    FP32 numerics on the CPU (no autocast)."""
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    if device.type == "cpu" and dtype == torch.bfloat16:
-        return torch.autocast("cpu", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
 
 
 def _parse_value(raw: str, tp: object, key: str) -> object:
@@ -315,6 +298,14 @@ def _parse_value(raw: str, tp: object, key: str) -> object:
     return raw
 
 
+def unknown_key_error(key: str, where: str = "") -> ConfigError:
+    """A key RLConfig does not have: the nearest one it does, or all of them (`where` prefixes the message)."""
+    names = [f.name for f in fields(RLConfig)]
+    close = difflib.get_close_matches(key, names, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(names)}"
+    return ConfigError(f"{where + ': ' if where else ''}unknown config key {key!r}{hint}")
+
+
 def apply_overrides(cfg: RLConfig, overrides: list[str]) -> RLConfig:
     """Apply "key=value" strings with the field's type; unknown keys are an error with a suggestion."""
     hints = typing.get_type_hints(RLConfig)
@@ -325,9 +316,7 @@ def apply_overrides(cfg: RLConfig, overrides: list[str]) -> RLConfig:
             raise ConfigError(f"--set {item!r}: write key=value")
         key, raw = (s.strip() for s in item.split("=", 1))
         if key not in names:
-            close = difflib.get_close_matches(key, names, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(names)}"
-            raise ConfigError(f"unknown config key {key!r}{hint}")
+            raise unknown_key_error(key)
         changes[key] = _parse_value(raw, hints[key], key)
     return dataclasses.replace(cfg, **changes)
 

@@ -12,7 +12,6 @@ the linear FLOPs whose previews still rank at a target Spearman.
 
 from __future__ import annotations
 
-import dataclasses
 import fnmatch
 import hashlib
 import json
@@ -29,12 +28,14 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from solrl_engine.data import load_prompts
+from solrl_engine.explore.copy import ExploreCopy
+from solrl_engine.explore.ranking import kendall, nk_problem, overlap, spearman
 from solrl_engine.nn.fast_path import fast_path
-from solrl_engine.nn.flops import LinearFlops, count_linear_flops, group_name
+from solrl_engine.nn.flops import group_name
 from solrl_engine.nn.quantize import plan_quantization
-from solrl_engine.rl.config import RLConfig, autocast_for
-from solrl_engine.rl.ranking import kendall, overlap, spearman
-from solrl_engine.rollout import Rollouts
+from solrl_engine.rl.config import RLConfig
+from solrl_engine.rl.runtime import build_rollouts, plan_explore
+from solrl_engine.sampling.rollouts import Rollouts
 
 log = logging.getLogger("solrl_engine.fidelity")
 
@@ -58,8 +59,7 @@ def _fingerprint(module: nn.Module) -> str:
     return h.hexdigest()
 
 
-def _oracle_key(ro: Rollouts) -> str:
-    c = ro.cfg
+def _oracle_key(c: RLConfig, ro: Rollouts) -> str:
     parts = [c.model, str(c.model_path), c.resolution, c.full_steps, c.solver, c.shift, c.guidance_scale, c.reward,
              c.reward_args, str(ro.dtype), _fingerprint(ro.model.transformer)]  # fmt: skip
     return hashlib.sha1(json.dumps(parts, default=str).encode()).hexdigest()
@@ -106,6 +106,8 @@ class OracleCache:
 @dataclass
 class _Setup:
     ro: Rollouts
+    copy: ExploreCopy  # the config's explore copy
+    preview_steps: int
     prompts: list[str]
     seeds: list[list[int]]
     oracle: torch.Tensor  # [P, N] full-step rewards
@@ -113,18 +115,17 @@ class _Setup:
 
 
 def _setup(cfg: RLConfig, prompts: int, n: int, oracle_cache: str | Path | None, progress: bool) -> _Setup:
-    if cfg.explore_precision == "auto":  # a fidelity study measures a quantized proxy, wherever it is slow
-        from solrl_engine.quant.recipe import auto_explore_recipe
-        from solrl_engine.rl.config import resolve_runtime
-
-        dev = resolve_runtime(cfg)[0]
-        cap = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None
-        cfg = dataclasses.replace(cfg, explore_precision=auto_explore_recipe(cap))
-    ro = Rollouts(cfg, explore=True)
+    ro = build_rollouts(cfg)
+    # explore_precision=auto by the tensor-core table, not timed: a fidelity study measures a quantized proxy
+    # wherever it is slow (the hardware plan's format; NVFP4 on a CPU)
+    copy = ExploreCopy.from_spec(ro.model.transformer, plan_explore(cfg, ro, cfg.preview_steps, measure=False))
+    if copy is None:
+        raise ValueError(f"explore_precision={cfg.explore_precision!r} builds no explore copy: a fidelity study "
+                         "measures a quantized proxy (choose nvfp4, fp8, int8, ... or auto)")  # fmt: skip
     pool = load_prompts(cfg.train_prompts)
     chosen = random.Random(cfg.seed).sample(pool, min(prompts, len(pool)))
     seeds = [[1000 * i + j for j in range(n)] for i in range(len(chosen))]
-    cache = OracleCache(oracle_cache, _oracle_key(ro))
+    cache = OracleCache(oracle_cache, _oracle_key(cfg, ro))
     rewards, t_full = [], 0.0
     for p, s in zip(tqdm(chosen, disable=not progress, desc="oracle (full steps)"), seeds, strict=True):
         r = cache.get(p, s)
@@ -136,7 +137,7 @@ def _setup(cfg: RLConfig, prompts: int, n: int, oracle_cache: str | Path | None,
             t_full += time.perf_counter() - t0
             cache.put(p, s, r)
         rewards.append(r)
-    return _Setup(ro, chosen, seeds, torch.stack(rewards), t_full)
+    return _Setup(ro, copy, cfg.preview_steps, chosen, seeds, torch.stack(rewards), t_full)
 
 
 @torch.no_grad()
@@ -148,7 +149,7 @@ def _proxy(st: _Setup, transformer: nn.Module | None, progress: bool, desc: str 
     out, t = [], 0.0
     for p, s in zip(tqdm(st.prompts, disable=not progress, desc=desc), st.seeds, strict=True):
         t0 = time.perf_counter()
-        x = ro.sample(ro.encode([p] * n), s, ro.cfg.preview_steps, transformer=transformer,
+        x = ro.sample(ro.encode([p] * n), s, st.preview_steps, transformer=transformer,
                       tag=tag if transformer is not None else "")  # fmt: skip
         t += time.perf_counter() - t0
         out.append(ro.score(x, [p] * n).rewards.cpu())
@@ -165,23 +166,9 @@ def _rank_metrics(pr: torch.Tensor, fr: torch.Tensor, k: int) -> dict[str, float
     }
 
 
-def linear_flops(ro: Rollouts, transformer: nn.Module) -> LinearFlops:
-    """Linear FLOPs of `transformer` (the explore copy) per denoising step, by formats, counted on one
-    step of one sample (the shares do not depend on the batch)."""
-    from solrl_engine.sampling.sampler import sample
-
-    cond, c = ro.encode(["a"]), ro.cfg
-
-    def step() -> None:  # eager: a replayed CUDA graph would run no hooks
-        with autocast_for(ro.device):
-            sample(ro.model, cond, [0], 1, c.shift, c.solver, 1.0, None, 1, ro.dtype, transformer)
-
-    return count_linear_flops(transformer, step)
-
-
 def _check_nk(n: int, k: int) -> None:
-    if k > n or k % 2 or k < 2:
-        raise ValueError(f"need an even k with 2 <= k <= n; got n={n}, k={k}")
+    if (why := nk_problem(n, k)) is not None:
+        raise ValueError(f"n={n}, k={k}: {why}")
 
 
 @torch.no_grad()
@@ -197,18 +184,17 @@ def fidelity(
     linear FLOPs it runs quantized (`quantized_flop_share`) and what its quantized layers ran (`fast_path`)."""
     _check_nk(n, k)
     st = _setup(cfg, prompts, n, oracle_cache, progress)
-    ro = st.ro
-    assert ro.explore is not None
-    pr, t_proxy = _proxy(st, ro.explore.transformer, progress)
-    record = fast_path(ro.explore.transformer)  # what the previews' quantized layers ran
+    ro, copy = st.ro, st.copy
+    pr, t_proxy = _proxy(st, copy.transformer, progress)
+    record = fast_path(copy.transformer)  # what the previews' quantized layers ran
     fr = st.oracle
-    flops = linear_flops(ro, ro.explore.transformer)
+    flops = ro.linear_flops(copy.transformer)
     dev = ro.device
     return {
         "config": cfg.name,
         "model": cfg.model,
-        "explore_recipe": ro.explore.recipe,
-        "quantized_layers": len(ro.explore.report.quantized),
+        "explore_recipe": copy.recipe,
+        "quantized_layers": len(copy.report.quantized),
         "quantized_flop_share": flops.quantized_share(),
         "fast_path": record.summary(),
         "solver": cfg.solver,
@@ -234,24 +220,20 @@ def fidelity(
 # --- the layer search ------------------------------------------------------------------------------
 
 
-def _copy_with(ro: Rollouts, include: tuple[str, ...]) -> Any:
+def _copy_with(st: _Setup, include: tuple[str, ...]) -> ExploreCopy:
     """An explore copy of the policy with the config's recipe restricted to the `include` groups."""
-    from solrl_engine.rl.explore import ExploreCopy
-
-    assert ro.explore is not None
     if not include:  # an empty include means "every layer" to a recipe
         raise ValueError("a searched rule names at least one layer group")
-    return ExploreCopy(ro.model.transformer, ro.explore.quant_recipe.with_(include=include, skip_max_dim=0))
+    return ExploreCopy(st.ro.model.transformer, st.copy.quant_recipe.with_(include=include, skip_max_dim=0))
 
 
-def candidate_groups(ro: Rollouts) -> dict[str, int]:
-    """Layer groups (the same layer of every block) the recipe could quantize, with their FLOPs per
+def candidate_groups(ro: Rollouts, copy: ExploreCopy) -> dict[str, int]:
+    """Layer groups (the same layer of every block) `copy`'s recipe could quantize, with their FLOPs per
     step: every layer the recipe's own skip patterns and size rules allow, whatever the family's
     include rule says."""
-    assert ro.explore is not None
-    everything = ro.explore.quant_recipe.with_(include=(), skip_max_dim=0)
+    everything = copy.quant_recipe.with_(include=(), skip_max_dim=0)
     eligible = {d.name for d in plan_quantization(ro.model.transformer, everything).layers if d.quantized}
-    flops = linear_flops(ro, ro.model.transformer)
+    flops = ro.linear_flops(ro.model.transformer)
     groups: dict[str, int] = {}
     for name, f in flops.layers.items():
         if name in eligible:
@@ -272,12 +254,12 @@ def _sensitivity(st: _Setup, groups: list[str], probe_prompts: int, probe_seeds:
     ro = st.ro
     probes = [(p, s[:probe_seeds]) for p, s in zip(st.prompts[:probe_prompts], st.seeds, strict=False)]
     conds = [ro.encode([p] * len(s)) for p, s in probes]
-    ref = [ro.sample(c, s, ro.cfg.preview_steps) for c, (_, s) in zip(conds, probes, strict=True)]
+    ref = [ro.sample(c, s, st.preview_steps) for c, (_, s) in zip(conds, probes, strict=True)]
     out = {}
     for g in tqdm(groups, disable=not progress, desc="sensitivity per layer group"):
-        copy = _copy_with(ro, (g,))
+        copy = _copy_with(st, (g,))
         err = [
-            ((ro.sample(c, s, ro.cfg.preview_steps, transformer=copy.transformer, tag=f"g:{g}") - x).float().norm()
+            ((ro.sample(c, s, st.preview_steps, transformer=copy.transformer, tag=f"g:{g}") - x).float().norm()
              / x.float().norm().clamp_min(1e-12)).item()
             for c, (_, s), x in zip(conds, probes, ref, strict=True)
         ]  # fmt: skip
@@ -313,10 +295,10 @@ def search(
         raise ValueError(f"target Spearman must be in [-1, 1]; got {target}")
     st = _setup(cfg, prompts, n, oracle_cache, progress)
     ro = st.ro
-    groups = candidate_groups(ro)
+    groups = candidate_groups(ro, st.copy)
     if not groups:
         raise ValueError(f"the explore recipe can quantize no layer of {cfg.model}; nothing to search")
-    total = sum(linear_flops(ro, ro.model.transformer).layers.values())
+    total = sum(ro.linear_flops(ro.model.transformer).layers.values())
     sens = _sensitivity(st, list(groups), probe_prompts, probe_seeds, progress)
     order = sorted(groups, key=lambda g: sens[g] / (groups[g] / total))
     points: dict[int, dict[str, Any]] = {}
@@ -324,13 +306,13 @@ def search(
     def measure(m: int) -> dict[str, Any]:
         if m not in points:
             include = tuple(order[:m])
-            copy = _copy_with(ro, include)
+            copy = _copy_with(st, include)
             desc = f"previews, {m} of {len(order)} groups"
             pr, t = _proxy(st, copy.transformer, progress, desc=desc, tag=f"search:{m}")
             points[m] = {
                 "groups": m,
                 "include": list(include),
-                "quantized_flop_share": linear_flops(ro, copy.transformer).quantized_share(),
+                "quantized_flop_share": ro.linear_flops(copy.transformer).quantized_share(),
                 **_rank_metrics(pr, st.oracle, k),
                 "time_proxy_s": t,
             }
@@ -353,7 +335,7 @@ def search(
     return {
         "config": cfg.name,
         "model": cfg.model,
-        "explore_recipe": ro.explore.recipe if ro.explore else None,
+        "explore_recipe": st.copy.recipe,
         "target_spearman": target,
         "prompts": len(st.prompts),
         "n": n,

@@ -10,11 +10,10 @@ flux1,sana}.py, on DiffusionNFT's), cited per value below.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 from collections.abc import Callable
 from typing import Any
 
-from solrl_engine.rl.config import FAMILIES, FAMILY_TABLE, ConfigError, RLConfig
+from solrl_engine.rl.config import FAMILIES, FAMILY_TABLE, ConfigError, RLConfig, unknown_key_error
 
 REWARDS = ("imagereward", "clipscore", "pickscore", "hpsv2")
 
@@ -128,12 +127,10 @@ FAMILY_SUMMARY = {
 
 
 def _check_overrides(overrides: dict[str, Any], where: str) -> None:
-    names = [f.name for f in dataclasses.fields(RLConfig)]
+    names = {f.name for f in dataclasses.fields(RLConfig)}
     for key in overrides:
         if key not in names:
-            close = difflib.get_close_matches(key, names, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(names)}"
-            raise ConfigError(f"{where}: unknown config key {key!r}{hint}")
+            raise unknown_key_error(key, where)
 
 
 def paper_config(model: str, family: str, reward: str, **overrides: Any) -> RLConfig:

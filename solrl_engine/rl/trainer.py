@@ -28,19 +28,21 @@ from tqdm.auto import tqdm
 
 from solrl_engine.data import load_prompts
 from solrl_engine.evaluation import EvalResult, eval_grid, evaluate_rollouts, mean_stderr, write_compare
+from solrl_engine.explore.choice import POLICY, ExploreChoice
+from solrl_engine.explore.copy import ExploreCopy
+from solrl_engine.explore.plan import ExploreSpec
 from solrl_engine.models.base import Conditioning
 from solrl_engine.rl import checkpoint, rundir
 from solrl_engine.rl.adapters import OLD, TRAIN, LoraAdapters
 from solrl_engine.rl.config import FAMILY_TABLE, ConfigError, RLConfig, autocast_for
 from solrl_engine.rl.distributed import Dist
-from solrl_engine.rl.explore import ExploreCopy
 from solrl_engine.rl.export import save_lora
 from solrl_engine.rl.guards import NonFiniteError, ProxyGuard, check_finite, check_resume_config
 from solrl_engine.rl.ranking import group_advantages, kendall, spearman
+from solrl_engine.rl.runtime import build_rollouts, explorer_for
 from solrl_engine.rl.sealed import write_atomic
 from solrl_engine.rl.tracking import Tracker
 from solrl_engine.rl.update import nft_update
-from solrl_engine.rollout import Explorer, Rollouts
 from solrl_engine.viz import line_plot
 
 log = logging.getLogger("solrl_engine.rl")
@@ -89,11 +91,14 @@ class Trainer:
                 "ranks: make it a multiple of the number of processes (it is the global number of prompts)"
             )
         self.progress = progress and self.dist.main
-        self.rollouts = Rollouts(cfg, explore=self.rule.quantized_explore, dist=self.dist, merged_rollouts=True)
+        self.rollouts = build_rollouts(cfg)
         self.model, self.device, self.dtype = self.rollouts.model, self.rollouts.device, self.rollouts.dtype
+        # like-for-like: with merge_lora, full-precision rollouts run the "old" LoRA merged into a copy of the
+        # policy at its own precision, as the quantized copy has it (not PEFT's unmerged branches)
+        self.policy_copy = ExploreCopy(self.model.transformer, POLICY) if cfg.merge_lora else None
+        self._explore_as(None)  # the explore pass planned (auto: timed, rank 0's answer) and its copy built
         self.reward = self.rollouts.reward
         self.reward(torch.zeros(1, 3, 8, 8), self.train_prompts[:1])  # fail early on prompts the reward rejects
-        self.explore: ExploreCopy | None = self.rollouts.explore
         spec = self.rollouts.spec
         targets = spec.lora_targets if cfg.lora_targets is None else cfg.lora_targets
         with torch.random.fork_rng(devices=[]):  # the LoRA init depends on cfg.seed only
@@ -124,20 +129,28 @@ class Trainer:
         self.guard = ProxyGuard(cfg)
         self.signals = rundir.StopSignals()  # installed while `run` runs
 
+    def _explore_as(self, choice: ExploreChoice | None) -> None:
+        """Plan the explore pass (auto: timed, rank 0's answer; `choice`: a checkpoint's instead) and build
+        the explorer over its copy, else over the policy (rl.runtime.explorer_for)."""
+        self.explorer = explorer_for(self.cfg, self.rollouts, agree=self.dist.broadcast_object, choice=choice)
+        self.explore_spec: ExploreSpec | None = self.explorer.spec
+        self.explore: ExploreCopy | None = self.explorer.copy
+
     def _follow_explore(self) -> None:
         """Attach the explore copy (if any) and the merged policy copy (merge_lora) to the policy's
         adapters, and point the explorer at the explore copy, else at the merged policy copy."""
-        c = self.cfg
-        self.explore = self.rollouts.explore
-        self.policy_copy = self.rollouts.policy_copy
         if self.explore is not None:
-            self.explore.attach(self.adapters, merge=c.merge_lora)
+            self.explore.attach(self.adapters, merge=self.cfg.merge_lora)
         if self.policy_copy is not None:
             self.policy_copy.attach(self.adapters)
-        steps = c.preview_steps if self.rule.preview else c.full_steps
-        self.explorer = Explorer.from_rollouts(self.rollouts, c.n, c.k, steps, None, self.explore is not None)
         if self.explore is None and self.policy_copy is not None:  # the policy explores: as a merged copy
             self.explorer.transformer, self.explorer.tag = self.policy_copy.transformer, "old-merged"
+
+    @property
+    def rollout_form(self) -> str:
+        """How the "old" adapter is applied where the policy samples at full precision: "merged" (a copy
+        with the LoRA merged, as the quantized copy has it) or "unmerged" (PEFT's LoRA branches)."""
+        return "merged" if self.policy_copy is not None else "unmerged"
 
     # --- rollouts ----------------------------------------------------------------------------------
 
@@ -362,7 +375,7 @@ class Trainer:
             "nonfinite": self.nonfinite,
             "proxy_guard": self.guard.state(),
             # explore_precision=auto is timed at start: a resumed run keeps the choice it was made with
-            "explore_precision": ch.precision if (ch := self.rollouts.explore_choice) is not None else None,
+            "explore_precision": self.explore_spec.precision if self.explore_spec is not None else None,
         }
 
     def _restore(self, st: dict[str, Any]) -> None:
@@ -385,13 +398,11 @@ class Trainer:
         self._drop_stale_best()
         self.nonfinite = st.get("nonfinite", 0)
         self.guard.load_state(st["proxy_guard"])
-        then, now = st.get("explore_precision"), self.rollouts.explore_choice
+        then, now = st.get("explore_precision"), self.explore_spec
         if then is not None and now is not None and then != now.precision:
-            from solrl_engine.hw import ExploreChoice
-
             log.info("resuming with the checkpoint's explore precision %s (this start chose %s)", then, now.precision)
             why = "the checkpoint's (explore_precision=auto, timed at its start)"
-            self.rollouts.build_explore(ExploreChoice(then, why))
+            self._explore_as(ExploreChoice(then, why))
             self._follow_explore()
         if self.guard.fallback:
             self._set_fallback(True)
@@ -534,8 +545,8 @@ class Trainer:
             "heldout_best_iteration": None if self.best is None else self.best[0],
             "heldout_reward_best": None if self.best is None else self.best[1].mean().item(),
             "lora_best": str(self.out / checkpoint.BEST_LORA) if self.best and self.best[0] > 0 else None,
-            "explore_recipe": self.rollouts.explore_recipe,
-            "rollout_form": self.rollouts.rollout_form,  # the "old" LoRA merged into a copy, or PEFT's branches
+            "explore_recipe": self.explorer.recipe_label,
+            "rollout_form": self.rollout_form,  # the "old" LoRA merged into a copy, or PEFT's branches
             "mean_time_total_s": sum(h["time_total_s"] for h in history) / max(1, len(history)),
             # one-off sampler compilation (CPU: inductor) or graph capture (GPU), out of the times above
             "time_compile_s": self.rollouts.sampler.stats.overhead_s,

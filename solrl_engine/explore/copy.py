@@ -17,17 +17,36 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 
+from solrl_engine.explore.choice import POLICY  # ExploreCopy's recipe for a full-precision copy with the LoRA merged
 from solrl_engine.nn import QuantLinear, QuantReport, quantize_model, requantize_
+from solrl_engine.nn.flops import amdahl_bound
 from solrl_engine.nn.quantize import _peft_weight, is_lora_layer
 from solrl_engine.quant.recipe import QuantRecipe, get_recipe
-from solrl_engine.rl.adapters import OLD, LoraAdapters
 
-POLICY = "policy"  # ExploreCopy's recipe for a full-precision copy with the LoRA merged (hw.POLICY's name)
+if TYPE_CHECKING:
+    from solrl_engine.explore.plan import ExploreSpec
+
+# what one quantized GEMM gains over BF16 on the tensor cores of the hardware plan (peak-rate ratios),
+# used for the bound where explore_precision was set rather than timed
+NOMINAL_GEMM_SPEEDUP = {"fp8": 2.0, "int8": 2.0, "nvfp4": 4.0}
+
+
+class FollowedAdapters(Protocol):
+    """What the copy needs of the policy's LoRA adapters (the trainer's rl.adapters.LoraAdapters): the
+    transformer they sit on, their layers by name, and the adapter the copy follows (the "old" policy,
+    the adapters' default): merged into full weights, or as one layer's (A, B, scale) side branch."""
+
+    transformer: nn.Module
+    layers: Mapping[str, nn.Module]
+
+    def merged_weights(self) -> dict[str, torch.Tensor]: ...
+
+    def side_branch(self, name: str) -> tuple[torch.Tensor, torch.Tensor, float]: ...
 
 
 def _merge_lora_into_copy(model: nn.Module) -> None:
@@ -115,11 +134,19 @@ class ExploreCopy:
         self.merge = True
         self.shared_bytes = 0
 
+    @classmethod
+    def from_spec(cls, transformer: nn.Module, spec: ExploreSpec | None) -> ExploreCopy | None:
+        """The copy an ExploreSpec asks for (its precision and full layer rule), None where the policy itself
+        explores (POLICY) or there is no spec."""
+        if spec is None or not spec.quantized:
+            return None
+        return cls(transformer, spec.precision, changes=dict(spec.rule))
+
     @property
     def _root(self) -> nn.Module:
         return self.transformer.module if self.te else self.transformer
 
-    def check_follows(self, adapters: LoraAdapters) -> None:
+    def check_follows(self, adapters: FollowedAdapters) -> None:
         """Raise unless every LoRA layer of the policy is a layer the copy computes with, and no layer
         of the copy beside one (a fused QKV projection) lacks a source: otherwise updates would
         silently never reach the explore copy."""
@@ -133,7 +160,7 @@ class ExploreCopy:
                 "beside one has a source in the policy (or fuse both before the LoRA is attached and target to_qkv)."
             )
 
-    def attach(self, adapters: LoraAdapters, merge: bool = True) -> None:
+    def attach(self, adapters: FollowedAdapters, merge: bool = True) -> None:
         """Follow the policy's "old" adapter: merged + requantized, or as a live BF16 side branch."""
         if self.full_precision and not merge:
             raise ValueError("a full-precision copy exists to hold the LoRA merged; with merge_lora off the policy "
@@ -142,7 +169,7 @@ class ExploreCopy:
         self.merge = merge
         if not merge:
             for name in adapters.layers:
-                a, b, scale = adapters.side_branch(name, OLD)
+                a, b, scale = adapters.side_branch(name)
                 layer = self._root.get_submodule(name)
 
                 def hook(_m: nn.Module, inp: tuple[torch.Tensor], out: torch.Tensor, a=a, b=b, scale=scale):
@@ -155,7 +182,7 @@ class ExploreCopy:
         self.refresh(adapters)
 
     @torch.no_grad()
-    def _share_frozen(self, adapters: LoraAdapters, exclude: set[str]) -> int:
+    def _share_frozen(self, adapters: FollowedAdapters, exclude: set[str]) -> int:
         """Point the copy's high-precision tensors at the policy's frozen base weights instead of
         holding a second copy (on SD3.5-L, where 22% of the weights go to NVFP4, that is most of the
         copy). Layers in `exclude` (LoRA layers whose merged weights the refresh writes) keep their
@@ -175,7 +202,7 @@ class ExploreCopy:
         return saved
 
     @torch.no_grad()
-    def refresh(self, adapters: LoraAdapters) -> int:
+    def refresh(self, adapters: FollowedAdapters) -> int:
         """Write the updated "old" policy into the copy; returns the number of layers rewritten.
 
         Every LoRA-merged weight must land somewhere: quantized layers are re-quantized, layers kept
@@ -186,7 +213,7 @@ class ExploreCopy:
         if not self.merge:
             return 0
         self.check_follows(adapters)
-        merged = adapters.merged_weights(OLD)
+        merged = adapters.merged_weights()
         if self.te:
             from solrl_engine.nn.te import refresh_te_
 
@@ -197,3 +224,26 @@ class ExploreCopy:
         if done != quant:  # cannot happen once check_follows passed; a guard against silent partial refreshes
             raise RuntimeError(f"refreshed {done} of the {quant} quantized LoRA layers of the explore copy")
         return len(merged)
+
+
+def speed_bound(ro: Any, copy: ExploreCopy, spec: ExploreSpec) -> dict[str, Any] | None:
+    """The copy's quantized share of the denoiser's GEMM FLOPs (one eager step of `ro`, a
+    sampling.Rollouts, at batch 1) and the Amdahl bound it puts on the explore forward's speedup at the
+    GEMM rate ratio: measured at start where auto timed it, else the tensor cores' nominal ratio on a
+    GPU (none on a CPU)."""
+    if copy.te or not copy.report.quantized:
+        return None
+    share = ro.linear_flops(copy.transformer).quantized_share()
+    fmt = copy.quant_recipe.format
+    t = spec.timings_ms
+    if t.get("policy") and t.get(spec.precision):
+        rate, how = t["policy"] / t[spec.precision], "measured at start"
+    elif ro.device.type == "cuda" and fmt in NOMINAL_GEMM_SPEEDUP:
+        rate, how = NOMINAL_GEMM_SPEEDUP[fmt], "the tensor cores' nominal ratio"
+    else:
+        line = f"{share:.0%} of the denoiser's GEMM FLOPs in {copy.recipe} (no GEMM timing to bound the speedup)"
+        return {"quantized_flop_share": share, "gemm_speedup": None, "bound": None, "line": line}
+    bound = amdahl_bound(share, rate)
+    line = (f"{share:.0%} of the denoiser's GEMM FLOPs in {copy.recipe}: at most {bound:.2f}x per forward at "
+            f"{rate:.2f}x per GEMM ({how})")  # fmt: skip
+    return {"quantized_flop_share": share, "gemm_speedup": rate, "bound": bound, "line": line}

@@ -1,0 +1,217 @@
+"""explore_precision=auto, one way: the precisions this device's tensor cores run (on a CPU, all of them),
+each timed on the model's own quantized layer shapes against the policy, the fastest that beats the policy
+taken, else the policy itself explores. A slower proxy is never chosen automatically.
+
+Why timed and not only tabled: on a CPU every format is emulated or run by generic kernels, and even on a GPU
+a small model's layers may not gain; the table (kernels' tensor-core capability) only says which formats
+are worth timing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from solrl_engine.kernels import device_capability, gpu_like
+from solrl_engine.nn import QuantLinear, plan_quantization
+from solrl_engine.quant.recipe import NVFP4_OPTIONS, get_recipe
+
+# Candidates for the explore copy on a CPU, where every format is emulated (or, for INT8 and FP8,
+# run by oneDNN / torch's CPU kernels): all of them are timed against the policy. On a GPU only the
+# formats with tensor cores on that device are candidates (`explore_candidates`).
+EXPLORE_CANDIDATES: tuple[str, ...] = ("nvfp4", "nvfp4_weight_only", "int8", "fp8", "fp8_weight_only")
+# the explore formats by the tensor cores they need (compute capability), fastest first
+HARDWARE_PLAN: tuple[tuple[str, tuple[int, int]], ...] = (("nvfp4", (10, 0)), ("fp8", (8, 9)), ("int8", (8, 0)))
+# explore_precision=auto's answer where no candidate is faster than the policy: no explore copy at all
+POLICY = "policy"
+
+
+@dataclass(frozen=True)
+class ExploreChoice:
+    """The explore recipe, why it was chosen, and the timings it was chosen from (ms; "policy": the
+    same layers at the policy's own precision), empty where nothing was measured. `precision` is
+    POLICY where no quantized copy pays off: the policy itself explores (at the preview steps)."""
+
+    precision: str
+    reason: str
+    timings_ms: dict[str, float] = field(default_factory=dict)
+
+
+def explore_candidates(device: torch.device | str) -> tuple[str, ...]:
+    """The precisions explore_precision=auto times on `device`: on a GPU (or a CPU under
+    SOLRL_SIMULATE_SM) those its tensor cores run, the hardware plan of docs/design.md section 2
+    (NVFP4 on sm_100+, FP8 on sm_89+, INT8 on sm_80+; never emulated NVFP4); on a CPU all of them."""
+    dev = torch.device(device)
+    cap = device_capability(dev)
+    if not gpu_like(dev) or cap is None:
+        return EXPLORE_CANDIDATES
+    return formats_with_tensor_cores(cap)
+
+
+def formats_with_tensor_cores(capability: tuple[int, int] | None) -> tuple[str, ...]:
+    """The explore formats a compute capability has tensor cores for, fastest first (HARDWARE_PLAN)."""
+    return () if capability is None else tuple(name for name, needs in HARDWARE_PLAN if capability >= needs)
+
+
+def hardware_plan(device: torch.device | str) -> str:
+    """The hardware plan's explore format for a device (docs/design.md section 2): native NVFP4 on Blackwell
+    (sm_100+), FP8 on Ada/Hopper (sm_89, sm_90: no FP4 tensor cores), INT8 on Ampere (sm_80, sm_86: INT8
+    tensor cores only), emulated NVFP4 elsewhere, a CPU included (a fidelity study's proxy). A CPU under
+    SOLRL_SIMULATE_SM counts as that GPU."""
+    dev = torch.device(device)
+    found = formats_with_tensor_cores(device_capability(dev) if gpu_like(dev) else None)
+    return found[0] if found else "nvfp4"
+
+
+def choose_explore_precision(
+    timings_ms: Mapping[str, float], margin: float = 0.95, candidates: Iterable[str] | None = None
+) -> ExploreChoice:
+    """The fastest candidate at least 1 / margin times faster than "policy" in `timings_ms`, else
+    POLICY (explore with the policy itself): a slower proxy is never chosen automatically.
+    `candidates` (default: every timed precision) limits the choice, e.g. to a GPU's hardware plan."""
+    if "policy" not in timings_ms:
+        raise ValueError("timings_ms needs the policy's own time under the key 'policy'")
+    base = timings_ms["policy"]
+    table = ", ".join(f"{k} {v / base:.2f}x" for k, v in timings_ms.items() if k != "policy")
+    allowed = set(EXPLORE_CANDIDATES if candidates is None else candidates)
+    timed = sorted((t, k) for k, t in timings_ms.items() if k in allowed and t <= margin * base)
+    if timed:
+        t, name = timed[0]
+        why = f"the fastest precision measured faster than the policy's here ({name} {base / t:.2f}x faster; "
+        return ExploreChoice(name, why + f"time vs policy: {table})", dict(timings_ms))
+    return ExploreChoice(POLICY, f"no quantized precision is faster than the policy's here (time vs policy: {table}): "
+                                 "the policy itself explores; set explore_precision to use one anyway",
+                         dict(timings_ms))  # fmt: skip
+
+
+def explore_layer_shapes(transformer: nn.Module, rule: Mapping[str, Any]) -> Counter[tuple[int, int]]:
+    """(in_features, out_features) -> count of the layers the explore copy would quantize under `rule`
+    (the model's layer rule, as QuantRecipe changes), planned without touching the model."""
+    rep = plan_quantization(transformer, get_recipe("nvfp4").with_(**dict(rule)))
+    return Counter((d.in_features, d.out_features) for d in rep.layers if d.quantized)
+
+
+_PROBE_CACHE: dict[tuple, dict[str, float]] = {}
+
+
+def _call_ms(fn: Callable[[], object], device: torch.device | None = None) -> float:
+    cuda = device is not None and device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    if cuda:
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def _pass_ms(calls: Iterable[tuple[Any, torch.Tensor, int]], reps: int, dev: torch.device) -> float:
+    """ms of one pass over the layers: each layer's fastest of `reps` calls times its count."""
+    return sum(count * min(_call_ms(lambda mod=mod, x=x: mod(x), dev) for _ in range(reps)) for mod, x, count in calls)
+
+
+def probe_explore_timings(
+    shapes: Mapping[tuple[int, int], int],
+    rule: Mapping[str, Any],
+    dtype: torch.dtype,
+    rows: int | None = None,
+    reps: int | None = None,
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    give_up: float = 2.0,
+    device: torch.device | str = "cpu",
+    candidates: Iterable[str] | None = None,
+) -> dict[str, float]:
+    """ms of the explore copy's quantized layers (`shapes`: (in, out) -> count) at each candidate
+    precision (default `explore_candidates(device)`) and at the policy's (`dtype`), on `device`, for
+    `rows` input rows (default 256 on a CPU, 4096 on a GPU: a rollout's tokens; fewer for wide layers
+    on a CPU): per layer, the fastest of `reps` calls (3 on a CPU, 10 on a GPU) after a warm-up call,
+    times its count, under `autocast` (the rollouts' own). The fastest, not the median, and the policy
+    timed again after the candidates (its faster pass kept): other work on the machine only ever adds
+    time, and a burst of it while the policy was timed once made a 2.8x slower candidate look faster.
+
+    A candidate whose warm-up pass (or its first layers) already takes `give_up` times the
+    policy's median cannot be chosen and is not timed further: its entry is that partial pass, far
+    above the policy's (a lower bound of its full pass). Emulated NVFP4 on a CPU is tens of times slower than the
+    policy, so this keeps the whole probe to about a second on the tiny model. Cached per process."""
+    dev = torch.device(device)
+    gpu = dev.type == "cuda"
+    rows = rows if rows is not None else (4096 if gpu else 256)
+    reps = reps if reps is not None else (10 if gpu else 3)
+    names = tuple(explore_candidates(dev) if candidates is None else candidates)
+    extras = {k: rule[k] for k in NVFP4_OPTIONS if rule.get(k)}
+    key = (tuple(sorted(shapes.items())), tuple(sorted(extras.items())), dtype, rows, reps, give_up,
+           torch.get_num_threads(), str(dev), names)  # fmt: skip
+    if key in _PROBE_CACHE:
+        return dict(_PROBE_CACHE[key])
+    out: dict[str, float] = {}
+    with torch.random.fork_rng(devices=[]), torch.no_grad(), autocast():  # the run's RNG stream is untouched
+        torch.manual_seed(0)
+        layers = []
+        for (k, n), count in shapes.items():
+            m = rows if gpu else max(16, min(rows, (1 << 27) // max(1, k * n)))  # a CPU's cost stays bounded
+            layers.append((nn.Linear(k, n, dtype=dtype, device=dev), torch.randn(m, k, dtype=dtype, device=dev), count))
+        policy_calls: list[tuple[Any, torch.Tensor, int]] = []
+        for name in ("policy", *names):
+            recipe = None if name == "policy" else get_recipe(name)
+            if recipe is not None and recipe.format == "nvfp4":
+                recipe = recipe.with_(**extras)
+            calls, warm = [], 0.0
+            for lin, x, count in layers:  # the warm-up pass, abandoned as soon as it cannot win
+                mod = lin if recipe is None else QuantLinear.from_linear(lin, recipe)
+                warm += count * _call_ms(lambda mod=mod, x=x: mod(x), dev)
+                calls.append((mod, x, count))
+                if name != "policy" and warm > give_up * out["policy"]:
+                    break
+            if name != "policy" and warm > give_up * out["policy"]:
+                out[name] = warm
+                continue
+            out[name] = _pass_ms(calls, reps, dev)
+            policy_calls = policy_calls or calls
+        if names:
+            out["policy"] = min(out["policy"], _pass_ms(policy_calls, reps, dev))
+    _PROBE_CACHE[key] = out
+    return dict(out)
+
+
+def resolve_explore_precision(
+    precision: str,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    transformer: nn.Module | None = None,
+    rule: Mapping[str, Any] | None = None,
+    timings_ms: Mapping[str, float] | None = None,
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    measure: bool = True,
+) -> ExploreChoice:
+    """explore_precision -> the recipe used, with its reason. A set precision passes through; "auto"
+    times this model's quantized layers at each candidate precision (`explore_candidates`: on a GPU the
+    formats its tensor cores run, on a CPU all) against the policy's own, and takes the fastest that
+    beats the policy, else the policy itself (`timings_ms` stubs the measurement). `measure` False takes
+    the hardware plan's format untimed (a fidelity study measures a quantized proxy wherever it is slow)."""
+    if precision != "auto":
+        return ExploreChoice(precision, "set in the config (explore_precision)")
+    if not measure:
+        return ExploreChoice(hardware_plan(device), "the hardware plan's format, not timed (explore_precision=auto "
+                                                    "in a fidelity study)")  # fmt: skip
+    dev = torch.device(device)
+    cands = explore_candidates(dev)
+    cap = device_capability(dev)
+    where = f"sm_{cap[0]}{cap[1]}" + ("" if dev.type == "cuda" else " (simulated)") if cap else "this CPU"
+    if not cands:
+        return ExploreChoice(POLICY, f"{where} has no tensor cores for NVFP4, FP8 or INT8: the policy explores")
+    if timings_ms is None:
+        if transformer is None:
+            raise ValueError("explore_precision=auto times the model's layers: pass `transformer`")
+        shapes = explore_layer_shapes(transformer, rule or {})
+        if not shapes:
+            return ExploreChoice(POLICY, "the explore rule quantizes no layer of this model: the policy explores")
+        timings_ms = probe_explore_timings(shapes, rule or {}, dtype, autocast=autocast, device=dev, candidates=cands)
+    ch = choose_explore_precision(timings_ms, candidates=cands)
+    return ExploreChoice(ch.precision, f"{where}, candidates {', '.join(cands)}: {ch.reason}", ch.timings_ms)

@@ -1,0 +1,265 @@
+"""Sol-RL's explore-and-select as a library call: the public Explorer (and its Selection) that other trainers
+use as a drop-in rollout backend, and that the trainer itself explores through.
+
+Why here, below rl/: a trainer that is not ours reaches the explore layer exactly as ours does (plan ->
+ExploreSpec -> the copy -> select), with no training config in between.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from solrl_engine.explore.copy import ExploreCopy, speed_bound
+from solrl_engine.explore.plan import ExploreSettings, ExploreSpec, plan
+from solrl_engine.explore.ranking import kendall, nk_problem, select_contrastive, spearman
+from solrl_engine.models import model_spec, wrap_pipeline
+from solrl_engine.models.base import Conditioning, RewardFn
+from solrl_engine.nn import fast_path, requantize_
+from solrl_engine.sampling import seeded_noise
+from solrl_engine.sampling.rollouts import Rollouts, RolloutSettings
+from solrl_engine.sampling.sampler import SOLVERS
+
+log = logging.getLogger("solrl_engine.rollout")
+
+
+def _check_args(n: int, k: int, preview_steps: int, solver: str, guidance_scale: float | None, batch_size: int,
+                settings: ExploreSettings) -> None:  # fmt: skip
+    """The Explorer's arguments, checked before anything is built: one ValueError naming the argument."""
+    problems = [("k", nk_problem(n, k)),
+                ("preview_steps", None if preview_steps >= 1 else "must be >= 1"),
+                ("solver", None if solver in SOLVERS else f"choose one of {SOLVERS}"),
+                ("guidance_scale", None if guidance_scale is None or guidance_scale >= 0 else
+                 "must be >= 0 (1.0: no classifier-free guidance; None: the model's default)"),
+                ("batch_size", None if batch_size >= 1 else "must be >= 1")]  # fmt: skip
+    values = {"k": k, "preview_steps": preview_steps, "solver": solver, "guidance_scale": guidance_scale,
+              "batch_size": batch_size}  # fmt: skip
+    for name, why in problems:
+        if why is not None:
+            raise ValueError(f"Explorer: {name} = {values[name]!r}: {why}")
+    quantize_key = {"precision": "explore_precision", "layers": "quantize['include']",
+                    "skip": "quantize['extra_skip']"}  # fmt: skip
+    for name, why in settings.problems():
+        key = quantize_key.get(name, f"quantize[{name!r}]")
+        raise ValueError(f"Explorer: {key} = {getattr(settings, name)!r}: {why}")
+
+
+@dataclass
+class Regenerated:
+    """The caller's pipeline run on the selected seeds' noise: images [P*K, 3, H, W], rewards [P, K]."""
+
+    images: torch.Tensor
+    rewards: torch.Tensor
+
+
+@dataclass
+class Selection:
+    """What `Explorer.select` found, per prompt: the top K/2 then the bottom K/2 seeds by proxy reward.
+
+    seeds: [P][K] ints; proxy_rewards / ranks: [P, K] (rank 0 = best of the N explored);
+    noise: [P*K, ...] prompt-major, each row the initial latent of its seed in the layout the
+    pipeline's `latents=` argument takes (torch.Generator().manual_seed(seed) noise);
+    all_seeds / all_rewards: the N explored seeds and their proxy rewards [P, N].
+    """
+
+    prompts: list[str]
+    seeds: list[list[int]]
+    proxy_rewards: torch.Tensor
+    ranks: torch.Tensor
+    noise: torch.Tensor
+    all_seeds: list[list[int]]
+    all_rewards: torch.Tensor
+    index: torch.Tensor
+    explorer: Explorer | None = None
+    samples: torch.Tensor | None = None  # the selected previews' final latents, when asked for
+
+    @property
+    def flat_prompts(self) -> list[str]:
+        k = len(self.seeds[0]) if self.seeds else 0
+        return [p for p in self.prompts for _ in range(k)]
+
+    @property
+    def flat_seeds(self) -> list[int]:
+        return [s for row in self.seeds for s in row]
+
+    def regenerate(self, pipe: Any, steps: int = 10, batch_size: int = 8, **call_kwargs: Any) -> Regenerated:
+        """Run the caller's pipeline on the selected seeds' noise (`latents=`) and score the images
+        with the explorer's reward: the full-precision twins of the previews, for trainers that
+        train on ODE samples (DiffusionNFT-style)."""
+        ex = self.explorer
+        if ex is None:
+            raise ValueError("this Selection has no explorer to take the resolution and reward from")
+        kw: dict[str, Any] = {"num_inference_steps": steps, "output_type": "pt", "height": ex.resolution,
+                              "width": ex.resolution, "guidance_scale": ex.pipeline_guidance}  # fmt: skip
+        if "use_resolution_binning" in inspect.signature(type(pipe).__call__).parameters:
+            kw["use_resolution_binning"] = False
+        kw.update(call_kwargs)
+        prompts, images = self.flat_prompts, []
+        for i in range(0, len(prompts), batch_size):
+            noise = self.noise[i : i + batch_size]
+            dtype = next(pipe.transformer.parameters()).dtype
+            out = pipe(prompt=prompts[i : i + batch_size], latents=noise.to(dtype), **kw)
+            images.append(out.images.float().cpu())
+        imgs = torch.cat(images)
+        r = ex.reward(imgs, prompts)
+        return Regenerated(imgs, torch.as_tensor(r).float().cpu().view(len(self.prompts), -1))
+
+    def fidelity(self, bf16_rewards: torch.Tensor) -> dict[str, Any]:
+        """How faithfully the proxy ranked the selected seeds against the caller's full-precision
+        rewards [P, K]: mean Spearman and Kendall over prompts (and per prompt)."""
+        full = torch.as_tensor(bf16_rewards).float().cpu().view_as(self.proxy_rewards)
+        sp, kd = spearman(self.proxy_rewards.cpu(), full), kendall(self.proxy_rewards.cpu(), full)
+        return {"spearman": sp.mean().item(), "kendall": kd.mean().item(), "per_prompt_spearman": sp.tolist(),
+                "per_prompt_kendall": kd.tolist()}  # fmt: skip
+
+
+class Explorer:
+    """Sol-RL's explore-and-select for any trainer: explore N seeds per prompt cheaply in the explore
+    precision at `preview_steps`, keep the top K/2 and bottom K/2 by `reward`, hand back their seeds
+    and initial noise so the caller's own sampler (ODE or SDE, with its own log-probs) regenerates
+    exactly those.
+
+        explorer = Explorer(pipe, reward, n=96, k=24, preview_steps=6)   # a stock diffusers pipeline
+        sel = explorer.select(prompts)                                    # sel.seeds, sel.noise, ...
+        ... your update of pipe.transformer ...
+        explorer.sync_(pipe.transformer)                                  # the explore copy follows
+
+    The quantized copy is built once from the pipeline's transformer with the family's layer rule
+    (`quantize` overrides it: QuantRecipe changes such as {"include": (...)} or {"rht": 16,
+    "four_over_six": True}); the caller's pipeline is never changed. `reward` is any
+    `(images [B, 3, H, W] in [0, 1], prompts) -> Tensor[B]`.
+    """
+
+    def __init__(
+        self,
+        pipeline_or_model: Any,
+        reward: RewardFn,
+        n: int = 96,
+        k: int = 24,
+        preview_steps: int = 6,
+        explore_precision: str = "auto",
+        quantize: dict[str, Any] | None = None,
+        resolution: int | None = None,
+        solver: str = "dpm2",
+        guidance_scale: float | None = None,
+        batch_size: int = 96,
+        seed: int = 0,
+    ) -> None:
+        model, family = wrap_pipeline(pipeline_or_model, resolution=resolution, guidance_scale=guidance_scale)
+        settings = ExploreSettings.from_quantize(explore_precision, quantize)
+        _check_args(n, k, preview_steps, solver, guidance_scale, batch_size, settings)
+        spec_m = model_spec(family)
+        how = RolloutSettings(full_steps=max(preview_steps, 10), solver=solver, guidance_scale=guidance_scale,
+                              batch_size=batch_size, reward_name=getattr(reward, "__name__", "reward"))  # fmt: skip
+        ro = Rollouts(model, spec_m, reward, how)
+        spec = None
+        if explore_precision != "bf16":  # bf16: the caller's policy explores, no copy
+            spec = plan(settings, spec_m, ro.device, ro.dtype, model.transformer, steps=preview_steps,
+                        autocast=ro.autocast)  # fmt: skip
+        self._init(ro, ExploreCopy.from_spec(model.transformer, spec), spec, n, k, preview_steps,
+                   random.Random(seed))  # fmt: skip
+        self.resolution = resolution or getattr(model, "resolution", None)
+
+    def _init(self, ro: Rollouts, copy: ExploreCopy | None, spec: ExploreSpec | None, n: int, k: int, steps: int,
+              rng: Any, tag: str = "explore") -> None:  # fmt: skip
+        self.rollouts, self.model, self.reward = ro, ro.model, ro.reward
+        self.n, self.k, self.steps, self.rng, self.tag = n, k, steps, rng, tag
+        self.copy, self.spec = copy, spec
+        self.transformer = copy.transformer if copy is not None else None
+        self.bound = speed_bound(ro, copy, spec) if copy is not None and spec is not None else None
+        if self.bound is not None:
+            log.info("explore copy: %s", self.bound["line"])
+        if copy is not None and spec is not None and not copy.report.quantized and spec.precision != "bf16":
+            log.warning("the explore copy quantizes no layer of %s under its rule (%s): exploration runs at full "
+                        "precision; see quantization.txt in the run directory for why each layer was kept",
+                        ro.spec.name, dict(spec.rule))  # fmt: skip
+        self.fast_path: Any = None  # nn.FastPathRecord of the last select's quantized layers (None: none ran)
+        self._reported = False
+
+    @classmethod
+    def from_rollouts(cls, ro: Rollouts, copy: ExploreCopy | None, spec: ExploreSpec | None, n: int, k: int,
+                      steps: int, rng: Any) -> Explorer:  # fmt: skip
+        """The trainer's explorer over its Rollouts: exploring with `copy` (built from `spec`), or, where
+        there is none, with the policy itself (its active adapter) at `steps`."""
+        self = cls.__new__(cls)
+        self._init(ro, copy, spec, n, k, steps, rng, tag="explore" if copy is not None else "old")
+        self.resolution = getattr(ro.model, "resolution", None)
+        return self
+
+    @property
+    def recipe_label(self) -> str:
+        """What explores, for logs and summaries: the copy's recipe, or the policy itself."""
+        if self.copy is not None:
+            return self.copy.recipe
+        return f"policy ({str(self.rollouts.dtype).removeprefix('torch.')})"
+
+    @property
+    def pipeline_guidance(self) -> float:
+        """The guidance_scale a stock pipeline call needs to match this explorer's sampling."""
+        return self.rollouts.pipeline_guidance
+
+    def draw_seeds(self, prompts: Sequence[str]) -> list[list[int]]:
+        return [[self.rng.randrange(2**31) for _ in range(self.n)] for _ in prompts]
+
+    @torch.no_grad()
+    def select(
+        self,
+        prompts: Sequence[str],
+        seeds: Sequence[Sequence[int]] | None = None,
+        cond: Conditioning | None = None,
+        keep_samples: bool = False,
+    ) -> Selection:
+        """Explore N seeds per prompt (given, or drawn from the explorer's seeded generator), score
+        the previews, keep the most contrastive K. `keep_samples` keeps the selected previews'
+        latents (for training on the quantized samples themselves, as naive_quant does)."""
+        prompts = list(prompts)
+        seeds = [list(map(int, s)) for s in seeds] if seeds is not None else self.draw_seeds(prompts)
+        if len(seeds) != len(prompts) or any(len(s) != self.n for s in seeds):
+            raise ValueError(f"give {self.n} seeds for each of the {len(prompts)} prompts")
+        cond = self.rollouts.encode(prompts) if cond is None else cond
+        flat = [s for row in seeds for s in row]
+        x = self.rollouts.sample(cond.repeat_interleave(self.n), flat, self.steps, self.transformer, self.tag)
+        self._record_fast_path()
+        scored = self.rollouts.score(x, [p for p in prompts for _ in range(self.n)])
+        r = scored.rewards.view(len(prompts), self.n)
+        idx = select_contrastive(r, self.k)
+        ranks = torch.sort(r, dim=1, descending=True, stable=True).indices.argsort(dim=1).gather(1, idx)
+        sel = [[row[i] for i in ix] for row, ix in zip(seeds, idx.tolist(), strict=True)]
+        lat = seeded_noise([s for row in sel for s in row], tuple(self.model.latent_shape))
+        noise = self.model.pipeline_latents(lat) if hasattr(self.model, "pipeline_latents") else lat
+        samples = None
+        if keep_samples:
+            rows = torch.arange(len(prompts), device=idx.device)[:, None]
+            samples = x.view(len(prompts), self.n, *x.shape[1:])[rows, idx].flatten(0, 1)
+        self.last_components = {k: v.view(len(prompts), self.n) for k, v in scored.components.items()}
+        return Selection(prompts, sel, r.gather(1, idx), ranks, noise, seeds, r, idx, self, samples)
+
+    def _record_fast_path(self) -> None:
+        """Read back which implementation each quantized layer ran (`self.fast_path`); the first
+        explore says it in the log, e.g. "explore: 80/80 quantized layers on the fast path (...)"."""
+        if self.transformer is None:
+            return
+        rec = fast_path(self.transformer)
+        if not rec.layers:
+            return
+        self.fast_path = rec
+        if not self._reported:
+            (log.warning if rec.reference and self.rollouts.device.type == "cuda" else log.info)(
+                "explore: %s", rec.summary())  # fmt: skip
+            self._reported = True
+
+    @torch.no_grad()
+    def sync_(self, policy: Any) -> int:
+        """Write the caller's updated weights into the explore copy, in place (no re-capture, no
+        recompile): `policy` is the transformer (a PEFT LoRA on it is merged on the fly), a pipeline,
+        or a state dict of the transformer's weights. Returns the number of quantized layers rewritten."""
+        if self.transformer is None:
+            return 0
+        src = getattr(policy, "transformer", policy)
+        return requantize_(self.transformer, source=src)

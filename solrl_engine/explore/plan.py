@@ -1,0 +1,162 @@
+"""The plan step: what a caller asked of the explore pass (ExploreSettings: the precision or `auto`, the layer
+rule's overrides, the NVFP4 options) and the model family turned into ONE resolved ExploreSpec (the precision
+used, the full layer rule, why, what was timed, the preview step budget). From then on every part reads the
+spec, never a config: the trainer (from RLConfig's explore_* keys), `solrl fidelity`, the CLI and other
+trainers' Explorer all come through `plan`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from solrl_engine.explore.choice import POLICY, ExploreChoice, resolve_explore_precision
+from solrl_engine.models import ModelSpec
+from solrl_engine.quant.recipe import NVFP4_OPTIONS, RECIPES, RHT_SIZES, QuantRecipe, get_recipe
+
+log = logging.getLogger("solrl_engine.explore")
+
+# what explore_precision may say: a recipe, Transformer Engine's NVFP4 (te_nvfp4), the policy's BF16 at the
+# preview steps (bf16), or auto (explore.choice)
+EXPLORE_PRECISIONS = ("auto", "nvfp4", "nvfp4_weight_only", "int8", "fp8", "fp8_weight_only", "bf16", "te_nvfp4")
+# the precisions the NVFP4 options (NVFP4_OPTIONS) apply to
+NVFP4_PRECISIONS = ("auto", "nvfp4", "nvfp4_weight_only")
+
+
+@dataclass(frozen=True)
+class ExploreSettings:
+    """What was asked of the explore pass: RLConfig's explore_* keys (`key` names them), or the Explorer's
+    arguments. `layers` / `skip` / `skip_max_dim` override the family's layer rule (None: keep it)."""
+
+    precision: str = "auto"
+    layers: tuple[str, ...] | None = None
+    skip: tuple[str, ...] | None = None
+    skip_max_dim: int | None = None
+    rht: int = 0
+    four_over_six: bool = False
+    lowrank: int = 0
+
+    @staticmethod
+    def key(name: str) -> str:
+        """The RLConfig key of a field: explore_<name>."""
+        return f"explore_{name}"
+
+    @classmethod
+    def from_quantize(cls, precision: str, quantize: Mapping[str, Any] | None) -> ExploreSettings:
+        """The Explorer's spelling: `quantize` holds QuantRecipe changes (include, extra_skip, skip_max_dim
+        and the NVFP4 options)."""
+        q = dict(quantize or {})
+        return cls(precision, q.get("include"), q.get("extra_skip"), q.get("skip_max_dim"), q.get("rht", 0),
+                   q.get("four_over_six", False), q.get("lowrank", 0))  # fmt: skip
+
+    def problems(self) -> list[tuple[str, str]]:
+        """(field, what is wrong and how to fix it) for every value that cannot run, in the order a config is
+        checked; empty when all can."""
+        out: list[tuple[str, str]] = []
+        if self.precision not in EXPLORE_PRECISIONS:
+            out.append(("precision", f"choose one of {EXPLORE_PRECISIONS}"))
+        if self.skip_max_dim is not None and self.skip_max_dim < 0:
+            out.append(("skip_max_dim", "must be >= 0 (0 quantizes layers of every width)"))
+        if self.rht not in (0, *RHT_SIZES):
+            sizes = ", ".join(map(str, RHT_SIZES[:-1])) + f" or {RHT_SIZES[-1]}"
+            out.append(("rht", f"choose 0 (off), {sizes} (the rotation size along K)"))
+        if self.lowrank < 0:
+            out.append(("lowrank", "must be >= 0 (0: no low-rank branch)"))
+        for name in NVFP4_OPTIONS:
+            if getattr(self, name) and self.precision not in NVFP4_PRECISIONS:
+                out.append((name, f"applies to NVFP4 explore recipes; explore_precision is {self.precision!r}: "
+                                  "set explore_precision=nvfp4 (or auto) or leave it at its default"))  # fmt: skip
+        return out
+
+
+def explore_rule(settings: ExploreSettings, model: ModelSpec, precision: str | None = None) -> dict[str, Any]:
+    """The explore copy's layer rule (QuantRecipe changes): the model family's (the paper's choice), widened for
+    a format that allows it (`model.explore_rule_by_format`, e.g. INT8 on every eligible layer), each part
+    overridable (layers, skip, skip_max_dim), then the NVFP4 options that are set."""
+    rule = dict(model.explore_rule)
+    if precision is not None and precision in RECIPES:
+        rule.update(model.explore_rule_by_format.get(get_recipe(precision).format, {}))
+    if settings.layers is not None:
+        rule["include"] = tuple(settings.layers)
+    if settings.skip is not None:
+        rule["extra_skip"] = tuple(settings.skip)
+    if settings.skip_max_dim is not None:
+        rule["skip_max_dim"] = settings.skip_max_dim
+    for name in NVFP4_OPTIONS:
+        if getattr(settings, name):
+            rule[name] = getattr(settings, name)
+    return rule
+
+
+@dataclass(frozen=True)
+class ExploreSpec:
+    """The explore pass as resolved: the precision used (a recipe name, "te_nvfp4", "bf16", or POLICY: the
+    policy itself explores), the full layer rule, why, what `auto` timed (ms; empty where nothing was), the
+    preview step budget, and the NVFP4 options dropped because `auto` chose another format."""
+
+    precision: str
+    rule: Mapping[str, Any]
+    reason: str
+    steps: int
+    timings_ms: Mapping[str, float] = field(default_factory=dict)
+    dropped: tuple[str, ...] = ()
+
+    @property
+    def quantized(self) -> bool:
+        """Whether a quantized copy explores (else the policy itself does)."""
+        return self.precision != POLICY
+
+    @property
+    def recipe(self) -> QuantRecipe | None:
+        """The copy's full QuantRecipe (None where the policy explores)."""
+        if not self.quantized:
+            return None
+        return get_recipe("nvfp4" if self.precision == "te_nvfp4" else self.precision).with_(**dict(self.rule))
+
+    @property
+    def choice(self) -> ExploreChoice:
+        """(precision, reason, timings): what ranks agree on and checkpoints remember."""
+        return ExploreChoice(self.precision, self.reason, dict(self.timings_ms))
+
+
+def plan(
+    settings: ExploreSettings,
+    model: ModelSpec,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    transformer: nn.Module | None = None,
+    *,
+    steps: int,
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    agree: Callable[[ExploreChoice], ExploreChoice] | None = None,
+    choice: ExploreChoice | None = None,
+    measure: bool = True,
+) -> ExploreSpec:
+    """Resolve `settings` for `model` on `device`: a set precision passes through; `auto` times this model's
+    layers (explore.choice) unless `choice` is given (a checkpoint's); `agree` makes every rank take one
+    answer (rank 0's timing, under torchrun); `measure` False resolves `auto` by the hardware plan, untimed.
+    The NVFP4 options are dropped, with a warning, when the
+    precision used is not NVFP4."""
+    if choice is None:
+        choice = resolve_explore_precision(settings.precision, device, dtype, transformer,
+                                           explore_rule(settings, model), autocast=autocast,
+                                           measure=measure)  # fmt: skip
+        if agree is not None:  # timings differ between ranks; the explore copy must not
+            choice = agree(choice)
+    rule = explore_rule(settings, model, choice.precision)
+    log.info("explore precision %s: %s", choice.precision, choice.reason)
+    dropped = tuple(k for k in NVFP4_OPTIONS if k in rule)
+    if choice.precision != POLICY and dropped and get_recipe(choice.precision).format != "nvfp4":
+        log.warning("explore_precision=auto chose %s on this device: %s apply to NVFP4 only and are not used",
+                    choice.precision, ", ".join(ExploreSettings.key(k) for k in dropped))  # fmt: skip
+        for k in dropped:
+            rule.pop(k)
+    else:
+        dropped = ()
+    return ExploreSpec(choice.precision, rule, choice.reason, steps, dict(choice.timings_ms), dropped)

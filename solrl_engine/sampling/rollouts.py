@@ -1,0 +1,169 @@
+"""The one rollout path: a model, its schedule and guidance, a sampler and a reward.
+
+The trainer, `solrl fidelity`, `solrl eval`, `solrl sample` and the Explorer sample and score through this
+object, so the same weights get the same images and the same score everywhere (same solver, schedule,
+guidance, decode and reward). It knows nothing of a training config: `rl.runtime.build_rollouts` makes one
+from an RLConfig, the Explorer from a caller's pipeline.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from solrl_engine.hw import autocast_for
+from solrl_engine.models import ModelSpec
+from solrl_engine.models.base import Conditioning, FlowModel, RewardFn
+from solrl_engine.nn.flops import LinearFlops, count_linear_flops
+from solrl_engine.sampling.compile import use_cache_dir
+from solrl_engine.sampling.graphed import GraphedSampler
+from solrl_engine.sampling.sampler import model_sigmas, sample
+
+log = logging.getLogger("solrl_engine.rollout")
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    """How rollouts sample. `guidance_scale` None: the model family's. `compiled`: torch.compile the sampler
+    (on a GPU also one CUDA graph per batch shape; None: on with CUDA, off on a CPU, where a cold compile
+    costs more than a short run saves); `compile_regional` None: on with CUDA (see sampling.compile)."""
+
+    full_steps: int = 10
+    shift: float | None = None
+    solver: str = "dpm2"
+    batch_size: int | None = None
+    guidance_scale: float | None = None
+    compiled: bool | None = None
+    compile_mode: str | None = None
+    compile_regional: bool | None = None
+    compile_cache_dir: str | None = None
+    reward_name: str = "reward"  # how errors name the reward (the config's spec, or the caller's callable)
+
+
+@dataclass
+class Scored:
+    """Images and their rewards (total and per component of a weighted reward)."""
+
+    images: torch.Tensor
+    rewards: torch.Tensor
+    components: dict[str, torch.Tensor]
+
+
+def family_guidance(spec: ModelSpec, guidance_scale: float | None) -> float:
+    """The guidance scale rollouts use: the given one, else the model family's."""
+    return float(spec.guidance_scale if guidance_scale is None else guidance_scale)
+
+
+class Rollouts:
+    """A model (on its device, in its dtype), its family's spec, a reward and how to sample: see the module
+    docstring."""
+
+    def __init__(self, model: FlowModel, spec: ModelSpec, reward: RewardFn, settings: RolloutSettings) -> None:
+        self.model, self.spec, self.reward, self.settings = model, spec, reward, settings
+        p = next(model.transformer.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.cfg_guidance = family_guidance(spec, settings.guidance_scale) if spec.guidance == "cfg" else 1.0
+        self._uncond: Conditioning | None = None
+        # compiled: on GPU + one CUDA graph per batch shape, on CPU through inductor (no graphs); both read
+        # the weights in place, so updates need no re-capture or recompile
+        cuda = self.device.type == "cuda"
+        graphed = settings.compiled if settings.compiled is not None else cuda
+        if graphed and self.device.type not in ("cuda", "cpu"):
+            log.info("compiled sampler: needs a CUDA device or the CPU; sampling eagerly on %s.", self.device.type)
+        if graphed:
+            use_cache_dir(settings.compile_cache_dir)
+        regional = settings.compile_regional if settings.compile_regional is not None else cuda
+        self.sampler = GraphedSampler(self.model, enabled=graphed and self.device.type in ("cuda", "cpu"),
+                                      cpu_compile=graphed, mode=settings.compile_mode, regional=regional,
+                                      blocks=self.spec.repeated_blocks)  # fmt: skip
+
+    @property
+    def pipeline_guidance(self) -> float:
+        """The guidance_scale a stock pipeline call needs to match this sampling."""
+        if self.spec.guidance == "embedded":
+            return family_guidance(self.spec, self.settings.guidance_scale)
+        return self.cfg_guidance
+
+    def autocast(self) -> Any:
+        """The rollouts' autocast (hw.autocast_for this device and policy dtype)."""
+        return autocast_for(self.device, self.dtype)
+
+    # --- sampling -----------------------------------------------------------------------------------
+
+    def encode(self, prompts: Sequence[str]) -> Conditioning:
+        with torch.no_grad():
+            return self.model.encode_prompts(list(prompts))
+
+    def uncond(self) -> Conditioning | None:
+        """The empty prompt's conditioning when classifier-free guidance is on, else None."""
+        if self.cfg_guidance == 1.0:
+            return None
+        if self._uncond is None:
+            self._uncond = self.encode([""])
+        return self._uncond
+
+    def sample(
+        self,
+        cond: Conditioning,
+        seeds: Sequence[int],
+        steps: int,
+        transformer: nn.Module | None = None,
+        tag: str = "",
+    ) -> torch.Tensor:
+        """Final latents for (cond[i], seeds[i]) with the policy (its active adapter, named by `tag`
+        for the graph cache) or another copy of the denoiser (the explore copy)."""
+        s = self.settings
+        with self.autocast():
+            return self.sampler.sample(
+                cond,
+                list(seeds),
+                steps,
+                shift=s.shift,
+                solver=s.solver,
+                batch_size=s.batch_size,
+                dtype=self.dtype,
+                transformer=transformer,
+                tag=tag,
+                guidance_scale=self.cfg_guidance,
+                uncond=self.uncond(),
+            )
+
+    def training_sigmas(self) -> torch.Tensor:
+        """The rollout's flow times t in (0, 1] at the full step budget: where the loss is taken."""
+        return model_sigmas(self.model, self.settings.full_steps, self.settings.shift)[:-1]
+
+    def linear_flops(self, transformer: nn.Module) -> LinearFlops:
+        """Linear FLOPs of `transformer` (an explore copy, or the policy) per denoising step, by formats,
+        counted on one eager step of one sample (the shares do not depend on the batch)."""
+        cond, s = self.encode(["a"]), self.settings
+
+        def step() -> None:  # eager: a replayed CUDA graph would run no hooks
+            with autocast_for(self.device):
+                sample(self.model, cond, [0], 1, s.shift, s.solver, 1.0, None, 1, self.dtype, transformer)
+
+        return count_linear_flops(transformer, step)
+
+    # --- scoring ------------------------------------------------------------------------------------
+
+    def score(self, x0: torch.Tensor, prompts: Sequence[str]) -> Scored:
+        """Decode and score; rewards are checked (shape [B], finite dtype) and land on the device."""
+        images = self.model.decode(x0)
+        r = self.reward(images, list(prompts))
+        if not isinstance(r, torch.Tensor) or r.shape != (len(prompts),) or not r.is_floating_point():
+            got = f"{type(r).__name__} {tuple(r.shape)} {r.dtype}" if isinstance(r, torch.Tensor) else type(r).__name__
+            raise TypeError(f"reward {self.settings.reward_name!r} returned {got}; it must return a float "
+                            f"Tensor[{len(prompts)}]")  # fmt: skip
+        comps = getattr(self.reward, "last_components", None) or {"reward": r.detach()}
+        return Scored(images, r.float().to(self.device), {k: v.float().cpu() for k, v in comps.items()})
+
+    def generate(
+        self, prompts: Sequence[str], seeds: Sequence[int], steps: int | None = None, tag: str = ""
+    ) -> Scored:
+        """Images and rewards for (prompts[i], seeds[i]) with the policy as it is (its active adapter)."""
+        x0 = self.sample(self.encode(prompts), seeds, steps or self.settings.full_steps, tag=tag)
+        return self.score(x0, prompts)
