@@ -12,7 +12,8 @@ reported (and warned about once), not assumed fast from what was chosen at quant
 
 `SOLRL_SIMULATE_SM=90` (a test switch) makes dispatch treat the CPU as a GPU of that compute
 capability wherever the fast op has a CPU implementation (`torch._scaled_mm`, `torch._int_mm`, Triton
-under TRITON_INTERPRET=1): the GPU's choices and paths then run, and are checked, on a CPU.
+under TRITON_INTERPRET=1): the GPU's choices and paths then run, and are checked, on a CPU (see
+`capability`, which also holds the tensor-core table the GEMMs' availability checks read).
 """
 
 from __future__ import annotations
@@ -29,11 +30,15 @@ from typing import Any
 
 import torch
 
+from solrl_engine.kernels.capability import SIM_ENV as SIM_ENV  # re-exported: their home was here
+from solrl_engine.kernels.capability import device_capability as device_capability
+from solrl_engine.kernels.capability import gpu_like
+from solrl_engine.kernels.capability import simulated_capability as simulated_capability
+
 # cutlass: the extension's CUTLASS sm100 block-scaled GEMM, asked for by name only (SOLRL_BACKEND=cutlass)
 # until it has run on a Blackwell GPU; ops without a cutlass implementation take their default.
 BACKENDS: tuple[str, ...] = ("reference", "triton", "cuda", "cutlass")
 ENV_VAR = "SOLRL_BACKEND"
-SIM_ENV = "SOLRL_SIMULATE_SM"
 log = logging.getLogger("solrl_engine.kernels")
 
 
@@ -135,32 +140,6 @@ def _register_fakes() -> None:
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def simulated_capability() -> tuple[int, int] | None:
-    """The compute capability SOLRL_SIMULATE_SM gives the CPU ("90" -> (9, 0)), or None when unset."""
-    v = os.environ.get(SIM_ENV, "").strip().lower().removeprefix("sm_").removeprefix("sm")
-    if not v:
-        return None
-    if not v.isdigit() or len(v) < 2:
-        raise ValueError(f"{SIM_ENV}={v!r} is not a compute capability; write e.g. 80, 90 or 100 (or unset it).")
-    return int(v[:-1]), int(v[-1])
-
-
-def device_capability(device: torch.device | str) -> tuple[int, int] | None:
-    """A CUDA device's compute capability; the simulated one for a CPU under SOLRL_SIMULATE_SM; else None."""
-    device = torch.device(device)
-    if device.type == "cuda" and torch.cuda.is_available():
-        return torch.cuda.get_device_capability(device)
-    if device.type == "cpu":
-        return simulated_capability()
-    return None
-
-
-def gpu_like(device: torch.device | str) -> bool:
-    """Whether dispatch treats `device` as a GPU: a CUDA device, or the CPU under SOLRL_SIMULATE_SM."""
-    device = torch.device(device)
-    return device.type == "cuda" or (device.type == "cpu" and simulated_capability() is not None)
 
 
 def unavailable_reason(backend: str, device: torch.device, op: str | None = None) -> str | None:

@@ -33,10 +33,10 @@ from collections.abc import Callable
 
 import torch
 
+from solrl_engine.kernels.capability import device_capability, tensor_cores
 from solrl_engine.kernels.dispatch import (
     call,
     cuda_extension,
-    device_capability,
     ran,
     record_run,
     register,
@@ -64,18 +64,6 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
 
 def _finish(acc: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     return acc.to(out_dtype or x.dtype).reshape(*x.shape[:-1], acc.shape[-1])
-
-
-def _tensor_cores(device: torch.device, fmt: str, needs: tuple[int, int], cpu_op: bool = False) -> str | None:
-    """None when `device` has `fmt` tensor cores (compute capability >= `needs`), else why not. A CPU
-    under SOLRL_SIMULATE_SM counts as that GPU where the op has a CPU implementation (`cpu_op`)."""
-    cap = device_capability(device)
-    if cap is None or (device.type != "cuda" and not cpu_op):
-        where = device.type if cap is None else f"{device.type} (simulated sm_{cap[0]}{cap[1]}: no CPU implementation)"
-        return f"{fmt} tensor-core GEMMs run on CUDA devices, not {where}"
-    if cap < needs:
-        return f"sm_{cap[0]}{cap[1]} has no {fmt} tensor cores (needs sm_{needs[0]}{needs[1]}+)"
-    return None
 
 
 WEIGHT_ONLY_HINT = ("weight-only GEMMs take BF16/FP16 activations: run the explore copy under BF16 autocast (as the "
@@ -208,7 +196,7 @@ def _cutlass_nvfp4_linear(
 
 
 def _fp4_tensor_cores(device: torch.device) -> str | None:
-    reason = _tensor_cores(device, "FP4", (10, 0))  # cuBLASLt's FP4 _scaled_mm has no CPU implementation
+    reason = tensor_cores(device, "nvfp4")
     if reason is not None:
         return reason + "; Hopper uses the triton GEMM"
     if not hasattr(torch, "float4_e2m1fn_x2"):
@@ -217,7 +205,7 @@ def _fp4_tensor_cores(device: torch.device) -> str | None:
 
 
 def _cutlass_requires(device: torch.device) -> str | None:
-    reason = _tensor_cores(device, "FP4", (10, 0))
+    reason = tensor_cores(device, "nvfp4")
     if reason is not None:
         return reason
     if device_capability(device) != (10, 0):
@@ -381,7 +369,7 @@ def _fp8_scaled_mm(xq: FP8Tensor, weight: FP8Tensor, bias: torch.Tensor | None) 
 
 
 def _fp8_tensor_cores(device: torch.device) -> str | None:
-    return _tensor_cores(device, "FP8", (8, 9), cpu_op=True)  # torch._scaled_mm runs row-wise FP8 on a CPU too
+    return tensor_cores(device, "fp8")
 
 
 register("fp8_linear", {"reference": _ref_fp8_linear, "cuda": _cuda_fp8_linear}, requires={"cuda": _fp8_tensor_cores},
@@ -466,7 +454,7 @@ def _cuda_int8_linear(
 
 
 def _int8_tensor_cores(device: torch.device) -> str | None:
-    return _tensor_cores(device, "INT8", (8, 0), cpu_op=True)  # torch._int_mm runs on a CPU too
+    return tensor_cores(device, "int8")
 
 
 register("int8_linear", {"reference": _ref_int8_linear, "cuda": _cuda_int8_linear},
