@@ -124,3 +124,29 @@ def test_the_triton_kernels_import_from_a_checkout_that_is_not_installed(tmp_pat
     spec, reason, mod = out.stdout.splitlines()[-3:]
     assert spec == "None" and reason == "None"  # not installed, and still available
     assert mod == f"solrl_triton.fp8 {root / 'triton_kernels' / 'fp8.py'}"
+
+
+@pytest.mark.parametrize("sm", ["", "80", "90", "100"])
+@pytest.mark.parametrize("want", ["", "reference", "triton", "cuda", "cutlass"])
+def test_choose_and_select_walk_one_order(monkeypatch, sm, want):
+    """Where every implementation fits the shapes, the layer's choice is the backend a call selects: both
+    walk SOLRL_BACKEND's request, cuda and triton where the device is GPU-like, then the reference."""
+    monkeypatch.setenv("SOLRL_SIMULATE_SM", sm)
+    monkeypatch.setenv("SOLRL_BACKEND", want)
+    for op in dispatch.ops():
+        shape = {"k": 256, "n": 64} if op.endswith("_linear") else {}
+        assert kernels.choose(op, CPU, **shape)[0] == kernels.select(op, CPU), op
+
+
+def test_select_says_once_which_backend_it_took_instead(monkeypatch, caplog):
+    monkeypatch.setenv("SOLRL_SIMULATE_SM", "90")
+    monkeypatch.setenv("SOLRL_BACKEND", "cutlass")
+    dispatch._warn_once.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="solrl_engine.kernels"):
+        assert kernels.select("fp8_linear", CPU) == "cuda"
+        assert kernels.select("nvfp4_linear", CPU) == "triton"
+    assert [r.getMessage() for r in caplog.records] == [
+        "SOLRL_BACKEND=cutlass cannot run fp8_linear on cpu: it has no implementation of this op; using cuda.",
+        "SOLRL_BACKEND=cutlass cannot run nvfp4_linear on cpu: FP4 tensor-core GEMMs run on CUDA devices, not cpu "
+        "(simulated sm_90: no CPU implementation); using triton.",
+    ]

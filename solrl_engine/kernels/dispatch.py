@@ -212,12 +212,36 @@ def ops() -> dict[str, tuple[str, ...]]:
     return {op: tuple(impls) for op, impls in _OPS.items()}
 
 
-def _default(op: str, device: torch.device) -> str:
-    if gpu_like(device):
-        for b in ("cuda", "triton"):
-            if b in _OPS[op] and unavailable_reason(b, device, op) is None:
-                return b
-    return "reference"
+def _order(op: str, device: torch.device) -> tuple[str | None, list[str]]:
+    """(SOLRL_BACKEND's request, the backends to try in order): the request, then cuda and triton where
+    the device is GPU-like, then the reference. `choose` and `select` both walk it, so they agree."""
+    if op not in _OPS:
+        raise KeyError(f"unknown op {op!r}; registered: {sorted(_OPS)}")
+    want = requested_backend()
+    order = ([want] if want else []) + [b for b in ("cuda", "triton") if gpu_like(device)] + ["reference"]
+    return want, list(dict.fromkeys(order))
+
+
+def _first(
+    op: str, device: torch.device, shape: dict[str, Any] | None
+) -> tuple[str, str | None, list[tuple[str, str]]]:
+    """(the first backend in `_order` that can run `op` on `device`, the request, each (backend, reason) tried
+    before it). With `shape` (choose), each implementation's `fits` is asked too; without (select), only
+    whether it runs on the device."""
+    want, order = _order(op, device)
+    passed = []
+    for b in order:
+        if b not in _OPS[op]:
+            reason = "not implemented for this op"
+        else:
+            reason = unavailable_reason(b, device, op)
+            fit = _FITS[op].get(b)
+            if reason is None and shape is not None and fit is not None:
+                reason = fit(device, **shape)
+        if reason is None:
+            return b, want, passed
+        passed.append((b, reason))
+    raise RuntimeError(f"no implementation of {op} can run on {device}")  # unreachable: reference always can
 
 
 def choose(op: str, device: torch.device | str, **shape: Any) -> tuple[str, str]:
@@ -228,26 +252,10 @@ def choose(op: str, device: torch.device | str, **shape: Any) -> tuple[str, str]
     and fits); the first that can, in the order SOLRL_BACKEND's request, cuda, triton, reference,
     wins, and `why` names the choice and each implementation passed over with its reason.
     """
-    device = torch.device(device)
-    if op not in _OPS:
-        raise KeyError(f"unknown op {op!r}; registered: {sorted(_OPS)}")
-    want = requested_backend()
-    order = ([want] if want else []) + [b for b in ("cuda", "triton") if gpu_like(device)] + ["reference"]
-    passed = []
-    for b in dict.fromkeys(order):
-        if b not in _OPS[op]:
-            reason = "not implemented for this op"
-        else:
-            reason = unavailable_reason(b, device, op)
-            fit = _FITS[op].get(b)
-            if reason is None and fit is not None:
-                reason = fit(device, **shape)
-        if reason is None:
-            how = "requested by SOLRL_BACKEND" if b == want else "default"
-            return b, f"{b} ({how})" + (f"; passed over: {'; '.join(passed)}" if passed else "")
-        if b == want or b in _OPS[op]:
-            passed.append(f"{b}: {reason}")
-    raise RuntimeError(f"no implementation of {op} can run on {device}")  # unreachable: reference always can
+    b, want, tried = _first(op, torch.device(device), shape)
+    passed = [f"{p}: {reason}" for p, reason in tried if p == want or p in _OPS[op]]
+    how = "requested by SOLRL_BACKEND" if b == want else "default"
+    return b, f"{b} ({how})" + (f"; passed over: {'; '.join(passed)}" if passed else "")
 
 
 def run(op: str, backend: str, *args: object, **kw: object) -> Any:
@@ -256,21 +264,13 @@ def run(op: str, backend: str, *args: object, **kw: object) -> Any:
 
 
 def select(op: str, device: torch.device | str) -> str:
-    """The backend that runs `op` for a tensor on `device`."""
+    """The backend that runs `op` for a tensor on `device`: `choose`'s order without the shapes. When
+    SOLRL_BACKEND's request cannot run here, the call takes the next and says so once in the log."""
     device = torch.device(device)
-    if op not in _OPS:
-        raise KeyError(f"unknown op {op!r}; registered: {sorted(_OPS)}")
-    want = requested_backend()
-    if want is None:
-        return _default(op, device)
-    if want not in _OPS[op]:
-        reason = "it has no implementation of this op"
-    else:
-        reason = unavailable_reason(want, device, op)
-    if reason is None:
-        return want
-    chosen = _default(op, device)
-    _warn_once(f"{ENV_VAR}={want} cannot run {op} on {device.type}: {reason}; using {chosen}.")
+    chosen, want, tried = _first(op, device, None)
+    if want is not None and chosen != want:
+        reason = "it has no implementation of this op" if want not in _OPS[op] else tried[0][1]
+        _warn_once(f"{ENV_VAR}={want} cannot run {op} on {device.type}: {reason}; using {chosen}.")
     return chosen
 
 
