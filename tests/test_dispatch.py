@@ -77,13 +77,13 @@ def test_choose_names_the_choice_and_why_the_others_were_passed_over(monkeypatch
 
 
 def test_shape_rules_are_asked_before_a_backend_is_chosen():
-    from solrl_engine.kernels import linear
+    from solrl_engine.kernels import nvfp4 as knvfp4
 
-    assert "K % 32 == 0" in linear._cuda_fits(CPU, k=48, n=64)
-    assert "weight-only" in linear._cuda_fits(CPU, k=256, n=64, quantize_input=False)
-    assert "TE recipe only" in linear._cuda_fits(CPU, k=256, n=64, rht=True)
-    assert linear._cuda_fits(CPU, k=256, n=64) is None
-    assert "N % 8 == 0" in linear._cutlass_fits(CPU, k=256, n=20)
+    assert "K % 32 == 0" in knvfp4._cuda_fits(CPU, k=48, n=64)
+    assert "weight-only" in knvfp4._cuda_fits(CPU, k=256, n=64, quantize_input=False)
+    assert "TE recipe only" in knvfp4._cuda_fits(CPU, k=256, n=64, rht=True)
+    assert knvfp4._cuda_fits(CPU, k=256, n=64) is None
+    assert "N % 8 == 0" in knvfp4._cutlass_fits(CPU, k=256, n=20)
 
 
 def test_each_quantized_layer_records_its_gemm_in_the_report(monkeypatch):
@@ -150,3 +150,21 @@ def test_select_says_once_which_backend_it_took_instead(monkeypatch, caplog):
         "SOLRL_BACKEND=cutlass cannot run nvfp4_linear on cpu: FP4 tensor-core GEMMs run on CUDA devices, not cpu "
         "(simulated sm_90: no CPU implementation); using triton.",
     ]
+
+
+def test_the_linears_keep_their_former_address_and_op_names():
+    """kernels.linear is a shim over the per-format modules; the custom ops keep their registered names."""
+    from solrl_engine.kernels import linear
+
+    assert linear.nvfp4_linear is kernels.nvfp4_linear and linear.fp8_linear is kernels.fp8_linear
+    assert linear.int8_linear is kernels.int8_linear and linear.set_trace_quantize is kernels.set_trace_quantize
+    try:
+        kernels.set_trace_quantize(False)
+        assert linear.TRACE_QUANTIZE is False  # read live from its one home
+    finally:
+        kernels.set_trace_quantize(True)
+    assert linear.TRACE_QUANTIZE is True
+    for op in ("nvfp4_linear", "fp8_linear", "int8_linear"):
+        assert hasattr(torch.ops.solrl, op)
+    assert {"nvfp4_linear", "fp8_linear", "int8_linear", "nvfp4_quantize_into_", "hadamard_rotate",
+            "int8_quantize_rowwise", "int8_scale_epilogue"} <= set(dispatch.ops())  # fmt: skip
