@@ -165,7 +165,6 @@ def _te_linear(k: int, n: int, device: torch.device) -> Callable[[torch.Tensor],
 
 def bench_gemm(m: int, n: int, k: int, device: torch.device, reps: int) -> dict[str, object]:
     """Median ms and TFLOP/s of each GEMM path on y = x W^T, and the ratio to cuBLAS BF16 throughput."""
-    from solrl_engine.kernels import linear
     from solrl_engine.quant import fp8
 
     timer = _time_gpu if device.type == "cuda" else _time_cpu
@@ -194,7 +193,7 @@ def bench_gemm(m: int, n: int, k: int, device: torch.device, reps: int) -> dict[
             return torch.mm(a, b.t(), out_dtype=torch.float32) * (xq.global_scale * wq.global_scale)
 
         ops["nvfp4_dequant_then_cublas"] = dequant_then_cublas
-        if linear._fp8_tensor_cores(device) is None and k % 16 == 0 and n % 16 == 0:
+        if kernels.tensor_cores(device, "fp8") is None and k % 16 == 0 and n % 16 == 0:
             ops["fp8_scaled_mm"] = lambda: torch._scaled_mm(
                 x8.data, w8.data.t(), scale_a=x8.scale, scale_b=w8.scale.reshape(1, -1), out_dtype=torch.bfloat16
             )

@@ -25,7 +25,8 @@ from torch import nn
 
 from solrl_engine.explore.copy import POLICY, ExploreCopy
 from solrl_engine.hw import cpu_compile_available
-from solrl_engine.kernels import linear as klinear
+from solrl_engine.kernels import set_trace_quantize
+from solrl_engine.kernels.nvfp4 import nvfp4_activation_operands
 from solrl_engine.models import load_model, model_spec
 from solrl_engine.nn import QuantLinear, fast_path
 from solrl_engine.rl.config import ConfigError, RLConfig
@@ -49,7 +50,7 @@ def _fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
-    klinear.set_trace_quantize(True)
+    set_trace_quantize(True)
 
 
 def _compiled(fn, census: Census):
@@ -113,7 +114,7 @@ def test_the_activation_quantize_fuses_into_the_norm_that_produces_it(fmt, monke
     assert census.traced == 1 and census.opaque == 0
     # the opaque custom op, for contrast: inductor cannot see into it
     torch._dynamo.reset()
-    klinear.set_trace_quantize(False)
+    set_trace_quantize(False)
     opaque = Census()
     _, code = run_and_get_code(_compiled(block, opaque), x, shift, scale)
     assert opaque.total()[OPAQUE] == 1 and opaque.traced == 0
@@ -263,7 +264,7 @@ def test_traced_nvfp4_activation_operands_are_the_references_bits_under_inductor
     from solrl_engine.quant import nvfp4
 
     def operands(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        a, sa, g = klinear.nvfp4_activation_operands(x)
+        a, sa, g = nvfp4_activation_operands(x)
         return a.view(torch.uint8), sa.view(torch.uint8), g
 
     def reference(x: torch.Tensor) -> tuple[torch.Tensor, ...]:

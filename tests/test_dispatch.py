@@ -77,13 +77,13 @@ def test_choose_names_the_choice_and_why_the_others_were_passed_over(monkeypatch
 
 
 def test_shape_rules_are_asked_before_a_backend_is_chosen():
-    from solrl_engine.kernels import linear
+    from solrl_engine.kernels import nvfp4 as knvfp4
 
-    assert "K % 32 == 0" in linear._cuda_fits(CPU, k=48, n=64)
-    assert "weight-only" in linear._cuda_fits(CPU, k=256, n=64, quantize_input=False)
-    assert "TE recipe only" in linear._cuda_fits(CPU, k=256, n=64, rht=True)
-    assert linear._cuda_fits(CPU, k=256, n=64) is None
-    assert "N % 8 == 0" in linear._cutlass_fits(CPU, k=256, n=20)
+    assert "K % 32 == 0" in knvfp4._cuda_fits(CPU, k=48, n=64)
+    assert "weight-only" in knvfp4._cuda_fits(CPU, k=256, n=64, quantize_input=False)
+    assert "TE recipe only" in knvfp4._cuda_fits(CPU, k=256, n=64, rht=True)
+    assert knvfp4._cuda_fits(CPU, k=256, n=64) is None
+    assert "N % 8 == 0" in knvfp4._cutlass_fits(CPU, k=256, n=20)
 
 
 def test_each_quantized_layer_records_its_gemm_in_the_report(monkeypatch):
@@ -124,3 +124,47 @@ def test_the_triton_kernels_import_from_a_checkout_that_is_not_installed(tmp_pat
     spec, reason, mod = out.stdout.splitlines()[-3:]
     assert spec == "None" and reason == "None"  # not installed, and still available
     assert mod == f"solrl_triton.fp8 {root / 'triton_kernels' / 'fp8.py'}"
+
+
+@pytest.mark.parametrize("sm", ["", "80", "90", "100"])
+@pytest.mark.parametrize("want", ["", "reference", "triton", "cuda", "cutlass"])
+def test_choose_and_select_walk_one_order(monkeypatch, sm, want):
+    """Where every implementation fits the shapes, the layer's choice is the backend a call selects: both
+    walk SOLRL_BACKEND's request, cuda and triton where the device is GPU-like, then the reference."""
+    monkeypatch.setenv("SOLRL_SIMULATE_SM", sm)
+    monkeypatch.setenv("SOLRL_BACKEND", want)
+    for op in dispatch.ops():
+        shape = {"k": 256, "n": 64} if op.endswith("_linear") else {}
+        assert kernels.choose(op, CPU, **shape)[0] == kernels.select(op, CPU), op
+
+
+def test_select_says_once_which_backend_it_took_instead(monkeypatch, caplog):
+    monkeypatch.setenv("SOLRL_SIMULATE_SM", "90")
+    monkeypatch.setenv("SOLRL_BACKEND", "cutlass")
+    dispatch._warn_once.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="solrl_engine.kernels"):
+        assert kernels.select("fp8_linear", CPU) == "cuda"
+        assert kernels.select("nvfp4_linear", CPU) == "triton"
+    assert [r.getMessage() for r in caplog.records] == [
+        "SOLRL_BACKEND=cutlass cannot run fp8_linear on cpu: it has no implementation of this op; using cuda.",
+        "SOLRL_BACKEND=cutlass cannot run nvfp4_linear on cpu: FP4 tensor-core GEMMs run on CUDA devices, not cpu "
+        "(simulated sm_90: no CPU implementation); using triton.",
+    ]
+
+
+def test_the_linears_keep_their_former_address_and_op_names():
+    """kernels.linear is a shim over the per-format modules; the custom ops keep their registered names."""
+    from solrl_engine.kernels import linear
+
+    assert linear.nvfp4_linear is kernels.nvfp4_linear and linear.fp8_linear is kernels.fp8_linear
+    assert linear.int8_linear is kernels.int8_linear and linear.set_trace_quantize is kernels.set_trace_quantize
+    try:
+        kernels.set_trace_quantize(False)
+        assert linear.TRACE_QUANTIZE is False  # read live from its one home
+    finally:
+        kernels.set_trace_quantize(True)
+    assert linear.TRACE_QUANTIZE is True
+    for op in ("nvfp4_linear", "fp8_linear", "int8_linear"):
+        assert hasattr(torch.ops.solrl, op)
+    assert {"nvfp4_linear", "fp8_linear", "int8_linear", "nvfp4_quantize_into_", "hadamard_rotate",
+            "int8_quantize_rowwise", "int8_scale_epilogue"} <= set(dispatch.ops())  # fmt: skip

@@ -1,4 +1,4 @@
-"""Quantized GEMMs (solrl_engine.kernels.linear) against the reference, on fresh data of every family.
+"""Quantized GEMMs (solrl_engine.kernels.nvfp4, .fp8) against the reference, on fresh data of every family.
 
 Here: the Triton W4A4 and W4A16 kernels in the CPU interpreter (on the GPU when present), the FP8
 `_scaled_mm` path (torch runs row-wise `_scaled_mm` on CPU too), and the cuBLASLt FP4 operand layout.
@@ -12,7 +12,9 @@ import torch
 from families import families
 
 from solrl_engine import kernels
-from solrl_engine.kernels import dispatch, linear
+from solrl_engine.kernels import dispatch
+from solrl_engine.kernels import fp8 as kfp8
+from solrl_engine.kernels import nvfp4 as knvfp4
 from solrl_engine.quant import fp8, nvfp4
 
 GEMM_SHAPES = [(1, 16, 32), (7, 48, 64), (33, 40, 160), (64, 96, 256)]  # (M, N, K): ragged tiles too
@@ -48,8 +50,8 @@ def test_triton_w4a4_matches_reference(mnk, dtype, device):
         if kind == "tiny":  # 1e-38 inputs: outputs underflow in every dtype, nothing to compare
             continue
         x, w = xs[kind].to(dtype), nvfp4.quantize(ws["gaussian" if kind == "nonfinite" else kind])
-        want = linear._ref_nvfp4_linear(x, w, bias, True)
-        got = linear._tr_nvfp4_linear(x.to(device), _to(w, device), bias.to(device), True)
+        want = knvfp4._ref_nvfp4_linear(x, w, bias, True)
+        got = knvfp4._tr_nvfp4_linear(x.to(device), _to(w, device), bias.to(device), True)
         assert got.dtype == dtype and got.shape == (m, n)
         _close(got, want, 1e-5 if dtype == torch.float32 else 1e-2)
 
@@ -63,8 +65,8 @@ def test_triton_w4a16_matches_reference(mnk, dtype, device):
     for kind in ("gaussian", "outlier_channels", "decades", "zero_blocks", "ties"):
         x, w = xs[kind].to(dtype), nvfp4.quantize(ws[kind])
         for b in (bias, None):
-            want = linear._ref_nvfp4_linear(x, w, b, False)
-            got = linear._tr_nvfp4_linear(x.to(device), _to(w, device), None if b is None else b.to(device), False)
+            want = knvfp4._ref_nvfp4_linear(x, w, b, False)
+            got = knvfp4._tr_nvfp4_linear(x.to(device), _to(w, device), None if b is None else b.to(device), False)
             _close(got, want, 1e-2)
 
 
@@ -77,7 +79,7 @@ def test_w4a16_keeps_fp32_activations_exact():
     """FP32 activations would be rounded by the BF16 kernel, so that case stays on the reference."""
     x = torch.randn(4, 64)
     w = nvfp4.quantize(torch.randn(32, 64))
-    assert torch.equal(linear._tr_nvfp4_linear(x, w, None, False), linear._ref_nvfp4_linear(x, w, None, False))
+    assert torch.equal(knvfp4._tr_nvfp4_linear(x, w, None, False), knvfp4._ref_nvfp4_linear(x, w, None, False))
 
 
 @pytest.mark.usefixtures("triton_backend")
@@ -103,24 +105,24 @@ def test_fp8_scaled_mm_matches_reference(mnk):
     w = fp8.quantize_rowwise(torch.randn(n, k, generator=g) * torch.logspace(-3, 0, k))
     bias = torch.randn(n, generator=g)
     for b in (bias, None):
-        want = linear._ref_fp8_linear(x, w, b, True)
-        got = linear._cuda_fp8_linear(x, w, b, True)
+        want = kfp8._ref_fp8_linear(x, w, b, True)
+        got = kfp8._cuda_fp8_linear(x, w, b, True)
         assert got.dtype == torch.bfloat16 and got.shape == (m, n)
         _close(got, want, 1e-2)
     # FP32 activations (a LayerNorm's output under CUDA autocast) are quantized from FP32 and take the
     # same GEMM (cuBLASLt row-wise writes BF16; the caller's out_dtype is cast from it), not the reference
     xf = x.float()
     for out in (torch.bfloat16, torch.float32):
-        got = linear._cuda_fp8_linear(xf, w, bias, True, out)
+        got = kfp8._cuda_fp8_linear(xf, w, bias, True, out)
         assert got.dtype == out
-        _close(got, linear._ref_fp8_linear(xf, w, bias, True, out), 1e-2)
+        _close(got, kfp8._ref_fp8_linear(xf, w, bias, True, out), 1e-2)
         if k % 16 == 0:  # same codes from FP32 and from its BF16 copy: the same BF16 GEMM result
-            assert torch.equal(got.bfloat16(), linear._cuda_fp8_linear(x, w, bias, True))
+            assert torch.equal(got.bfloat16(), kfp8._cuda_fp8_linear(x, w, bias, True))
 
 
 def test_fp4_scaled_mm_operands_are_cublas_layout():
     t = nvfp4.quantize(torch.randn(130, 96))
-    data, scales = linear.scaled_mm_fp4_operands(t)
+    data, scales = knvfp4.scaled_mm_fp4_operands(t)
     assert data.dtype == torch.float4_e2m1fn_x2 and data.shape == (130, 48)
     assert torch.equal(data.view(torch.uint8), t.qdata)
     assert scales.dtype == torch.float8_e4m3fn and scales.numel() == 256 * 8  # rows to 128, blocks to 4

@@ -119,7 +119,8 @@ def test_parity_with_transformer_engine_nvfp4_quantizer():
 def test_gemms_match_reference_at_dit_sizes(mnk, monkeypatch):
     """The default nvfp4_linear/fp8_linear on this GPU (triton on Hopper, cuBLASLt/CUTLASS on
     Blackwell) against the CPU reference, W4A4 and W4A16, within 1e-2 relative (the issue's bar)."""
-    from solrl_engine.kernels import linear
+    from solrl_engine.kernels import fp8 as kfp8
+    from solrl_engine.kernels import nvfp4 as knvfp4
 
     monkeypatch.delenv("SOLRL_BACKEND", raising=False)
     m, n, k = mnk
@@ -131,20 +132,20 @@ def test_gemms_match_reference_at_dit_sizes(mnk, monkeypatch):
     wq = nvfp4.quantize(w)
     wq_gpu = nvfp4.NVFP4Tensor(wq.qdata.to(CUDA), wq.scale.to(CUDA), wq.global_scale.to(CUDA), wq.orig_dtype)
     for act in (True, False):
-        want = linear._ref_nvfp4_linear(x, wq, bias, act).float()
+        want = knvfp4._ref_nvfp4_linear(x, wq, bias, act).float()
         got = kernels.nvfp4_linear(x.to(CUDA), wq_gpu, bias.to(CUDA), act).float().cpu()
         rel = (got - want).norm() / want.norm()
         assert rel < 1e-2, (act, rel.item())
     w8 = fp8.quantize_rowwise(w)
     w8_gpu = fp8.FP8Tensor(w8.data.to(CUDA), w8.scale.to(CUDA), w8.orig_dtype)
-    want = linear._ref_fp8_linear(x, w8, bias, True).float()
+    want = kfp8._ref_fp8_linear(x, w8, bias, True).float()
     got = kernels.fp8_linear(x.to(CUDA), w8_gpu, bias.to(CUDA), True).float().cpu()
     assert (got - want).norm() / want.norm() < 1e-2
 
 
 def test_extension_quantize_is_bit_exact_when_built():
     from solrl_engine.kernels.dispatch import cuda_extension
-    from solrl_engine.kernels.ops import cuda_quantize
+    from solrl_engine.kernels.nvfp4 import cuda_quantize
 
     if cuda_extension() is None:
         pytest.skip("solrl_engine._C is not built (pip install --no-build-isolation -e '.[cutlass]')")
@@ -165,7 +166,7 @@ def test_extension_quantize_is_bit_exact_when_built():
 
 def test_blackwell_fp4_gemms_match_reference(monkeypatch):
     """sm_100+: cuBLASLt `_scaled_mm` FP4 (default) and, when built, the CUTLASS GEMM (SOLRL_BACKEND=cutlass)."""
-    from solrl_engine.kernels import linear
+    from solrl_engine.kernels import nvfp4 as knvfp4
     from solrl_engine.kernels.dispatch import cuda_extension
 
     if torch.cuda.get_device_capability() < (10, 0):
@@ -176,7 +177,7 @@ def test_blackwell_fp4_gemms_match_reference(monkeypatch):
     w = nvfp4.quantize(torch.randn(1024, 2048, generator=g) * 0.02)
     bias = torch.randn(1024, generator=g).bfloat16()
     wg = nvfp4.NVFP4Tensor(w.qdata.to(CUDA), w.scale.to(CUDA), w.global_scale.to(CUDA), w.orig_dtype)
-    want = linear._ref_nvfp4_linear(x, w, bias, True).float()
+    want = knvfp4._ref_nvfp4_linear(x, w, bias, True).float()
     modes = ["cuda"] + (["cutlass"] if cuda_extension() is not None else [])
     for mode in modes:
         monkeypatch.setenv("SOLRL_BACKEND", mode)

@@ -10,7 +10,7 @@ from conftest import HAS_TRITON
 from families import SHAPES, families
 from torch import nn
 
-from solrl_engine.kernels import linear as klinear
+from solrl_engine.kernels import int8 as kint8
 from solrl_engine.nn import quantize_model, requantize_
 from solrl_engine.quant import QuantRecipe, int8
 
@@ -103,8 +103,8 @@ def test_int_mm_path_matches_the_reference(monkeypatch, out_dtype):
             n = 24
             w = torch.randn(n, shape[-1])
             wq, b = int8.quantize_rowwise(w), torch.randn(n)
-            got = klinear._cuda_int8_linear(x, wq, b, out_dtype)
-            want = klinear._ref_int8_linear(x, wq, b, out_dtype)
+            got = kint8._cuda_int8_linear(x, wq, b, out_dtype)
+            want = kint8._ref_int8_linear(x, wq, b, out_dtype)
             assert got.shape == (*shape[:-1], n) and got.dtype == out_dtype
             assert torch.allclose(got.float(), want.float(), rtol=0, atol=0, equal_nan=True), fam
 

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from solrl_engine import kernels
-from solrl_engine.kernels import linear, ops
+from solrl_engine.kernels import nvfp4 as knvfp4
 from solrl_engine.nn import QuantLinear, quantize_model, requantize_
 from solrl_engine.quant import QuantRecipe, hadamard, nvfp4
 from solrl_engine.rl import ConfigError, RLConfig
@@ -89,9 +89,9 @@ def test_triton_rotation_matches_the_reference_bit_for_bit(triton_backend, n):
             want = hadamard.rotate(xin, d)
             assert _same_bits(tr.rotate(xin, d), want), (kind, xin.dtype)
             assert _same_bits(tr.rotate(xin, d, torch.bfloat16), want.bfloat16()), (kind, xin.dtype)
-            assert _same_bits(ops.hadamard_rotate(xin, d), want.to(xin.dtype))
+            assert _same_bits(knvfp4.hadamard_rotate(xin, d), want.to(xin.dtype))
     with pytest.raises(ValueError, match="multiple of"):
-        ops.hadamard_rotate(torch.randn(2, 16 if n > 16 else 8), d)
+        knvfp4.hadamard_rotate(torch.randn(2, 16 if n > 16 else 8), d)
 
 
 # --- 4 over 6 --------------------------------------------------------------------------------------
@@ -229,8 +229,8 @@ def test_triton_weight_only_linear_with_rotation_matches_the_reference(triton_ba
     q = QuantLinear.from_linear(lin, QuantRecipe(quantize_activations=False, rht=32))
     x = _data("outliers", (6, 128)).bfloat16()
     d = q.rht_signs
-    got = linear._tr_nvfp4_linear(x, q._nvfp4(), q.bias, False, d)
-    want = linear._ref_nvfp4_linear(x, q._nvfp4(), q.bias, False, d)
+    got = knvfp4._tr_nvfp4_linear(x, q._nvfp4(), q.bias, False, d)
+    want = knvfp4._ref_nvfp4_linear(x, q._nvfp4(), q.bias, False, d)
     assert torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2)
     assert ((got.float() - lin(x.float())).norm() / lin(x.float()).norm()) < 0.1
 

@@ -7,7 +7,7 @@ Why FP16 tensor cores and not BF16: every decoded value e2m1 * e4m3 has at most 
 so it is exact in FP16 as in BF16, and FP16 lets the decode be a few integer ops (the E2M1 code
 and the E4M3 scale drop straight into FP16 bit fields, see `_load_fp4`); the MMA is as fast. The
 products are exact, so only FP32 accumulation order (and FMA contraction in the epilogue) differ
-from the reference (solrl_engine.kernels.linear `_ref_nvfp4_linear`, FP32 matmul of the same
+from the reference (solrl_engine.kernels.nvfp4 `_ref_nvfp4_linear`, FP32 matmul of the same
 values).
 
 Packed codes are read as 32-bit words: word j of a row holds elements 8j..8j+7 (byte i: element 2i

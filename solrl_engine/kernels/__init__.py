@@ -1,26 +1,35 @@
-"""Kernel ops behind one dispatch seam (reference | triton | cuda | cutlass, see `dispatch`).
+"""Kernel ops behind one dispatch seam (reference | triton | cuda | cutlass, see `dispatch`), one module
+per format (`nvfp4`, `fp8`, `int8`), and one capability table (`capability`) that they read.
 
 Imports quant/, solrl_triton (the triton_kernels/ folder) and the extension, nothing above it.
 """
 
+from solrl_engine.kernels._gemm import set_trace_quantize
+from solrl_engine.kernels.capability import (
+    TENSOR_CORES,
+    TensorCores,
+    device_capability,
+    formats_with_tensor_cores,
+    gpu_like,
+    hardware_plan,
+    simulated_capability,
+    tensor_cores,
+)
 from solrl_engine.kernels.dispatch import (
     BACKENDS,
     Run,
     backend_report,
     choose,
-    device_capability,
-    gpu_like,
     requested_backend,
     runs,
     select,
-    simulated_capability,
 )
-from solrl_engine.kernels.linear import fp8_linear, int8_linear, nvfp4_linear
-from solrl_engine.kernels.ops import (
-    fp8_quantize_rowwise,
-    int8_quantize_rowwise,
+from solrl_engine.kernels.fp8 import fp8_linear, fp8_quantize_rowwise
+from solrl_engine.kernels.int8 import int8_linear, int8_quantize_rowwise
+from solrl_engine.kernels.nvfp4 import (
     nvfp4_dequantize,
     nvfp4_fake_quantize,
+    nvfp4_linear,
     nvfp4_quantize,
     nvfp4_quantize_into_,
 )
@@ -28,14 +37,20 @@ from solrl_engine.kernels.ops import (
 __all__ = [
     "BACKENDS",
     "Run",
+    "TENSOR_CORES",
+    "TensorCores",
     "backend_report",
     "choose",
     "device_capability",
+    "formats_with_tensor_cores",
     "gpu_like",
+    "hardware_plan",
     "requested_backend",
     "runs",
     "select",
+    "set_trace_quantize",
     "simulated_capability",
+    "tensor_cores",
     "fp8_linear",
     "fp8_quantize_rowwise",
     "int8_linear",

@@ -12,7 +12,8 @@ reported (and warned about once), not assumed fast from what was chosen at quant
 
 `SOLRL_SIMULATE_SM=90` (a test switch) makes dispatch treat the CPU as a GPU of that compute
 capability wherever the fast op has a CPU implementation (`torch._scaled_mm`, `torch._int_mm`, Triton
-under TRITON_INTERPRET=1): the GPU's choices and paths then run, and are checked, on a CPU.
+under TRITON_INTERPRET=1): the GPU's choices and paths then run, and are checked, on a CPU (see
+`capability`, which also holds the tensor-core table the GEMMs' availability checks read).
 """
 
 from __future__ import annotations
@@ -29,11 +30,15 @@ from typing import Any
 
 import torch
 
+from solrl_engine.kernels.capability import SIM_ENV as SIM_ENV  # re-exported: their home was here
+from solrl_engine.kernels.capability import device_capability as device_capability
+from solrl_engine.kernels.capability import gpu_like
+from solrl_engine.kernels.capability import simulated_capability as simulated_capability
+
 # cutlass: the extension's CUTLASS sm100 block-scaled GEMM, asked for by name only (SOLRL_BACKEND=cutlass)
 # until it has run on a Blackwell GPU; ops without a cutlass implementation take their default.
 BACKENDS: tuple[str, ...] = ("reference", "triton", "cuda", "cutlass")
 ENV_VAR = "SOLRL_BACKEND"
-SIM_ENV = "SOLRL_SIMULATE_SM"
 log = logging.getLogger("solrl_engine.kernels")
 
 
@@ -137,32 +142,6 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def simulated_capability() -> tuple[int, int] | None:
-    """The compute capability SOLRL_SIMULATE_SM gives the CPU ("90" -> (9, 0)), or None when unset."""
-    v = os.environ.get(SIM_ENV, "").strip().lower().removeprefix("sm_").removeprefix("sm")
-    if not v:
-        return None
-    if not v.isdigit() or len(v) < 2:
-        raise ValueError(f"{SIM_ENV}={v!r} is not a compute capability; write e.g. 80, 90 or 100 (or unset it).")
-    return int(v[:-1]), int(v[-1])
-
-
-def device_capability(device: torch.device | str) -> tuple[int, int] | None:
-    """A CUDA device's compute capability; the simulated one for a CPU under SOLRL_SIMULATE_SM; else None."""
-    device = torch.device(device)
-    if device.type == "cuda" and torch.cuda.is_available():
-        return torch.cuda.get_device_capability(device)
-    if device.type == "cpu":
-        return simulated_capability()
-    return None
-
-
-def gpu_like(device: torch.device | str) -> bool:
-    """Whether dispatch treats `device` as a GPU: a CUDA device, or the CPU under SOLRL_SIMULATE_SM."""
-    device = torch.device(device)
-    return device.type == "cuda" or (device.type == "cpu" and simulated_capability() is not None)
-
-
 def unavailable_reason(backend: str, device: torch.device, op: str | None = None) -> str | None:
     """None when `backend` can run `op` on `device`, else a sentence saying why not."""
     if op is not None and backend in _REQUIRES.get(op, {}):
@@ -233,12 +212,36 @@ def ops() -> dict[str, tuple[str, ...]]:
     return {op: tuple(impls) for op, impls in _OPS.items()}
 
 
-def _default(op: str, device: torch.device) -> str:
-    if gpu_like(device):
-        for b in ("cuda", "triton"):
-            if b in _OPS[op] and unavailable_reason(b, device, op) is None:
-                return b
-    return "reference"
+def _order(op: str, device: torch.device) -> tuple[str | None, list[str]]:
+    """(SOLRL_BACKEND's request, the backends to try in order): the request, then cuda and triton where
+    the device is GPU-like, then the reference. `choose` and `select` both walk it, so they agree."""
+    if op not in _OPS:
+        raise KeyError(f"unknown op {op!r}; registered: {sorted(_OPS)}")
+    want = requested_backend()
+    order = ([want] if want else []) + [b for b in ("cuda", "triton") if gpu_like(device)] + ["reference"]
+    return want, list(dict.fromkeys(order))
+
+
+def _first(
+    op: str, device: torch.device, shape: dict[str, Any] | None
+) -> tuple[str, str | None, list[tuple[str, str]]]:
+    """(the first backend in `_order` that can run `op` on `device`, the request, each (backend, reason) tried
+    before it). With `shape` (choose), each implementation's `fits` is asked too; without (select), only
+    whether it runs on the device."""
+    want, order = _order(op, device)
+    passed = []
+    for b in order:
+        if b not in _OPS[op]:
+            reason = "not implemented for this op"
+        else:
+            reason = unavailable_reason(b, device, op)
+            fit = _FITS[op].get(b)
+            if reason is None and shape is not None and fit is not None:
+                reason = fit(device, **shape)
+        if reason is None:
+            return b, want, passed
+        passed.append((b, reason))
+    raise RuntimeError(f"no implementation of {op} can run on {device}")  # unreachable: reference always can
 
 
 def choose(op: str, device: torch.device | str, **shape: Any) -> tuple[str, str]:
@@ -249,26 +252,10 @@ def choose(op: str, device: torch.device | str, **shape: Any) -> tuple[str, str]
     and fits); the first that can, in the order SOLRL_BACKEND's request, cuda, triton, reference,
     wins, and `why` names the choice and each implementation passed over with its reason.
     """
-    device = torch.device(device)
-    if op not in _OPS:
-        raise KeyError(f"unknown op {op!r}; registered: {sorted(_OPS)}")
-    want = requested_backend()
-    order = ([want] if want else []) + [b for b in ("cuda", "triton") if gpu_like(device)] + ["reference"]
-    passed = []
-    for b in dict.fromkeys(order):
-        if b not in _OPS[op]:
-            reason = "not implemented for this op"
-        else:
-            reason = unavailable_reason(b, device, op)
-            fit = _FITS[op].get(b)
-            if reason is None and fit is not None:
-                reason = fit(device, **shape)
-        if reason is None:
-            how = "requested by SOLRL_BACKEND" if b == want else "default"
-            return b, f"{b} ({how})" + (f"; passed over: {'; '.join(passed)}" if passed else "")
-        if b == want or b in _OPS[op]:
-            passed.append(f"{b}: {reason}")
-    raise RuntimeError(f"no implementation of {op} can run on {device}")  # unreachable: reference always can
+    b, want, tried = _first(op, torch.device(device), shape)
+    passed = [f"{p}: {reason}" for p, reason in tried if p == want or p in _OPS[op]]
+    how = "requested by SOLRL_BACKEND" if b == want else "default"
+    return b, f"{b} ({how})" + (f"; passed over: {'; '.join(passed)}" if passed else "")
 
 
 def run(op: str, backend: str, *args: object, **kw: object) -> Any:
@@ -277,21 +264,13 @@ def run(op: str, backend: str, *args: object, **kw: object) -> Any:
 
 
 def select(op: str, device: torch.device | str) -> str:
-    """The backend that runs `op` for a tensor on `device`."""
+    """The backend that runs `op` for a tensor on `device`: `choose`'s order without the shapes. When
+    SOLRL_BACKEND's request cannot run here, the call takes the next and says so once in the log."""
     device = torch.device(device)
-    if op not in _OPS:
-        raise KeyError(f"unknown op {op!r}; registered: {sorted(_OPS)}")
-    want = requested_backend()
-    if want is None:
-        return _default(op, device)
-    if want not in _OPS[op]:
-        reason = "it has no implementation of this op"
-    else:
-        reason = unavailable_reason(want, device, op)
-    if reason is None:
-        return want
-    chosen = _default(op, device)
-    _warn_once(f"{ENV_VAR}={want} cannot run {op} on {device.type}: {reason}; using {chosen}.")
+    chosen, want, tried = _first(op, device, None)
+    if want is not None and chosen != want:
+        reason = "it has no implementation of this op" if want not in _OPS[op] else tried[0][1]
+        _warn_once(f"{ENV_VAR}={want} cannot run {op} on {device.type}: {reason}; using {chosen}.")
     return chosen
 
 

@@ -1,0 +1,148 @@
+"""INT8 behind the dispatch seam: the row-wise quantize, the scale epilogue and the GEMM `int8_linear`
+(W8A8), its custom op and its traced form.
+
+Implementations of `int8_linear`: reference (the exact integer GEMM in float64); cuda (sm_80+): the
+Triton row-wise quantize, `torch._int_mm` (cuBLASLt IMMA; oneDNN on a CPU) and the one-pass Triton scale
+epilogue. Both compute the products of the integer codes, accumulated in INT32, times the scales, plus
+bias.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from solrl_engine.kernels._gemm import flat, no_autocast, run_recorded, traced
+from solrl_engine.kernels.capability import tensor_cores
+from solrl_engine.kernels.dispatch import call, ran, register, run, triton_module
+from solrl_engine.quant import int8
+from solrl_engine.quant.int8 import Int8Tensor
+
+# --- quantize and epilogue -----------------------------------------------------------------------
+
+
+def _tr_int8_rowwise(x: torch.Tensor) -> Int8Tensor:
+    q, s = triton_module("int8").quantize_rowwise(x)
+    return Int8Tensor(q, s, x.dtype)
+
+
+register("int8_quantize_rowwise", {"reference": int8.quantize_rowwise, "triton": _tr_int8_rowwise})
+
+
+def int8_quantize_rowwise(x: torch.Tensor) -> Int8Tensor:
+    """Symmetric INT8 with one FP32 scale per row of the last dimension (solrl_engine.quant.int8)."""
+    return call("int8_quantize_rowwise", x.device, x)
+
+
+def _tr_int8_epilogue(
+    acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
+) -> torch.Tensor:
+    return triton_module("int8").scale_epilogue(acc, x_scale, w_scale, bias, out_dtype)
+
+
+register("int8_scale_epilogue", {"reference": int8.scale_epilogue, "triton": _tr_int8_epilogue})
+
+
+def int8_scale_epilogue(
+    acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """An INT32 GEMM accumulator [M, N] -> float32(acc) * x_scale[m] * w_scale[n] (+ bias) as out_dtype."""
+    return call("int8_scale_epilogue", acc.device, acc, x_scale, w_scale, bias, out_dtype)
+
+
+# --- the GEMM ------------------------------------------------------------------------------------
+
+
+def _ref_int8_linear(
+    x: torch.Tensor, weight: Int8Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    ran("reference")
+    return int8.linear(x, weight, bias, out_dtype or x.dtype)
+
+
+def _int8_fits(device: torch.device, k: int, n: int, **_: object) -> str | None:
+    """Whether torch._int_mm can run a layer of K inputs and N outputs (cuBLASLt IMMA: 8-aligned)."""
+    if k % 8 or n % 8:
+        return f"torch._int_mm needs K % 8 == 0 and N % 8 == 0; got K={k}, N={n}"
+    return None
+
+
+MIN_INT_MM_ROWS = 17  # torch._int_mm on CUDA needs more than 16 rows: fewer are padded with zero rows
+
+
+def _int_mm_rows(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """INT32 a @ w.T through `torch._int_mm`, rows zero-padded to MIN_INT_MM_ROWS on CUDA and cut back."""
+    m, k = a.shape
+    if a.device.type == "cuda" and m < MIN_INT_MM_ROWS:
+        a = torch.cat([a, a.new_zeros(MIN_INT_MM_ROWS - m, k)])
+    return torch._int_mm(a, w.t())[:m]
+
+
+def _cuda_int8_linear(
+    x: torch.Tensor, weight: Int8Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """W8A8: the row-wise quantize of x (any float dtype), the INT32 GEMM `torch._int_mm` (cuBLASLt
+    IMMA on a GPU, oneDNN on a CPU), then the scales and bias in one epilogue pass."""
+    x2 = flat(x)
+    n, k = weight.data.shape
+    if _int8_fits(x.device, k, n) is not None or x2.shape[0] == 0:
+        return _ref_int8_linear(x, weight, bias, out_dtype)
+    xq = int8_quantize_rowwise(x2)
+    acc = _int_mm_rows(xq.data, weight.data)
+    y = int8_scale_epilogue(acc, xq.scale, weight.scale, bias, out_dtype or x.dtype)
+    ran("cuda: torch._int_mm INT8 GEMM + scale epilogue")
+    return y.reshape(*x.shape[:-1], n)
+
+
+def _int8_tensor_cores(device: torch.device) -> str | None:
+    return tensor_cores(device, "int8")
+
+
+register("int8_linear", {"reference": _ref_int8_linear, "cuda": _cuda_int8_linear},
+         requires={"cuda": _int8_tensor_cores}, fits={"cuda": _int8_fits})  # fmt: skip
+
+
+@torch.library.custom_op("solrl::int8_linear", mutates_args=())
+def _int8_linear_op(
+    x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, backend: str = "",
+    out_dtype: torch.dtype | None = None, tag: str = "",
+) -> torch.Tensor:  # fmt: skip
+    w = Int8Tensor(data, scale, torch.float32)
+
+    def gemm() -> torch.Tensor:
+        if backend:
+            return run("int8_linear", backend, x, w, bias, out_dtype=out_dtype)
+        return call("int8_linear", x.device, x, w, bias, out_dtype=out_dtype)
+
+    return run_recorded(tag, x, gemm, "INT8 GEMMs need sm_80+ and K, N multiples of 8 (see QuantReport's GEMM line)")
+
+
+@_int8_linear_op.register_fake
+def _(x, data, scale, bias, backend="", out_dtype=None, tag=""):  # noqa: ANN001, ANN202
+    return x.new_empty((*x.shape[:-1], data.shape[0]), dtype=out_dtype or x.dtype)
+
+
+def int8_linear(
+    x: torch.Tensor, weight: Int8Tensor, bias: torch.Tensor | None, backend: str = "",
+    out_dtype: torch.dtype | None = None, tag: str = "",
+) -> torch.Tensor:  # fmt: skip
+    """y = x W^T + b, W8A8: W INT8 per output channel, x INT8 per token (symmetric, solrl_engine.quant.int8);
+    in `out_dtype` (default x's). `tag` (a layer's) records what ran (`dispatch.runs`); under
+    torch.compile a layer on `cuda` takes the traced form (`traced_int8_linear`)."""
+    if traced(backend) and x.numel():
+        return traced_int8_linear(x, weight, bias, out_dtype or x.dtype)
+    return _int8_linear_op(x, weight.data, weight.scale, bias, backend, out_dtype, tag)
+
+
+# --- traced form (under torch.compile; see _gemm) ------------------------------------------------
+
+
+def traced_int8_linear(
+    x: torch.Tensor, weight: Int8Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """W8A8 INT8 as `_cuda_int8_linear` computes it: the reference row-wise quantize (fused into x's
+    producer), `torch._int_mm` (rows padded to 17 on CUDA), the reference epilogue (fused after it)."""
+    x2 = flat(x)
+    with no_autocast(x):
+        s = int8.row_scales(x2)
+        acc = _int_mm_rows(int8.encode(x2, s), weight.data)
+        return int8.scale_epilogue(acc, s, weight.scale, bias, out_dtype).reshape(*x.shape[:-1], weight.shape[0])
