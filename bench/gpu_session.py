@@ -43,7 +43,7 @@ import preflight as preflight_mod  # noqa: E402
 import session_summary as summary  # noqa: E402
 from kernels import _device_info  # noqa: E402
 from session_common import (  # noqa: E402
-    FORMAT_SM,
+    FORMATS,
     HERE,
     MODELS,
     ROLLOUT_BATCH,
@@ -496,7 +496,7 @@ def run_preflight(device: torch.device, cfg: dict[str, Any]) -> dict[str, Any]:
     small = build_model("flux-dev", device, arch, res)
     inputs = predict.forward_inputs(small, batch, device=device, dtype=torch.bfloat16)
     eight = [f for f in ("fp8", "int8") if format_unavailable(f, device) is None]
-    every = [f for f in FORMAT_SM if f in cfg["formats"] and format_unavailable(f, device) is None]
+    every = [f for f in FORMATS if f in cfg["formats"] and format_unavailable(f, device) is None]
     census_fmt = eight[0] if eight else "fp8"
     pf = preflight_mod
     checks = [

@@ -24,7 +24,9 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is no package: its scripts import each other
 import predict  # noqa: E402
 
-from solrl_engine.kernels.dispatch import device_capability  # noqa: E402
+from solrl_engine.explore.plan import ExploreSettings  # noqa: E402
+from solrl_engine.explore.plan import explore_rule as plan_rule  # noqa: E402
+from solrl_engine.kernels.capability import TENSOR_CORES, device_capability  # noqa: E402
 from solrl_engine.models import ARCH_ALIASES, model_spec  # noqa: E402
 from solrl_engine.nn import plan_quantization  # noqa: E402
 from solrl_engine.quant import get_recipe  # noqa: E402
@@ -66,7 +68,7 @@ SMALL_FLUX = dict(num_layers=1, num_single_layers=1, attention_head_dim=64, num_
 
 
 # the explore formats and the compute capability whose tensor cores run them (docs/explore-speed.md)
-FORMAT_SM = {"fp8": (8, 9), "int8": (8, 0), "nvfp4": (10, 0)}
+FORMATS = tuple(TENSOR_CORES)  # the explore formats with tensor cores, fastest first (kernels' one table)
 
 
 def _sync(device: torch.device) -> None:
@@ -99,7 +101,7 @@ def median_ms(fn: Callable[[], Any], device: torch.device, warmup: int = 2, reps
 def format_unavailable(fmt: str, device: torch.device) -> str | None:
     """None when `device` has tensor cores for `fmt` (or the CPU runs it, reference or simulated), else why not."""
     cap = device_capability(device)
-    need = FORMAT_SM[fmt]
+    need = TENSOR_CORES[fmt].needs
     if device.type == "cpu" and cap is None:
         return "the CPU has no FP4 GEMM and no SOLRL_SIMULATE_SM is set" if fmt == "nvfp4" else None
     if cap is None or cap < need:
@@ -146,11 +148,9 @@ def _blocks(alias: str) -> tuple[str, ...]:
 
 
 def explore_rule(alias: str, fmt: str) -> dict[str, Any]:
-    """The family's layer rule widened for the format as the engine's rollouts do (INT8: every eligible layer)."""
-    spec = model_spec(ARCH_ALIASES.get(alias, alias))
-    rule = dict(spec.explore_rule)
-    rule.update(spec.explore_rule_by_format.get(get_recipe(fmt).format, {}))
-    return rule
+    """The family's layer rule widened for the format as the engine's rollouts do (INT8: every eligible layer):
+    explore.plan's rule at the default settings."""
+    return plan_rule(ExploreSettings(), model_spec(ARCH_ALIASES.get(alias, alias)), fmt)
 
 
 def explore_selection(net: nn.Module, alias: str, fmt: str) -> list[str]:

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from solrl_engine.kernels import device_capability, gpu_like
+from solrl_engine.kernels import device_capability, formats_with_tensor_cores, gpu_like
+from solrl_engine.kernels import hardware_plan as kernel_hardware_plan
 from solrl_engine.nn import QuantLinear, plan_quantization
 from solrl_engine.quant.recipe import NVFP4_OPTIONS, get_recipe
 
@@ -27,8 +28,6 @@ from solrl_engine.quant.recipe import NVFP4_OPTIONS, get_recipe
 # run by oneDNN / torch's CPU kernels): all of them are timed against the policy. On a GPU only the
 # formats with tensor cores on that device are candidates (`explore_candidates`).
 EXPLORE_CANDIDATES: tuple[str, ...] = ("nvfp4", "nvfp4_weight_only", "int8", "fp8", "fp8_weight_only")
-# the explore formats by the tensor cores they need (compute capability), fastest first
-HARDWARE_PLAN: tuple[tuple[str, tuple[int, int]], ...] = (("nvfp4", (10, 0)), ("fp8", (8, 9)), ("int8", (8, 0)))
 # explore_precision=auto's answer where no candidate is faster than the policy: no explore copy at all
 POLICY = "policy"
 
@@ -46,18 +45,14 @@ class ExploreChoice:
 
 def explore_candidates(device: torch.device | str) -> tuple[str, ...]:
     """The precisions explore_precision=auto times on `device`: on a GPU (or a CPU under
-    SOLRL_SIMULATE_SM) those its tensor cores run, the hardware plan of docs/design.md section 2
-    (NVFP4 on sm_100+, FP8 on sm_89+, INT8 on sm_80+; never emulated NVFP4); on a CPU all of them."""
+    SOLRL_SIMULATE_SM) those its tensor cores run (kernels' one tensor-core table: the hardware plan of
+    docs/design.md section 2, NVFP4 on sm_100+, FP8 on sm_89+, INT8 on sm_80+, never emulated NVFP4); on
+    a CPU all of them."""
     dev = torch.device(device)
     cap = device_capability(dev)
     if not gpu_like(dev) or cap is None:
         return EXPLORE_CANDIDATES
     return formats_with_tensor_cores(cap)
-
-
-def formats_with_tensor_cores(capability: tuple[int, int] | None) -> tuple[str, ...]:
-    """The explore formats a compute capability has tensor cores for, fastest first (HARDWARE_PLAN)."""
-    return () if capability is None else tuple(name for name, needs in HARDWARE_PLAN if capability >= needs)
 
 
 def hardware_plan(device: torch.device | str) -> str:
@@ -66,8 +61,7 @@ def hardware_plan(device: torch.device | str) -> str:
     tensor cores only), emulated NVFP4 elsewhere, a CPU included (a fidelity study's proxy). A CPU under
     SOLRL_SIMULATE_SM counts as that GPU."""
     dev = torch.device(device)
-    found = formats_with_tensor_cores(device_capability(dev) if gpu_like(dev) else None)
-    return found[0] if found else "nvfp4"
+    return kernel_hardware_plan(device_capability(dev) if gpu_like(dev) else None)
 
 
 def choose_explore_precision(

@@ -22,7 +22,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
-from solrl_engine.explore.choice import POLICY  # ExploreCopy's recipe for a full-precision copy with the LoRA merged
+from solrl_engine.explore.choice import POLICY
+from solrl_engine.kernels.capability import (
+    TENSOR_CORES,  # ExploreCopy's recipe for a full-precision copy with the LoRA merged
+)
 from solrl_engine.nn import QuantLinear, QuantReport, quantize_model, requantize_
 from solrl_engine.nn.flops import amdahl_bound
 from solrl_engine.nn.quantize import _peft_weight, is_lora_layer
@@ -31,9 +34,6 @@ from solrl_engine.quant.recipe import QuantRecipe, get_recipe
 if TYPE_CHECKING:
     from solrl_engine.explore.plan import ExploreSpec
 
-# what one quantized GEMM gains over BF16 on the tensor cores of the hardware plan (peak-rate ratios),
-# used for the bound where explore_precision was set rather than timed
-NOMINAL_GEMM_SPEEDUP = {"fp8": 2.0, "int8": 2.0, "nvfp4": 4.0}
 
 
 class FollowedAdapters(Protocol):
@@ -238,8 +238,8 @@ def speed_bound(ro: Any, copy: ExploreCopy, spec: ExploreSpec) -> dict[str, Any]
     t = spec.timings_ms
     if t.get("policy") and t.get(spec.precision):
         rate, how = t["policy"] / t[spec.precision], "measured at start"
-    elif ro.device.type == "cuda" and fmt in NOMINAL_GEMM_SPEEDUP:
-        rate, how = NOMINAL_GEMM_SPEEDUP[fmt], "the tensor cores' nominal ratio"
+    elif ro.device.type == "cuda" and fmt in TENSOR_CORES:
+        rate, how = TENSOR_CORES[fmt].nominal_speedup, "the tensor cores' nominal ratio"
     else:
         line = f"{share:.0%} of the denoiser's GEMM FLOPs in {copy.recipe} (no GEMM timing to bound the speedup)"
         return {"quantized_flop_share": share, "gemm_speedup": None, "bound": None, "line": line}
