@@ -52,7 +52,7 @@ def _version(_: argparse.Namespace) -> int:
 
 
 def _pretrain_tiny(args: argparse.Namespace) -> int:
-    from solrl_engine.models.tiny.pretrain import PretrainConfig, pretrain_tiny
+    from solrl_engine.pretrain import PretrainConfig, pretrain_tiny
 
     cfg = PretrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed, threads=args.threads)
     metrics = _checked(lambda: pretrain_tiny(args.output, cfg, resume=args.resume, device=args.device))

@@ -1,10 +1,11 @@
-"""What this machine computes fast, and the choices that follow from it.
+"""What this machine computes fast, and the run-time choices that follow from it: the device, the policy's
+dtype, autocast, and whether inductor can compile on the CPU.
 
-Why: the CPU quickstart should not train in FP32 on a CPU with BF16 units (AVX512-BF16, AMX-BF16),
-should not explore in emulated NVFP4 where that is slower than the policy itself, and should not try
-inductor without a C++ compiler. Every decision here takes its facts as arguments (CPU flags, torch's
-CPU capability, a timing table), so each branch is testable on any machine; the defaults read them
-from this one.
+Why: the CPU quickstart should not train in FP32 on a CPU with BF16 units (AVX512-BF16, AMX-BF16), and
+should not try inductor without a C++ compiler. Every decision here takes its facts as arguments (CPU
+flags, torch's CPU capability), so each branch is testable on any machine; the defaults read them from
+this one. A leaf: it imports nothing else of the engine (which explore precision is timed and chosen is
+solrl_engine.explore.choice).
 """
 
 from __future__ import annotations

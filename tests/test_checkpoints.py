@@ -276,7 +276,7 @@ def test_every_rank_resumes_from_rank_zeros_choice(tmp_path):
 
 
 def test_pretraining_resumes_from_verified_checkpoints_and_old_files(tmp_path):
-    from solrl_engine.models.tiny.pretrain import LEGACY_CHECKPOINT, _resume_state
+    from solrl_engine.pretrain import LEGACY_CHECKPOINT, _resume_state
 
     assert _resume_state(tmp_path) is None
     torch.save({"step": 30, "rng": random.Random(0).getstate(), "model": {"w": torch.ones(2)}},

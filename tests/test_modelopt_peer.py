@@ -1,5 +1,5 @@
 """NVIDIA ModelOpt's NVFP4 against ours (the TE recipe): equal where the recipes agree, and each
-documented difference (solrl_engine/quant/modelopt_peer.py, numbered there) pinned on a hand-made input."""
+documented difference (solrl_engine/nn/modelopt_peer.py, numbered there) pinned on a hand-made input."""
 
 import pytest
 import torch
@@ -8,13 +8,13 @@ from torch import nn
 pytest.importorskip("modelopt.torch.quantization.qtensor", reason="pip install nvidia-modelopt")
 
 from solrl_engine.nn import QuantLinear  # noqa: E402
-from solrl_engine.quant import nvfp4  # noqa: E402
-from solrl_engine.quant.modelopt_peer import (  # noqa: E402
+from solrl_engine.nn.modelopt_peer import (  # noqa: E402
     load_modelopt_nvfp4,
     modelopt_fake_quantize,
     modelopt_quantize,
     quantize_model_modelopt,
 )
+from solrl_engine.quant import nvfp4  # noqa: E402
 
 
 def _u8(t: torch.Tensor) -> torch.Tensor:

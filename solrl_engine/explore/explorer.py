@@ -151,10 +151,10 @@ class Explorer:
         batch_size: int = 96,
         seed: int = 0,
     ) -> None:
-        model, family = wrap_pipeline(pipeline_or_model, resolution=resolution, guidance_scale=guidance_scale)
+        model, name = wrap_pipeline(pipeline_or_model, resolution=resolution, guidance_scale=guidance_scale)
         settings = ExploreSettings.from_quantize(explore_precision, quantize)
         _check_args(n, k, preview_steps, solver, guidance_scale, batch_size, settings)
-        spec_m = model_spec(family)
+        spec_m = model_spec(name)
         how = RolloutSettings(full_steps=max(preview_steps, 10), solver=solver, guidance_scale=guidance_scale,
                               batch_size=batch_size, reward_name=getattr(reward, "__name__", "reward"))  # fmt: skip
         ro = Rollouts(model, spec_m, reward, how)

@@ -35,7 +35,8 @@ ARCH_ALIASES: dict[str, str] = {"sd35-large": "sd3", "flux-dev": "flux", "sana-1
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """What the engine knows about one model family; the trainer reads it, never the family name.
+    """What the engine knows about one model (a model family: SD3.5, FLUX.1, SANA, the bundled one); the trainer
+    reads it, never the model's name. (In code, "family" is the training method: RLConfig.family.)
 
     explore_rule: QuantRecipe changes for the explore copy (include patterns, extra skip patterns
         added to the recipe's defaults, skip_max_dim): the paper's layer choice for the family.
@@ -120,11 +121,11 @@ def pipeline_class(name: str, missing_ok: bool = False) -> Any:
 def wrap_pipeline(
     pipe: Any, resolution: int | None = None, guidance_scale: float | None = None, decode_batch_size: int = 8
 ) -> tuple[FlowModel, str]:
-    """(FlowModel, family) over a caller's stock diffusers pipeline (or a FlowModel of ours, passed
+    """(FlowModel, its name in MODELS) over a caller's stock diffusers pipeline (or a FlowModel of ours, passed
     through), on the pipeline's own device and dtype and without moving anything: the caller keeps
     the pipeline as it was."""
-    if getattr(pipe, "FAMILY", "") in MODELS and hasattr(pipe, "velocity"):
-        return pipe, pipe.FAMILY
+    if getattr(pipe, "MODEL", "") in MODELS and hasattr(pipe, "velocity"):
+        return pipe, pipe.MODEL
     for name in MODELS:
         spec = model_spec(name)
         cls = pipeline_class(spec.pipeline, missing_ok=True)

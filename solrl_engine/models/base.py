@@ -108,3 +108,15 @@ class FlowModel(Protocol):
     def sigmas(self, steps: int, shift: float | None = None) -> torch.Tensor:
         """steps + 1 flow times from 1 (noise) to 0 (image): the model's own schedule (shift: override)."""
         ...
+
+
+def sigma_schedule(steps: int, shift: float = 1.0, device: torch.device | str = "cpu") -> torch.Tensor:
+    """steps + 1 flow times from 1 (noise) to 0 (image), with SD3's shift t' = s t / (1 + (s - 1) t). Here,
+    beside the flow convention it encodes, so a model's own `sigmas` can use it (sampling re-exports it)."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1; got {steps}")
+    if shift <= 0:
+        raise ValueError(f"shift must be > 0; got {shift}")
+    t = torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64)
+    t = shift * t / (1 + (shift - 1) * t)
+    return t.to(device=device, dtype=torch.float32)

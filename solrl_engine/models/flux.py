@@ -33,7 +33,7 @@ FLUX_LORA_TARGETS = (
 
 
 class FluxModel(PipelineFlowModel):
-    FAMILY = "flux"
+    MODEL = "flux"  # its name in solrl_engine.models.MODELS (the config key `model`)
     PIPELINE_CLASS = "FluxPipeline"
     TRANSFORMER_CLASS = "FluxTransformer2DModel"
     DEFAULT_RESOLUTION = 512

@@ -70,7 +70,7 @@ class PipelineFlowModel(nn.Module):
     `_latent_shape`, and optionally `_timestep_kwargs` (arguments of scheduler.set_timesteps).
     """
 
-    FAMILY: ClassVar[str] = ""
+    MODEL: ClassVar[str] = ""  # its name in MODELS; "family" in this engine is the training method (RLConfig)
     FULL_CONFIG: ClassVar[dict[str, Any]] = {}
     TRANSFORMER_CLASS: ClassVar[str] = ""
     PIPELINE_CLASS: ClassVar[str] = ""

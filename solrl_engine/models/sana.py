@@ -26,7 +26,7 @@ SANA_EXPLORE_RULE: dict[str, Any] = {
 
 
 class SanaModel(PipelineFlowModel):
-    FAMILY = "sana"
+    MODEL = "sana"  # its name in solrl_engine.models.MODELS (the config key `model`)
     PIPELINE_CLASS = "SanaPipeline"
     TRANSFORMER_CLASS = "SanaTransformer2DModel"
     DEFAULT_RESOLUTION = 1024

@@ -31,7 +31,7 @@ SD3_BLOCKS = ("JointTransformerBlock", "SD3SingleTransformerBlock")  # the MMDiT
 
 
 class SD3Model(PipelineFlowModel):
-    FAMILY = "sd3"
+    MODEL = "sd3"  # its name in solrl_engine.models.MODELS (the config key `model`)
     PIPELINE_CLASS = "StableDiffusion3Pipeline"
     TRANSFORMER_CLASS = "SD3Transformer2DModel"
     DEFAULT_RESOLUTION = 1024

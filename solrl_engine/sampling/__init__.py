@@ -6,6 +6,6 @@ quantized preview.
 """
 
 from solrl_engine.sampling.graphed import GraphedSampler
-from solrl_engine.sampling.sampler import SOLVERS, sample, seeded_noise, sigma_schedule
+from solrl_engine.sampling.sampler import SOLVERS, sample, seeded_noise, sigma_schedule  # sigma_schedule: models.base
 
 __all__ = ["SOLVERS", "GraphedSampler", "sample", "seeded_noise", "sigma_schedule"]

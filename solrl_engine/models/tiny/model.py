@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from solrl_engine.models.base import Conditioning, input_dtype
+from solrl_engine.models.base import Conditioning, input_dtype, sigma_schedule
 from solrl_engine.models.tiny.text import TinyTextEncoder, WordTokenizer
 
 WEIGHTS_DIR = Path(__file__).parent / "weights"
@@ -34,7 +34,7 @@ class TinyConfig:
 class TinyT2I(nn.Module):
     """Text encoder + SD3 transformer; pixel space in [-1, 1]."""
 
-    FAMILY = "tiny"
+    MODEL = "tiny"  # its name in solrl_engine.models.MODELS (the config key `model`)
 
     def __init__(self, config: TinyConfig | None = None) -> None:
         super().__init__()
@@ -89,8 +89,6 @@ class TinyT2I(nn.Module):
     @staticmethod
     def sigmas(steps: int, shift: float | None = None) -> torch.Tensor:
         """The linear flow schedule (pretraining drew t uniformly), SD3's shift if one is given."""
-        from solrl_engine.sampling.sampler import sigma_schedule
-
         return sigma_schedule(steps, 1.0 if shift is None else shift)
 
     @staticmethod

@@ -55,6 +55,7 @@ from typing import Any
 
 import torch
 
+from solrl_engine.nn.quant_linear import QuantLinear
 from solrl_engine.quant.nvfp4 import BLOCK, NVFP4Tensor
 
 PIP_HINT = "pip install nvidia-modelopt  (or: pip install -e '.[modelopt]')"
@@ -185,8 +186,6 @@ def load_modelopt_nvfp4(
     `qlinear.modelopt_input_amax` (= input_scale * 2688) for a static-activation path; QuantLinear
     itself quantizes activations with each call's own amax, so it does not change the forward.
     `bias` (the checkpoint's BF16 bias) is copied when given and the layer has one."""
-    from solrl_engine.nn.quant_linear import QuantLinear
-
     if not isinstance(qlinear, QuantLinear) or qlinear.recipe.format != "nvfp4":
         raise TypeError(f"load_modelopt_nvfp4 fills an NVFP4 QuantLinear; got {type(qlinear).__name__}")
     r = qlinear.recipe
