@@ -26,7 +26,7 @@ from solrl_engine.nn import requantize_
 from solrl_engine.rl import presets
 from solrl_engine.rl.adapters import OLD, TRAIN, LoraAdapters
 from solrl_engine.rl.distributed import Dist
-from solrl_engine.rl.update import nft_update
+from solrl_engine.rl.update import NFTSettings, UpdateBatch, nft_update
 
 # the training phase (LoRA attached, each copy's refresh, one nft_update warm-up + 2 timed): seconds it needs
 # left of the stage to start (an estimate: a few update batches of SD3.5-L / FLUX take a few seconds each)
@@ -101,8 +101,8 @@ def time_nft_update(model: Any, adapters: LoraAdapters, alias: str, device: torc
     done = [0]
 
     def update() -> None:
-        nft_update(model, adapters, opt, c, x0=x0, cond=cond, adv=adv, sigmas=sigmas, gen=gen, b_global=b, row0=0,
-                   iteration=done[0], dist=Dist(), autocast=lambda: _autocast(device))  # fmt: skip
+        batch = UpdateBatch(x0, cond, adv, sigmas, gen, b_global=b, row0=0, iteration=done[0])
+        nft_update(model, adapters, opt, batch, NFTSettings.from_config(c), Dist(), lambda: _autocast(device))
         done[0] += 1
 
     if device.type == "cuda":

@@ -167,38 +167,3 @@ def compare_figure(cmp: Comparison, header: str = "", labels: tuple[str, str] = 
         [f"{t.rewards[i].item():.3f}  ({t.rewards[i].item() - b.rewards[i].item():+.3f})" for i in pick],
         [b.prompts[i] for i in pick], labels=labels, header=header,
     )  # fmt: skip
-
-
-@torch.no_grad()
-def compare_adapters(ro: Rollouts, adapters: Any, prompts: Sequence[str], seeds_per_prompt: int = 1) -> Comparison:
-    """The base model (adapters off) and the EMA adapter of a training run (`adapters`: its
-    rl.adapters.LoraAdapters) through the run's own rollout path, on the same prompts and seeds."""
-    from solrl_engine.rl.adapters import TRAIN
-
-    with adapters.using("ref"):
-        base = evaluate_rollouts(ro, prompts, seeds_per_prompt, tag="ref")
-    with adapters.ema_weights():
-        trained = evaluate_rollouts(ro, prompts, seeds_per_prompt, tag=TRAIN)
-    return Comparison(base, trained)
-
-
-def write_compare(out_dir: Any, ro: Rollouts, adapters: Any, prompts: Sequence[str], header: str,
-                  tracker: Any = None, step: int = 0, max_pairs: int = 8) -> tuple[Comparison, Any]:  # fmt: skip
-    """End of a training run: OUT/compare.png of `max_pairs` held-out prompts spread over the set (seed
-    0), base vs the EMA adapter, also to the tracker (TensorBoard / wandb) when the run logs to one.
-    Regenerated here rather than kept from the first evaluation: a resumed run has the same picture,
-    and it costs 2 x `max_pairs` images."""
-    from pathlib import Path
-
-    prompts = list(prompts)
-    cmp = compare_adapters(ro, adapters, [prompts[i] for i in spread(len(prompts), max_pairs)])
-    g, se = cmp.gain
-    head = f"{header}  |  these {len(cmp.base.rewards)}: {cmp.base.mean:.3f} -> {cmp.trained.mean:.3f} ({g:+.3f})"
-    fig = compare_figure(cmp, head, ("base", "trained (EMA)"), max_pairs)
-    path = Path(out_dir) / COMPARE_PNG
-    tmp = path.with_suffix(".tmp.png")
-    fig.save(tmp)
-    tmp.replace(path)
-    if tracker is not None:
-        tracker.image("eval/compare", fig, step)
-    return cmp, path

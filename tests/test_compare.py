@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from solrl_engine.cli import main
-from solrl_engine.evaluation import Comparison, EvalResult, compare_adapters, compare_figure, spread
+from solrl_engine.evaluation import Comparison, EvalResult, compare_figure, spread
 from solrl_engine.models.tiny import TinyConfig, TinyT2I
+from solrl_engine.rl.heldout import compare_adapters
 from solrl_engine.viz import pair_grid
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -277,13 +277,13 @@ def test_best_heldout_adapter_is_kept_and_a_degrading_policy_is_reported(small_m
     gen = torch.Generator().manual_seed(1)
     base = torch.rand(64, generator=gen)
     noise = 0.01 * torch.randn(64, generator=gen)
-    tr._track_best(base)  # iteration 0: the base model is the best so far, nothing to export
+    tr.heldout.track_best(tr.iteration, base)  # iteration 0: the base model is the best so far: nothing exported
     assert tr.best[0] == 0 and not best.exists()
     with torch.no_grad():  # an EMA that differs from the live adapter, to tell which one is exported
         for e in tr.adapters.ema:
             e.add_(torch.randn(e.shape, generator=gen))
     tr.iteration = 2
-    tr._track_best(base + 0.1 + noise)
+    tr.heldout.track_best(tr.iteration, base + 0.1 + noise)
     assert json.loads((best / BEST_INFO).read_text())["iteration"] == 2
     save_lora(tr.adapters, tmp_path / "ema_now", tr.rollouts.spec.pipeline, ema=True)
     save_lora(tr.adapters, tmp_path / "live_now", tr.rollouts.spec.pipeline)
@@ -298,11 +298,13 @@ def test_best_heldout_adapter_is_kept_and_a_degrading_policy_is_reported(small_m
     tr.iteration = 4
     with caplog.at_level("WARNING"):
         wobble = 0.002 * torch.randn(64, generator=gen)
-        tr._track_best(base + 0.1 + noise - 0.0003 + wobble - wobble.mean())  # 0.0003 below, se ~0.00025: noise
+        # 0.0003 below, se ~0.00025: noise
+        tr.heldout.track_best(tr.iteration, base + 0.1 + noise - 0.0003 + wobble - wobble.mean())
     assert "degrading" not in caplog.text and tr.best[0] == 2
     tr.iteration = 6
     with caplog.at_level("WARNING"):
-        tr._track_best(base + 0.05 + noise + 0.002 * torch.randn(64, generator=gen))  # 0.05 below, se ~0.0003
+        # 0.05 below, se ~0.0003
+        tr.heldout.track_best(tr.iteration, base + 0.05 + noise + 0.002 * torch.randn(64, generator=gen))
     assert "iteration 6" in caplog.text and "degrading" in caplog.text and str(best) in caplog.text
     assert "kl_beta=0.1" in caplog.text and "lr=3e-4" in caplog.text
     assert tr.best[0] == 2 and json.loads((best / BEST_INFO).read_text())["iteration"] == 2

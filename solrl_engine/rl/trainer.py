@@ -18,7 +18,6 @@ import hashlib
 import json
 import logging
 import random
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,6 @@ import torch
 from tqdm.auto import tqdm
 
 from solrl_engine.data import load_prompts
-from solrl_engine.evaluation import EvalResult, eval_grid, evaluate_rollouts, mean_stderr, write_compare
 from solrl_engine.explore.choice import POLICY, ExploreChoice
 from solrl_engine.explore.copy import ExploreCopy
 from solrl_engine.explore.plan import ExploreSpec
@@ -38,12 +36,12 @@ from solrl_engine.rl.config import FAMILY_TABLE, ConfigError, RLConfig, autocast
 from solrl_engine.rl.distributed import Dist
 from solrl_engine.rl.export import save_lora
 from solrl_engine.rl.guards import NonFiniteError, ProxyGuard, check_finite, check_resume_config
+from solrl_engine.rl.heldout import HeldOut
 from solrl_engine.rl.ranking import group_advantages, kendall, spearman
 from solrl_engine.rl.runtime import build_rollouts, explorer_for
 from solrl_engine.rl.sealed import write_atomic
 from solrl_engine.rl.tracking import Tracker
-from solrl_engine.rl.update import nft_update
-from solrl_engine.viz import line_plot
+from solrl_engine.rl.update import NFTSettings, UpdateBatch, nft_update
 
 log = logging.getLogger("solrl_engine.rl")
 
@@ -111,19 +109,13 @@ class Trainer:
             self.model.transformer.enable_gradient_checkpointing()
         self._follow_explore()
         self.opt = torch.optim.AdamW(self.adapters.params(TRAIN), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.nft = NFTSettings.from_config(cfg)  # what the update reads of the config
         self.prompt_sampler = PromptSampler(self.train_prompts, cfg.seed)
         self.seed_rng = random.Random(cfg.seed + 1)
         self.gen = torch.Generator().manual_seed(cfg.seed + 2)
         self.iteration = 0
-        self.evals: list[tuple[int, float, float]] = []  # (iteration, mean, standard error)
-        self.train_evals: list[tuple[int, float, float]] = []  # the same on eval_train_prompts
-        # The first evaluation's per-image rewards: later ones (same prompts, same seeds) are compared
-        # image by image, a paired difference whose noise is far below the mean's own standard error.
-        self.eval_base: torch.Tensor | None = None
-        self.gains: list[tuple[int, float, float]] = []  # (iteration, mean paired gain, its standard error)
-        # The best held-out evaluation so far, (iteration, per-image rewards): its EMA adapter is
-        # OUT/lora_best, and a later evaluation that falls well below it is reported as a degrading policy.
-        self.best: tuple[int, torch.Tensor] | None = None
+        self.heldout = HeldOut(self.out, self.rollouts, self.adapters, self.dist, self.eval_prompts,
+                               self.eval_train_prompts, cfg.eval_seeds)  # fmt: skip
         self.tracker: Tracker | None = None
         self.nonfinite = 0  # iterations whose update was skipped for non-finite values
         self.guard = ProxyGuard(cfg)
@@ -236,10 +228,9 @@ class Trainer:
         proxy_stats = rule.regenerate  # previews (quantized, or the policy's own at preview_steps) vs regenerations
         guard = self._guard(g_proxy, g_rewards, sel, cond) if proxy_stats else {}  # before the copy moves on
         adv = group_advantages(g_rewards, c.adv_clip, prompts=all_prompts)[mine].flatten()
-        stats = nft_update(self.model, self.adapters, self.opt, c, x0=x0, cond=sel_cond, adv=adv,
-                           sigmas=self.rollouts.training_sigmas(), gen=self.gen, b_global=len(all_prompts) * c.k,
-                           row0=mine.start * c.k, iteration=self.iteration, dist=dist, autocast=self._autocast,
-                           sel=sel)  # fmt: skip
+        batch = UpdateBatch(x0, sel_cond, adv, self.rollouts.training_sigmas(), self.gen, len(all_prompts) * c.k,
+                            mine.start * c.k, self.iteration, sel)  # fmt: skip
+        stats = nft_update(self.model, self.adapters, self.opt, batch, self.nft, dist, self._autocast)
 
         # 5. refresh the explore copy (and the merged policy copy) with the new "old" policy, in place
         self._refresh_copies()
@@ -300,62 +291,16 @@ class Trainer:
 
     # --- evaluation, checkpoints, the loop ---------------------------------------------------------
 
-    @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean reward on the held-out prompts with the EMA adapter (fixed seeds 0 .. eval_seeds - 1),
-        and on `eval_train_prompts` with the same seeds when there are any; writes an image grid of
-        the held-out images with each one's prompt and reward."""
-        c, dist = self.cfg, self.dist
-        prompts = self.eval_prompts + self.eval_train_prompts  # one pass: held-out first, then training
-        per = -(-len(prompts) // dist.world)  # each rank evaluates a contiguous share, the last one padded
-        padded = prompts + [prompts[-1]] * (per * dist.world - len(prompts))
-        mine = padded[dist.rank * per : (dist.rank + 1) * per]
-        with self.adapters.ema_weights():
-            res = evaluate_rollouts(self.rollouts, mine, c.eval_seeds, tag=TRAIN)
-        n = len(self.eval_prompts) * c.eval_seeds
-        rewards = dist.gather_rows(res.rewards.to(self.device)).cpu()[: len(prompts) * c.eval_seeds]
-        full = EvalResult(list(self.eval_prompts), [], res.images, rewards[:n])
-        mean, sem = full.mean, full.stderr
-        if self.eval_base is None or len(self.eval_base) != n:
-            self.eval_base = full.rewards.clone()
-        diff = full.rewards - self.eval_base
-        gain, gain_sem = mean_stderr(diff)
-        self.gains.append((self.iteration, gain, gain_sem))
-        self._track_best(full.rewards)
-        if self.eval_train_prompts:
-            tr = EvalResult(list(self.eval_train_prompts), [], res.images, rewards[n:])
-            self.train_evals.append((self.iteration, tr.mean, tr.stderr))
-        if dist.main:
-            head = (f"iter {self.iteration}: held-out reward {mean:.3f} +- {sem:.3f}, "
-                    f"gain {gain:+.3f} +- {gain_sem:.3f} (EMA adapter, {n} images, same seeds)")  # fmt: skip
-            grid = eval_grid(res, c.eval_seeds, head)  # rank 0's share starts with the held-out prompts
-            grid.save(self.out / f"eval_{self.iteration:05d}.png")
-            if self.tracker is not None:
-                self.tracker.image("eval/grid", grid, self.iteration)
-        self.evals.append((self.iteration, mean, sem))
-        return mean
+        """The held-out evaluation of the EMA adapter now (rl.heldout.HeldOut.evaluate)."""
+        return self.heldout.evaluate(self.iteration, self.tracker)
 
-    def _track_best(self, rewards: torch.Tensor) -> None:
-        """Export the EMA adapter of a new best held-out evaluation as OUT/lora_best (a long run that
-        degrades keeps its best adapter), and warn when an evaluation falls more than 3 standard errors
-        below the best (paired: the same prompts and seeds), naming what to change."""
-        mean, best_dir = rewards.mean().item(), self.out / checkpoint.BEST_LORA
-        if self.best is None or mean > self.best[1].mean().item():
-            self.best = (self.iteration, rewards.clone())
-            if self.iteration > 0 and self.dist.main:  # at 0 the best is the base model: nothing to export
-                info = {checkpoint.BEST_INFO: json.dumps({"iteration": self.iteration, "heldout_reward": mean})}
-                save_lora(self.adapters, best_dir, self.rollouts.spec.pipeline, ema=True, extra=info)
-            return
-        it, best_rewards = self.best
-        gain, se = mean_stderr(rewards - best_rewards)
-        if -gain > 3 * se and len(rewards) > 1 and self.dist.main:
-            kept = f"{best_dir} holds that evaluation's EMA adapter" if it > 0 else "the base model was better"
-            log.warning(
-                "iteration %d: the held-out reward (%.3f) is %.3f +- %.3f below its best (%.3f at iteration %d, "
-                "same prompts and seeds): the policy is degrading; %s. For a longer run anchor the policy "
-                "(e.g. --set kl_beta=0.1) or lower the learning rate (e.g. --set lr=3e-4)",
-                self.iteration, mean, -gain, se, best_rewards.mean().item(), it, kept,
-            )  # fmt: skip
+    # the held-out curves, read by benches and tests
+    evals = property(lambda self: self.heldout.evals)
+    train_evals = property(lambda self: self.heldout.train_evals)
+    eval_base = property(lambda self: self.heldout.eval_base)
+    gains = property(lambda self: self.heldout.gains)
+    best = property(lambda self: self.heldout.best)
 
     def _state(self) -> dict[str, Any]:
         return {
@@ -365,11 +310,7 @@ class Trainer:
             "prompts": self.prompt_sampler.state(),
             "seed_rng": self.seed_rng.getstate(),
             "gen": self.gen.get_state(),
-            "evals": list(self.evals),
-            "train_evals": list(self.train_evals),
-            "eval_base": None if self.eval_base is None else self.eval_base.tolist(),
-            "gains": list(self.gains),
-            "best": None if self.best is None else [self.best[0], self.best[1].tolist()],
+            **self.heldout.state(),  # evals, train_evals, eval_base, gains, best
             "config": dataclasses.asdict(self.cfg),
             "world_size": self.dist.world,
             "nonfinite": self.nonfinite,
@@ -388,14 +329,7 @@ class Trainer:
         self.prompt_sampler.load_state(st["prompts"])
         self.seed_rng.setstate(st["seed_rng"])
         self.gen.set_state(st["gen"])
-        self.evals = [tuple(e) for e in st["evals"]]  # type: ignore[misc]
-        self.train_evals = [tuple(e) for e in st.get("train_evals", [])]  # type: ignore[misc]
-        base = st.get("eval_base")  # absent in checkpoints of older versions: gains restart from here
-        self.eval_base = None if base is None else torch.tensor(base)
-        self.gains = [tuple(g) for g in st.get("gains", [])]  # type: ignore[misc]
-        best = st.get("best")  # absent in checkpoints of older versions: tracked from here on
-        self.best = None if best is None else (best[0], torch.tensor(best[1]))
-        self._drop_stale_best()
+        self.heldout.load_state(st)
         self.nonfinite = st.get("nonfinite", 0)
         self.guard.load_state(st["proxy_guard"])
         then, now = st.get("explore_precision"), self.explore_spec
@@ -408,20 +342,6 @@ class Trainer:
             self._set_fallback(True)
         self._refresh_copies()
 
-    def _drop_stale_best(self) -> None:
-        """A lora_best written after the checkpoint being resumed belongs to iterations that will run
-        again: remove it, so the directory always matches the best the run knows of."""
-        best_dir = self.out / checkpoint.BEST_LORA
-        if not self.dist.main or not best_dir.exists():
-            return
-        try:  # missing or torn (a crash while it was written): unknown, so the directory goes
-            on_disk = json.loads((best_dir / checkpoint.BEST_INFO).read_text()).get("iteration")
-        except (OSError, ValueError):
-            on_disk = None
-        if self.best is None or on_disk != self.best[0]:
-            log.info("removing %s (iteration %s): it was written after the resumed checkpoint", best_dir, on_disk)
-            shutil.rmtree(best_dir)
-
     def _checkpoint(self, main: bool) -> None:
         """Write a checkpoint and the exported adapters; never from a poisoned (non-finite) state."""
         if not all(bool(torch.isfinite(p).all()) for p in self.adapters.params(TRAIN) + self.adapters.ema):
@@ -432,17 +352,6 @@ class Trainer:
             checkpoint.save(self.out / "checkpoints", self.iteration, self._state(), self.cfg.keep_checkpoints)
             self.export()
         self.dist.barrier()
-
-    def _plot(self, history: list[dict[str, Any]]) -> None:
-        done = [h for h in history if "reward_mean" in h]  # skipped iterations have no rewards
-        its = ([h["iter"] for h in done], [h["reward_mean"] for h in done])
-        series = {"rollout reward (each iteration's prompts)": its}
-        bands = {}
-        for name, evals in (("held-out prompts (EMA)", self.evals), ("training prompts (EMA)", self.train_evals)):
-            if evals:
-                series[name] = ([e[0] for e in evals], [e[1] for e in evals])
-                bands[name] = [e[2] for e in evals]
-        line_plot(self.out / "reward.png", series, f"{self.cfg.name}", "iteration", f"{self.cfg.reward} reward", bands)
 
     def export(self) -> None:
         """The trained adapter and its EMA as diffusers LoRA directories: OUT/lora, OUT/lora_ema."""
@@ -497,16 +406,13 @@ class Trainer:
             m = self.step()
             if self.iteration % c.eval_every == 0 or self.iteration == c.iterations:
                 m["heldout_reward"] = self.evaluate()
-                m["heldout_stderr"] = self.evals[-1][2]
-                m["heldout_gain"], m["heldout_gain_stderr"] = self.gains[-1][1:]
-                if self.train_evals:
-                    m["train_prompt_reward"], m["train_prompt_stderr"] = self.train_evals[-1][1:]
+                m.update(self.heldout.last())
             history.append(m)
             if main:
                 with metrics_path.open("a") as f:
                     f.write(json.dumps(m) + "\n")
                 self.tracker.log(m, self.iteration)
-                self._plot(history)
+                self.heldout.plot(history, c.name, c.reward)
             stop = self.signals.requested(self.dist, self.device)
             if self.iteration % c.save_every == 0 or self.iteration == c.iterations or stop:
                 self._checkpoint(main)
@@ -520,31 +426,18 @@ class Trainer:
         if main and not (self.out / "lora").exists():  # e.g. resumed at the end: still exported
             self.export()
         compare, stopped = None, self.signals.name
-        if main and self.eval_prompts and self.gains and not stopped:  # before/after; a stopped run leaves at once
-            it, g, se = self.gains[-1]
-            head = f"{c.name}: held-out paired gain {g:+.3f} +- {se:.3f} ({len(self.eval_base)} images, iteration {it})"
-            compare = write_compare(self.out, self.rollouts, self.adapters, self.eval_prompts, head, self.tracker,
-                                    self.iteration)[1]  # fmt: skip
+        if main and not stopped:  # the before/after picture; a stopped run leaves at once
+            compare = self.heldout.compare(c.name, self.iteration, self.tracker)
         self.tracker.close()
         summary = {
             "name": c.name,
             "family": c.family,
             "iterations": self.iteration,
-            "heldout_reward_start": self.evals[0][1] if self.evals and self.evals[0][0] == 0 else None,
-            "heldout_reward_final": self.evals[-1][1] if self.evals else None,
-            "heldout_stderr_final": self.evals[-1][2] if self.evals else None,
-            # paired over the same prompts and seeds as the first evaluation
-            "heldout_gain_final": self.gains[-1][1] if self.gains else None,
-            "heldout_gain_stderr_final": self.gains[-1][2] if self.gains else None,
-            "train_prompt_reward_start": self.train_evals[0][1] if self.train_evals else None,
-            "train_prompt_reward_final": self.train_evals[-1][1] if self.train_evals else None,
+            **self.heldout.summary(),  # the held-out curve's start, end and paired gain; the training prompts'
             "lora": str(self.out / "lora"),
             "lora_ema": str(self.out / "lora_ema"),
             "compare_png": None if compare is None else str(compare),  # base vs EMA adapter, side by side
-            # the EMA adapter of the best held-out evaluation (None: no evaluation beat the base model)
-            "heldout_best_iteration": None if self.best is None else self.best[0],
-            "heldout_reward_best": None if self.best is None else self.best[1].mean().item(),
-            "lora_best": str(self.out / checkpoint.BEST_LORA) if self.best and self.best[0] > 0 else None,
+            **self.heldout.best_summary(),  # the EMA adapter of the best held-out evaluation, OUT/lora_best
             "explore_recipe": self.explorer.recipe_label,
             "rollout_form": self.rollout_form,  # the "old" LoRA merged into a copy, or PEFT's branches
             "mean_time_total_s": sum(h["time_total_s"] for h in history) / max(1, len(history)),

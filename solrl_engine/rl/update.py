@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -23,24 +24,49 @@ from solrl_engine.rl.loss import nft_loss
 from solrl_engine.sampling import seeded_noise
 
 
-def nft_update(
-    model: FlowModel,
-    adapters: LoraAdapters,
-    opt: torch.optim.Optimizer,
-    c: RLConfig,
-    *,
-    x0: torch.Tensor,
-    cond: Conditioning,
-    adv: torch.Tensor,
-    sigmas: torch.Tensor,
-    gen: torch.Generator,
-    b_global: int,
-    row0: int,
-    iteration: int,
-    dist: Dist,
-    autocast: Callable[[], contextlib.AbstractContextManager],
-    sel: Any = None,
-) -> dict[str, float]:
+@dataclass(frozen=True)
+class NFTSettings:
+    """What the update reads of a run's config: the step budget and timestep share, the update's batching,
+    the loss (beta, KL weight, advantage clip), the gradient clip and how the EMA and "old" adapters move."""
+
+    full_steps: int = 10
+    timestep_fraction: float = 0.6
+    updates_per_iter: int = 1
+    train_batch_size: int = 16
+    beta: float = 1.0
+    kl_beta: float = 1e-4
+    adv_clip: float = 5.0
+    grad_clip: float = 1.0
+    ema_decay_max: float = 0.9
+    old_decay_rate: float = 0.001
+    old_decay_max: float = 0.5
+
+    @classmethod
+    def from_config(cls, cfg: RLConfig) -> NFTSettings:
+        return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls)})
+
+
+@dataclass
+class UpdateBatch:
+    """One iteration's selected samples on this rank and what their update draws from: the samples `x0` and
+    their conditioning, advantages, the rollout's flow times at the full step budget, the run's generator,
+    the global batch size and this rank's first row in it, the iterations done before this one, and (for
+    non-finite errors) the Selection that names prompts and seeds."""
+
+    x0: torch.Tensor
+    cond: Conditioning
+    adv: torch.Tensor
+    sigmas: torch.Tensor
+    gen: torch.Generator
+    b_global: int
+    row0: int
+    iteration: int
+    sel: Any = None
+
+
+def nft_update(model: FlowModel, adapters: LoraAdapters, opt: torch.optim.Optimizer, batch: UpdateBatch,
+               c: NFTSettings, dist: Dist, autocast: Callable[[], contextlib.AbstractContextManager]
+               ) -> dict[str, float]:  # fmt: skip
     """`updates_per_iter` optimizer steps over the selected samples x the chosen rollout timesteps
     (the official DiffusionNFT's gradient steps per epoch): the global batch is split at random
     into that many groups, each one step with gradients accumulated over its samples.
@@ -50,7 +76,9 @@ def nft_update(
     global size x timesteps), so the summed gradients equal a one-process run's. `sigmas` are the
     rollout's flow times at the full step budget, `iteration` the number of iterations done
     before this one, `sel` (a Selection) names prompts and seeds in non-finite errors."""
-    sig, device = sigmas, x0.device  # the rollout times, t in (0, 1]
+    x0, cond, adv, gen, sel = batch.x0, batch.cond, batch.adv, batch.gen, batch.sel
+    b_global, row0, iteration = batch.b_global, batch.row0, batch.iteration
+    sig, device = batch.sigmas, x0.device  # the rollout times, t in (0, 1]
     n_t = max(1, int(c.full_steps * c.timestep_fraction))
     b = x0.shape[0]
     rows = slice(row0, row0 + b)
