@@ -9,7 +9,7 @@ import argparse
 import torch
 from diffusers import DiffusionPipeline
 
-from solrl_engine.rollout import Explorer
+from solrl_engine.explore import Explorer
 
 
 def redness(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:

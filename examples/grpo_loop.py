@@ -16,7 +16,7 @@ import torch
 from diffusers import StableDiffusion3Pipeline
 from peft import LoraConfig
 
-from solrl_engine.rollout import Explorer
+from solrl_engine.explore import Explorer
 
 
 def redness(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:

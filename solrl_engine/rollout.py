@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from solrl_engine.explore.explorer import Explorer, Regenerated, Selection
+from solrl_engine.explore import Explorer, Regenerated, Selection
 
 __all__ = ["Explorer", "Regenerated", "Selection"]
 

@@ -11,3 +11,12 @@ the cheap ranking matched the full-precision one. Below rl/: it never imports rl
 Submodules import each other by full path (solrl_engine.explore.<module>), never this package, so that
 importing one never runs another's imports in a circle.
 """
+
+from solrl_engine.explore.choice import POLICY, ExploreChoice
+from solrl_engine.explore.copy import ExploreCopy
+from solrl_engine.explore.explorer import Explorer, Regenerated, Selection
+from solrl_engine.explore.plan import ExploreSettings, ExploreSpec
+
+# `plan` itself is solrl_engine.explore.plan.plan: re-exported here it would hide its module of the same name
+__all__ = ["POLICY", "ExploreChoice", "ExploreCopy", "ExploreSettings", "ExploreSpec", "Explorer", "Regenerated",
+           "Selection"]
