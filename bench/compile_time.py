@@ -28,7 +28,8 @@ CHILD = r"""
 import json, sys, time, torch
 from solrl_engine.models.tiny.model import TinyConfig, TinyT2I
 from solrl_engine.models import model_spec
-from solrl_engine.explore.copy import POLICY, ExploreCopy
+from solrl_engine.explore.choice import POLICY
+from solrl_engine.explore.copy import ExploreCopy
 from solrl_engine.sampling.compile import Census, census_backend, compile_regions
 
 layers, how, batch = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])  # argv[4]: timed forwards after two

@@ -53,13 +53,15 @@ from session_common import (  # noqa: E402
     _error,
     _release,
     build_model,
+    ceilings,
     format_unavailable,
     graphed_ms,
-    median_ms,
     predict,
 )
 from session_forwards import COMPILE_ALLOWANCE, device_from_ceilings, model_stage  # noqa: E402
 from session_train import TRAIN_ALLOWANCE  # noqa: E402
+
+ROOT = HERE.parent
 
 # the two device calls (docs/gpu-session.md): the headline and the cheapest paper family first, then the rest
 CALLS = {
@@ -75,50 +77,6 @@ ALLOWANCE = {
     "smoke": {"preflight": 180.0, "ceilings": 30.0, "gpu-tests": 300.0, "trainer": 600.0, "forwards": 240.0},
 }
 SMOKE_BUDGET = 1800.0
-
-
-# --- the device's ceilings ---------------------------------------------------------------
-
-
-def ceilings(device: torch.device, shape: tuple[int, int, int], copy_mib: int, reps: int) -> dict[str, Any]:
-    """Copy bandwidth and BF16 / FP8 row-wise / INT8 GEMM rates at one DiT-sized GEMM (m x n x k)."""
-    m, n, k = shape
-    out: dict[str, Any] = {"gemm_shape": [m, n, k]}
-    src = torch.randn(copy_mib * 2**20 // 2, device=device, dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    ms = median_ms(lambda: dst.copy_(src), device, reps=reps)
-    out["copy"] = {"median_ms": ms, "mib": copy_mib, "gb_per_s": 2 * src.numel() * 2 / (ms / 1e3) / 1e9}
-    src = dst = torch.empty(0)  # free the buffers before the GEMMs
-    flops = 2 * m * n * k
-    a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-    w = torch.randn(n, k, device=device, dtype=torch.bfloat16)
-    ms = median_ms(lambda: a @ w.t(), device, reps=reps)
-    out["bf16_mm"] = {"median_ms": ms, "tflops": flops / (ms / 1e3) / 1e12}
-    why = format_unavailable("fp8", device)
-    if why is None:
-        try:
-            a8, w8 = a.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn)
-            sa = torch.ones(m, 1, device=device, dtype=torch.float32)
-            sw = torch.ones(1, n, device=device, dtype=torch.float32)
-            ms = median_ms(lambda: torch._scaled_mm(a8, w8.t(), sa, sw, out_dtype=torch.bfloat16), device, reps=reps)
-            out["fp8_scaled_mm_rowwise"] = {"median_ms": ms, "tflops": flops / (ms / 1e3) / 1e12}
-        except (RuntimeError, NotImplementedError) as e:
-            out["fp8_scaled_mm_rowwise"] = {"skipped": f"torch._scaled_mm failed here: {str(e).splitlines()[0]}"}
-    else:
-        out["fp8_scaled_mm_rowwise"] = {"skipped": why}
-    why = format_unavailable("int8", device)
-    if why is None:
-        try:
-            a8 = torch.randint(-127, 128, (m, k), device=device, dtype=torch.int8)
-            w8 = torch.randint(-127, 128, (n, k), device=device, dtype=torch.int8)
-            ms = median_ms(lambda: torch._int_mm(a8, w8.t()), device, reps=reps)
-            out["int8_int_mm"] = {"median_ms": ms, "tops": flops / (ms / 1e3) / 1e12}
-        except (RuntimeError, NotImplementedError) as e:
-            out["int8_int_mm"] = {"skipped": f"torch._int_mm failed here: {str(e).splitlines()[0]}"}
-    else:
-        out["int8_int_mm"] = {"skipped": why}
-    out["nvfp4"] = {"skipped": "no raw FP4 GEMM ceiling here: the NVFP4 explore forward (stages 1-3, sm_100+) times it"}
-    return out
 
 
 # --- Sol-RL's headline: real trainer iterations -------------------------------------------------------
@@ -254,9 +212,6 @@ def gpu_tests_stage(cfg: dict[str, Any], seconds: float) -> dict[str, Any]:
 
 
 # --- the session ------------------------------------------------------------------------------------
-
-ROOT = HERE.parent
-
 
 class StageTimeout(BaseException):
     """Raised in the main thread when a stage's allowance runs out. A BaseException, so the stages' own
@@ -503,7 +458,7 @@ def run_preflight(device: torch.device, cfg: dict[str, Any]) -> dict[str, Any]:
         ("kernels", lambda: pf.check_kernels(device)),
         ("layers", lambda: pf.check_layers(device, eight)),
         ("fast_path_small", lambda: pf.check_fast_path_small(small, inputs, device, every)),
-        ("census", lambda: pf.check_census(device, census_fmt, cfg["compile_backend"])),
+        ("census", lambda: pf.check_census(device, census_fmt, "inductor")),  # as the sampler compiles, smoke too
         ("capture", lambda: pf.check_capture(small, inputs, device, lambda f: graphed_ms(f, device, 2))),
     ]
     out = pf.run_checks(checks)

@@ -67,7 +67,6 @@ SMALL_FLUX = dict(num_layers=1, num_single_layers=1, attention_head_dim=64, num_
                   joint_attention_dim=256, pooled_projection_dim=256, axes_dims_rope=(16, 24, 24))  # fmt: skip
 
 
-# the explore formats and the compute capability whose tensor cores run them (docs/explore-speed.md)
 FORMATS = tuple(TENSOR_CORES)  # the explore formats with tensor cores, fastest first (kernels' one table)
 
 
@@ -202,3 +201,44 @@ def _release(device: torch.device) -> None:
 def _error(e: BaseException, limit: int = 4) -> dict[str, str]:
     return {"error": f"{type(e).__name__}: {e}"[:500], "traceback": traceback.format_exc(limit=limit)[-1500:]}
 
+
+def ceilings(device: torch.device, shape: tuple[int, int, int], copy_mib: int, reps: int) -> dict[str, Any]:
+    """Copy bandwidth and BF16 / FP8 row-wise / INT8 GEMM rates at one DiT-sized GEMM (m x n x k)."""
+    m, n, k = shape
+    out: dict[str, Any] = {"gemm_shape": [m, n, k]}
+    src = torch.randn(copy_mib * 2**20 // 2, device=device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src), device, reps=reps)
+    out["copy"] = {"median_ms": ms, "mib": copy_mib, "gb_per_s": 2 * src.numel() * 2 / (ms / 1e3) / 1e9}
+    src = dst = torch.empty(0)  # free the buffers before the GEMMs
+    flops = 2 * m * n * k
+    a = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    w = torch.randn(n, k, device=device, dtype=torch.bfloat16)
+    ms = median_ms(lambda: a @ w.t(), device, reps=reps)
+    out["bf16_mm"] = {"median_ms": ms, "tflops": flops / (ms / 1e3) / 1e12}
+    why = format_unavailable("fp8", device)
+    if why is None:
+        try:
+            a8, w8 = a.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn)
+            sa = torch.ones(m, 1, device=device, dtype=torch.float32)
+            sw = torch.ones(1, n, device=device, dtype=torch.float32)
+            ms = median_ms(lambda: torch._scaled_mm(a8, w8.t(), sa, sw, out_dtype=torch.bfloat16), device, reps=reps)
+            out["fp8_scaled_mm_rowwise"] = {"median_ms": ms, "tflops": flops / (ms / 1e3) / 1e12}
+        except (RuntimeError, NotImplementedError) as e:
+            out["fp8_scaled_mm_rowwise"] = {"skipped": f"torch._scaled_mm failed here: {str(e).splitlines()[0]}"}
+    else:
+        out["fp8_scaled_mm_rowwise"] = {"skipped": why}
+    why = format_unavailable("int8", device)
+    if why is None:
+        try:
+            a8 = torch.randint(-127, 128, (m, k), device=device, dtype=torch.int8)
+            w8 = torch.randint(-127, 128, (n, k), device=device, dtype=torch.int8)
+            ms = median_ms(lambda: torch._int_mm(a8, w8.t()), device, reps=reps)
+            out["int8_int_mm"] = {"median_ms": ms, "tops": flops / (ms / 1e3) / 1e12}
+        except (RuntimeError, NotImplementedError) as e:
+            out["int8_int_mm"] = {"skipped": f"torch._int_mm failed here: {str(e).splitlines()[0]}"}
+    else:
+        out["int8_int_mm"] = {"skipped": why}
+    out["nvfp4"] = {"skipped": "no raw FP4 GEMM ceiling here: the NVFP4 explore forward (forwards stages, sm_100+) "
+                               "times it"}
+    return out

@@ -46,8 +46,6 @@ from solrl_engine.sampling.compile import Census, census_backend, compile_region
 COMPILE_ALLOWANCE = 60.0
 
 
-
-
 # Kernel names -> groups, first match wins (lower-case substrings). GPU kernels: cuBLASLt's FP8 names
 # carry the element type (e4m3/e5m2), INT8 IMMA ones i8/s8/imma, FP4 e2m1; our Triton GEMMs are
 # _w4a4/_w4a16/_splitk_reduce and the INT8 scale epilogue _epilogue_kernel; our quantize kernels are
@@ -422,7 +420,7 @@ def device_from_ceilings(ceil: dict[str, Any], name: str) -> Any:
 
 def predicted(alias: str, arch: dict[str, Any] | None, res: int | None, batch: int, rec: dict[str, Any],
               dev: Any) -> dict[str, Any]:  # fmt: skip
-    """bench/predict.py's roofline forward for this device (from the stage-0 ceilings) at the same batch,
+    """bench/predict.py's roofline forward for this device (from the the ceilings stage) at the same batch,
     per precision, on the layers the measured copy quantized; beside the measured forward. Its update batch
     and refresh estimates sit beside the measured ones, at the same train batch and timestep fraction."""
     if dev is None:

@@ -97,7 +97,7 @@ def test_gemm(benchmark, path: str) -> None:
 @pytest.mark.parametrize("recipe", ["nn.Linear", "nvfp4", "nvfp4_weight_only", "fp8", "fp8_weight_only", "bf16"])
 def test_quant_linear_vs_linear(benchmark, recipe: str, dtype: str) -> None:
     """The explore copy's layer against the policy's, at the policy's dtype: what explore_precision=auto
-    measures (solrl_engine.hw.probe_explore_timings) before choosing."""
+    measures (solrl_engine.explore.choice.probe_explore_timings) before choosing."""
     dt = getattr(torch, dtype)
     torch.manual_seed(0)
     lin = nn.Linear(K, N).to(DEVICE, dt)

@@ -167,3 +167,17 @@ def compare_figure(cmp: Comparison, header: str = "", labels: tuple[str, str] = 
         [f"{t.rewards[i].item():.3f}  ({t.rewards[i].item() - b.rewards[i].item():+.3f})" for i in pick],
         [b.prompts[i] for i in pick], labels=labels, header=header,
     )  # fmt: skip
+
+
+# names that moved, and where to: asking this module for one says so (an ImportError, which `from ... import`
+# passes on with its message, where an AttributeError would be replaced by a bare "cannot import name")
+_MOVED = {
+    "compare_adapters": "solrl_engine.rl.heldout.compare_adapters",
+    "write_compare": "solrl_engine.rl.heldout.write_compare",
+}
+
+
+def __getattr__(name: str) -> object:
+    if name in _MOVED:
+        raise ImportError(f"solrl_engine.evaluation.{name} moved: use {_MOVED[name]}")
+    raise AttributeError(f"module 'solrl_engine.evaluation' has no attribute {name!r}")

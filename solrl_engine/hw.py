@@ -145,3 +145,18 @@ def autocast_for(device: torch.device, dtype: torch.dtype | None = None) -> cont
     if device.type == "cpu" and dtype == torch.bfloat16:
         return torch.autocast("cpu", dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+# names that moved, and where to: asking this module for one says so (an ImportError, which `from ... import`
+# passes on with its message, where an AttributeError would be replaced by a bare "cannot import name")
+_MOVED = {
+    name: f"solrl_engine.explore.choice.{name}"
+    for name in ("EXPLORE_CANDIDATES", "POLICY", "ExploreChoice", "explore_candidates", "choose_explore_precision",
+                 "explore_layer_shapes", "probe_explore_timings", "resolve_explore_precision")
+} | {"NVFP4_OPTIONS": "solrl_engine.quant.recipe.NVFP4_OPTIONS"}
+
+
+def __getattr__(name: str) -> object:
+    if name in _MOVED:
+        raise ImportError(f"solrl_engine.hw.{name} moved: use {_MOVED[name]}")
+    raise AttributeError(f"module 'solrl_engine.hw' has no attribute {name!r}")

@@ -17,11 +17,11 @@ _MOVED = {
                 "and build_explorer)",
     "Scored": "solrl_engine.sampling.rollouts.Scored",
     "explore_rule": "solrl_engine.explore.plan.explore_rule (it takes an ExploreSettings: "
-                    "solrl_engine.rl.runtime.explore_settings(cfg))",
+                    "RLConfig.explore_settings())",
 }
 
 
 def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        raise AttributeError(f"solrl_engine.rollout.{name} moved: use {_MOVED[name]}")
+    if name in _MOVED:  # an ImportError, not an AttributeError: `from ... import` would replace the message
+        raise ImportError(f"solrl_engine.rollout.{name} moved: use {_MOVED[name]}")
     raise AttributeError(f"module 'solrl_engine.rollout' has no attribute {name!r}")

@@ -26,7 +26,7 @@ def test_the_table_is_fastest_first():
 ])  # fmt: skip
 def test_formats_and_the_hardware_plan_follow_the_table(cap, formats, plan):
     assert kernels.formats_with_tensor_cores(cap) == formats
-    assert kernels.hardware_plan(cap) == plan
+    assert kernels.fastest_format(cap) == plan
 
 
 @pytest.mark.parametrize(("sm", "fmt", "why"), [

@@ -123,16 +123,16 @@ def test_int8_explores_every_eligible_layer_fp8_and_nvfp4_keep_the_family_rule(t
     every eligible layer, so its rule widens; FP8 and NVFP4 keep the family's (image-stream MLPs)."""
     from solrl_engine.explore.plan import explore_rule
     from solrl_engine.models import model_spec
-    from solrl_engine.rl.runtime import explore_settings, explorer_for
+    from solrl_engine.rl.runtime import explorer_for
 
     torch.manual_seed(0)
     TinyT2I(SMALL).save(tmp_path / "m")
     spec = model_spec("tiny")
     cfg = RLConfig(model="tiny", model_path=str(tmp_path / "m"), device="cpu", policy_dtype="float32")
-    s = explore_settings(cfg)
+    s = cfg.explore_settings()
     assert explore_rule(s, spec, "int8")["include"] == () and explore_rule(s, spec, "fp8") == spec.explore_rule
     assert explore_rule(s, spec, "nvfp4") == spec.explore_rule == explore_rule(s, spec)
-    over = explore_settings(RLConfig(**{**cfg.__dict__, "explore_layers": ("transformer_blocks.*.ff.*",)}))
+    over = RLConfig(**{**cfg.__dict__, "explore_layers": ("transformer_blocks.*.ff.*",)}).explore_settings()
     assert explore_rule(over, spec, "int8")["include"] == ("transformer_blocks.*.ff.*",)  # the config still wins
     wide = explorer_for(RLConfig(**{**cfg.__dict__, "explore_precision": "int8"})).copy.report
     rule = explorer_for(RLConfig(**{**cfg.__dict__, "explore_precision": "fp8"})).copy.report

@@ -15,9 +15,11 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+from bench_scripts import load_bench
 
 ROOT = Path(__file__).resolve().parents[1]
 BAD_KEYS = ("error", "traceback", "timed_out", "graphed_error")
+SMOKE_BUDGET = load_bench("gpu_session").SMOKE_BUDGET  # the smoke call's own limit
 
 
 def _tree_copy(dst: Path) -> Path:
@@ -51,8 +53,12 @@ def rehearse(tree: Path, tmp_path_factory: pytest.TempPathFactory):
             env = {**os.environ, "OUT": str(out), "SOLRL_SITE": str(out / "site"), "PYTHON": f"{sys.executable} -S",
                    "PYTHONPATH": site, "SOLRL_SIMULATE_SM": sm, "TRITON_INTERPRET": "1"}  # fmt: skip
             env.pop("SOLRL_BACKEND", None)
-            proc = subprocess.run(["bash", "bench/device_call.sh", str(call), "--smoke"], cwd=tree, env=env,
-                                  capture_output=True, text=True, timeout=900)  # fmt: skip
+            try:  # the script's own smoke budget bounds it; this limit only catches a hang
+                proc = subprocess.run(["bash", "bench/device_call.sh", str(call), "--smoke"], cwd=tree, env=env,
+                                      capture_output=True, text=True, timeout=SMOKE_BUDGET + 120)  # fmt: skip
+            except subprocess.TimeoutExpired:
+                log = (out / "gpu_session.log").read_text() if (out / "gpu_session.log").is_file() else ""
+                pytest.fail(f"call {call} at sm_{sm} ran past {SMOKE_BUDGET + 120:.0f} s; its log ends:\n{log[-3000:]}")
             saved = out / "gpu_session.json"
             rec = json.loads(saved.read_text()) if saved.is_file() else {}
             log = (out / "gpu_session.log").read_text() if (out / "gpu_session.log").is_file() else ""

@@ -1,9 +1,9 @@
-"""Run directories nobody can lose (issue 33): a start validates everything before it moves anything
-(--overwrite moves the old run aside, never deletes it), --resume insists on a verified checkpoint,
-one process writes a run directory at a time (a killed run's lock is taken over), a torn metrics.jsonl
-is cut back on resume, adapters are checked against their manifest wherever they are read, a signal
-stops a run with a documented exit code and the command that resumes it, and bad settings get one
-line naming the key or the file. "Unchanged" is checked by the SHA-256 of every file under OUT."""
+"""Run directories nobody can lose (docs/checkpoints.md, "Starting, stopping and resuming a run"): a start
+validates everything before it moves anything (--overwrite moves the old run aside, never deletes it), --resume
+insists on a verified checkpoint, one process writes a run directory at a time (a killed run's lock is taken
+over), a torn metrics.jsonl is cut back on resume, adapters are checked against their manifest wherever they
+are read, a signal stops a run with a documented exit code and the command that resumes it, and bad settings
+get one line naming the key or the file. "Unchanged" is checked by the SHA-256 of every file under OUT."""
 
 from __future__ import annotations
 

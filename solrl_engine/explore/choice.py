@@ -19,8 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from solrl_engine.kernels import device_capability, formats_with_tensor_cores, gpu_like
-from solrl_engine.kernels import hardware_plan as kernel_hardware_plan
+from solrl_engine.kernels import device_capability, fastest_format, formats_with_tensor_cores, gpu_like
 from solrl_engine.nn import QuantLinear, plan_quantization
 from solrl_engine.quant.recipe import NVFP4_OPTIONS, get_recipe
 
@@ -61,7 +60,7 @@ def hardware_plan(device: torch.device | str) -> str:
     tensor cores only), emulated NVFP4 elsewhere, a CPU included (a fidelity study's proxy). A CPU under
     SOLRL_SIMULATE_SM counts as that GPU."""
     dev = torch.device(device)
-    return kernel_hardware_plan(device_capability(dev) if gpu_like(dev) else None)
+    return fastest_format(device_capability(dev) if gpu_like(dev) else None)
 
 
 def choose_explore_precision(

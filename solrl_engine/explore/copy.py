@@ -35,7 +35,6 @@ if TYPE_CHECKING:
     from solrl_engine.explore.plan import ExploreSpec
 
 
-
 class FollowedAdapters(Protocol):
     """What the copy needs of the policy's LoRA adapters (the trainer's rl.adapters.LoraAdapters): the
     transformer they sit on, their layers by name, and the adapter the copy follows (the "old" policy,

@@ -26,7 +26,7 @@ from solrl_engine.sampling import seeded_noise
 from solrl_engine.sampling.rollouts import Rollouts, RolloutSettings
 from solrl_engine.sampling.sampler import SOLVERS
 
-log = logging.getLogger("solrl_engine.rollout")
+log = logging.getLogger("solrl_engine.explore")
 
 
 def _check_args(n: int, k: int, preview_steps: int, solver: str, guidance_scale: float | None, batch_size: int,
@@ -160,8 +160,7 @@ class Explorer:
         ro = Rollouts(model, spec_m, reward, how)
         spec = None
         if explore_precision != "bf16":  # bf16: the caller's policy explores, no copy
-            spec = plan(settings, spec_m, ro.device, ro.dtype, model.transformer, steps=preview_steps,
-                        autocast=ro.autocast)  # fmt: skip
+            spec = plan(settings, spec_m, ro.device, ro.dtype, model.transformer, autocast=ro.autocast)
         self._init(ro, ExploreCopy.from_spec(model.transformer, spec), spec, n, k, preview_steps,
                    random.Random(seed))  # fmt: skip
         self.resolution = resolution or getattr(model, "resolution", None)

@@ -18,7 +18,7 @@ from torch import nn
 
 from solrl_engine.explore.choice import POLICY, ExploreChoice, resolve_explore_precision
 from solrl_engine.models import ModelSpec
-from solrl_engine.quant.recipe import NVFP4_OPTIONS, RECIPES, RHT_SIZES, QuantRecipe, get_recipe
+from solrl_engine.quant.recipe import NVFP4_OPTIONS, RECIPES, RHT_SIZES, get_recipe
 
 log = logging.getLogger("solrl_engine.explore")
 
@@ -97,13 +97,12 @@ def explore_rule(settings: ExploreSettings, model: ModelSpec, precision: str | N
 @dataclass(frozen=True)
 class ExploreSpec:
     """The explore pass as resolved: the precision used (a recipe name, "te_nvfp4", "bf16", or POLICY: the
-    policy itself explores), the full layer rule, why, what `auto` timed (ms; empty where nothing was), the
-    preview step budget, and the NVFP4 options dropped because `auto` chose another format."""
+    policy itself explores), the full layer rule (the copy's QuantRecipe changes), why, what `auto` timed (ms;
+    empty where nothing was), and the NVFP4 options dropped because `auto` chose another format."""
 
     precision: str
     rule: Mapping[str, Any]
     reason: str
-    steps: int
     timings_ms: Mapping[str, float] = field(default_factory=dict)
     dropped: tuple[str, ...] = ()
 
@@ -111,18 +110,6 @@ class ExploreSpec:
     def quantized(self) -> bool:
         """Whether a quantized copy explores (else the policy itself does)."""
         return self.precision != POLICY
-
-    @property
-    def recipe(self) -> QuantRecipe | None:
-        """The copy's full QuantRecipe (None where the policy explores)."""
-        if not self.quantized:
-            return None
-        return get_recipe("nvfp4" if self.precision == "te_nvfp4" else self.precision).with_(**dict(self.rule))
-
-    @property
-    def choice(self) -> ExploreChoice:
-        """(precision, reason, timings): what ranks agree on and checkpoints remember."""
-        return ExploreChoice(self.precision, self.reason, dict(self.timings_ms))
 
 
 def plan(
@@ -132,7 +119,6 @@ def plan(
     dtype: torch.dtype,
     transformer: nn.Module | None = None,
     *,
-    steps: int,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     agree: Callable[[ExploreChoice], ExploreChoice] | None = None,
     choice: ExploreChoice | None = None,
@@ -159,4 +145,4 @@ def plan(
             rule.pop(k)
     else:
         dropped = ()
-    return ExploreSpec(choice.precision, rule, choice.reason, steps, dict(choice.timings_ms), dropped)
+    return ExploreSpec(choice.precision, rule, choice.reason, dict(choice.timings_ms), dropped)

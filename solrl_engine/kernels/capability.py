@@ -84,7 +84,7 @@ def formats_with_tensor_cores(capability: tuple[int, int] | None) -> tuple[str, 
     return tuple(fmt for fmt, tc in TENSOR_CORES.items() if capability >= tc.needs)
 
 
-def hardware_plan(capability: tuple[int, int] | None) -> str:
+def fastest_format(capability: tuple[int, int] | None) -> str:
     """The explore format the hardware plan gives a device: its fastest tensor-core format (NVFP4 on sm_100+,
     FP8 on sm_89+, INT8 on sm_80+), else emulated NVFP4 (a CPU included: a fidelity study's proxy)."""
     return next(iter(formats_with_tensor_cores(capability)), "nvfp4")

@@ -76,7 +76,11 @@ def source_tree_kernels() -> str | None:
                                                   submodule_search_locations=[str(folder)])  # fmt: skip
     mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     sys.modules[TRITON_PACKAGE] = mod  # before exec: the package's relative imports find it
-    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    try:
+        spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    except BaseException:
+        sys.modules.pop(TRITON_PACKAGE, None)  # a half-built package must not pass for a loaded one
+        raise
     return spec.origin
 
 
@@ -86,7 +90,11 @@ def _triton_unavailable() -> str | None:
     mod = _import("triton")
     if isinstance(mod, str):
         return f"Triton is not installed ({mod}); pip install triton"
-    if source_tree_kernels() is None:
+    try:
+        where = source_tree_kernels()
+    except Exception as e:  # noqa: BLE001 - the folder is there but does not import: say why
+        return f"the Triton kernels beside solrl_engine/ do not import ({type(e).__name__}: {e})"
+    if where is None:
         return (f"the Triton kernels ({TRITON_PACKAGE}) are not installed and no triton_kernels/ folder lies beside "
                 "solrl_engine/: pip install -e . from the repository")  # fmt: skip
     mod = _import(TRITON_PACKAGE)

@@ -13,6 +13,7 @@ Adding a model is one new file plus one line here.
 from __future__ import annotations
 
 import importlib
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -126,6 +127,10 @@ def wrap_pipeline(
     the pipeline as it was."""
     if getattr(pipe, "MODEL", "") in MODELS and hasattr(pipe, "velocity"):
         return pipe, pipe.MODEL
+    if getattr(pipe, "FAMILY", "") in MODELS and hasattr(pipe, "velocity"):  # the attribute's older name
+        warnings.warn(f"{type(pipe).__name__}.FAMILY is now called MODEL (its name in solrl_engine.models.MODELS); "
+                      "rename the attribute", DeprecationWarning, stacklevel=2)  # fmt: skip
+        return pipe, pipe.FAMILY
     for name in MODELS:
         spec = model_spec(name)
         cls = pipeline_class(spec.pipeline, missing_ok=True)

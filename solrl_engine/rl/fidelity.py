@@ -118,10 +118,8 @@ def _setup(cfg: RLConfig, prompts: int, n: int, oracle_cache: str | Path | None,
     ro = build_rollouts(cfg)
     # explore_precision=auto by the tensor-core table, not timed: a fidelity study measures a quantized proxy
     # wherever it is slow (the hardware plan's format; NVFP4 on a CPU)
-    copy = ExploreCopy.from_spec(ro.model.transformer, plan_explore(cfg, ro, cfg.preview_steps, measure=False))
-    if copy is None:
-        raise ValueError(f"explore_precision={cfg.explore_precision!r} builds no explore copy: a fidelity study "
-                         "measures a quantized proxy (choose nvfp4, fp8, int8, ... or auto)")  # fmt: skip
+    spec = plan_explore(cfg, ro, measure=False)  # untimed, auto is always a format here (never POLICY)
+    copy = ExploreCopy(ro.model.transformer, spec.precision, changes=dict(spec.rule))
     pool = load_prompts(cfg.train_prompts)
     chosen = random.Random(cfg.seed).sample(pool, min(prompts, len(pool)))
     seeds = [[1000 * i + j for j in range(n)] for i in range(len(chosen))]
@@ -354,3 +352,16 @@ def write_report(result: dict[str, Any], path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2))
     return path
+
+
+# names that moved, and where to: asking this module for one says so (an ImportError, which `from ... import`
+# passes on with its message, where an AttributeError would be replaced by a bare "cannot import name")
+_MOVED = {
+    "linear_flops": "the Rollouts method: rollouts.linear_flops(transformer) (solrl_engine.sampling.rollouts)",
+}
+
+
+def __getattr__(name: str) -> object:
+    if name in _MOVED:
+        raise ImportError(f"solrl_engine.rl.fidelity.{name} moved: use {_MOVED[name]}")
+    raise AttributeError(f"module 'solrl_engine.rl.fidelity' has no attribute {name!r}")

@@ -38,7 +38,16 @@ from typing import Any
 
 import torch
 
-from solrl_engine.rl.checkpoint import MIN_FREE_BYTES, RUN_DIRS, RUN_FILES, CheckpointError, pick
+from solrl_engine.rl.checkpoint import (
+    BEST_LORA,
+    EXPORTS,
+    MIN_FREE_BYTES,
+    RUN_DIRS,
+    RUN_FILES,
+    CheckpointError,
+    pick,
+    verify,
+)
 from solrl_engine.rl.sealed import fsync_dir
 
 log = logging.getLogger("solrl_engine.rl")
@@ -201,7 +210,7 @@ def run_entries(out: Path) -> list[str]:
     if not out.is_dir():
         return []
     named = [n for n in (*RUN_FILES, *RUN_DIRS) if (out / n).exists()]
-    leftovers = [p.name for pat in ("eval_*.png", ".tmp_*", ".old_*") for p in out.glob(pat)]
+    leftovers = [p.name for pat in ("eval_*.png", ".tmp_*", ".old_*", "*.tmp.png", "*.tmp") for p in out.glob(pat)]
     return sorted(set(named + leftovers))
 
 
@@ -272,8 +281,6 @@ def damaged_exports(out: str | Path) -> bool:
     """On resume: check OUT's exported adapters against their manifests, warning about each damaged one;
     True when lora/ or lora_ema/ must be written again (both are made from the checkpoint's state).
     A damaged lora_best/ cannot be remade (its evaluation is past): it is named, and left to restore."""
-    from solrl_engine.rl.checkpoint import BEST_LORA, EXPORTS, verify
-
     again = False
     for d in EXPORTS:
         if (Path(out) / d).is_dir() and (v := verify(Path(out) / d, kind="export")).status == "damaged":
@@ -353,12 +360,13 @@ class StopSignals:
                     "iteration); `--resume` continues from there", signal.Signals(signum).name)  # fmt: skip
 
     def requested(self, dist: Any, device: torch.device) -> bool:
-        """A signal on any rank stops every rank after the same iteration (a collective)."""
-        flag = torch.tensor([float(self.signum or 0)], device=device)
-        total = dist.sum_(flag).item()
-        if total > 0 and self.signum is None:  # another rank's signal: take its name when it is one
-            self.signum = int(total) if int(total) in EXIT_CODES else int(signal.SIGTERM)
-        return total > 0
+        """A signal on any rank stops every rank after the same iteration (a collective): each rank counts
+        its signal, and a rank that got none takes the first one any rank got (in STOP_SIGNALS' order)."""
+        mine = torch.tensor([float(self.signum == s) for s in STOP_SIGNALS], device=device)
+        counts = dist.sum_(mine).tolist()
+        if self.signum is None and any(counts):
+            self.signum = int(next(s for s, n in zip(STOP_SIGNALS, counts, strict=True) if n))
+        return any(counts)
 
     @property
     def name(self) -> str | None:

@@ -8,25 +8,21 @@ takes plain values, so another trainer reaches them exactly as ours does.
 from __future__ import annotations
 
 import logging
+import random
 from collections.abc import Callable
 from typing import Any
 
 from solrl_engine.explore.choice import ExploreChoice
 from solrl_engine.explore.copy import ExploreCopy
 from solrl_engine.explore.explorer import Explorer
-from solrl_engine.explore.plan import ExploreSettings, ExploreSpec, plan
+from solrl_engine.explore.plan import ExploreSpec, plan
 from solrl_engine.models import load_model, model_spec
 from solrl_engine.rewards import check_reward, load_reward, parse_reward_args
 from solrl_engine.rl.config import FAMILY_TABLE, RLConfig, resolve_policy_dtype, resolve_runtime
-from solrl_engine.sampling.rollouts import Rollouts, RolloutSettings, family_guidance
+from solrl_engine.sampling.rollouts import Rollouts, RolloutSettings, model_guidance
 
-log = logging.getLogger("solrl_engine.rollout")
+log = logging.getLogger("solrl_engine.rl")
 Agree = Callable[[ExploreChoice], ExploreChoice]  # every rank takes one answer (Dist.broadcast_object)
-
-
-def explore_settings(cfg: RLConfig) -> ExploreSettings:
-    """The config's explore_* keys, read in this one place (RLConfig.explore_settings)."""
-    return cfg.explore_settings()
 
 
 def rollout_settings(cfg: RLConfig) -> RolloutSettings:
@@ -54,17 +50,17 @@ def build_rollouts(cfg: RLConfig) -> Rollouts:
         resolution=cfg.resolution,
         offload_text_encoders=cfg.offload_text_encoders,
         decode_batch_size=cfg.decode_batch_size,
-        guidance_scale=family_guidance(spec, cfg.guidance_scale) if spec.guidance == "embedded" else None,
+        guidance_scale=model_guidance(spec, cfg.guidance_scale) if spec.guidance == "embedded" else None,
     )
     model.requires_grad_(False)
     return Rollouts(model, spec, load_reward(cfg.reward, reward_args), rollout_settings(cfg))
 
 
-def plan_explore(cfg: RLConfig, ro: Rollouts, steps: int, agree: Agree | None = None,
-                 choice: ExploreChoice | None = None, measure: bool = True) -> ExploreSpec:  # fmt: skip
+def plan_explore(cfg: RLConfig, ro: Rollouts, agree: Agree | None = None, choice: ExploreChoice | None = None,
+                 measure: bool = True) -> ExploreSpec:  # fmt: skip
     """The config's explore pass resolved for the rollouts' model and device (explore.plan)."""
-    return plan(explore_settings(cfg), ro.spec, ro.device, ro.dtype, ro.model.transformer, steps=steps,
-                autocast=ro.autocast, agree=agree, choice=choice, measure=measure)  # fmt: skip
+    return plan(cfg.explore_settings(), ro.spec, ro.device, ro.dtype, ro.model.transformer, autocast=ro.autocast,
+                agree=agree, choice=choice, measure=measure)  # fmt: skip
 
 
 def build_explorer(ro: Rollouts, spec: ExploreSpec | None, n: int, k: int, steps: int, rng: Any = None) -> Explorer:
@@ -83,5 +79,5 @@ def explorer_for(cfg: RLConfig, ro: Rollouts | None = None, agree: Agree | None 
     ro = ro if ro is not None else build_rollouts(cfg)
     rule = FAMILY_TABLE[cfg.family]
     steps = cfg.preview_steps if rule.preview else cfg.full_steps
-    spec = plan_explore(cfg, ro, steps, agree=agree, choice=choice) if rule.quantized_explore else None
-    return build_explorer(ro, spec, cfg.n, cfg.k, steps)
+    spec = plan_explore(cfg, ro, agree=agree, choice=choice) if rule.quantized_explore else None
+    return build_explorer(ro, spec, cfg.n, cfg.k, steps, random.Random(cfg.seed + 1))

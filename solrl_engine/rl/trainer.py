@@ -365,9 +365,19 @@ class Trainer:
         `auto_resume`: whichever applies. Rank 0 holds OUT's lock throughout (rundir.hold). SIGINT, SIGTERM
         and SIGHUP stop after the current iteration with a checkpoint (summary["stopped_by"])."""
         mode = rundir.start_mode(resume, overwrite, auto_resume)
-        with rundir.hold(self.out) if self.dist.main else contextlib.nullcontext(), self.signals:
-            mode = self.dist.broadcast_object(rundir.check_start(self.out, mode) if self.dist.main else None)
-            return self._run(mode)
+        lock, verdict = contextlib.ExitStack(), None
+        if self.dist.main:  # rank 0 takes the lock and checks the start; every rank learns the outcome
+            try:
+                lock.enter_context(rundir.hold(self.out))
+                verdict = ("start", rundir.check_start(self.out, mode))
+            except Exception as e:  # raised on every rank below, so none waits for a collective that never comes
+                verdict = ("refused", e)
+        verdict = self.dist.broadcast_object(verdict)
+        if verdict[0] == "refused":
+            lock.close()
+            raise verdict[1]
+        with lock, self.signals:
+            return self._run(verdict[1])
 
     def _run(self, mode: str) -> dict[str, Any]:
         c, main = self.cfg, self.dist.main  # rank 0 alone writes; every rank computes

@@ -29,20 +29,21 @@ class NFTSettings:
     """What the update reads of a run's config: the step budget and timestep share, the update's batching,
     the loss (beta, KL weight, advantage clip), the gradient clip and how the EMA and "old" adapters move."""
 
-    full_steps: int = 10
-    timestep_fraction: float = 0.6
-    updates_per_iter: int = 1
-    train_batch_size: int = 16
-    beta: float = 1.0
-    kl_beta: float = 1e-4
-    adv_clip: float = 5.0
-    grad_clip: float = 1.0
-    ema_decay_max: float = 0.9
-    old_decay_rate: float = 0.001
-    old_decay_max: float = 0.5
+    full_steps: int
+    timestep_fraction: float
+    updates_per_iter: int
+    train_batch_size: int
+    beta: float
+    kl_beta: float
+    adv_clip: float
+    grad_clip: float
+    ema_decay_max: float
+    old_decay_rate: float
+    old_decay_max: float
 
     @classmethod
     def from_config(cls, cfg: RLConfig) -> NFTSettings:
+        """The config's values of these fields (its defaults are the only ones: none are repeated here)."""
         return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls)})
 
 

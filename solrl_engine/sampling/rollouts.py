@@ -24,7 +24,7 @@ from solrl_engine.sampling.compile import use_cache_dir
 from solrl_engine.sampling.graphed import GraphedSampler
 from solrl_engine.sampling.sampler import model_sigmas, sample
 
-log = logging.getLogger("solrl_engine.rollout")
+log = logging.getLogger("solrl_engine.sampling")
 
 
 @dataclass(frozen=True)
@@ -54,8 +54,8 @@ class Scored:
     components: dict[str, torch.Tensor]
 
 
-def family_guidance(spec: ModelSpec, guidance_scale: float | None) -> float:
-    """The guidance scale rollouts use: the given one, else the model family's."""
+def model_guidance(spec: ModelSpec, guidance_scale: float | None) -> float:
+    """The guidance scale rollouts use: the given one, else the model's own default."""
     return float(spec.guidance_scale if guidance_scale is None else guidance_scale)
 
 
@@ -67,7 +67,7 @@ class Rollouts:
         self.model, self.spec, self.reward, self.settings = model, spec, reward, settings
         p = next(model.transformer.parameters())
         self.device, self.dtype = p.device, p.dtype
-        self.cfg_guidance = family_guidance(spec, settings.guidance_scale) if spec.guidance == "cfg" else 1.0
+        self.cfg_guidance = model_guidance(spec, settings.guidance_scale) if spec.guidance == "cfg" else 1.0
         self._uncond: Conditioning | None = None
         # compiled: on GPU + one CUDA graph per batch shape, on CPU through inductor (no graphs); both read
         # the weights in place, so updates need no re-capture or recompile
@@ -86,7 +86,7 @@ class Rollouts:
     def pipeline_guidance(self) -> float:
         """The guidance_scale a stock pipeline call needs to match this sampling."""
         if self.spec.guidance == "embedded":
-            return family_guidance(self.spec, self.settings.guidance_scale)
+            return model_guidance(self.spec, self.settings.guidance_scale)
         return self.cfg_guidance
 
     def autocast(self) -> Any:
