@@ -149,7 +149,15 @@ def _eval(args: argparse.Namespace) -> int:
     """Mean of each reward over a prompt set with a trained LoRA (or the base model), plus grids; with
     --compare-base also the base model on the same prompts and seeds, side by side (compare.png)."""
     from solrl_engine.data import load_prompts
-    from solrl_engine.evaluation import COMPARE_PNG, Comparison, compare_figure, eval_grid, evaluate_rollouts
+    from solrl_engine.evaluation import (
+        COMPARE_GIF,
+        COMPARE_PNG,
+        Comparison,
+        compare_figure,
+        compare_gif,
+        eval_grid,
+        evaluate_rollouts,
+    )
     from solrl_engine.rl.runtime import build_rollouts
     from solrl_engine.rl.sealed import write_atomic
 
@@ -191,6 +199,7 @@ def _eval(args: argparse.Namespace) -> int:
         g, se = cmp.gain
         head = f"{cfg.name}: base vs {args.lora}, paired gain {g:+.3f} +- {se:.3f} ({len(res.rewards)} images)"
         compare_figure(cmp, head, ("base", "with LoRA"), seeds_per_prompt=args.seeds).save(out / COMPARE_PNG)
+        compare_gif(out / COMPARE_GIF, cmp, seeds_per_prompt=args.seeds)  # videos: the pairs as they play
         print(cmp.line(out / COMPARE_PNG, what=args.lora))
     return 0
 
@@ -390,7 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--model-path", default=None, help="pipeline directory or hub id (default: the family's)")
     sp.add_argument("--resolution", type=int, default=None, help="pixels (default: the family's)")
     sp.add_argument("--lora", default=None, help="an exported adapter (a run's lora/, lora_ema/ or lora_best/)")
-    sp.add_argument("--solver", default="dpm2", choices=["euler", "dpm2"])
+    sp.add_argument("--solver", default="dpm2", choices=["euler", "dpm2", "unipc"])
     sp.add_argument("--prompt", default=None)
     sp.add_argument("--split", default=None,
                     help="a prompt set instead: train, heldout (the shapes world), sample/test, a .txt/.jsonl file")

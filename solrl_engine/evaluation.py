@@ -112,11 +112,13 @@ def evaluate(
 
 def eval_grid(res: EvalResult, seeds_per_prompt: int, header: str, max_images: int = 16) -> Any:
     """A grid of the first seed of up to 16 prompts, each captioned with its reward and prompt."""
-    from solrl_engine.viz import image_grid
+    from solrl_engine.viz import frame_strips, image_grid
 
     pick = list(range(0, len(res.prompts), max(1, seeds_per_prompt)))[:max_images]
     captions = [f"{res.rewards[i].item():.3f} {res.prompts[i]}" for i in pick]
-    return image_grid(res.images[pick], captions, ncol=4, header=header)
+    video = res.images.dim() == 5  # a clip is a strip of its frames
+    return image_grid(frame_strips(res.images[pick]), captions, ncol=2 if video else 4, header=header,
+                      tile=512 if video else 256)  # fmt: skip
 
 
 # --- before / after: the base model and the trained adapter, side by side ---------------------------
@@ -156,17 +158,35 @@ def compare_figure(cmp: Comparison, header: str = "", labels: tuple[str, str] = 
     """compare.png: the first seed of `max_pairs` prompts spread evenly over the set (`spread`: not
     picked by reward), base | trained side by side, each image's reward under it and the prompt under
     the pair."""
-    from solrl_engine.viz import pair_grid
+    from solrl_engine.viz import frame_strips, pair_grid
 
     b, t = cmp.base, cmp.trained
     step = max(1, seeds_per_prompt)
     pick = [i * step for i in spread(len(b.prompts) // step, max_pairs)]
     return pair_grid(
-        b.images[pick], t.images[pick],
+        frame_strips(b.images[pick]), frame_strips(t.images[pick]),
         [f"{b.rewards[i].item():.3f}" for i in pick],
         [f"{t.rewards[i].item():.3f}  ({t.rewards[i].item() - b.rewards[i].item():+.3f})" for i in pick],
         [b.prompts[i] for i in pick], labels=labels, header=header,
+        **({"pairs_per_row": 1, "tile": 512} if b.images.dim() == 5 else {}),
     )  # fmt: skip
+
+
+COMPARE_GIF = "compare.gif"
+
+
+def compare_gif(path: Any, cmp: Comparison, max_pairs: int = 4, seeds_per_prompt: int = 1) -> Any:
+    """For videos, compare.png's pairs as they play: base | trained of up to `max_pairs` prompts spread over the
+    set (the same pick as compare.png), one GIF; None for images."""
+    from solrl_engine.viz import write_gif
+
+    b, t = cmp.base, cmp.trained
+    if b.images.dim() != 5:
+        return None
+    step = max(1, seeds_per_prompt)
+    pick = [i * step for i in spread(len(b.prompts) // step, max_pairs)]
+    pairs = torch.stack([torch.stack([b.images[i], t.images[i]]) for i in pick]).flatten(0, 1)
+    return write_gif(path, pairs, ncol=2)
 
 
 # names that moved, and where to: asking this module for one says so (an ImportError, which `from ... import`

@@ -1,4 +1,5 @@
-"""Pictures people would rather look at than read: image grids with captions, and line plots."""
+"""Pictures people would rather look at than read: image grids with captions, line plots, and for videos frame
+strips (a still of each clip) and animated GIFs."""
 
 from __future__ import annotations
 
@@ -165,3 +166,50 @@ def pair_grid(
         draw.text((x + tw + pad + 2, y + th + 2), right_captions[i], fill=(0, 0, 0), font=small)
         draw.text((x + 2, y + th + 19), "\n".join(lines[i]), fill=(40, 40, 120), font=small, spacing=3)
     return grid
+
+
+def frame_indices(frames: int, k: int) -> list[int]:
+    """`k` frame indices spread evenly over a clip of `frames` frames, the first and the last included."""
+    if k < 1:
+        raise ValueError(f"score at least one frame per clip; got {k}")
+    if k >= frames:
+        return list(range(frames))
+    if k == 1:
+        return [frames // 2]
+    return [round(i * (frames - 1) / (k - 1)) for i in range(k)]
+
+
+def frame_strips(images: torch.Tensor, k: int = 4) -> torch.Tensor:
+    """Videos [B, T, 3, H, W] -> stills [B, 3, H, k W]: `k` frames spread over each clip (the first and the
+    last included), side by side, so every image grid and comparison shows a clip as one picture. Images
+    [B, 3, H, W] pass through unchanged."""
+    if images.dim() != 5:
+        return images
+    idx = frame_indices(images.shape[1], k)
+    return torch.cat([images[:, i] for i in idx], dim=-1)
+
+
+def write_gif(path: str | Path, videos: torch.Tensor, ncol: int = 4, fps: int = 8, tile: int = 192) -> Path:
+    """Videos [B, T, 3, H, W] in [0, 1] as one animated GIF (Pillow's writer), the clips in a grid of `ncol`
+    columns, each frame of the GIF the same frame of every clip; tiles up to `tile` px. Written to a
+    temporary name and renamed, so a reader never sees half a file."""
+    from PIL import Image as PILImage
+
+    vids = videos.detach().float().clamp(0, 1).cpu()
+    b, t, _, h, w = vids.shape
+    scale = max(1, tile // max(h, w))
+    ncol = max(1, min(ncol, b))
+    nrow = (b + ncol - 1) // ncol
+    frames = []
+    for f in range(t):
+        grid = torch.ones(3, nrow * h * scale, ncol * w * scale)
+        for i in range(b):
+            r, c = divmod(i, ncol)
+            up = vids[i, f].repeat_interleave(scale, 1).repeat_interleave(scale, 2)
+            grid[:, r * h * scale : (r + 1) * h * scale, c * w * scale : (c + 1) * w * scale] = up
+        frames.append(PILImage.fromarray((grid.permute(1, 2, 0).numpy() * 255).round().astype("uint8")))
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    frames[0].save(tmp, format="GIF", save_all=True, append_images=frames[1:], duration=int(1000 / fps), loop=0)
+    tmp.replace(path)
+    return path

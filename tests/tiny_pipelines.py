@@ -37,11 +37,13 @@ from typing import Any
 import torch
 from tiny_clip import build_clip_reward, clip_tokenizer
 
-SIZES = {"sd3": 64, "flux": 64, "sana": 128}  # image side in pixels
-VAE_FACTOR = {"sd3": 8, "flux": 8, "sana": 32}  # pixels per latent cell (FLUX packs 2x2 cells on top)
-LATENT_CHANNELS = {"sd3": 16, "flux": 16, "sana": 32}
+SIZES = {"sd3": 64, "flux": 64, "sana": 128, "wan": 64}  # image (video: frame) side in pixels
+VAE_FACTOR = {"sd3": 8, "flux": 8, "sana": 32, "wan": 8}  # pixels per latent cell (FLUX packs 2x2 cells on top)
+LATENT_CHANNELS = {"sd3": 16, "flux": 16, "sana": 32, "wan": 16}
 LATENT_SHAPES = {k: (LATENT_CHANNELS[k], SIZES[k] // VAE_FACTOR[k], SIZES[k] // VAE_FACTOR[k]) for k in SIZES}
-MAX_SEQUENCE_LENGTH = {"sd3": 32, "flux": 32, "sana": 32}  # T5 / Gemma tokens to pass as max_sequence_length
+WAN_FRAMES = 9  # frames per tiny clip: 3 latent frames (the first, then 4 per latent frame)
+LATENT_SHAPES["wan"] = (16, 3, 8, 8)
+MAX_SEQUENCE_LENGTH = {"sd3": 32, "flux": 32, "sana": 32, "wan": 32}  # T5 / Gemma / UMT5 tokens (max_sequence_length)
 CLIP_TOKENS = 77  # CLIP's positions and tokenizer length, as the real CLIP-L / CLIP-G
 
 __all__ = [
@@ -55,27 +57,29 @@ __all__ = [
     "build_flux",
     "build_sana",
     "build_sd3",
+    "build_wan",
 ]
 
 _WORDS = ("a", "an", "the", "of", "on", "in", "with", "and", "red", "blue", "green", "apple", "car", "cat", "dog",
           "cup", "photo", "image", "prompt", "user")  # fmt: skip
 
 
-def _t5(d_model: int, max_length: int) -> tuple[Any, Any]:
-    """A T5 encoder (gated-GELU FFN and relative positions, as T5 v1.1-XXL) and a Unigram T5Tokenizer:
-    <pad>=0, </s>=1, <unk>=2 as T5's sentencepiece model, every printable ASCII character (so
-    prompts rarely fall to <unk>), whole-word pieces that win on score, and 4 sentinel extra ids."""
-    from transformers import T5Config, T5EncoderModel, T5Tokenizer
+def _t5(d_model: int, max_length: int, umt5: bool = False) -> tuple[Any, Any]:
+    """A T5 encoder (gated-GELU FFN and relative positions, as T5 v1.1-XXL; `umt5`: the UMT5 classes Wan uses)
+    and a Unigram T5Tokenizer: <pad>=0, </s>=1, <unk>=2 as T5's sentencepiece model, every printable ASCII
+    character (so prompts rarely fall to <unk>), whole-word pieces that win on score, and 4 sentinel extra ids."""
+    from transformers import T5Config, T5EncoderModel, T5Tokenizer, UMT5Config, UMT5EncoderModel
 
     pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -3.0)]
     pieces += [(c, -6.0) for c in string.ascii_letters + string.digits + string.punctuation]
     pieces += [("\u2581" + w, -2.0) for w in _WORDS] + [("ing", -3.0), ("ed", -3.0), ("er", -3.0)]
     tok = T5Tokenizer(vocab=pieces, extra_ids=4, model_max_length=max_length)
-    cfg = T5Config(vocab_size=len(tok), d_model=d_model, d_kv=8, d_ff=2 * d_model, num_layers=2, num_heads=4,
-                   feed_forward_proj="gated-gelu", relative_attention_num_buckets=8,
-                   relative_attention_max_distance=32, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                   decoder_start_token_id=tok.pad_token_id)  # fmt: skip
-    return T5EncoderModel(cfg).eval(), tok
+    config_cls, model_cls = (UMT5Config, UMT5EncoderModel) if umt5 else (T5Config, T5EncoderModel)
+    cfg = config_cls(vocab_size=len(tok), d_model=d_model, d_kv=8, d_ff=2 * d_model, num_layers=2, num_heads=4,
+                     feed_forward_proj="gated-gelu", relative_attention_num_buckets=8,
+                     relative_attention_max_distance=32, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                     decoder_start_token_id=tok.pad_token_id)  # fmt: skip
+    return model_cls(cfg).eval(), tok
 
 
 def _clip_text(hidden: int, projection: bool, act: str = "quick_gelu") -> tuple[Any, Any]:
@@ -233,4 +237,30 @@ def build_sana(path: str | Path, seed: int = 0) -> Path:
     scheduler = DPMSolverMultistepScheduler(flow_shift=3.0, use_flow_sigmas=True, prediction_type="flow_prediction")
     pipe = SanaPipeline(tokenizer=tok, text_encoder=te, vae=_dc_ae(LATENT_CHANNELS["sana"]), transformer=transformer,
                         scheduler=scheduler)  # fmt: skip
+    return _save(pipe, path)
+
+
+def build_wan(path: str | Path, seed: int = 0) -> Path:
+    """Save a tiny WanPipeline (Wan2.1-T2V layout) into `path`.
+
+    A UMT5 encoder (32 wide); a Wan transformer of 2 blocks, 2 heads of 16 (rope splits 8 / 4 / 4 over time,
+    height, width), FFN 64, patch (1, 2, 2) over 16 x 3 x 8 x 8 latents (64 px, 9 frames: 48 tokens); the Wan
+    VAE (x8 spatial, x4 temporal, causal 3-D convolutions) with non-trivial per-channel latent means and
+    deviations, so a decode that skips them differs; and the scheduler Wan ships with: UniPC (bh2, order 2) on
+    flow sigmas, flow_prediction, flow_shift 3.
+    """
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+
+    torch.manual_seed(seed)
+    te, tok = _t5(32, MAX_SEQUENCE_LENGTH["wan"], umt5=True)
+    g = torch.Generator().manual_seed(seed + 1)
+    mean = (torch.randn(16, generator=g) * 0.5).tolist()
+    std = (torch.rand(16, generator=g) + 0.5).tolist()
+    vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1, latents_mean=mean,
+                           latents_std=std, temperal_downsample=[False, True, True]).eval()  # fmt: skip
+    transformer = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16,
+                                        in_channels=16, out_channels=16, text_dim=32, freq_dim=32, ffn_dim=64,
+                                        num_layers=2, rope_max_seq_len=32)  # fmt: skip
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+    pipe = WanPipeline(tokenizer=tok, text_encoder=te, vae=vae, transformer=transformer, scheduler=scheduler)
     return _save(pipe, path)

@@ -28,6 +28,7 @@ MODELS: dict[str, str] = {
     "sd3": "solrl_engine.models.sd3:SPEC",
     "flux": "solrl_engine.models.flux:SPEC",
     "sana": "solrl_engine.models.sana:SPEC",
+    "wan": "solrl_engine.models.wan:SPEC",
 }
 
 # The benchmarks' names for the full-size published architectures (random weights).
@@ -68,6 +69,7 @@ class ModelSpec:
     guidance: str = "cfg"
     guidance_scale: float = 1.0
     repeated_blocks: tuple[str, ...] = ()
+    video: bool = False  # decode gives videos [B, F, 3, H, W]; the config's `frames` and `width` apply
 
     def build(self, path: str | Path | None, device: torch.device | str, dtype: torch.dtype, **options: Any
               ) -> FlowModel:  # fmt: skip
@@ -120,7 +122,8 @@ def pipeline_class(name: str, missing_ok: bool = False) -> Any:
 
 
 def wrap_pipeline(
-    pipe: Any, resolution: int | None = None, guidance_scale: float | None = None, decode_batch_size: int = 8
+    pipe: Any, resolution: int | None = None, guidance_scale: float | None = None, decode_batch_size: int = 8,
+    **options: Any,
 ) -> tuple[FlowModel, str]:
     """(FlowModel, its name in MODELS) over a caller's stock diffusers pipeline (or a FlowModel of ours, passed
     through), on the pipeline's own device and dtype and without moving anything: the caller keeps
@@ -138,11 +141,10 @@ def wrap_pipeline(
             adapter = spec.adapter_object()
             p = next(pipe.transformer.parameters())
             if resolution is None:  # the pipeline's own default size, as pipe(prompt) would draw
-                cells = getattr(pipe, "default_sample_size", None) or pipe.transformer.config.sample_size
-                resolution = int(cells) * int(pipe.vae_scale_factor)
+                resolution = adapter.pipeline_resolution(pipe)
             model = adapter(pipe, device=p.device, dtype=p.dtype, resolution=resolution, offload_text_encoders=False,
-                            decode_batch_size=decode_batch_size, guidance_scale=guidance_scale,
-                            place=False)  # fmt: skip
+                            decode_batch_size=decode_batch_size, guidance_scale=guidance_scale, place=False,
+                            **options)  # fmt: skip
             return model, name
     known = [model_spec(n).pipeline for n in MODELS if n != "tiny"]
     raise TypeError(f"{type(pipe).__name__} is not a pipeline this engine knows; pass one of {known} or a FlowModel")

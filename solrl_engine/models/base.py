@@ -78,9 +78,11 @@ def input_dtype(net: torch.nn.Module) -> torch.dtype:
     weights, kept so for the optimizer, do not count). A stock diffusers pipeline casts its latents
     to the transformer's dtype the same way, so a BF16 model called with FP32 latents outside
     autocast computes in BF16 instead of failing in its first layer; under autocast the cast is the
-    one autocast would make, so results are unchanged."""
+    one autocast would make, so results are unchanged. Modules a diffusers model keeps in FP32 whatever its
+    dtype (`_keep_in_fp32_modules`: Wan's time embedder and modulation tables) do not count either."""
+    kept = tuple(getattr(net, "_keep_in_fp32_modules", None) or ())
     for name, p in net.named_parameters():
-        if p.is_floating_point() and "lora_" not in name:
+        if p.is_floating_point() and "lora_" not in name and not any(k in name.split(".") for k in kept):
             return p.dtype
     return torch.get_default_dtype()
 

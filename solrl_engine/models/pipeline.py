@@ -141,12 +141,19 @@ class PipelineFlowModel(nn.Module):
         want = pipeline_class(cls.PIPELINE_CLASS)
         if not isinstance(pipe, want):
             raise ValueError(
-                f"{path} holds a {type(pipe).__name__}, not a {cls.PIPELINE_CLASS}: choose the model family that "
+                f"{path} holds a {type(pipe).__name__}, not a {cls.PIPELINE_CLASS}: choose the model that "
                 "matches the weights (model=sd3 for StableDiffusion3Pipeline, flux for FluxPipeline, sana for "
-                "SanaPipeline)"
+                "SanaPipeline, wan for WanPipeline)"
             )
         pipe.set_progress_bar_config(disable=True)
         return cls(pipe, device=device, dtype=dtype, **options)
+
+    @classmethod
+    def pipeline_resolution(cls, pipe: Any) -> int:
+        """The size a stock pipeline draws by default (`pipe(prompt)`): its sample size in latent cells x the VAE
+        factor."""
+        cells = getattr(pipe, "default_sample_size", None) or pipe.transformer.config.sample_size
+        return int(cells) * int(pipe.vae_scale_factor)
 
     # --- FlowModel ----------------------------------------------------------------------------------
 
@@ -198,7 +205,8 @@ class PipelineFlowModel(nn.Module):
 
     @torch.no_grad()
     def decode(self, x: torch.Tensor) -> torch.Tensor:
-        """Latents -> images [B, 3, H, W] in [0, 1], `decode_batch_size` at a time (VAE memory at 1024 px)."""
+        """Latents -> images [B, 3, H, W] (a video model: videos [B, F, 3, H, W]) in [0, 1], `decode_batch_size` at
+        a time (VAE memory at 1024 px)."""
         if self.random:
             return self._standin_decode(x)
         out = []

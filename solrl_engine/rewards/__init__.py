@@ -30,6 +30,7 @@ REWARDS: dict[str, str] = {
     "pickscore": "solrl_engine.rewards.pickscore:PickScore",
     "hpsv2": "solrl_engine.rewards.hpsv2:HPSv2",
     "imagereward": "solrl_engine.rewards.imagereward:ImageRewardScorer",
+    "temporal": "solrl_engine.rewards.video:TemporalConsistency",  # videos only: consecutive frames agreeing
 }
 
 
@@ -142,17 +143,27 @@ def check_reward(spec: str, args: dict[str, dict[str, str]] | None = None) -> No
 
 
 class WeightedReward:
-    """sum_i w_i * reward_i(images, prompts); `last_components` holds each reward's last scores."""
+    """sum_i w_i * reward_i(images, prompts); `last_components` holds each reward's last scores.
 
-    def __init__(self, parts: list[tuple[str, float, RewardFn]]) -> None:
+    Videos [B, T, 3, H, W]: each image reward scores `frames` frames spread over every clip, aggregated by
+    `frame_agg` ("mean" or "min"; rewards/video.py); a video reward (`temporal`) gets the clips whole."""
+
+    def __init__(self, parts: list[tuple[str, float, RewardFn]], frames: int = 4, frame_agg: str = "mean") -> None:
         self.parts = parts
+        self.frames, self.frame_agg = frames, frame_agg
         self.last_components: dict[str, torch.Tensor] = {}
 
     def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        from solrl_engine.rewards.video import score_frames
+
         total = None
         comps = {}
+        video = images.dim() == 5
         for name, w, fn in self.parts:
-            r = fn(images, prompts)
+            if video and not getattr(fn, "video", False):
+                r = score_frames(fn, images, prompts, self.frames, self.frame_agg)
+            else:
+                r = fn(images, prompts)
             if not isinstance(r, torch.Tensor) or r.shape != (len(prompts),):
                 shape = tuple(r.shape) if isinstance(r, torch.Tensor) else type(r).__name__
                 raise TypeError(f"reward {name!r} returned {shape}; expected a Tensor[{len(prompts)}]")

@@ -21,6 +21,7 @@ import torch
 from solrl_engine.explore.plan import EXPLORE_PRECISIONS, ExploreSettings
 from solrl_engine.explore.ranking import nk_problem
 from solrl_engine.hw import autocast_for, pick_device, policy_dtype
+from solrl_engine.sampling.sampler import SOLVERS
 
 __all__ = ["EXPLORE_PRECISIONS", "FAMILY_TABLE", "ConfigError", "RLConfig", "autocast_for", "load_config",
            "resolve_policy_dtype", "resolve_runtime"]
@@ -69,9 +70,17 @@ class RLConfig:
     model: str = "tiny"
     model_path: str | None = None
     resolution: int | None = None
+    # video models (model=wan): frames per clip (4k + 1) and the width in pixels (resolution is then the height);
+    # None: the model's default (Wan2.1: 81 frames, 480 x 832)
+    frames: int | None = None
+    width: int | None = None
     # a reward name or a weighted sum ("pickscore:1.0,clipscore:0.5"); reward_args as name.key=value
     reward: str = "shapes"
     reward_args: tuple[str, ...] = ()
+    # video models: the image rewards score this many frames spread over each clip, aggregated by their mean
+    # or min (reward "temporal" scores whole clips: consecutive frames agreeing)
+    reward_frames: int = 4
+    reward_frame_agg: str = "mean"
     train_prompts: str = "shapes/train"
     eval_prompts: str = "shapes/heldout"
     # rollout: N seeds explored per prompt, K trained on (top K/2 + bottom K/2)
@@ -187,8 +196,8 @@ class RLConfig:
             raise bad("n", f"{self.family} trains on every rollout, so n must equal k ({self.k})")
         if not 1 <= self.preview_steps <= self.full_steps:
             raise bad("preview_steps", f"must be between 1 and full_steps ({self.full_steps})")
-        if self.solver not in ("euler", "dpm2"):
-            raise bad("solver", "choose 'euler' or 'dpm2'")
+        if self.solver not in SOLVERS:
+            raise bad("solver", f"choose one of {SOLVERS} (dpm2: the stock SANA sampler; unipc: the stock Wan one)")
         explore = self.explore_settings().problems()  # explore/plan.py checks its own settings
         if explore and explore[0][0] == "precision":
             raise bad("explore_precision", explore[0][1])
@@ -219,6 +228,19 @@ class RLConfig:
             raise bad(ExploreSettings.key(name), why)
         if self.resolution is not None and self.resolution < 16:
             raise bad("resolution", "must be a pixel size >= 16 (None: the model's default)")
+        from solrl_engine.models import model_spec
+
+        for key in ("frames", "width"):
+            if getattr(self, key) is not None and not model_spec(self.model).video:
+                raise bad(key, f"applies to video models (model=wan); {self.model!r} draws images: leave it unset")
+        if self.frames is not None and (self.frames < 1 or (self.frames - 1) % 4):
+            raise bad("frames", "Wan takes 4k + 1 frames (e.g. 9, 33, 81, 121)")
+        if self.width is not None and self.width < 16:
+            raise bad("width", "must be a pixel size >= 16 (None: the model's default)")
+        if self.reward_frames < 1:
+            raise bad("reward_frames", "score at least one frame per clip")
+        if self.reward_frame_agg not in ("mean", "min"):
+            raise bad("reward_frame_agg", "choose mean (every scored frame counts) or min (a clip is its worst frame)")
         if self.shift is not None and self.shift <= 0:
             raise bad("shift", "must be > 0 (None: the model's own schedule)")
         if self.guidance_scale is not None and self.guidance_scale < 0:

@@ -18,10 +18,12 @@ from typing import Any
 import torch
 
 from solrl_engine.evaluation import (
+    COMPARE_GIF,
     COMPARE_PNG,
     Comparison,
     EvalResult,
     compare_figure,
+    compare_gif,
     eval_grid,
     evaluate_rollouts,
     mean_stderr,
@@ -59,6 +61,7 @@ def write_compare(out_dir: Any, ro: Rollouts, adapters: LoraAdapters, prompts: S
     g, _se = cmp.gain
     head = f"{header}  |  these {len(cmp.base.rewards)}: {cmp.base.mean:.3f} -> {cmp.trained.mean:.3f} ({g:+.3f})"
     fig = compare_figure(cmp, head, ("base", "trained (EMA)"), max_pairs)
+    compare_gif(Path(out_dir) / COMPARE_GIF, cmp)  # videos: the pairs as they play (images: nothing)
     path = Path(out_dir) / COMPARE_PNG
     tmp = path.with_suffix(".tmp.png")
     fig.save(tmp)

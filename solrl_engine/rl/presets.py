@@ -114,7 +114,28 @@ PAPER: dict[str, dict[str, Any]] = {
     ),
 }
 
-MODEL_NAMES = {"sd3": "SD3.5-Large", "flux": "FLUX.1-dev", "sana": "SANA-1.6B"}
+# Wan (text-to-video; model="wan", configs/wan.py): the published inference settings of each model, from the
+# WanPipeline docstring and the official configs (diffusers' conversion script): 480 x 832 and 81 frames for
+# Wan2.1 (shift 3.0 at 480p; 5.0 at 720p), 704 x 1280 and 121 frames for Wan2.2-TI2V-5B (shift 5.0), 50 UniPC
+# steps, guidance 5.0 against the empty prompt. No Sol-RL paper exists for video: the explore / select / train
+# settings are the image presets' (N = 96, K = 24, 48 prompts, LoRA r32 on the attention projections), and the
+# preview runs 30 of the 50 steps (the paper's 6 of 10). One iteration is then thousands of clip-forwards: on one
+# GPU lower prompts_per_iter and the steps (e.g. --set full_steps=20 --set preview_steps=12); docs/video.md prices
+# it. Batches for one 80 GB GPU (estimates, no real weights have run): a 480p 81-frame clip is 32,760 tokens, so
+# rollouts 4 at a time (1.3B; 2 for 5B and 14B), the update 1 sample with gradient checkpointing, the VAE one
+# clip at a time. Wan2.1-14B's weights alone are 28 GB in BF16: with its explore copy and rollouts it wants an
+# H200 or sharding across GPUs.
+_WAN = dict(model="wan", solver="unipc", guidance_scale=5.0, full_steps=50, preview_steps=30, timestep_fraction=0.6,
+            grad_clip=1.0, train_batch_size=1, gradient_checkpointing=True, decode_batch_size=1)  # fmt: skip
+PAPER["wan2.1-1.3b"] = dict(_WAN, model_path="Wan-AI/Wan2.1-T2V-1.3B-Diffusers", resolution=480, width=832, frames=81,
+                            shift=3.0, rollout_batch_size=4)  # fmt: skip
+PAPER["wan2.1-14b"] = dict(_WAN, model_path="Wan-AI/Wan2.1-T2V-14B-Diffusers", resolution=480, width=832, frames=81,
+                           shift=3.0, rollout_batch_size=2)  # fmt: skip
+PAPER["wan2.2-5b"] = dict(_WAN, model_path="Wan-AI/Wan2.2-TI2V-5B-Diffusers", resolution=704, width=1280, frames=121,
+                          shift=5.0, rollout_batch_size=2)  # fmt: skip
+
+MODEL_NAMES = {"sd3": "SD3.5-Large", "flux": "FLUX.1-dev", "sana": "SANA-1.6B", "wan2.1-1.3b": "Wan2.1-T2V-1.3B",
+               "wan2.1-14b": "Wan2.1-T2V-14B", "wan2.2-5b": "Wan2.2-TI2V-5B"}  # fmt: skip
 FAMILY_SUMMARY = {
     "diffusionnft": "DiffusionNFT: K BF16 rollouts per prompt, all trained on (N = K)",
     "naive_scaling": "naive scaling: N BF16 rollouts per prompt at the full step count, top/bottom K/2 trained on",

@@ -51,9 +51,12 @@ def build_rollouts(cfg: RLConfig) -> Rollouts:
         offload_text_encoders=cfg.offload_text_encoders,
         decode_batch_size=cfg.decode_batch_size,
         guidance_scale=model_guidance(spec, cfg.guidance_scale) if spec.guidance == "embedded" else None,
+        **({"frames": cfg.frames, "width": cfg.width} if spec.video else {}),
     )
     model.requires_grad_(False)
-    return Rollouts(model, spec, load_reward(cfg.reward, reward_args), rollout_settings(cfg))
+    reward = load_reward(cfg.reward, reward_args)
+    reward.frames, reward.frame_agg = cfg.reward_frames, cfg.reward_frame_agg  # what an image reward sees of a clip
+    return Rollouts(model, spec, reward, rollout_settings(cfg))
 
 
 def plan_explore(cfg: RLConfig, ro: Rollouts, agree: Agree | None = None, choice: ExploreChoice | None = None,

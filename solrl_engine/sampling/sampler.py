@@ -10,7 +10,9 @@ from torch import nn
 
 from solrl_engine.models.base import Conditioning, FlowModel, sigma_schedule
 
-SOLVERS = ("euler", "dpm2")
+# euler; dpm2: DPM-Solver++ 2M (the stock SANA sampler); unipc: UniPC-bh2 order 2, which is DPM-Solver++ 2M plus
+# a corrector of each step's starting point (the stock Wan sampler), both in data prediction
+SOLVERS = ("euler", "dpm2", "unipc")
 
 
 def seeded_noise(
@@ -72,6 +74,7 @@ def _solve(
     dtype = x.dtype
     prev_x0: torch.Tensor | None = None
     u = uncond.expand(len(cond)) if guidance_scale != 1.0 else None
+    unipc = _UniPC(host) if solver == "unipc" else None
     for k in range(len(host) - 1):
         t, t_next = host[k], host[k + 1]
         v = model.velocity(x, sig[k], cond, transformer=transformer).float()
@@ -79,6 +82,9 @@ def _solve(
             vu = model.velocity(x, sig[k], u, transformer=transformer).float()
             v = vu + guidance_scale * (v - vu)
         xf = x.float()
+        if unipc is not None:
+            x = unipc.step(k, xf, xf - t * v).to(dtype)
+            continue
         if solver == "euler" or t_next == 0:
             x = (xf + (t_next - t) * v).to(dtype)
             continue
@@ -94,6 +100,52 @@ def _solve(
         x = ((t_next / t) * xf + ((1 - t_next) - (1 - t) * t_next / t) * d).to(dtype)
         prev_x0 = x0
     return x
+
+
+class _UniPC:
+    """UniPC-bh2 of order 2 in data prediction, as diffusers' UniPCMultistepScheduler runs it for flow models
+    (the stock Wan sampler): each step's predictor is DPM-Solver++ 2M, started from the previous step's
+    output corrected with the new model evaluation (UniC: no extra evaluation). Coefficients are host floats
+    of the schedule, the tensors stay on the device: the loop stays capturable in a CUDA graph. The first
+    step and the last are first order (lower_order_final); a step whose neighbour is at t = 1 (infinite
+    log-SNR) is first order too."""
+
+    def __init__(self, host: list[float]) -> None:
+        self.host, self.n = host, len(host) - 1
+        self.d: list[torch.Tensor] = []  # the data predictions so far (the last two are used)
+        self.start: torch.Tensor | None = None  # the corrected sample the previous predictor started from
+
+    def _lam(self, k: int) -> float:
+        return _lambda(self.host[k])
+
+    def step(self, k: int, x: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        """The sample after step k from the (uncorrected) sample x at host[k] and its data prediction d."""
+        s, s_next = self.host[k], self.host[k + 1]
+        start = x
+        if k >= 1 and self.host[k - 1] < 1:  # UniC: correct x with d before it starts the next predictor
+            sp, d1 = self.host[k - 1], self.d[-1]
+            c = (1 - s) - (1 - sp) * s / sp
+            h = self._lam(k) - self._lam(k - 1)
+            if k >= 2 and self.host[k - 2] < 1:  # second order: the previous predictor was second order
+                r = (self._lam(k - 2) - self._lam(k - 1)) / h
+                b = math.expm1(-h)
+                b1 = (b / -h - 1) / b
+                b2 = 2 * ((b / -h - 1) / -h - 0.5) / b
+                rho0 = (b2 - b1) / (r - 1)
+                corr = rho0 * (self.d[-2] - d1) / r + (b1 - rho0) * (d - d1)
+            else:
+                corr = 0.5 * (d - d1)
+            start = (s / sp) * self.start + c * d1 + c * corr  # type: ignore[operator]
+        self.d = (self.d + [d])[-2:]
+        self.start = start
+        if s_next == 0:  # the final step: the data prediction at the uncorrected sample
+            return d
+        c_next = (1 - s_next) - (1 - s) * s_next / s
+        second = k >= 1 and self.host[k - 1] < 1 and self.n - k >= 2
+        if second:
+            r = (self._lam(k) - self._lam(k - 1)) / (_lambda(s_next) - self._lam(k))
+            d = d + (1 / (2 * r)) * (d - self.d[-2])
+        return (s_next / s) * start + c_next * d
 
 
 @torch.no_grad()

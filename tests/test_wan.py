@@ -1,0 +1,151 @@
+"""Wan (text-to-video) through the engine, on a tiny random-weight WanPipeline of the real classes saved and
+loaded as a user's weights are: the latent a seed gives is the one the stock pipeline draws, the engine's
+sample (the `unipc` solver, classifier-free guidance against the empty prompt) equals the stock pipeline's for
+the same seed, videos decode to [B, F, 3, H, W], and the explore copy quantizes the blocks' linears."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_pipelines import LATENT_SHAPES, MAX_SEQUENCE_LENGTH, SIZES, WAN_FRAMES, build_wan
+
+from solrl_engine.explore.copy import ExploreCopy
+from solrl_engine.models import load_model, model_spec
+from solrl_engine.sampling.sampler import sample, seeded_noise
+
+PROMPTS = ["a red apple", "a blue car"]
+OPTS = dict(resolution=SIZES["wan"], width=SIZES["wan"], frames=WAN_FRAMES,
+            max_sequence_length=MAX_SEQUENCE_LENGTH["wan"])
+
+
+@pytest.fixture(scope="module")
+def wan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_wan(tmp_path_factory.mktemp("wan") / "wan")
+
+
+def _stock(path: Path, dtype: torch.dtype):  # noqa: ANN202 - a diffusers WanPipeline
+    from diffusers import WanPipeline
+
+    pipe = WanPipeline.from_pretrained(path, torch_dtype=dtype)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def test_a_saved_wan_pipeline_loads_as_a_video_model(wan):
+    m = load_model("wan", wan, "cpu", torch.float32, **OPTS)
+    assert m.latent_shape == LATENT_SHAPES["wan"] and m.vae_factor == 8 and m.integer_timesteps
+    cond = m.encode_prompts(PROMPTS)
+    assert cond.hidden.shape == (2, MAX_SEQUENCE_LENGTH["wan"], 32) and cond.pooled is None and cond.mask is None
+    video = m.decode(torch.randn(2, *m.latent_shape))
+    assert video.shape == (2, WAN_FRAMES, 3, SIZES["wan"], SIZES["wan"]) and 0 <= video.min() and video.max() <= 1
+    with pytest.raises(ValueError, match="4k \\+ 1 frames"):
+        load_model("wan", wan, "cpu", torch.float32, **{**OPTS, "frames": 8})
+    with pytest.raises(ValueError, match="multiple of 16"):
+        load_model("wan", wan, "cpu", torch.float32, **{**OPTS, "width": 72})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_engines_sample_is_the_stock_pipelines_for_the_same_seed(wan, dtype):
+    """The stock pipeline draws its latents from one seeded CPU generator per video, as `seeded_noise` does,
+    and samples with UniPC under classifier-free guidance against the empty prompt: the engine's `unipc`
+    solver with the model's own guidance gives the same video (BF16: to BF16 rounding)."""
+    m = load_model("wan", wan, "cpu", dtype, **OPTS)
+    seeds, steps, g = [3, 11], 4, model_spec("wan").guidance_scale
+    x = sample(m, m.encode_prompts(PROMPTS), seeds, steps, solver="unipc", guidance_scale=g,
+               uncond=m.encode_prompts([""]), dtype=torch.float32)  # fmt: skip
+    ours = m.decode(x)
+    pipe = _stock(wan, dtype)
+    gens = [torch.Generator().manual_seed(s) for s in seeds]
+    theirs = pipe(prompt=PROMPTS, height=SIZES["wan"], width=SIZES["wan"], num_frames=WAN_FRAMES,
+                  num_inference_steps=steps, guidance_scale=g, generator=gens, output_type="pt",
+                  max_sequence_length=MAX_SEQUENCE_LENGTH["wan"]).frames  # fmt: skip
+    noise = pipe.prepare_latents(2, 16, SIZES["wan"], SIZES["wan"], WAN_FRAMES, torch.float32, "cpu",
+                                 [torch.Generator().manual_seed(s) for s in seeds])  # fmt: skip
+    assert torch.equal(noise, seeded_noise(seeds, m.latent_shape))  # a seed is the stock pipeline's latent
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(ours, theirs.float(), atol=tol, rtol=0)
+    other = sample(m, m.encode_prompts(PROMPTS), [4, 12], steps, solver="unipc", guidance_scale=g,
+                   uncond=m.encode_prompts([""]), dtype=torch.float32)  # fmt: skip
+    assert (m.decode(other) - theirs.float()).abs().max() > 10 * tol  # other seeds: another video
+
+
+def test_the_explore_copy_quantizes_the_blocks_linears(wan):
+    m = load_model("wan", wan, "cpu", torch.float32, **OPTS)
+    copy = ExploreCopy(m.transformer, "nvfp4", changes=model_spec("wan").explore_rule)
+    q = set(copy.report.quantized)
+    assert q and all(n.startswith("blocks.") for n in q)
+    assert {"blocks.0.attn1.to_q", "blocks.0.ffn.net.2", "blocks.1.attn2.to_out.0"} <= q
+    assert not any("condition_embedder" in n or n == "proj_out" for n in q)
+
+
+@pytest.fixture(scope="module")
+def clip(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tiny_pipelines import build_clip_reward
+
+    return build_clip_reward(tmp_path_factory.mktemp("wanclip") / "clip")
+
+
+def _run(wan: Path, clip: Path, out: Path, family: str, *extra: str) -> list[str]:
+    n = 2 if family == "diffusionnft" else 4  # diffusionnft trains on every rollout: n = k
+    sets = [f"model_path={wan}", f"resolution={SIZES['wan']}", f"width={SIZES['wan']}", f"frames={WAN_FRAMES}",
+            f"reward_args=clipscore.model={clip}", f"n={n}", "k=2", "prompts_per_iter=2", "iterations=2",
+            "preview_steps=1", "full_steps=2", "eval_prompt_count=2", "eval_seeds=1", "eval_every=2", "save_every=2",
+            "rollout_batch_size=8", "train_batch_size=2", "lora_rank=4", "lora_alpha=8", "lr=1e-2",
+            "explore_precision=nvfp4", "device=cpu", "decode_batch_size=4", "reward_frames=3", *extra]  # fmt: skip
+    args = ["train", f"configs/wan.py:wan13b_{family}_clipscore", "--output", str(out)]
+    for s in sets:
+        args += ["--set", s]
+    return args
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["sol_rl", "naive_scaling", "compile", "naive_quant", "diffusionnft"])
+def test_every_family_trains_a_saved_wan_pipeline_through_solrl_train(family, wan, clip, tmp_path, monkeypatch):
+    from solrl_engine import hw
+    from solrl_engine.cli import main
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    monkeypatch.setattr(hw, "cxx_compiler", lambda *a, **k: None)  # the compile family samples eagerly here
+    out = tmp_path / family
+    assert main(_run(wan, clip, out, family)) == 0
+    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iter"] for r in recs] == [1, 2] and all(math.isfinite(r["loss"]) for r in recs)
+    assert "heldout_reward" in recs[-1] and (out / "eval_00002.png").exists()
+    assert (out / "compare.png").exists() and (out / "compare.gif").exists()
+    from PIL import Image
+
+    with Image.open(out / "compare.gif") as gif:
+        assert gif.n_frames == WAN_FRAMES  # the clips play, frame by frame
+    if family in ("sol_rl", "naive_quant"):
+        quant = (out / "quantization.txt").read_text()
+        assert "blocks.0.ffn.net.2" in quant and quant.startswith("quantize_model[nvfp4]")
+
+
+def test_the_exported_lora_loads_into_the_stock_wan_pipeline_as_the_engine_samples_it(wan, clip, tmp_path,
+                                                                                        monkeypatch):  # fmt: skip
+    """A sol_rl run's adapter, loaded by WanPipeline.load_lora_weights, changes the stock pipeline's video, and
+    the stock pipeline with it draws what the engine draws with the same adapter for the same seed."""
+    from solrl_engine import hw
+    from solrl_engine.cli import load_lora_into, main
+    from solrl_engine.rl.export import load_lora
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    monkeypatch.setattr(hw, "cxx_compiler", lambda *a, **k: None)
+    out = tmp_path / "run"
+    assert main(_run(wan, clip, out, "sol_rl", "iterations=1", "eval_every=5", "save_every=1")) == 0
+    pipe = _stock(wan, torch.float32)
+    kw = dict(height=SIZES["wan"], width=SIZES["wan"], num_frames=WAN_FRAMES, num_inference_steps=3,
+              guidance_scale=5.0, output_type="pt", max_sequence_length=MAX_SEQUENCE_LENGTH["wan"])  # fmt: skip
+    before = pipe(prompt=["a red apple"], generator=[torch.Generator().manual_seed(5)], **kw).frames
+    load_lora(pipe, out / "lora")  # checked against its manifest, then pipe.load_lora_weights
+    after = pipe(prompt=["a red apple"], generator=[torch.Generator().manual_seed(5)], **kw).frames
+    assert (after - before).abs().max() > 1e-4  # the trained adapter changes the stock pipeline's video
+    m = load_model("wan", wan, "cpu", torch.float32, **OPTS)
+    load_lora_into(m.transformer, str(out / "lora"))
+    x = sample(m, m.encode_prompts(["a red apple"]), [5], 3, solver="unipc", guidance_scale=5.0,
+               uncond=m.encode_prompts([""]), dtype=torch.float32)  # fmt: skip
+    torch.testing.assert_close(m.decode(x), after.float(), atol=1e-4, rtol=0)
