@@ -21,6 +21,12 @@ PER_MODEL = {
     "flux": dict(timestep_fraction=0.4, grad_clip=1.0, solver="dpm2"),
     "sana": dict(timestep_fraction=0.6, grad_clip=1.0, solver="euler"),
 }
+# Wan's published inference settings (WanPipeline's docstring, the official configs), written out
+WAN = {
+    "wan2.1-1.3b": ("wan13b", dict(resolution=480, width=832, frames=81, shift=3.0)),
+    "wan2.1-14b": ("wan14b", dict(resolution=480, width=832, frames=81, shift=3.0)),
+    "wan2.2-5b": ("wan22_5b", dict(resolution=704, width=1280, frames=121, shift=5.0)),
+}
 SHARED = dict(
     k=24, prompts_per_iter=48, preview_steps=6, full_steps=10, lora_rank=32, lora_alpha=64, lr=3e-4,
     weight_decay=1e-4, kl_beta=1e-4, beta=1.0, resolution=None, model_path=None, train_prompts="sample/train",
@@ -107,4 +113,19 @@ def test_the_table_is_data():
     ns: dict = {}
     names = define_presets(ns, "sana", "demo")
     assert set(names) == set(ns) and len(names) == 20 and all(n.startswith("demo_") for n in names)
-    assert set(PAPER) == set(FILES)
+    assert set(PAPER) == set(FILES) | set(WAN)
+
+
+def test_the_wan_presets_take_each_models_published_settings():
+    expected = sorted(f"{prefix}_{f}_{r}" for prefix, _ in WAN.values() for f in FAMILIES for r in REWARDS)
+    assert sorted(_names("wan.py", "wan13b")) == expected and sorted(_module("wan.py").__all__) == expected
+    for key, (prefix, want) in WAN.items():
+        for family in FAMILIES:
+            cfg = load_config(f"{ROOT / 'configs' / 'wan.py'}:{prefix}_{family}_clipscore")
+            assert cfg.model == "wan" and {k: getattr(cfg, k) for k in want} == want, (key, family)
+            assert (cfg.solver, cfg.guidance_scale, cfg.full_steps, cfg.preview_steps) == ("unipc", 5.0, 50, 30)
+            assert cfg.model_path.startswith("Wan-AI/") and cfg.gradient_checkpointing
+    with pytest.raises(ConfigError, match="frames = 80: Wan takes 4k \\+ 1 frames"):
+        load_config(f"{ROOT / 'configs' / 'wan.py'}:wan13b_sol_rl_clipscore", ["frames=80"])
+    with pytest.raises(ConfigError, match="frames = 9: applies to video models"):
+        load_config(f"{ROOT / 'configs' / 'sana.py'}:sana_sol_rl_clipscore", ["frames=9"])

@@ -149,3 +149,36 @@ def test_the_exported_lora_loads_into_the_stock_wan_pipeline_as_the_engine_sampl
     x = sample(m, m.encode_prompts(["a red apple"]), [5], 3, solver="unipc", guidance_scale=5.0,
                uncond=m.encode_prompts([""]), dtype=torch.float32)  # fmt: skip
     torch.testing.assert_close(m.decode(x), after.float(), atol=1e-4, rtol=0)
+
+
+def test_the_explorer_takes_a_stock_wan_pipeline_and_regenerates_clips(wan, clip):
+    """Other trainers' path: a stock WanPipeline with its clip length and width, previews in NVFP4, the selected
+    seeds regenerated through the stock pipeline, scored on frames by the weighted reward."""
+    from solrl_engine.explore import Explorer
+    from solrl_engine.rewards import load_reward
+
+    pipe = _stock(wan, torch.float32)
+    reward = load_reward("clipscore:1.0,temporal:0.2", {"clipscore": {"model": str(clip)}})
+    ex = Explorer(pipe, reward, n=4, k=2, preview_steps=2, explore_precision="nvfp4", resolution=SIZES["wan"],
+                  width=SIZES["wan"], frames=WAN_FRAMES, solver="unipc", batch_size=4)  # fmt: skip
+    sel = ex.select(PROMPTS)
+    assert len(sel.seeds) == 2 and all(len(s) == 2 for s in sel.seeds)
+    assert sel.noise.shape == (4, *LATENT_SHAPES["wan"])
+    regen = sel.regenerate(pipe, steps=2, max_sequence_length=512)
+    assert regen.images.shape == (4, WAN_FRAMES, 3, SIZES["wan"], SIZES["wan"]) and regen.rewards.shape == (2, 2)
+    assert set(reward.last_components) == {"clipscore", "temporal"}
+    assert ex.copy is not None and ex.copy.report.quantized
+
+
+def test_each_prompt_is_encoded_once_and_the_text_encoder_leaves_the_device(wan):
+    """UMT5-XXL is 5.7B parameters: a prompt's embeddings are cached after its first encode, and with offload
+    the encoder is on the CPU whenever it is not encoding."""
+    m = load_model("wan", wan, "cpu", torch.float32, offload_text_encoders=True, **OPTS)
+    enc, calls, moves = m.pipe.text_encoder, [], []
+    enc.register_forward_hook(lambda *a: calls.append(1))
+    to = enc.to
+    enc.to = lambda *a, **k: (moves.append(str(a[0] if a else k.get("device"))), to(*a, **k))[1]
+    first = m.encode_prompts(PROMPTS)
+    again = m.encode_prompts(PROMPTS + PROMPTS[:1])
+    assert len(calls) == 1 and torch.equal(again.hidden[:2], first.hidden)
+    assert moves == [str(m.device_), "cpu"]  # onto the device for the one encode, back to the CPU after it

@@ -96,7 +96,10 @@ class Selection:
         if ex is None:
             raise ValueError("this Selection has no explorer to take the resolution and reward from")
         kw: dict[str, Any] = {"num_inference_steps": steps, "output_type": "pt", "height": ex.resolution,
-                              "width": ex.resolution, "guidance_scale": ex.pipeline_guidance}  # fmt: skip
+                              "width": getattr(ex.model, "width", None) or ex.resolution,
+                              "guidance_scale": ex.pipeline_guidance}  # fmt: skip
+        if getattr(ex.model, "frames", None):  # a video pipeline: its clip length, as the previews had it
+            kw["num_frames"] = ex.model.frames
         if "use_resolution_binning" in inspect.signature(type(pipe).__call__).parameters:
             kw["use_resolution_binning"] = False
         kw.update(call_kwargs)
@@ -105,7 +108,7 @@ class Selection:
             noise = self.noise[i : i + batch_size]
             dtype = next(pipe.transformer.parameters()).dtype
             out = pipe(prompt=prompts[i : i + batch_size], latents=noise.to(dtype), **kw)
-            images.append(out.images.float().cpu())
+            images.append((out.frames if hasattr(out, "frames") else out.images).float().cpu())  # videos: frames
         imgs = torch.cat(images)
         r = ex.reward(imgs, prompts)
         return Regenerated(imgs, torch.as_tensor(r).float().cpu().view(len(self.prompts), -1))
@@ -133,7 +136,9 @@ class Explorer:
     The quantized copy is built once from the pipeline's transformer with the family's layer rule
     (`quantize` overrides it: QuantRecipe changes such as {"include": (...)} or {"rht": 16,
     "four_over_six": True}); the caller's pipeline is never changed. `reward` is any
-    `(images [B, 3, H, W] in [0, 1], prompts) -> Tensor[B]`.
+    `(images [B, 3, H, W] in [0, 1], prompts) -> Tensor[B]`; a video pipeline (WanPipeline) hands it videos
+    [B, F, 3, H, W] (solrl_engine.rewards' WeightedReward scores image rewards on frames of them), and takes
+    `frames` and `width` (`resolution` is then the height; None: the pipeline's defaults).
     """
 
     def __init__(
@@ -150,8 +155,11 @@ class Explorer:
         guidance_scale: float | None = None,
         batch_size: int = 96,
         seed: int = 0,
+        frames: int | None = None,
+        width: int | None = None,
     ) -> None:
-        model, name = wrap_pipeline(pipeline_or_model, resolution=resolution, guidance_scale=guidance_scale)
+        video = {k: v for k, v in (("frames", frames), ("width", width)) if v is not None}
+        model, name = wrap_pipeline(pipeline_or_model, resolution=resolution, guidance_scale=guidance_scale, **video)
         settings = ExploreSettings.from_quantize(explore_precision, quantize)
         _check_args(n, k, preview_steps, solver, guidance_scale, batch_size, settings)
         spec_m = model_spec(name)
