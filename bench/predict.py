@@ -49,7 +49,8 @@ MEASURED_E2E = (RESULTS / "2026-11-24-NVIDIA_H100_80GB_HBM3-e2e-sana-1.6b.json",
 OUT_JSON = RESULTS / "2026-11-25-speed-model.json"
 
 # rollout batch per family: the sizes bench/e2e.py's usage runs them at on one 80 GB GPU
-ROLLOUT_BATCH = {"sana-1.6b": 48, "flux-dev": 24, "sd35-large": 8}
+ROLLOUT_BATCH = {"sana-1.6b": 48, "flux-dev": 24, "sd35-large": 8, "wan2.1-1.3b": 4, "wan2.1-14b": 2}
+IMAGE_FAMILIES = ("sana-1.6b", "flux-dev", "sd35-large")  # the default run; Wan (480p, 81 frames) on request
 # the paper's setting: 48 prompts per iteration over 8 GPUs, N = 96 -> K = 24, 6 preview / 10 full steps; the
 # train batch and timestep fraction here are the fallbacks: each family's paper preset gives its own
 # (`family_training`: SD3.5-L 2 / 0.6, FLUX 12 / 0.4, SANA 16 / 0.6, as the trainer runs them)
@@ -60,7 +61,7 @@ def family_training(fam: str) -> tuple[int, float]:
     """(train batch, timestep fraction) of a family's paper preset (solrl_engine/rl/presets.py), else PAPER's."""
     from solrl_engine.rl import presets
 
-    p = presets.PAPER.get(ARCH_ALIASES.get(fam, fam), {})
+    p = presets.PAPER.get(fam) or presets.PAPER.get(ARCH_ALIASES.get(fam, fam), {})
     return p.get("train_batch_size", PAPER["train_batch"]), p.get("timestep_fraction", PAPER["timestep_fraction"])
 # bytes per element of a weight / activation in each precision (NVFP4: 4 bits + one E4M3 scale per 16)
 ELEM_BYTES = {"bf16": 2.0, "fp8": 1.0, "int8": 1.0, "nvfp4": 0.5 + 1 / 16}
@@ -90,11 +91,12 @@ def build_meta_model(alias: str, arch: dict[str, Any] | None = None, resolution:
     import diffusers
 
     cls = model_spec(ARCH_ALIASES.get(alias, alias)).adapter_object()
+    config = {**cls.FULL_CONFIG, **getattr(cls, "ALIAS_CONFIGS", {}).get(alias, {}), **(arch or {})}
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device("meta"):
-            net = getattr(diffusers, cls.TRANSFORMER_CLASS)(**{**cls.FULL_CONFIG, **(arch or {})})
+            net = getattr(diffusers, cls.TRANSFORMER_CLASS)(**config)
     finally:
         torch.set_default_dtype(default)
     # the scheduler is built off the meta device: diffusers copies its sigmas to the CPU
@@ -333,18 +335,24 @@ def roofline(flops: float, nbytes: float, rate: float, bandwidth: float) -> floa
     return max(flops / rate if flops else 0.0, nbytes / bandwidth if nbytes else 0.0)
 
 
-def group_times(ops: list[OpCost], dev: Device, precision: str, quantized: set[str], fused: bool = False
-                ) -> dict[str, dict[str, float]]:  # fmt: skip
+def group_times(ops: list[OpCost], dev: Device, precision: str, quantized: set[str], fused: bool = False,
+                attention: str = "bf16") -> dict[str, dict[str, float]]:  # fmt: skip
     """Seconds per (group, kind) of one forward with `quantized` linears in `precision` ("bf16": none),
     and the activation-quantize passes those linears add. fused=True is the compiled ideal: every
     elementwise op and every activation quantize fused into the kernel next to it (costing nothing),
-    a lower bound that eager and real compiled runs sit above."""
+    a lower bound that eager and real compiled runs sit above. `attention` "fp8": the explore-only option
+    of FP8 attention (q, k, v in FP8 at the FP8 rate, the output in BF16), priced, not built."""
     out: dict[str, dict[str, float]] = {}
     bf16 = dev.rates["bf16"]
     for c in ops:
         if fused and c.kind == "elementwise":
             continue
         key = f"{c.group} [{c.kind}]"
+        if c.kind == "attention" and attention != "bf16":
+            nbytes = c.bytes * (3 * ELEM_BYTES[attention] / 2 + 1) / 4  # q, k, v at its width; the output BF16
+            out[key + f" {attention}"] = {"s": roofline(c.flops, nbytes, dev.rates[attention], dev.bandwidth),
+                                          "flops": c.flops, "bytes": nbytes}  # fmt: skip
+            continue
         q = precision != "bf16" and c.kind == "linear" and bool(c.layers & quantized)
         if q and not c.layers <= quantized:
             raise ValueError(f"group {c.group} mixes quantized and BF16 layers; split it")
@@ -367,10 +375,10 @@ def group_times(ops: list[OpCost], dev: Device, precision: str, quantized: set[s
     return out
 
 
-def forward_seconds(ops: list[OpCost], dev: Device, precision: str, quantized: set[str], fused: bool = False
-                    ) -> float:  # fmt: skip
+def forward_seconds(ops: list[OpCost], dev: Device, precision: str, quantized: set[str], fused: bool = False,
+                    attention: str = "bf16") -> float:  # fmt: skip
     """One forward: the sum over its groups of each group's roofline time (no overlap between kernels)."""
-    return sum(v["s"] for v in group_times(ops, dev, precision, quantized, fused).values())
+    return sum(v["s"] for v in group_times(ops, dev, precision, quantized, fused, attention).values())
 
 
 def kind_shares(times: dict[str, dict[str, float]]) -> dict[str, float]:
@@ -504,6 +512,14 @@ def predict(families: list[str], devices: list[Device], batches: dict[str, int],
                     "ratios": {f: {"rollout_vs_naive_scaling": base["rollout"] / r["rollout"],
                                    "e2e_vs_naive_scaling": base["total"] / r["total"]} for f, r in it.items()},
                 }  # fmt: skip
+                if "fp8" in dev.rates:  # the option of FP8 attention in the explore forward only (priced, not built)
+                    t_qa = forward_seconds(ops, dev, prec, quantized, fused, attention="fp8")
+                    ita = iteration_seconds(t_bf16, t_qa, t_train, refresh, batch=b, train_batch=tb, **loop)
+                    entry[mode]["attention_fp8_explore"] = {
+                        "forward_ms": t_qa * 1e3, "forward_speedup": t_bf16 / t_qa,
+                        "sol_rl_rollout_vs_naive_scaling": base["rollout"] / ita["sol_rl"]["rollout"],
+                        "sol_rl_e2e_vs_naive_scaling": base["total"] / ita["sol_rl"]["total"],
+                    }  # fmt: skip
             fam_out["devices"][dev.name] = entry
         out[fam] = fam_out
         comparisons += _compare(fam, model, devices, [m for m in measured if m["model"] == fam])
@@ -567,9 +583,9 @@ ASSUMPTIONS = [
 def summary_lines(res: dict[str, Any]) -> list[str]:
     """The one-screen table: per family and device, the eager forwards, seconds per iteration and
     Sol-RL's ratios, then the fused (compiled ideal) forward speedup and ratios."""
-    lines = [f"{'':<17}{'':<6}{'-- eager: forward ms, s/iteration/GPU, sol_rl vs naive_scaling --':<66}"
+    lines = [f"{'':<18}{'':<6}{'-- eager: forward ms, s/iteration/GPU, sol_rl vs naive_scaling --':<66}"
              f"{'-- fused --':>18}",
-             f"{'model':<11}{'gpu':<6}{'prec':<6}{'bf16':>8}{'explore':>8}{'fwd x':>7}{'naive':>8}{'sol_rl':>8}"
+             f"{'model':<12}{'gpu':<6}{'prec':<6}{'bf16':>8}{'explore':>8}{'fwd x':>7}{'naive':>8}{'sol_rl':>8}"
              f"{'train':>8}{'rollout x':>10}{'e2e x':>7}{'fwd x':>7}{'rollout x':>10}{'e2e x':>7}"]  # fmt: skip
     for fam, f in res["families"].items():
         for name, d in f["devices"].items():
@@ -577,7 +593,7 @@ def summary_lines(res: dict[str, Any]) -> list[str]:
             it = e["iteration_s"]
             tag = name if d["measured_rates"] else name + "*"
             lines.append(
-                f"{fam:<11}{tag:<6}{p:<6}{e['forward_ms']['bf16']:>8.0f}{e['forward_ms'][p]:>8.0f}"
+                f"{fam:<12}{tag:<6}{p:<6}{e['forward_ms']['bf16']:>8.0f}{e['forward_ms'][p]:>8.0f}"
                 f"{e['forward_speedup']:>7.2f}{it['naive_scaling']['rollout']:>8.1f}{it['sol_rl']['rollout']:>8.1f}"
                 f"{it['sol_rl']['train']:>8.1f}{e['ratios']['sol_rl']['rollout_vs_naive_scaling']:>10.2f}"
                 f"{e['ratios']['sol_rl']['e2e_vs_naive_scaling']:>7.2f}{fu['forward_speedup']:>7.2f}"
@@ -585,6 +601,14 @@ def summary_lines(res: dict[str, Any]) -> list[str]:
                 f"{fu['ratios']['sol_rl']['e2e_vs_naive_scaling']:>7.2f}"
             )  # fmt: skip
     lines.append("* assumed rates (published peak x H100 efficiency). fused: elementwise ops and quantize free (bound)")
+    lines.append(f"{'model':<12}{'gpu':<6}{'attention share of the bf16 forward':>36}{'sol_rl rollout x, FP8 attention in the explore pass too':>56}")  # noqa: E501
+    for fam, f in res["families"].items():
+        for name, d in f["devices"].items():
+            e = d["eager"]
+            share = e["time_shares"]["bf16"].get("attention", 0.0)
+            opt = e.get("attention_fp8_explore")
+            got = f"{opt['sol_rl_rollout_vs_naive_scaling']:.2f} (vs {e['ratios']['sol_rl']['rollout_vs_naive_scaling']:.2f})" if opt else "- (no FP8 rate)"  # noqa: E501
+            lines.append(f"{fam:<12}{name + ('' if d['measured_rates'] else '*'):<6}{share:>36.0%}{got:>56}")
     for c in res["measured_vs_predicted"]:
         lines.append(
             f"measured {c['model']} {c['family']} ({c['precision']}, {'compiled' if c['compiled'] else 'eager'}, "
@@ -596,7 +620,8 @@ def summary_lines(res: dict[str, Any]) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--families", default=",".join(ROLLOUT_BATCH), help="sana-1.6b, sd35-large, flux-dev")
+    ap.add_argument("--families", default=",".join(IMAGE_FAMILIES), help="sana-1.6b, sd35-large, flux-dev, and the "
+                    "video ones wan2.1-1.3b, wan2.1-14b (480 x 832, 81 frames)")  # fmt: skip
     ap.add_argument("--batch", action="append", default=[], help="rollout batch of a family, e.g. flux-dev=16")
     ap.add_argument("--prompts-per-gpu", type=int, default=PAPER["prompts_per_gpu"])
     ap.add_argument("--n", type=int, default=PAPER["n"])

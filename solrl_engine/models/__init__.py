@@ -32,7 +32,8 @@ MODELS: dict[str, str] = {
 }
 
 # The benchmarks' names for the full-size published architectures (random weights).
-ARCH_ALIASES: dict[str, str] = {"sd35-large": "sd3", "flux-dev": "flux", "sana-1.6b": "sana"}
+ARCH_ALIASES: dict[str, str] = {"sd35-large": "sd3", "flux-dev": "flux", "sana-1.6b": "sana", "wan2.1-1.3b": "wan",
+                                "wan2.1-14b": "wan"}  # fmt: skip
 
 
 @dataclass(frozen=True)

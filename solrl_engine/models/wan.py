@@ -52,6 +52,9 @@ class WanModel(PipelineFlowModel):
     TEXT_TOKENS = 512  # what WanPipeline.__call__ encodes (its encode_prompt alone defaults to 226)
     RANDOM_VAE_FACTOR = 8
     FULL_CONFIG: ClassVar[dict[str, Any]] = {**_COMMON, **WAN_CONFIGS["wan2.1-1.3b"]}
+    # the benchmarks' names (models.ARCH_ALIASES) of the published transformers this adapter builds with random
+    # weights, beside FULL_CONFIG's 1.3B
+    ALIAS_CONFIGS: ClassVar[dict[str, dict[str, Any]]] = {k: {**_COMMON, **v} for k, v in WAN_CONFIGS.items()}
 
     def __init__(self, pipe: Any, *args: Any, frames: int | None = None, width: int | None = None,
                  max_sequence_length: int | None = None, **kwargs: Any) -> None:  # fmt: skip
