@@ -182,3 +182,77 @@ def test_each_prompt_is_encoded_once_and_the_text_encoder_leaves_the_device(wan)
     again = m.encode_prompts(PROMPTS + PROMPTS[:1])
     assert len(calls) == 1 and torch.equal(again.hidden[:2], first.hidden)
     assert moves == [str(m.device_), "cpu"]  # onto the device for the one encode, back to the CPU after it
+
+
+def test_fp8_attention_rounds_q_k_v_in_the_explore_copy_only_and_can_be_undone(wan, monkeypatch):
+    """explore_attention=fp8: every attention call of the copy's forward (self and cross, each block) gets q, k
+    and v rounded to E4M3 per row, counted here as they happen; the policy's forward never is; bf16 restores
+    the copy's own forward bit for bit, and an exception inside the forward leaves no rounding behind."""
+    from solrl_engine.explore import copy as copy_mod
+    from solrl_engine.quant.fp8 import fake_quantize_rowwise
+
+    m = load_model("wan", wan, "cpu", torch.float32, **OPTS)
+    copy = ExploreCopy(m.transformer, "nvfp4", changes=model_spec("wan").explore_rule)
+    rounded: list[tuple[int, ...]] = []
+
+    def counting(x: torch.Tensor) -> torch.Tensor:
+        rounded.append(tuple(x.shape))
+        return fake_quantize_rowwise(x)
+
+    monkeypatch.setattr(copy_mod, "fake_quantize_rowwise", counting)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, *LATENT_SHAPES["wan"], generator=g)
+    enc = m.encode_prompts(PROMPTS)
+    t = torch.full((2,), 500.0)
+
+    def run(module: torch.nn.Module) -> torch.Tensor:
+        return module(hidden_states=x, timestep=t, encoder_hidden_states=enc.hidden, return_dict=False)[0]
+
+    with torch.no_grad():
+        plain = run(copy.transformer)
+        copy.set_attention("fp8")
+        fp8 = run(copy.transformer)
+        calls = len(rounded)
+        policy = run(m.transformer)
+        assert len(rounded) == calls  # the policy's attention is never rounded
+        copy.set_attention("bf16")
+        again = run(copy.transformer)
+    blocks = len(m.transformer.blocks)
+    assert calls == 3 * 2 * blocks  # q, k, v of attn1 and attn2 in every block
+    assert torch.equal(again, plain) and len(rounded) == calls
+    err = (fp8 - plain).norm() / plain.norm()
+    assert 0 < err < 0.1, err  # E4M3 on q, k, v: a percent-level change, not a different model
+    assert not torch.equal(policy, plain)  # (the copy is NVFP4; the policy is not)
+
+    copy.set_attention("fp8")
+    with pytest.raises(TypeError), torch.no_grad():
+        copy.transformer(hidden_states=x, timestep=t)  # no encoder_hidden_states: fails inside the forward
+    from torch.overrides import _get_current_function_mode_stack
+
+    assert _get_current_function_mode_stack() == []
+    with pytest.raises(ValueError, match="choose bf16 or fp8"):
+        copy.set_attention("fp4")
+
+
+def test_explore_attention_is_checked_and_reaches_the_trainers_copy(wan, clip):
+    from solrl_engine.rl.config import ConfigError, RLConfig
+    from solrl_engine.rl.runtime import explorer_for
+
+    base = dict(model="wan", model_path=str(wan), resolution=SIZES["wan"], width=SIZES["wan"], frames=WAN_FRAMES,
+                device="cpu", n=4, k=2, preview_steps=1, full_steps=2, explore_precision="nvfp4",
+                reward="clipscore", reward_args=(f"clipscore.model={clip}",))  # fmt: skip
+    with pytest.raises(ConfigError, match="explore_attention.*choose bf16"):
+        RLConfig(**base, explore_attention="fp16").validate()
+    with pytest.raises(ConfigError, match="explore_attention.*naive_quant or sol_rl"):
+        RLConfig(**{**base, "family": "naive_scaling"}, explore_attention="fp8").validate()
+    cfg = RLConfig(**base, explore_attention="fp8").validate()
+    ex = explorer_for(cfg)
+    assert ex.copy is not None and ex.copy.attention == "fp8" and ex.spec.attention == "fp8"
+    from solrl_engine.rl.fidelity import fidelity
+
+    assert fidelity(cfg, prompts=1, n=2, k=2, progress=False)["explore_attention"] == "fp8"  # solrl fidelity too
+    with pytest.raises(ValueError, match=r"quantize\['attention'\].*choose a quantized"):
+        from solrl_engine.explore import Explorer
+
+        Explorer(_stock(wan, torch.float32), lambda im, p: im.mean((1, 2, 3, 4)), n=4, k=2,
+                 explore_precision="bf16", quantize={"attention": "fp8"})  # fmt: skip

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from solrl_engine.explore.choice import POLICY
 from solrl_engine.kernels.capability import (
@@ -29,6 +30,7 @@ from solrl_engine.kernels.capability import (
 from solrl_engine.nn import QuantLinear, QuantReport, quantize_model, requantize_
 from solrl_engine.nn.flops import amdahl_bound
 from solrl_engine.nn.quantize import _peft_weight, is_lora_layer
+from solrl_engine.quant.fp8 import fake_quantize_rowwise
 from solrl_engine.quant.recipe import QuantRecipe, get_recipe
 
 if TYPE_CHECKING:
@@ -132,14 +134,38 @@ class ExploreCopy:
             self.report = quantize_model(self.transformer, self.quant_recipe)
         self.merge = True
         self.shared_bytes = 0
+        self.attention = "bf16"
 
     @classmethod
     def from_spec(cls, transformer: nn.Module, spec: ExploreSpec | None) -> ExploreCopy | None:
-        """The copy an ExploreSpec asks for (its precision and full layer rule), None where the policy itself
-        explores (POLICY) or there is no spec."""
+        """The copy an ExploreSpec asks for (its precision, full layer rule and attention), None where the policy
+        itself explores (POLICY) or there is no spec."""
         if spec is None or not spec.quantized:
             return None
-        return cls(transformer, spec.precision, changes=dict(spec.rule))
+        copy = cls(transformer, spec.precision, changes=dict(spec.rule))
+        if spec.attention != "bf16":
+            copy.set_attention(spec.attention)
+        return copy
+
+    def set_attention(self, precision: str) -> None:
+        """The copy's attention on FP8 q, k and v ("fp8"; "bf16": as the policy's): an explore-only option that
+        cuts attention's share of a video forward (38-46% at 480p and 81 frames). Emulated here: q, k and v are
+        rounded to E4M3 per token and head (row-wise scales, the FP8 explore recipe's) before the attention
+        kernel, so rank fidelity can be measured on any device; no FP8 attention kernel is built (the speed
+        model prices one: docs/video.md)."""
+        if precision not in ("bf16", "fp8"):
+            raise ValueError(f"explore attention {precision!r}: choose bf16 or fp8")
+        root = self._root
+        root.__dict__.pop("forward", None)  # back to the class's forward
+        self.attention = precision
+        if precision == "fp8":  # the module's own forward inside the mode (an exception leaves it too)
+            plain = root.forward
+
+            def forward(*args: Any, **kwargs: Any) -> Any:
+                with _FP8Attention():
+                    return plain(*args, **kwargs)
+
+            root.forward = forward
 
     @property
     def _root(self) -> nn.Module:
@@ -246,3 +272,16 @@ def speed_bound(ro: Any, copy: ExploreCopy, spec: ExploreSpec) -> dict[str, Any]
     line = (f"{share:.0%} of the denoiser's GEMM FLOPs in {copy.recipe}: at most {bound:.2f}x per forward at "
             f"{rate:.2f}x per GEMM ({how})")  # fmt: skip
     return {"quantized_flop_share": share, "gemm_speedup": rate, "bound": bound, "line": line}
+
+
+class _FP8Attention(TorchFunctionMode):
+    """Within a forward, every F.scaled_dot_product_attention gets q, k and v rounded to FP8 E4M3 with a scale
+    per row (per token and head), then runs as it would: FP8 attention's numerics, emulated."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            args = tuple(fake_quantize_rowwise(a).to(a.dtype) if i < 3 else a for i, a in enumerate(args))
+            kwargs = {k: fake_quantize_rowwise(v).to(v.dtype) if k in ("query", "key", "value") else v
+                      for k, v in kwargs.items()}  # fmt: skip
+        return func(*args, **kwargs)

@@ -48,6 +48,10 @@ def _check_args(n: int, k: int, preview_steps: int, solver: str, guidance_scale:
     for name, why in settings.problems():
         key = quantize_key.get(name, f"quantize[{name!r}]")
         raise ValueError(f"Explorer: {key} = {getattr(settings, name)!r}: {why}")
+    if settings.precision == "bf16" and settings.attention != "bf16":
+        raise ValueError(f"Explorer: quantize['attention'] = {settings.attention!r}: with explore_precision='bf16' "
+                         "your pipeline explores itself, its attention as it is: choose a quantized explore_precision "
+                         "(nvfp4, fp8, auto) or leave attention out")  # fmt: skip
 
 
 @dataclass
@@ -135,7 +139,8 @@ class Explorer:
 
     The quantized copy is built once from the pipeline's transformer with the family's layer rule
     (`quantize` overrides it: QuantRecipe changes such as {"include": (...)} or {"rht": 16,
-    "four_over_six": True}); the caller's pipeline is never changed. `reward` is any
+    "four_over_six": True}, and {"attention": "fp8"}: the copy's attention on FP8 q, k, v); the caller's
+    pipeline is never changed. `reward` is any
     `(images [B, 3, H, W] in [0, 1], prompts) -> Tensor[B]`; a video pipeline (WanPipeline) hands it videos
     [B, F, 3, H, W] (solrl_engine.rewards' WeightedReward scores image rewards on frames of them), and takes
     `frames` and `width` (`resolution` is then the height; None: the pipeline's defaults).

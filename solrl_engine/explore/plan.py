@@ -41,6 +41,7 @@ class ExploreSettings:
     rht: int = 0
     four_over_six: bool = False
     lowrank: int = 0
+    attention: str = "bf16"  # "fp8": the copy's attention on FP8 q, k, v (ExploreCopy.set_attention)
 
     @staticmethod
     def key(name: str) -> str:
@@ -53,7 +54,7 @@ class ExploreSettings:
         and the NVFP4 options)."""
         q = dict(quantize or {})
         return cls(precision, q.get("include"), q.get("extra_skip"), q.get("skip_max_dim"), q.get("rht", 0),
-                   q.get("four_over_six", False), q.get("lowrank", 0))  # fmt: skip
+                   q.get("four_over_six", False), q.get("lowrank", 0), q.get("attention", "bf16"))  # fmt: skip
 
     def problems(self) -> list[tuple[str, str]]:
         """(field, what is wrong and how to fix it) for every value that cannot run, in the order a config is
@@ -68,6 +69,8 @@ class ExploreSettings:
             out.append(("rht", f"choose 0 (off), {sizes} (the rotation size along K)"))
         if self.lowrank < 0:
             out.append(("lowrank", "must be >= 0 (0: no low-rank branch)"))
+        if self.attention not in ("bf16", "fp8"):
+            out.append(("attention", "choose bf16 (as the policy) or fp8 (FP8 q, k, v in the explore pass only)"))
         for name in NVFP4_OPTIONS:
             if getattr(self, name) and self.precision not in NVFP4_PRECISIONS:
                 out.append((name, f"applies to NVFP4 explore recipes; explore_precision is {self.precision!r}: "
@@ -105,6 +108,7 @@ class ExploreSpec:
     reason: str
     timings_ms: Mapping[str, float] = field(default_factory=dict)
     dropped: tuple[str, ...] = ()
+    attention: str = "bf16"  # the copy's attention (ExploreSettings.attention)
 
     @property
     def quantized(self) -> bool:
@@ -145,4 +149,7 @@ def plan(
             rule.pop(k)
     else:
         dropped = ()
-    return ExploreSpec(choice.precision, rule, choice.reason, dict(choice.timings_ms), dropped)
+    if choice.precision == POLICY and settings.attention != "bf16":
+        log.warning("explore_precision=auto chose the policy on this device (%s): explore_attention=%s needs an "
+                    "explore copy and is not used", choice.reason, settings.attention)  # fmt: skip
+    return ExploreSpec(choice.precision, rule, choice.reason, dict(choice.timings_ms), dropped, settings.attention)

@@ -104,6 +104,9 @@ class RLConfig:
     explore_rht: int = 0
     explore_four_over_six: bool = False
     explore_lowrank: int = 0
+    # "fp8": the explore copy's attention on FP8 q, k, v (emulated by rounding; a video forward's largest cost
+    # after its linears); "bf16": as the policy's
+    explore_attention: str = "bf16"
     # torch.compile for rollouts, + CUDA graphs on GPU (always on for the `compile` family). None: on with
     # CUDA; off on a CPU, where a cold inductor compile (~25 s per batch shape on 2 cores) costs more than
     # a short run saves (rollouts about 1.3x faster once compiled); true compiles there too.
@@ -176,6 +179,7 @@ class RLConfig:
             rht=self.explore_rht,
             four_over_six=self.explore_four_over_six,
             lowrank=self.explore_lowrank,
+            attention=self.explore_attention,
         )
 
     def validate(self) -> RLConfig:
@@ -226,6 +230,9 @@ class RLConfig:
                                            "adapter is kept as lora_best (raise eval_every to evaluate less often)")
         for name, why in explore:
             raise bad(ExploreSettings.key(name), why)
+        if self.explore_attention != "bf16" and not FAMILY_TABLE[self.family].quantized_explore:
+            raise bad("explore_attention", f"{self.family} explores with the policy itself, whose attention stays as "
+                                           "trained: use family naive_quant or sol_rl, or leave it at bf16")
         if self.resolution is not None and self.resolution < 16:
             raise bad("resolution", "must be a pixel size >= 16 (None: the model's default)")
         from solrl_engine.models import model_spec

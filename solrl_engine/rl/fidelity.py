@@ -119,7 +119,8 @@ def _setup(cfg: RLConfig, prompts: int, n: int, oracle_cache: str | Path | None,
     # explore_precision=auto by the tensor-core table, not timed: a fidelity study measures a quantized proxy
     # wherever it is slow (the hardware plan's format; NVFP4 on a CPU)
     spec = plan_explore(cfg, ro, measure=False)  # untimed, auto is always a format here (never POLICY)
-    copy = ExploreCopy(ro.model.transformer, spec.precision, changes=dict(spec.rule))
+    copy = ExploreCopy.from_spec(ro.model.transformer, spec)
+    assert copy is not None  # measure=False never resolves to POLICY
     pool = load_prompts(cfg.train_prompts)
     chosen = random.Random(cfg.seed).sample(pool, min(prompts, len(pool)))
     seeds = [[1000 * i + j for j in range(n)] for i in range(len(chosen))]
@@ -192,6 +193,7 @@ def fidelity(
         "config": cfg.name,
         "model": cfg.model,
         "explore_recipe": copy.recipe,
+        "explore_attention": copy.attention,
         "quantized_layers": len(copy.report.quantized),
         "quantized_flop_share": flops.quantized_share(),
         "fast_path": record.summary(),
@@ -222,7 +224,9 @@ def _copy_with(st: _Setup, include: tuple[str, ...]) -> ExploreCopy:
     """An explore copy of the policy with the config's recipe restricted to the `include` groups."""
     if not include:  # an empty include means "every layer" to a recipe
         raise ValueError("a searched rule names at least one layer group")
-    return ExploreCopy(st.ro.model.transformer, st.copy.quant_recipe.with_(include=include, skip_max_dim=0))
+    copy = ExploreCopy(st.ro.model.transformer, st.copy.quant_recipe.with_(include=include, skip_max_dim=0))
+    copy.set_attention(st.copy.attention)
+    return copy
 
 
 def candidate_groups(ro: Rollouts, copy: ExploreCopy) -> dict[str, int]:
