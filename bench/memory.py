@@ -26,15 +26,42 @@ from solrl_engine.quant.recipe import get_recipe
 TEXT_ENCODERS = {"sd3": {"CLIP-L": 0.124, "CLIP-G": 0.695, "T5-XXL encoder": 4.76},
                  "flux": {"CLIP-L": 0.123, "T5-XXL encoder": 4.76}, "sana": {"Gemma-2-2B": 2.61}}  # fmt: skip
 VAE = {"sd3": 0.084, "flux": 0.084, "sana": 0.312}
+# the Wan models (their transformers from models/wan.py's published configs); UMT5-XXL and the VAEs are counted
+# on the meta device from their published configs too (vae_b_params)
+WAN = ("wan2.1-1.3b", "wan2.1-14b", "wan2.2-5b")
+UMT5_XXL = dict(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+                feed_forward_proj="gated-gelu")  # fmt: skip
+WAN22_VAE = dict(base_dim=160, decoder_base_dim=256, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
+                 temperal_downsample=[False, True, True], in_channels=12, out_channels=12, patch_size=2,
+                 is_residual=True, scale_factor_spatial=16, scale_factor_temporal=4)  # fmt: skip
+
+
+def _count(module: torch.nn.Module) -> float:
+    return sum(p.numel() for p in module.parameters()) / 1e9
+
+
+def wan_parts(variant: str) -> tuple[dict[str, float], float]:
+    """(text encoders, VAE) in billions of parameters for a Wan model, counted on the meta device."""
+    from diffusers import AutoencoderKLWan
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    with torch.device("meta"):
+        text = _count(UMT5EncoderModel(UMT5Config(**UMT5_XXL)))
+        vae = _count(AutoencoderKLWan(**WAN22_VAE) if variant == "wan2.2-5b" else AutoencoderKLWan())
+    return {"UMT5-XXL encoder": text}, vae
 
 
 def family_memory(name: str, lora_rank: int = 32) -> dict[str, float]:
+    """One row: `name` is a family (its FULL_CONFIG) or one of WAN (that published Wan transformer)."""
     import diffusers
 
-    spec = model_spec(name)
+    family = "wan" if name in WAN else name
+    spec = model_spec(family)
     adapter = spec.adapter_object()
+    config = adapter.ALIAS_CONFIGS[name] if name in WAN else adapter.FULL_CONFIG
+    text_encoders, vae = wan_parts(name) if name in WAN else (TEXT_ENCODERS[name], VAE[name])
     with torch.device("meta"):
-        net = getattr(diffusers, adapter.TRANSFORMER_CLASS)(**adapter.FULL_CONFIG)
+        net = getattr(diffusers, adapter.TRANSFORMER_CLASS)(**config)
     params = sum(p.numel() for p in net.parameters())
     rep = plan_quantization(net, get_recipe("nvfp4").with_(**spec.explore_rule))
     q = sum(d.in_features * d.out_features for d in rep.layers if d.quantized)
@@ -56,21 +83,23 @@ def family_memory(name: str, lora_rank: int = 32) -> dict[str, float]:
         "explore_copy_unshared_gib": (2 * (params - q) + q * (0.5 + 1 / 16)) / gib,
         "lora_params_m": lora / 1e6,
         "lora_train_old_ema_fp32_with_adam_gib": 4 * lora * (3 + 2) / gib,
-        "text_encoders_bf16_gib": 2e9 * sum(TEXT_ENCODERS[name].values()) / gib,
-        "vae_bf16_gib": 2e9 * VAE[name] / gib,
+        "text_encoders_bf16_gib": 2e9 * sum(text_encoders.values()) / gib,
+        "text_encoder_b_params": text_encoders,
+        "vae_b_params": vae,
+        "vae_bf16_gib": 2e9 * vae / gib,
         "quantized_layers": len(rep.quantized),
         "linear_layers": len(rep.layers),
     }
 
 
 def main() -> None:
-    rows = {n: family_memory(n) for n in ("sd3", "flux", "sana")}
+    rows = {n: family_memory(n) for n in ("sd3", "flux", "sana", *WAN)}
     for n, r in rows.items():
         parts = ("policy_bf16_gib", "explore_copy_gib", "lora_train_old_ema_fp32_with_adam_gib", "vae_bf16_gib")
         resident = sum(r[p] for p in parts)
         r["resident_weights_gib_text_offloaded"] = resident
         r["resident_weights_gib_text_on_gpu"] = resident + r["text_encoders_bf16_gib"]
-        print(f"{n:5s} transformer {r['transformer_params_b']:.2f}B: policy {r['policy_bf16_gib']:.1f} GiB, "
+        print(f"{n:11s} transformer {r['transformer_params_b']:.2f}B: policy {r['policy_bf16_gib']:.1f} GiB, "
               f"explore copy {r['explore_copy_gib']:.1f} GiB ({100 * r['explore_quantized_share']:.0f}% of weights "
               f"in NVFP4), text encoders {r['text_encoders_bf16_gib']:.1f} GiB (offloaded), resident {resident:.1f}")
     out = Path(__file__).parent / "results" / f"{dt.date.today()}-memory.json"

@@ -111,7 +111,8 @@ def test_every_family_trains_a_saved_wan_pipeline_through_solrl_train(family, wa
     monkeypatch.chdir(Path(__file__).resolve().parents[1])
     monkeypatch.setattr(hw, "cxx_compiler", lambda *a, **k: None)  # the compile family samples eagerly here
     out = tmp_path / family
-    assert main(_run(wan, clip, out, family)) == 0
+    extra = ("log_with=tensorboard",) if family == "sol_rl" else ()
+    assert main(_run(wan, clip, out, family, *extra)) == 0
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["iter"] for r in recs] == [1, 2] and all(math.isfinite(r["loss"]) for r in recs)
     assert "heldout_reward" in recs[-1] and (out / "eval_00002.png").exists()
@@ -120,6 +121,12 @@ def test_every_family_trains_a_saved_wan_pipeline_through_solrl_train(family, wa
 
     with Image.open(out / "compare.gif") as gif:
         assert gif.n_frames == WAN_FRAMES  # the clips play, frame by frame
+    if family == "sol_rl":  # the tracker gets the clips as they play: compare.gif's bytes, as TensorBoard shows them
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        events = EventAccumulator(str(out / "tensorboard"), size_guidance={"images": 0}).Reload()
+        played = events.Images("eval/compare_video")
+        assert [e.step for e in played] == [2] and played[0].encoded_image_string == (out / "compare.gif").read_bytes()
     if family in ("sol_rl", "naive_quant"):
         quant = (out / "quantization.txt").read_text()
         assert "blocks.0.ffn.net.2" in quant and quant.startswith("quantize_model[nvfp4]")

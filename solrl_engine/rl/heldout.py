@@ -61,13 +61,15 @@ def write_compare(out_dir: Any, ro: Rollouts, adapters: LoraAdapters, prompts: S
     g, _se = cmp.gain
     head = f"{header}  |  these {len(cmp.base.rewards)}: {cmp.base.mean:.3f} -> {cmp.trained.mean:.3f} ({g:+.3f})"
     fig = compare_figure(cmp, head, ("base", "trained (EMA)"), max_pairs)
-    compare_gif(Path(out_dir) / COMPARE_GIF, cmp)  # videos: the pairs as they play (images: nothing)
+    gif = compare_gif(Path(out_dir) / COMPARE_GIF, cmp)  # videos: the pairs as they play (images: None)
     path = Path(out_dir) / COMPARE_PNG
     tmp = path.with_suffix(".tmp.png")
     fig.save(tmp)
     tmp.replace(path)
     if tracker is not None:
         tracker.image("eval/compare", fig, step)
+        if gif is not None:
+            tracker.video("eval/compare_video", gif, step)
     return cmp, path
 
 

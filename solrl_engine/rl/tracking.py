@@ -15,7 +15,7 @@ TRACKERS = ("tensorboard", "wandb")
 
 
 class Tracker:
-    """Scalars and image grids to every configured backend; a no-op with none."""
+    """Scalars, image grids and videos to every configured backend; a no-op with none."""
 
     def __init__(
         self, out: Path, backends: tuple[str, ...], name: str, config: dict[str, Any], purge_step: int | None = None
@@ -62,6 +62,24 @@ class Tracker:
             import wandb
 
             self.wandb.log({tag: wandb.Image(image)}, step=step)
+
+    def video(self, tag: str, gif: str | Path, step: int) -> None:
+        """An animated GIF (a video run's compare.gif): TensorBoard shows it playing in its images tab (the
+        GIF's bytes as the image, as TensorBoard's own video summaries are, without moviepy), wandb as a video."""
+        gif = Path(gif)
+        if self.tb is not None:
+            from PIL import Image
+            from tensorboard.compat.proto.summary_pb2 import Summary
+
+            with Image.open(gif) as im:
+                w, h = im.size
+            img = Summary.Image(height=h, width=w, colorspace=3, encoded_image_string=gif.read_bytes())
+            self.tb._get_file_writer().add_summary(Summary(value=[Summary.Value(tag=tag, image=img)]), step)
+            self.tb.flush()
+        if self.wandb is not None:
+            import wandb
+
+            self.wandb.log({tag: wandb.Video(str(gif), format="gif")}, step=step)
 
     def close(self) -> None:
         if self.tb is not None:
