@@ -50,6 +50,7 @@ from session_common import (  # noqa: E402
     SMALL_FLUX,
     TINY,
     TINY_RES,
+    VIDEO_MODELS,
     _error,
     _release,
     build_model,
@@ -63,10 +64,12 @@ from session_train import TRAIN_ALLOWANCE  # noqa: E402
 
 ROOT = HERE.parent
 
-# the two device calls (docs/gpu-session.md): the headline and the cheapest paper family first, then the rest
+# the device calls (docs/gpu-session.md): the headline and the cheapest paper family first, then the rest; the
+# third (video: Wan2.1 at 480 x 832 and 81 frames, where attention is a large share) when device time is left
 CALLS = {
     1: ("preflight", "ceilings", "trainer:sana-1.6b", "forwards:sana-1.6b"),
     2: ("gpu-tests", "ceilings", "forwards:flux-dev", "forwards:sd35-large"),
+    3: ("ceilings", "forwards:wan2.1-1.3b", "forwards:wan2.1-14b"),
 }
 BUDGET = 540.0  # of a device command's 600 s: the rest is the wheels' install and the imports
 # seconds each kind of stage may run (its hard deadline, and what must be left for it to start); each call's
@@ -242,11 +245,13 @@ def stage_deadline(seconds: float, stage: str) -> Iterator[None]:
 def stage_kind(stage: str) -> str:
     """preflight | ceilings | gpu-tests | trainer | forwards: what a stage name asks for."""
     kind = stage.split(":", 1)[0]
+    takes = {"trainer": MODELS, "forwards": MODELS + VIDEO_MODELS}
     if kind not in ("preflight", "ceilings", "gpu-tests", "trainer", "forwards"):
-        raise ValueError(f"unknown stage {stage!r}: use preflight, ceilings, gpu-tests, trainer:MODEL or "
-                         f"forwards:MODEL (MODEL one of {', '.join(MODELS)})")  # fmt: skip
-    if kind in ("trainer", "forwards") and stage.partition(":")[2] not in MODELS:
-        raise ValueError(f"stage {stage!r} names no model: write {kind}:MODEL with MODEL one of {', '.join(MODELS)}")
+        raise ValueError(f"unknown stage {stage!r}: use preflight, ceilings, gpu-tests, trainer:MODEL (MODEL one of "
+                         f"{', '.join(MODELS)}) or forwards:MODEL (also {', '.join(VIDEO_MODELS)})")  # fmt: skip
+    if kind in takes and stage.partition(":")[2] not in takes[kind]:
+        raise ValueError(f"stage {stage!r} names no model it takes: write {kind}:MODEL with MODEL one of "
+                         f"{', '.join(takes[kind])}")  # fmt: skip
     return kind
 
 
@@ -290,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--call", type=int, choices=sorted(CALLS), help="one device call's stages (CALLS): 1 preflight, "
                     "ceilings, SANA-1.6B's trainer iterations and forwards; 2 the GPU tests, ceilings, FLUX.1-dev's "
-                    "and SD3.5-L's forwards")  # fmt: skip
+                    "and SD3.5-L's forwards; 3 ceilings, Wan2.1-1.3B's and -14B's forwards")  # fmt: skip
     ap.add_argument("--stages", default=None, help="comma list instead of --call, run in the order given: preflight, "
                     "ceilings, gpu-tests, trainer:MODEL, forwards:MODEL")  # fmt: skip
     ap.add_argument("--budget", type=float, default=None, help="seconds this call may spend (a stage whose "

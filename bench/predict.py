@@ -85,9 +85,11 @@ EXPLORE_PRECISION = {"H100": "fp8", "A100": "int8", "B200": "nvfp4"}  # docs/des
 # --- one forward on the meta device ---------------------------------------------------------------
 
 
-def build_meta_model(alias: str, arch: dict[str, Any] | None = None, resolution: int | None = None) -> nn.Module:
+def build_meta_model(alias: str, arch: dict[str, Any] | None = None, resolution: int | None = None,
+                     **video: int) -> nn.Module:  # fmt: skip
     """The family's FlowModel around its published transformer built on the meta device (no memory):
-    the same forward the engine's rollouts run. `arch` overrides the config (tests build tiny ones)."""
+    the same forward the engine's rollouts run. `arch` overrides the config (tests build tiny ones); `video`:
+    a video model's frames and width (its defaults: the published 81 frames at 480 x 832)."""
     import diffusers
 
     cls = model_spec(ARCH_ALIASES.get(alias, alias)).adapter_object()
@@ -102,7 +104,7 @@ def build_meta_model(alias: str, arch: dict[str, Any] | None = None, resolution:
     # the scheduler is built off the meta device: diffusers copies its sigmas to the CPU
     pipe = SimpleNamespace(transformer=net, scheduler=cls.default_scheduler(), vae=None,
                            vae_scale_factor=cls.RANDOM_VAE_FACTOR, random=True)  # fmt: skip
-    return cls(pipe, device="meta", dtype=torch.bfloat16, resolution=resolution)
+    return cls(pipe, device="meta", dtype=torch.bfloat16, resolution=resolution, **video)
 
 
 def forward_inputs(model: Any, batch: int, device: str | torch.device = "meta", dtype: torch.dtype = torch.bfloat16,

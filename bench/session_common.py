@@ -34,7 +34,8 @@ from solrl_engine.quant import get_recipe  # noqa: E402
 HERE = Path(__file__).resolve().parent
 
 
-MODELS = ("sana-1.6b", "sd35-large", "flux-dev")
+MODELS = ("sana-1.6b", "sd35-large", "flux-dev")  # what trainer:MODEL and forwards:MODEL take
+VIDEO_MODELS = ("wan2.1-1.3b", "wan2.1-14b")  # forwards:MODEL only (the published 480 x 832, 81-frame clip)
 
 
 ROLLOUT_BATCH = dict(predict.ROLLOUT_BATCH)  # SANA 48, FLUX 24, SD3.5-L 8: the rollout batch on one 80 GB GPU
@@ -53,10 +54,14 @@ TINY = {
                      joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 6, 6)),
     "sana-1.6b": dict(num_attention_heads=2, attention_head_dim=16, num_layers=2, num_cross_attention_heads=2,
                       cross_attention_head_dim=16, cross_attention_dim=32, caption_channels=32, sample_size=4),
+    **dict.fromkeys(("wan2.1-1.3b", "wan2.1-14b"),
+                    dict(num_layers=2, num_attention_heads=2, attention_head_dim=16, ffn_dim=64, text_dim=32,
+                         freq_dim=16, rope_max_seq_len=64)),
 }  # fmt: skip
 
 
-TINY_RES = {"sd35-large": 64, "flux-dev": 64, "sana-1.6b": 128}
+TINY_RES = {"sd35-large": 64, "flux-dev": 64, "sana-1.6b": 128, "wan2.1-1.3b": 32, "wan2.1-14b": 32}
+TINY_VIDEO = dict.fromkeys(("wan2.1-1.3b", "wan2.1-14b"), {"frames": 5, "width": 48})  # a video model's smoke clip
 
 
 TINY_BATCH = 2
@@ -108,12 +113,14 @@ def format_unavailable(fmt: str, device: torch.device) -> str | None:
     return None
 
 
-def build_model(alias: str, device: torch.device, arch: dict[str, Any] | None, resolution: int | None) -> Any:
+def build_model(alias: str, device: torch.device, arch: dict[str, Any] | None, resolution: int | None,
+                **video: int) -> Any:  # fmt: skip
     """The family's denoiser with random BF16 weights made on `device`: built on meta (bench/predict.py's
     builder, no memory, no CPU init), then materialised there and initialised by kernels on the device.
     Weights ~ N(0, 1/fan_in), 1-D weights 1 and biases 0 (stable activations, so no NaN paths are timed);
-    float buffers (SD3's position table) are random: the values do not change the time."""
-    model = predict.build_meta_model(alias, arch, resolution)
+    float buffers (SD3's position table) are random: the values do not change the time. `video`: a video
+    model's frames and width (None: the published clip)."""
+    model = predict.build_meta_model(alias, arch, resolution, **video)
     net = model.transformer
     net.to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(0)

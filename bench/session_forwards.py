@@ -18,6 +18,7 @@ from session_common import (  # noqa: I001 - bench/ is on sys.path (session_comm
     TINY,
     TINY_BATCH,
     TINY_RES,
+    TINY_VIDEO,
     TORCHAO_CONFIGS,
     _blocks,
     _error,
@@ -266,9 +267,10 @@ def model_stage(alias: str, device: torch.device, cfg: dict[str, Any], dev_rates
     fast-path record and profile of each eager forward, seconds per iteration from all of these, and
     bench/predict.py's forward beside them."""
     arch, res = (TINY[alias], TINY_RES[alias]) if cfg["smoke"] else (None, cfg["resolution"])
+    video = TINY_VIDEO.get(alias, {}) if cfg["smoke"] else {}
     batch = TINY_BATCH if cfg["smoke"] else cfg["batch"].get(alias, ROLLOUT_BATCH[alias])
     t0 = time.perf_counter()
-    model = build_model(alias, device, arch, res)
+    model = build_model(alias, device, arch, res, **video)
     _sync(device)
     out: dict[str, Any] = {
         "model": alias, "batch": batch, "resolution": model.resolution, "latent_shape": list(model.latent_shape),
@@ -337,7 +339,7 @@ def model_stage(alias: str, device: torch.device, cfg: dict[str, Any], dev_rates
                     torchao_peer(model, alias, fmt, inputs, device, cfg, mode, entry)
                     cfg["progress"](out)
     for key, make in (("iteration", lambda: iteration_table(out, batch)),
-                      ("predicted", lambda: predicted(alias, arch, res, batch, out, dev_rates))):  # fmt: skip
+                      ("predicted", lambda: predicted(alias, arch, res, batch, out, dev_rates, video))):  # fmt: skip
         try:
             out[key] = make()
         except Exception as e:  # keep the measurements when a derived table fails
@@ -419,13 +421,13 @@ def device_from_ceilings(ceil: dict[str, Any], name: str) -> Any:
 
 
 def predicted(alias: str, arch: dict[str, Any] | None, res: int | None, batch: int, rec: dict[str, Any],
-              dev: Any) -> dict[str, Any]:  # fmt: skip
+              dev: Any, video: dict[str, int] | None = None) -> dict[str, Any]:  # fmt: skip
     """bench/predict.py's roofline forward for this device (from the the ceilings stage) at the same batch,
     per precision, on the layers the measured copy quantized; beside the measured forward. Its update batch
     and refresh estimates sit beside the measured ones, at the same train batch and timestep fraction."""
     if dev is None:
         return {"skipped": "no ceilings measured in this run"}
-    meta = predict.build_meta_model(alias, arch, res)
+    meta = predict.build_meta_model(alias, arch, res, **(video or {}))
     ops = predict.profile_forward(meta, batch)
     out: dict[str, Any] = {"device_rates": {k: v / 1e12 for k, v in dev.rates.items()}, "forward_ms": {}}
     for fmt, e in rec["precisions"].items():

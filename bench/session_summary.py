@@ -53,7 +53,7 @@ def trainer_lines(key: str, s: dict[str, Any]) -> list[str]:
 def train_line(s: dict[str, Any]) -> str:
     """One model's training: the measured nft_update, and the seconds per iteration it adds."""
     upd, tr = s.get("nft_update") or {}, (s.get("iteration") or {}).get("training") or {}
-    head = f"{s['model']:<11}train "
+    head = f"{s['model']:<12}train "
     if "ms" not in upd:
         return head + f"nft_update not measured: {_why(upd) or 'not run'}"
     pred = ((s.get("predicted") or {}).get("update_ms") or {}).get("predicted")
@@ -64,9 +64,9 @@ def train_line(s: dict[str, Any]) -> str:
 
 
 FORWARD_HEAD = (
-    f"{'':<17}{'--- forward ms ---':>26}{'- vs bf16 -':>14}{'':>8}{'sol_rl / naive':>22}{'':>10}{'vs torchao':>14}"
+    f"{'':<18}{'--- forward ms ---':>26}{'- vs bf16 -':>14}{'':>8}{'sol_rl / naive':>22}{'':>10}{'vs torchao':>14}"
     f"{'':>7}{'total':>7}",
-    f"{'model':<11}{'prec':<6}{'eager':>8}{'pred':>8}{'compiled':>10}{'eager':>7}{'comp':>7}{'fast':>8}{'eager':>7}"
+    f"{'model':<12}{'prec':<6}{'eager':>8}{'pred':>8}{'compiled':>10}{'eager':>7}{'comp':>7}{'fast':>8}{'eager':>7}"
     f"{'comp':>7}{'pred':>7}{'compile s':>10}{'eager':>7}{'comp':>7}{'refr ms':>9}{'eager':>7}  eager profile "
     "(largest shares)",
 )  # fmt: skip
@@ -82,7 +82,7 @@ def forwards_lines(s: dict[str, Any]) -> list[str]:
         if "eager_ms" not in e:
             e = {"skipped": "not run (cut off)", **e}
         if "skipped" in e or "error" in e:
-            lines.append(f"{s['model']:<11}{fmt:<6} {_why(e)[:90]}")
+            lines.append(f"{s['model']:<12}{fmt:<6} {_why(e)[:90]}")
             continue
         pred = pr.get("forward_ms", {}).get(fmt, {}).get("eager")
         comp, comp_bf = _ms(e, "compiled"), _ms(bf, "compiled")
@@ -100,18 +100,18 @@ def forwards_lines(s: dict[str, Any]) -> list[str]:
         ao_e = ao["eager_ms"] / e["eager_ms"] if "eager_ms" in ao else None  # our speed / torchao's
         ao_c = _ms(ao, "compiled") / comp if _ms(ao, "compiled") and comp else None
         shares = sorted(e.get("profile_eager", {}).get("share", {}).items(), key=lambda kv: -kv[1])[:3]
-        lines.append(f"{s['model']:<11}{fmt:<6}{e['eager_ms']:>8.1f}{_f(pred):>8}{_f(comp):>10}{_f(x, 2):>7}"
+        lines.append(f"{s['model']:<12}{fmt:<6}{e['eager_ms']:>8.1f}{_f(pred):>8}{_f(comp):>10}{_f(x, 2):>7}"
                      f"{_f(xc, 2):>7}{fast:>8}{_f(r_e, 2):>7}{_f(r_c, 2):>7}{_f(r_p, 2):>7}{_f(cs, 0):>10}"
                      f"{_f(ao_e, 2):>7}{_f(ao_c, 2):>7}{_f(e.get('refresh_ms')):>9}{_f(r_t, 2):>7}  "
                      + " ".join(f"{g} {v:.0%}" for g, v in shares))  # fmt: skip
         c = e.get("compiled") or {}
         if q and c.get("census_summary"):  # traced scaled GEMMs (quantize fused) or opaque ops, per compiled graph
-            lines.append(f"{'':<17}compiled: {c['census_summary'][:100]}")
+            lines.append(f"{'':<18}compiled: {c['census_summary'][:100]}")
         if c.get("graphed_error"):
-            lines.append(f"{'':<17}graph capture: {c['graphed_error'].splitlines()[0][:100]}")
+            lines.append(f"{'':<18}graph capture: {c['graphed_error'].splitlines()[0][:100]}")
         why = ao.get("skipped") or ao.get("error") or (ao.get("compiled") or {}).get("error")
         if why:
-            lines.append(f"{'':<17}torchao: {why.splitlines()[0][:100]}")
+            lines.append(f"{'':<18}torchao: {why.splitlines()[0][:100]}")
     lines.append(train_line(s))
     return lines
 

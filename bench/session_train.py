@@ -38,12 +38,18 @@ TRAIN_ALLOWANCE = {"gpu": 40.0, "smoke": 1.0}
 CHECKPOINT_FOR_MEMORY = ("sd35-large",)
 
 
+def paper_preset(alias: str) -> str:
+    """The paper preset of a benchmark model: a Wan model has its own (presets.PAPER["wan2.1-14b"]), an image
+    model its family's."""
+    return alias if alias in presets.PAPER else ARCH_ALIASES.get(alias, alias)
+
+
 def train_settings(alias: str, smoke: bool, batch: dict[str, int]) -> dict[str, Any]:
     """The family's update as its paper preset runs it (solrl_engine/rl/presets.py): train batch, gradient
     checkpointing (also on for CHECKPOINT_FOR_MEMORY, to fit 80 GB), timestep fraction, LoRA rank / alpha /
     targets. `batch` overrides the train batch."""
     fam = ARCH_ALIASES.get(alias, alias)
-    p = presets.PAPER[fam]
+    p = presets.PAPER[paper_preset(alias)]
     return {
         "batch": TINY_BATCH if smoke else batch.get(alias, p["train_batch_size"]),
         "checkpointing": bool(p["gradient_checkpointing"]) or alias in CHECKPOINT_FOR_MEMORY,
@@ -89,9 +95,9 @@ def time_nft_update(model: Any, adapters: LoraAdapters, alias: str, device: torc
     no-grad forwards, the policy's forward and backward, then the LoRA optimizer step and the EMA / "old"
     moves), after one warm-up. A paper iteration runs iteration_table's update_batches of these."""
     b = ts["batch"]
-    fam = ARCH_ALIASES.get(alias, alias)
     # one step budget and every timestep of it: n_t = 1, so one call is one update batch
-    c = presets.paper_config(fam, "sol_rl", "pickscore", train_batch_size=b, full_steps=1, timestep_fraction=1.0)
+    c = presets.paper_config(paper_preset(alias), "sol_rl", "pickscore", train_batch_size=b, full_steps=1,
+                             timestep_fraction=1.0)  # fmt: skip
     opt = torch.optim.AdamW(adapters.params(TRAIN), lr=c.lr, weight_decay=c.weight_decay)
     gen = torch.Generator().manual_seed(0)
     x0 = torch.randn(b, *model.latent_shape, device=device, dtype=torch.bfloat16)

@@ -1,8 +1,9 @@
 """The GPU session rehearsed on the CPU exactly as the lent machine runs it: a copy of the working tree as the
 device tool sends it (tracked and untracked-not-ignored files), the project NOT installed (`python -S`: no .pth
 file, so no editable install, only site-packages on PYTHONPATH), the device command itself
-(`bash bench/device_call.sh 1|2`), at a simulated sm_90 and sm_80 with Triton interpreted, every stage of both
-calls at smoke shapes. No error, timeout or failed capture anywhere in the JSON is allowed."""
+(`bash bench/device_call.sh 1|2|3`), at a simulated sm_90 and sm_80 with Triton interpreted (the video call 3 at
+sm_90), every stage of each call at smoke shapes. No error, timeout or failed capture anywhere in the JSON is
+allowed."""
 
 from __future__ import annotations
 
@@ -82,7 +83,7 @@ def _bad(obj: object, path: str = "") -> list[str]:
     return found
 
 
-CASES = [(1, "90"), (2, "90"), (1, "80"), (2, "80")]
+CASES = [(1, "90"), (2, "90"), (1, "80"), (2, "80"), (3, "90")]
 
 
 @pytest.mark.slow
@@ -145,7 +146,7 @@ def test_call_1_measures_sol_rl_against_both_baselines_first(rehearse):
 @pytest.mark.parametrize(("call", "sm"), CASES)
 def test_forwards_run_the_gpu_path_eager_and_compiled(call, sm, rehearse):
     _, rec, _ = rehearse(call, sm)
-    models = {1: ["sana-1.6b"], 2: ["flux-dev", "sd35-large"]}[call]
+    models = {1: ["sana-1.6b"], 2: ["flux-dev", "sd35-large"], 3: ["wan2.1-1.3b", "wan2.1-14b"]}[call]
     eight = ["fp8", "int8"] if sm == "90" else ["int8"]
     for model in models:
         s = rec["stages"][f"forwards:{model}"]
@@ -166,6 +167,21 @@ def test_forwards_run_the_gpu_path_eager_and_compiled(call, sm, rehearse):
 
 
 @pytest.mark.slow
+def test_call_3_times_video_forwards_and_reports_attentions_share(rehearse):
+    """Wan at a smoke clip (5 frames): a video latent [C, F, H, W], the profile's attention share per precision
+    (the part the explore copy leaves in BF16), and the Wan model's own preset for the update."""
+    _, rec, _ = rehearse(3, "90")
+    assert rec["stage_order"] == ["ceilings", "forwards:wan2.1-1.3b", "forwards:wan2.1-14b"]
+    for model in ("wan2.1-1.3b", "wan2.1-14b"):
+        s = rec["stages"][f"forwards:{model}"]
+        assert len(s["latent_shape"]) == 4 and s["latent_shape"][1] == 2  # 5 frames: 1 + 4 -> 2 latent frames
+        for fmt in ("bf16", "fp8", "int8"):
+            share = s["precisions"][fmt]["profile_eager"]["share"]
+            assert 0 < share["attention"] < 1 and sum(share.values()) == pytest.approx(1.0)
+        assert s["train_settings"]["checkpointing"] and s["train_settings"]["timestep_fraction"] == 0.6
+
+
+@pytest.mark.slow
 def test_call_2_runs_the_gpu_tests_from_the_copy(rehearse):
     _, rec, log = rehearse(2, "90")
     t = rec["stages"]["gpu-tests"]
@@ -179,7 +195,7 @@ def _positive(v: object) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("call", [1, 2])
+@pytest.mark.parametrize("call", [1, 2, 3])
 def test_forwards_time_one_update_and_each_refresh_and_count_them_per_iteration(call, rehearse):
     _, rec, log = rehearse(call, "90")
     for key, s in rec["stages"].items():

@@ -37,6 +37,15 @@ def test_each_call_fits_its_budget_and_puts_the_headline_first(session):
     assert one.index("trainer:sana-1.6b") < one.index("forwards:sana-1.6b")  # Sol-RL's real iterations first
     assert {"forwards:flux-dev", "forwards:sd35-large", "gpu-tests"} <= set(session.CALLS[2])
     assert session.TRAINER_FAMILIES[:2] == ("sol_rl", "naive_scaling")
+    assert set(session.CALLS[3]) == {"ceilings", "forwards:wan2.1-1.3b", "forwards:wan2.1-14b"}
+
+
+def test_a_stage_names_a_model_it_takes(session):
+    assert session.stage_kind("forwards:wan2.1-14b") == "forwards"
+    with pytest.raises(ValueError, match="trainer:MODEL with MODEL one of sana-1.6b, sd35-large, flux-dev"):
+        session.stage_kind("trainer:wan2.1-14b")  # the trainer stage runs image models only
+    with pytest.raises(ValueError, match="unknown stage 'forward:sana-1.6b'"):
+        session.stage_kind("forward:sana-1.6b")
 
 
 def test_nothing_nvfp4_runs_below_sm_100(session, monkeypatch):
@@ -183,4 +192,4 @@ def test_the_summary_reads_a_partial_record(session):
     lines = session.summary.summary_lines(rec)
     text = "\n".join(lines)
     assert "sol_rl         rollout 5.00 s" in text and "naive_scaling  not run" in text
-    assert "sana-1.6b  fp8    not run (cut off)" in text
+    assert "sana-1.6b   fp8    not run (cut off)" in text
