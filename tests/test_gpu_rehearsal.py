@@ -221,7 +221,7 @@ def test_forwards_time_one_update_and_each_refresh_and_count_them_per_iteration(
         pr = s["predicted"]
         assert _positive(pr["update_ms"]["predicted"]) and pr["update_ms"]["measured"] == upd["ms"]
         assert _positive(pr["iteration_eager/fp8"]["train_s"]) and _positive(pr["forward_ms"]["fp8"]["refresh_ms"])
-        assert f"{model:<11}train nft_update" in log
+        assert f"{model:<12}train nft_update" in log
 
 
 @pytest.mark.slow
