@@ -40,14 +40,18 @@ def test_published_configs_have_the_published_sizes():
     """Parameter counts of the full configs, built on the meta device (no memory)."""
     import diffusers
 
-    want = {"sd35-large": (7.8e9, 8.4e9), "flux-dev": (11.5e9, 12.2e9), "sana-1.6b": (1.5e9, 1.7e9)}
-    for alias, family in ARCH_ALIASES.items():
+    want = {"sd35-large": (7.8e9, 8.4e9), "flux-dev": (11.5e9, 12.2e9), "sana-1.6b": (1.5e9, 1.7e9),
+            "wan2.1-1.3b": (1.3e9, 1.5e9), "wan2.1-14b": (13.5e9, 14.8e9), "wan2.2-5b": (4.8e9, 5.2e9)}  # fmt: skip
+    aliases = {**ARCH_ALIASES, "wan2.2-5b": "wan"}  # the 5B has a config (ALIAS_CONFIGS) but no speed-model row
+    for alias, family in aliases.items():
         adapter = model_spec(family).adapter_object()
+        config = {**adapter.FULL_CONFIG, **getattr(adapter, "ALIAS_CONFIGS", {}).get(alias, {})}
         with torch.device("meta"):
-            net = getattr(diffusers, adapter.TRANSFORMER_CLASS)(**adapter.FULL_CONFIG)
+            net = getattr(diffusers, adapter.TRANSFORMER_CLASS)(**config)
         n = sum(p.numel() for p in net.parameters())
         lo, hi = want[alias]
         assert lo <= n <= hi, (alias, n)
+    assert set(want) == set(aliases)
 
 
 def test_unknown_model_is_a_clear_error():
