@@ -134,7 +134,7 @@ def record(out_path: Path, presets: list[str], threads: int) -> None:
 
 def compare(a_path: Path, b_path: Path) -> int:
     a, b = (json.loads(p.read_text()) for p in (a_path, b_path))
-    bad = 0
+    bad, added = 0, []
     for fam in sorted(set(a["presets"]) | set(b["presets"])):
         pa, pb = a["presets"].get(fam), b["presets"].get(fam)
         if pa is None or pb is None:
@@ -143,6 +143,9 @@ def compare(a_path: Path, b_path: Path) -> int:
             continue
         for key in sorted(set(pa) | set(pb)):
             va, vb = pa.get(key), pb.get(key)
+            if key not in pa:  # a field the newer tree reports and the older did not: nothing to compare
+                added.append(f"{fam}.{key}")
+                continue
             if json.dumps(va, sort_keys=True) == json.dumps(vb, sort_keys=True):  # NaN == NaN here, as text
                 continue
             bad += 1
@@ -155,6 +158,8 @@ def compare(a_path: Path, b_path: Path) -> int:
                     print(f"{fam}: {len(va)} vs {len(vb)} metrics rows")
             else:
                 print(f"{fam}: {key} differs: {va!r} vs {vb!r}")
+    if added:
+        print(f"new in the second file, not compared: {', '.join(added)}")
     n = sum(len(p.get("metrics", [])) for p in a["presets"].values())
     print("identical, bit for bit" if not bad else f"{bad} difference(s)", f"({len(a['presets'])} presets, {n} "
           f"iteration records; {a['engine']} vs {b['engine']})")  # fmt: skip

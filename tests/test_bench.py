@@ -127,3 +127,25 @@ def test_compile_time_bench_compiles_a_cold_regional_block_in_a_fresh_process():
     r = mod.measure(1, "regional", 1)
     assert "error" not in r, r.get("error")
     assert r["compile_s"] > r["second_call_s"] > 0 and r["graphs"] == 1 == r["census"]["graphs"]
+
+
+def test_same_metrics_compare_finds_a_changed_value_and_a_lost_field_but_not_a_new_one(tmp_path, capsys):
+    mod = load_bench("same_metrics")
+
+    def write(name: str, presets: dict) -> Path:
+        p = tmp_path / name
+        p.write_text(json.dumps({"engine": name, "presets": presets}))
+        return p
+
+    row = {"iter": 1, "loss": 0.25, "reward_mean": 0.5}
+    before = write("a", {"sol_rl": {"metrics": [row], "lora": "ab12"}, "fidelity": {"spearman_mean": 0.9}})
+    same = write("b", {"sol_rl": {"metrics": [dict(row)], "lora": "ab12"}, "fidelity": {"spearman_mean": 0.9}})
+    assert mod.compare(before, same) == 0 and "identical, bit for bit" in capsys.readouterr().out
+    added = write("c", {"sol_rl": {"metrics": [row], "lora": "ab12"},
+                        "fidelity": {"spearman_mean": 0.9, "explore_attention": "bf16"}})  # fmt: skip
+    assert mod.compare(before, added) == 0
+    assert "not compared: fidelity.explore_attention" in capsys.readouterr().out
+    changed = write("d", {"sol_rl": {"metrics": [{**row, "loss": 0.2500001}], "lora": "ab12"},
+                          "fidelity": {"spearman_mean": 0.9}})  # fmt: skip
+    assert mod.compare(before, changed) == 1 and "metrics row 1 differs: {'loss'" in capsys.readouterr().out
+    assert mod.compare(added, before) == 1  # a field the newer tree stopped reporting is a difference
