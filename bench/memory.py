@@ -1,7 +1,8 @@
 """Weight memory per model family: the trained transformer in BF16, its explore copy under the
 family's layer rule (NVFP4 layers at 4.5 bits per weight with scales; of the rest only the LoRA
 layers that take merged weights are copied, the others share the policy's frozen base), the LoRA,
-and the text encoders that `offload_text_encoders` moves to the CPU between prompt encodes.
+and the text encoders that `offload_text_encoders` moves to the CPU between prompt encodes; and what
+full fine-tuning (train_mode=full) holds in one process: 22 bytes per transformer weight plus the copy.
 
 Transformer sizes are counted on the meta device from the published configs (no memory, no
 download); text-encoder and VAE sizes are the published parameter counts. Activations and the
@@ -83,6 +84,9 @@ def family_memory(name: str, lora_rank: int = 32) -> dict[str, float]:
         "explore_copy_unshared_gib": (2 * (params - q) + q * (0.5 + 1 / 16)) / gib,
         "lora_params_m": lora / 1e6,
         "lora_train_old_ema_fp32_with_adam_gib": 4 * lora * (3 + 2) / gib,
+        # train_mode=full (rl/full.py): trained, old and EMA weights in FP32 and AdamW's two moments, beside the
+        # BF16 base kept as the reference (policy_bf16_gib); one process, nothing sharded
+        "full_train_old_ema_fp32_with_adam_gib": 4 * params * (3 + 2) / gib,
         "text_encoders_bf16_gib": 2e9 * sum(text_encoders.values()) / gib,
         "text_encoder_b_params": text_encoders,
         "vae_b_params": vae,
@@ -99,9 +103,13 @@ def main() -> None:
         resident = sum(r[p] for p in parts)
         r["resident_weights_gib_text_offloaded"] = resident
         r["resident_weights_gib_text_on_gpu"] = resident + r["text_encoders_bf16_gib"]
+        # full fine-tuning: nothing is frozen, so the explore copy holds all its own tensors
+        full = ("policy_bf16_gib", "explore_copy_unshared_gib", "full_train_old_ema_fp32_with_adam_gib", "vae_bf16_gib")
+        r["resident_weights_gib_full_text_offloaded"] = sum(r[p] for p in full)
         print(f"{n:11s} transformer {r['transformer_params_b']:.2f}B: policy {r['policy_bf16_gib']:.1f} GiB, "
               f"explore copy {r['explore_copy_gib']:.1f} GiB ({100 * r['explore_quantized_share']:.0f}% of weights "
-              f"in NVFP4), text encoders {r['text_encoders_bf16_gib']:.1f} GiB (offloaded), resident {resident:.1f}")
+              f"in NVFP4), text encoders {r['text_encoders_bf16_gib']:.1f} GiB (offloaded), resident {resident:.1f}; "
+              f"full fine-tuning {r['resident_weights_gib_full_text_offloaded']:.1f}")
     out = Path(__file__).parent / "results" / f"{dt.date.today()}-memory.json"
     what = "weight memory per family (estimates from configs; no GPU)"
     out.write_text(json.dumps({"what": what, "rows": rows}, indent=2))

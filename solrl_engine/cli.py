@@ -98,11 +98,12 @@ def _rollouts_from_args(args: argparse.Namespace):  # noqa: ANN202 - Rollouts, i
 
 
 def load_lora_into(transformer: object, directory: str) -> None:
-    """Load an exported adapter (OUT/lora, OUT/lora_ema, OUT/lora_best) into a transformer, as a pipeline
-    would, checked against its manifest first (rl.export.load_lora)."""
-    from solrl_engine.rl.export import load_lora
+    """Load a run's export into a transformer, checked against its manifest first: an adapter (OUT/lora,
+    OUT/lora_ema, OUT/lora_best) as a pipeline would, or a full fine-tuning's OUT/transformer_ema (and the
+    others) in place of the base weights (rl.export.load_trained)."""
+    from solrl_engine.rl.export import load_trained
 
-    load_lora(transformer, directory)
+    load_trained(transformer, directory)
 
 
 def _sample(args: argparse.Namespace) -> int:
@@ -398,7 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--model", default="tiny", help="model family: tiny, sd3, flux, sana")
     sp.add_argument("--model-path", default=None, help="pipeline directory or hub id (default: the family's)")
     sp.add_argument("--resolution", type=int, default=None, help="pixels (default: the family's)")
-    sp.add_argument("--lora", default=None, help="an exported adapter (a run's lora/, lora_ema/ or lora_best/)")
+    sp.add_argument("--lora", default=None, help="an exported adapter (a run's lora/, lora_ema/ or lora_best/), "
+                    "or a full fine-tuning run's transformer/, transformer_ema/ or transformer_best/")
     sp.add_argument("--solver", default="dpm2", choices=["euler", "dpm2", "unipc"])
     sp.add_argument("--prompt", default=None)
     sp.add_argument("--split", default=None,
@@ -430,7 +432,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="mean of each reward over a prompt set, with a trained LoRA: grids + JSON")
     ev.add_argument("config", help="CONFIG_SPEC: path/to/config.py:function (model, reward, steps, solver)")
     ev.add_argument("--set", action="append", metavar="KEY=VALUE")
-    ev.add_argument("--lora", default=None, help="a run's lora/, lora_ema/ or lora_best/; none: the base")
+    ev.add_argument("--lora", default=None, help="a run's lora/, lora_ema/ or lora_best/ (full fine-tuning: "
+                    "transformer_ema/ ...); none: the base")
     ev.add_argument("--prompts", default=None, help="prompt set (default: the config's eval_prompts)")
     ev.add_argument("--max-prompts", type=int, default=10**9)
     ev.add_argument("--seeds", type=int, default=4, help="seeds per prompt (0 .. N-1)")

@@ -29,30 +29,33 @@ def small_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(d)
 
 
-def _args(small_model: str, out: Path, dtype: torch.dtype) -> list[str]:
+def _args(small_model: str, out: Path, dtype: torch.dtype, mode: str = "lora") -> list[str]:
     sets = [f"model_path={small_model}", "n=6", "k=4", "prompts_per_iter=4", "iterations=2", "preview_steps=2",
             "full_steps=4", "eval_every=2", "eval_prompt_count=3", "eval_seeds=1", "save_every=1", "lora_rank=4",
             "lora_alpha=8", "lr=1e-2", "rollout_batch_size=16", "train_batch_size=4",
             "timestep_fraction=0.5", "explore_precision=nvfp4", "updates_per_iter=2",
             "eval_train_prompt_count=3", f"policy_dtype={str(dtype).removeprefix('torch.')}"]  # fmt: skip
+    if mode == "full":  # every weight trained (rl/full.py), at a full fine-tuning's learning rate
+        sets += ["train_mode=full", "lr=1e-3"]
     args = ["train", str(ROOT / "configs/tiny.py:tiny_sol_rl_shapes"), "--output", str(out)]
     for s in sets:
         args += ["--set", s]
     return args
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_torchrun_two_ranks_match_one_process(small_model, tmp_path, dtype):
+@pytest.mark.parametrize(("dtype", "mode"), [(torch.float32, "lora"), (torch.bfloat16, "lora"),
+                                             (torch.float32, "full")], ids=["fp32", "bf16", "full-fp32"])  # fmt: skip
+def test_torchrun_two_ranks_match_one_process(small_model, tmp_path, dtype, mode):
     """Both policy dtypes the CPU's detection can pick (set explicitly: the ranks are other processes),
     with tolerances set by the dtype (tests/cpu_branches.py): BF16 sums in another order differ by
-    a few of its rounding steps."""
+    a few of its rounding steps; and full fine-tuning (train_mode=full), every weight's gradient summed."""
     one, two = tmp_path / "one", tmp_path / "two"
     tol = tolerance(dtype)
-    assert main(_args(small_model, one, dtype)) == 0
+    assert main(_args(small_model, one, dtype, mode)) == 0
     # `solrl` from this tree (not an installed copy) on every rank
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "solrl_engine.cli",
-           *_args(small_model, two, dtype)]  # fmt: skip
+           *_args(small_model, two, dtype, mode)]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-4000:]
     assert not (two / ".solrl.lock").exists()  # rank 0 held the run's lock for the job, and let it go
@@ -72,7 +75,8 @@ def test_torchrun_two_ranks_match_one_process(small_model, tmp_path, dtype):
     assert b[-1]["train_prompt_reward"] == pytest.approx(a[-1]["train_prompt_reward"], **tol)
     from safetensors.torch import load_file
 
-    name = "lora/pytorch_lora_weights.safetensors"
+    files = {"lora": "lora/pytorch_lora_weights.safetensors", "full": "transformer/diffusion_pytorch_model.safetensors"}
+    name = files[mode]
     wa, wb = load_file(one / name), load_file(two / name)
     assert wa.keys() == wb.keys()
     for k in wa:

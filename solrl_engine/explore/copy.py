@@ -244,7 +244,8 @@ class ExploreCopy:
 
             return refresh_te_(self.transformer, {f"module.{k}": v for k, v in merged.items()})
         mods = dict(self.transformer.named_modules())
-        quant = sum(isinstance(mods[k.removesuffix(".weight")], QuantLinear) for k in merged)
+        quant = sum(k.endswith(".weight") and isinstance(mods.get(k.removesuffix(".weight")), QuantLinear)
+                    for k in merged)  # fmt: skip
         done = requantize_(self.transformer, source=merged, strict=False)  # high-precision layers copied too
         if done != quant:  # cannot happen once check_follows passed; a guard against silent partial refreshes
             raise RuntimeError(f"refreshed {done} of the {quant} quantized LoRA layers of the explore copy")

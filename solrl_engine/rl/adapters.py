@@ -18,6 +18,8 @@ TRAIN, OLD = "default", "old"
 class LoraAdapters:
     """Owns the LoRA state of `transformer` (a diffusers model with PEFT support)."""
 
+    kind = "lora"  # train_mode=lora (rl/full.py holds train_mode=full)
+
     def __init__(self, transformer: nn.Module, rank: int, alpha: int, targets: tuple[str, ...]) -> None:
         try:
             from peft import LoraConfig

@@ -269,8 +269,12 @@ def resume_point(root: str | Path, dist: Any = None) -> Path | None:
 RUN_FILES = ("metrics.jsonl", "config.json", "summary.json", "reward.png", "quantization.txt", "compare.png")
 # the EMA adapter of the best held-out evaluation, and the file inside it that says which one that was
 BEST_LORA, BEST_INFO = "lora_best", "solrl_best.json"
-EXPORTS = ("lora", "lora_ema", BEST_LORA)
-RUN_DIRS = ("checkpoints", "lora", "lora_ema", BEST_LORA, "tensorboard", "wandb")
+# what a run exports, by train_mode: the trained weights, their EMA and the best evaluation's EMA (LoRA adapters,
+# or whole transformers from full fine-tuning)
+EXPORT_DIRS = {"lora": ("lora", "lora_ema", BEST_LORA), "full": ("transformer", "transformer_ema", "transformer_best")}
+BEST_DIRS = {dirs[2] for dirs in EXPORT_DIRS.values()}
+EXPORTS = tuple(d for dirs in EXPORT_DIRS.values() for d in dirs)
+RUN_DIRS = ("checkpoints", *EXPORTS, "tensorboard", "wandb")
 MIN_FREE_BYTES = 64 * 2**20
 
 

@@ -52,6 +52,7 @@ FAMILY_TABLE: dict[str, FamilyRule] = {
     "sol_rl": FamilyRule(quantized_explore=True, preview=True, regenerate=True),  # previews -> K regenerated
 }
 FAMILIES = tuple(FAMILY_TABLE)
+TRAIN_MODES = ("lora", "full")  # what the update trains: LoRA adapters, or every transformer weight
 
 
 class ConfigError(ValueError):
@@ -127,6 +128,7 @@ class RLConfig:
     offload_text_encoders: bool = True  # move the text encoders to CPU after the prompts are encoded
     gradient_checkpointing: bool = False  # trade compute for activation memory in the trained transformer
     # policy update (DiffusionNFT)
+    train_mode: str = "lora"  # lora: adapters on the frozen base; full: every transformer weight (rl/full.py)
     lora_rank: int = 32
     lora_alpha: int = 64
     lora_targets: tuple[str, ...] | None = None  # None: the model's default LoRA targets
@@ -283,6 +285,16 @@ class RLConfig:
 
         if any(b not in TRACKERS for b in self.log_with):
             raise bad("log_with", f"choose trackers from {TRACKERS} (comma-separated), or leave it empty")
+        if self.train_mode not in TRAIN_MODES:
+            raise bad("train_mode", f"choose one of {TRAIN_MODES} (lora: adapters on the frozen base, the default; "
+                                    "full: every weight of the transformer, docs/full-fine-tuning.md)")
+        if self.train_mode == "full" and FAMILY_TABLE[self.family].compiled:
+            raise bad("family", "the compile family samples the policy through captured graphs, which read fixed "
+                                "weight addresses; full fine-tuning swaps whole weight sets, so the policy samples "
+                                "eagerly: use naive_scaling (or sol_rl) with train_mode=full")
+        if self.train_mode == "full" and not self.merge_lora:
+            raise bad("merge_lora", "full fine-tuning refreshes the explore copy with the whole old policy; there is "
+                                    "no LoRA branch to keep unmerged: leave merge_lora at true")
         if self.policy_dtype not in ("auto", "bfloat16", "float32"):
             raise bad("policy_dtype", "use auto, bfloat16 or float32")
         return self

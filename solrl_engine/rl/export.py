@@ -25,6 +25,7 @@ from typing import Any
 
 from solrl_engine.models import pipeline_class as resolve_pipeline_class
 from solrl_engine.rl.adapters import TRAIN, LoraAdapters
+from solrl_engine.rl.full import FullWeights, TrainedWeights
 from solrl_engine.rl.sealed import MANIFEST, check_dir, commit, default_mode, seal
 
 WEIGHT_NAME = "pytorch_lora_weights.safetensors"
@@ -66,6 +67,102 @@ def save_lora(
     return directory
 
 
+FULL_WEIGHT_NAME = "diffusion_pytorch_model.safetensors"  # what a diffusers model's from_pretrained reads
+
+
+def save_full(
+    weights: FullWeights, directory: str | Path, pipeline_class: str, ema: bool = False,
+    extra: dict[str, str] | None = None,
+) -> Path:
+    """Write the fully fine-tuned transformer (or its EMA) as a diffusers model directory, in the dtype its
+    base weights were loaded in (what a user samples with), sealed like an adapter:
+
+        transformer = SD3Transformer2DModel.from_pretrained("runs/mine/transformer_ema", torch_dtype=torch.bfloat16)
+        pipe = StableDiffusion3Pipeline.from_pretrained(BASE, transformer=transformer)
+
+    `pipeline_class` is accepted for the same call as `save_lora` (the directory is the transformer alone)."""
+    from safetensors.torch import save_file
+
+    from solrl_engine.rl.full import REF
+
+    del pipeline_class
+    directory = Path(directory)
+    tmp = directory.with_name(f".tmp_{directory.name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    dtypes = {n: t.dtype for n, t in weights.merged_weights(REF).items()}
+    ctx = weights.ema_weights() if ema else weights.using(TRAIN)
+    with ctx:
+        state = {k: v.detach().to("cpu", dtypes.get(k, v.dtype)).contiguous().clone()
+                 for k, v in weights.transformer.state_dict().items()}  # fmt: skip
+    save_file(state, str(tmp / FULL_WEIGHT_NAME), metadata={"format": "pt"})
+    weights.transformer.save_config(tmp)
+    for name, text in (extra or {}).items():
+        (tmp / name).write_text(text)
+    for f in tmp.iterdir():
+        os.chmod(f, default_mode())
+    seal(tmp, {"kind": "transformer", "weights": "ema" if ema else "trained"})
+    commit(tmp, directory)
+    return directory
+
+
+def save_trained(
+    weights: TrainedWeights, directory: str | Path, pipeline_class: str, ema: bool = False,
+    extra: dict[str, str] | None = None,
+) -> Path:
+    """The run's trained weights as the stock pipeline loads them: a LoRA directory, or a whole transformer."""
+    save = save_full if weights.kind == "full" else save_lora
+    return save(weights, directory, pipeline_class, ema=ema, extra=extra)  # type: ignore[arg-type]
+
+
+def is_full_export(directory: str | Path) -> bool:
+    """A directory written by `save_full` (a diffusers model directory) rather than a LoRA adapter."""
+    return (Path(directory) / FULL_WEIGHT_NAME).is_file() and not (Path(directory) / WEIGHT_NAME).is_file()
+
+
+def load_full(transformer: Any, directory: str | Path) -> None:
+    """Load a full fine-tuning export into `transformer` in place (its own device and dtypes), after checking
+    the directory against its manifest; names and shapes are checked before anything is written."""
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    if (directory / MANIFEST).exists():
+        ok, detail = check_dir(directory)
+        if not ok:
+            raise DamagedAdapter(f"{directory} is damaged: {detail}; restore it from a copy (`--resume` writes a "
+                                 "run's transformer/ and transformer_ema/ again)")  # fmt: skip
+    try:
+        state = load_file(str(directory / FULL_WEIGHT_NAME))
+    except Exception as e:
+        if type(e).__name__ != "SafetensorError" and not isinstance(e, OSError | EOFError):
+            raise
+        raise DamagedAdapter(f"{directory}: {FULL_WEIGHT_NAME} is unreadable ({type(e).__name__}); restore it from "
+                             "a copy or export it again") from None  # fmt: skip
+    own = transformer.state_dict()
+    missing, extra = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    if missing or extra:
+        raise ValueError(f"{directory} is not a transformer of this model: missing {missing[:3]}, unexpected "
+                         f"{extra[:3]} (was it exported from another model or size?)")  # fmt: skip
+    for k, v in state.items():
+        if v.shape != own[k].shape:
+            raise ValueError(f"{directory}: {k} has shape {tuple(v.shape)}, this model {tuple(own[k].shape)}")
+    import torch
+
+    with torch.no_grad():
+        for k, v in state.items():
+            own[k].copy_(v)
+
+
+def load_trained(target: Any, directory: str | Path) -> str:
+    """Load a run's export into a transformer: a LoRA adapter (`load_lora`) or a full fine-tuning's
+    transformer (`load_full`); returns which ("lora" or "full")."""
+    if is_full_export(directory):
+        load_full(getattr(target, "transformer", target), directory)
+        return "full"
+    load_lora(target, directory)
+    return "lora"
+
+
 class DamagedAdapter(ValueError):
     """An exported adapter whose files do not match its MANIFEST.json, or that does not parse."""
 
@@ -75,8 +172,9 @@ def verify_adapter(directory: str | Path) -> bool:
     manifest (diffusers' own exports: nothing to check), DamagedAdapter naming what differs otherwise."""
     directory = Path(directory)
     if not (directory / WEIGHT_NAME).is_file():
-        raise FileNotFoundError(f"{directory}: no {WEIGHT_NAME} there; pass a run's lora/, lora_ema/ or lora_best/ "
-                                "directory (written by `solrl train`)")  # fmt: skip
+        raise FileNotFoundError(f"{directory}: no {WEIGHT_NAME} there; pass a run's lora/, lora_ema/ or "
+                                "lora_best/ directory, or a full fine-tuning run's transformer_ema/ (written by `solrl "
+                                "train`)")  # fmt: skip
     if not (directory / MANIFEST).exists():
         return False
     ok, detail = check_dir(directory)

@@ -68,8 +68,10 @@ def check_resume_config(then: dict[str, Any], now: RLConfig) -> None:
     import dataclasses
 
     diff = {}
+    # a key newer than the checkpoint's version counts as its default (what that version ran with)
+    defaults = {f.name: f.default for f in dataclasses.fields(now) if f.default is not dataclasses.MISSING}
     for k, v in dataclasses.asdict(now).items():
-        old = then.get(k)
+        old = then.get(k, defaults.get(k))
         if k in SAFE_TO_CHANGE_ON_RESUME or old == v or (isinstance(old, list) and tuple(old) == v):
             continue
         diff[k] = (old, v)

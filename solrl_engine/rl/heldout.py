@@ -30,8 +30,9 @@ from solrl_engine.evaluation import (
     spread,
 )
 from solrl_engine.rl import checkpoint
-from solrl_engine.rl.adapters import TRAIN, LoraAdapters
-from solrl_engine.rl.export import save_lora
+from solrl_engine.rl.adapters import TRAIN
+from solrl_engine.rl.export import save_trained
+from solrl_engine.rl.full import TrainedWeights
 from solrl_engine.sampling.rollouts import Rollouts
 from solrl_engine.viz import line_plot
 
@@ -39,7 +40,7 @@ log = logging.getLogger("solrl_engine.rl")
 
 
 @torch.no_grad()
-def compare_adapters(ro: Rollouts, adapters: LoraAdapters, prompts: Sequence[str], seeds_per_prompt: int = 1
+def compare_adapters(ro: Rollouts, adapters: TrainedWeights, prompts: Sequence[str], seeds_per_prompt: int = 1
                      ) -> Comparison:  # fmt: skip
     """The base model (adapters off) and the EMA adapter of a training run through the run's own rollout path,
     on the same prompts and seeds."""
@@ -50,7 +51,7 @@ def compare_adapters(ro: Rollouts, adapters: LoraAdapters, prompts: Sequence[str
     return Comparison(base, trained)
 
 
-def write_compare(out_dir: Any, ro: Rollouts, adapters: LoraAdapters, prompts: Sequence[str], header: str,
+def write_compare(out_dir: Any, ro: Rollouts, adapters: TrainedWeights, prompts: Sequence[str], header: str,
                   tracker: Any = None, step: int = 0, max_pairs: int = 8) -> tuple[Comparison, Any]:  # fmt: skip
     """End of a training run: OUT/compare.png of `max_pairs` held-out prompts spread over the set (seed
     0), base vs the EMA adapter, also to the tracker (TensorBoard / wandb) when the run logs to one.
@@ -77,9 +78,12 @@ class HeldOut:
     """The held-out evaluations of one run and what follows from them (see the module docstring). Every rank
     evaluates a share; rank 0 writes the grids, lora_best and the pictures."""
 
-    def __init__(self, out: Path, rollouts: Rollouts, adapters: LoraAdapters, dist: Any, eval_prompts: list[str],
+    def __init__(self, out: Path, rollouts: Rollouts, adapters: TrainedWeights, dist: Any, eval_prompts: list[str],
                  train_prompts: list[str], seeds: int) -> None:  # fmt: skip
         self.out, self.rollouts, self.adapters, self.dist = out, rollouts, adapters, dist
+        # OUT/lora_best, or OUT/transformer_best for full fine-tuning
+        self.best_name = checkpoint.EXPORT_DIRS[adapters.kind][2]
+        self.best_dir = out / self.best_name
         self.eval_prompts, self.train_prompts, self.seeds = eval_prompts, train_prompts, seeds
         self.evals: list[tuple[int, float, float]] = []  # (iteration, mean, standard error)
         self.train_evals: list[tuple[int, float, float]] = []  # the same on the training prompts
@@ -129,12 +133,12 @@ class HeldOut:
         """Export the EMA adapter of a new best held-out evaluation as OUT/lora_best (a long run that
         degrades keeps its best adapter), and warn when an evaluation falls more than 3 standard errors
         below the best (paired: the same prompts and seeds), naming what to change."""
-        mean, best_dir = rewards.mean().item(), self.out / checkpoint.BEST_LORA
+        mean, best_dir = rewards.mean().item(), self.best_dir
         if self.best is None or mean > self.best[1].mean().item():
             self.best = (iteration, rewards.clone())
             if iteration > 0 and self.dist.main:  # at 0 the best is the base model: nothing to export
                 info = {checkpoint.BEST_INFO: json.dumps({"iteration": iteration, "heldout_reward": mean})}
-                save_lora(self.adapters, best_dir, self.rollouts.spec.pipeline, ema=True, extra=info)
+                save_trained(self.adapters, best_dir, self.rollouts.spec.pipeline, ema=True, extra=info)
             return
         it, best_rewards = self.best
         gain, se = mean_stderr(rewards - best_rewards)
@@ -172,7 +176,7 @@ class HeldOut:
     def drop_stale_best(self) -> None:
         """A lora_best written after the checkpoint being resumed belongs to iterations that will run
         again: remove it, so the directory always matches the best the run knows of."""
-        best_dir = self.out / checkpoint.BEST_LORA
+        best_dir = self.best_dir
         if not self.dist.main or not best_dir.exists():
             return
         try:  # missing or torn (a crash while it was written): unknown, so the directory goes
@@ -233,5 +237,5 @@ class HeldOut:
         return {
             "heldout_best_iteration": None if best is None else best[0],
             "heldout_reward_best": None if best is None else best[1].mean().item(),
-            "lora_best": str(self.out / checkpoint.BEST_LORA) if best and best[0] > 0 else None,
+            self.best_name: str(self.best_dir) if best and best[0] > 0 else None,
         }

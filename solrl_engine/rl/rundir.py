@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from solrl_engine.rl.checkpoint import (
-    BEST_LORA,
+    BEST_DIRS,
     EXPORTS,
     MIN_FREE_BYTES,
     RUN_DIRS,
@@ -284,9 +284,9 @@ def damaged_exports(out: str | Path) -> bool:
     again = False
     for d in EXPORTS:
         if (Path(out) / d).is_dir() and (v := verify(Path(out) / d, kind="export")).status == "damaged":
-            fix = "restore it from a copy" if d == BEST_LORA else "written again from the checkpoint"
+            fix = "restore it from a copy" if d in BEST_DIRS else "written again from the checkpoint"
             log.warning("%s is damaged (%s): %s", Path(out) / d, v.detail, fix)
-            again |= d != BEST_LORA
+            again |= d not in BEST_DIRS
     return again
 
 

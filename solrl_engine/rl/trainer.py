@@ -32,9 +32,11 @@ from solrl_engine.explore.plan import ExploreSpec
 from solrl_engine.models.base import Conditioning
 from solrl_engine.rl import checkpoint, rundir
 from solrl_engine.rl.adapters import OLD, TRAIN, LoraAdapters
+from solrl_engine.rl.checkpoint import EXPORT_DIRS
 from solrl_engine.rl.config import FAMILY_TABLE, ConfigError, RLConfig, autocast_for
 from solrl_engine.rl.distributed import Dist
-from solrl_engine.rl.export import save_lora
+from solrl_engine.rl.export import save_trained
+from solrl_engine.rl.full import FullWeights, TrainedWeights
 from solrl_engine.rl.guards import NonFiniteError, ProxyGuard, check_finite, check_resume_config
 from solrl_engine.rl.heldout import HeldOut
 from solrl_engine.rl.ranking import group_advantages, kendall, spearman
@@ -93,18 +95,15 @@ class Trainer:
         self.model, self.device, self.dtype = self.rollouts.model, self.rollouts.device, self.rollouts.dtype
         # like-for-like: with merge_lora, full-precision rollouts run the "old" LoRA merged into a copy of the
         # policy at its own precision, as the quantized copy has it (not PEFT's unmerged branches)
-        self.policy_copy = ExploreCopy(self.model.transformer, POLICY) if cfg.merge_lora else None
+        # (full fine-tuning: the policy samples with its old weights swapped in, already merged)
+        lora = cfg.train_mode == "lora"
+        self.policy_copy = ExploreCopy(self.model.transformer, POLICY) if cfg.merge_lora and lora else None
         self._explore_as(None)  # the explore pass planned (auto: timed, rank 0's answer) and its copy built
         self.reward = self.rollouts.reward
         self.reward(torch.zeros(1, 3, 8, 8), self.train_prompts[:1])  # fail early on prompts the reward rejects
-        spec = self.rollouts.spec
-        targets = spec.lora_targets if cfg.lora_targets is None else cfg.lora_targets
-        with torch.random.fork_rng(devices=[]):  # the LoRA init depends on cfg.seed only
-            torch.manual_seed(cfg.seed)
-            self.adapters = LoraAdapters(self.model.transformer, cfg.lora_rank, cfg.lora_alpha, targets)
-        for p in self.adapters.params(TRAIN) + self.adapters.params(OLD):
-            p.data = p.data.float()  # LoRA and its optimizer state in FP32; the base stays in policy dtype
-        self.adapters.ema = [e.float() for e in self.adapters.ema]
+        self.adapters = self._trained_weights()  # LoRA adapters, or every weight (train_mode=full)
+        # full fine-tuning swaps the policy's weight sets (rl/full.py): its own rollouts are never captured
+        self.rollouts.sampler.eager_policy = cfg.train_mode == "full"
         if cfg.gradient_checkpointing:
             self.model.transformer.enable_gradient_checkpointing()
         self._follow_explore()
@@ -120,6 +119,22 @@ class Trainer:
         self.nonfinite = 0  # iterations whose update was skipped for non-finite values
         self.guard = ProxyGuard(cfg)
         self.signals = rundir.StopSignals()  # installed while `run` runs
+
+    def _trained_weights(self) -> TrainedWeights:
+        """What the update trains: LoRA adapters on the frozen base (in FP32; the base stays in the policy
+        dtype), or with train_mode=full every transformer weight (rl.full.FullWeights, FP32 too)."""
+        cfg = self.cfg
+        if cfg.train_mode == "full":
+            return FullWeights(self.model.transformer)
+        spec = self.rollouts.spec
+        targets = spec.lora_targets if cfg.lora_targets is None else cfg.lora_targets
+        with torch.random.fork_rng(devices=[]):  # the LoRA init depends on cfg.seed only
+            torch.manual_seed(cfg.seed)
+            adapters = LoraAdapters(self.model.transformer, cfg.lora_rank, cfg.lora_alpha, targets)
+        for p in adapters.params(TRAIN) + adapters.params(OLD):
+            p.data = p.data.float()  # LoRA and its optimizer state in FP32; the base stays in policy dtype
+        adapters.ema = [e.float() for e in adapters.ema]
+        return adapters
 
     def _explore_as(self, choice: ExploreChoice | None) -> None:
         """Plan the explore pass (auto: timed, rank 0's answer; `choice`: a checkpoint's instead) and build
@@ -141,7 +156,10 @@ class Trainer:
     @property
     def rollout_form(self) -> str:
         """How the "old" adapter is applied where the policy samples at full precision: "merged" (a copy
-        with the LoRA merged, as the quantized copy has it) or "unmerged" (PEFT's LoRA branches)."""
+        with the LoRA merged, as the quantized copy has it), "unmerged" (PEFT's LoRA branches) or "full" (full
+        fine-tuning: the old weights swapped in)."""
+        if self.cfg.train_mode == "full":
+            return "full"  # the old weights themselves, swapped in
         return "merged" if self.policy_copy is not None else "unmerged"
 
     # --- rollouts ----------------------------------------------------------------------------------
@@ -354,10 +372,11 @@ class Trainer:
         self.dist.barrier()
 
     def export(self) -> None:
-        """The trained adapter and its EMA as diffusers LoRA directories: OUT/lora, OUT/lora_ema."""
-        pipeline = self.rollouts.spec.pipeline
-        save_lora(self.adapters, self.out / "lora", pipeline)
-        save_lora(self.adapters, self.out / "lora_ema", pipeline, ema=True)
+        """The trained weights and their EMA as the stock pipeline loads them: diffusers LoRA directories
+        OUT/lora and OUT/lora_ema, or (train_mode=full) whole transformers OUT/transformer, OUT/transformer_ema."""
+        pipeline, (trained, ema, _) = self.rollouts.spec.pipeline, EXPORT_DIRS[self.cfg.train_mode]
+        save_trained(self.adapters, self.out / trained, pipeline)
+        save_trained(self.adapters, self.out / ema, pipeline, ema=True)
 
     def run(self, resume: bool = False, overwrite: bool = False, auto_resume: bool = False) -> dict[str, Any]:
         """Train for cfg.iterations. `resume`: from the newest checkpoint that verifies (none: NothingToResume,
@@ -433,7 +452,8 @@ class Trainer:
                 log.warning("stopped at iteration %d; `--resume` continues from here", self.iteration)
                 break
         bar.close()
-        if main and not (self.out / "lora").exists():  # e.g. resumed at the end: still exported
+        trained, ema, _ = EXPORT_DIRS[c.train_mode]
+        if main and not (self.out / trained).exists():  # e.g. resumed at the end: still exported
             self.export()
         compare, stopped = None, self.signals.name
         if main and not stopped:  # the before/after picture; a stopped run leaves at once
@@ -444,8 +464,9 @@ class Trainer:
             "family": c.family,
             "iterations": self.iteration,
             **self.heldout.summary(),  # the held-out curve's start, end and paired gain; the training prompts'
-            "lora": str(self.out / "lora"),
-            "lora_ema": str(self.out / "lora_ema"),
+            "train_mode": c.train_mode,
+            trained: str(self.out / trained),  # "lora" and "lora_ema", or "transformer" and "transformer_ema"
+            ema: str(self.out / ema),
             "compare_png": None if compare is None else str(compare),  # base vs EMA adapter, side by side
             **self.heldout.best_summary(),  # the EMA adapter of the best held-out evaluation, OUT/lora_best
             "explore_recipe": self.explorer.recipe_label,

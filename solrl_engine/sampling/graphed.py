@@ -133,6 +133,9 @@ class GraphedSampler:
         self._warm: set[str] = set()  # CPU: the (module, shapes, state) keys compiled so far
         self._eager: set[int] = set()  # CPU: modules whose compilation failed, sampled eagerly
         self._pool: Any = None
+        # the policy's own transformer sampled eagerly: set where its weights move between storages (full
+        # fine-tuning swaps whole weight sets), which a captured graph, reading fixed addresses, would not see
+        self.eager_policy = False
 
     def _module(self, transformer: nn.Module | None) -> Any:
         """The compiled form of `transformer` (default the model's). Regional (the default): a rollout
@@ -175,6 +178,9 @@ class GraphedSampler:
         """Same contract as `solrl_engine.sampling.sample`; `tag` names state the graph cannot see
         (e.g. the active LoRA adapter)."""
         device = cond.hidden.device
+        if self.eager_policy and (transformer is None or transformer is self.model.transformer):
+            return sample(self.model, cond, seeds, steps, shift, solver, guidance_scale, uncond, batch_size, dtype,
+                          transformer)  # fmt: skip
         if self.cpu_compile and device.type == "cpu":
             return self._sample_cpu(cond, seeds, steps, shift, solver, batch_size, dtype, transformer, tag,
                                     guidance_scale, uncond)  # fmt: skip
