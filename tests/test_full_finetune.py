@@ -176,6 +176,7 @@ def test_a_full_run_trains_exports_a_loadable_transformer_and_resumes_exactly(tm
     out = tmp_path / "run"
     tr = Trainer(_cfg(small_model, out, iterations=3), progress=False)
     base = {n: p.detach().clone() for n, p in tr.model.transformer.named_parameters()}
+    assert tr.rollouts.sampler.eager_policy and tr.rollout_form == "full"
     summary = tr.run()
     assert summary["train_mode"] == "full" and summary["iterations"] == 3
     assert (out / "transformer_ema").is_dir() and not (out / "lora").exists()
@@ -255,3 +256,32 @@ def test_a_bf16_policy_trains_fp32_weights_against_its_bf16_base(tmp_path, small
     with tr.adapters.using(REF):
         for n, p in tr.model.transformer.named_parameters():
             assert p.dtype == torch.bfloat16 and torch.equal(p.float(), base[n].to(torch.bfloat16).float()), n
+
+
+def test_the_policy_samples_eagerly_while_the_explore_copy_stays_compiled(monkeypatch):
+    """Full fine-tuning swaps the policy's weight sets, which a compiled (on GPU: captured) graph would not see:
+    the sampler routes the policy's own rollouts to the eager sampler and everything else to the compiled one.
+    Which path ran is recorded, not assumed."""
+    from solrl_engine import hw
+    from solrl_engine.models import load_model
+    from solrl_engine.sampling import graphed
+    from solrl_engine.sampling.graphed import GraphedSampler
+
+    monkeypatch.setattr(hw, "cpu_compile_available", lambda *a, **k: (True, "forced for this test"))
+    model = load_model("tiny")
+    gs = GraphedSampler(model, cpu_compile=True)
+    assert gs.cpu_compile
+    ran: list[str] = []
+    monkeypatch.setattr(gs, "_sample_cpu", lambda *a, **k: ran.append("compiled") or torch.zeros(1))
+    real = graphed.sample
+    monkeypatch.setattr(graphed, "sample", lambda *a, **k: ran.append("eager") or real(*a, **k))
+    cond = model.encode_prompts(["a red circle"])
+    other = torch.nn.Identity()  # stands for the explore copy: any module but the policy's own
+    gs.eager_policy = True
+    gs.sample(cond, [0], 2)
+    gs.sample(cond, [0], 2, transformer=model.transformer)
+    gs.sample(cond, [0], 2, transformer=other)
+    assert ran == ["eager", "eager", "compiled"]
+    gs.eager_policy = False  # LoRA training: the policy's rollouts compile as before
+    gs.sample(cond, [0], 2)
+    assert ran[-1] == "compiled"
