@@ -155,7 +155,7 @@ def test_guidance_is_the_pipelines_true_cfg_without_its_rescale(qwen, monkeypatc
     monkeypatch.undo()
     assert len(calls) == 2 * steps  # the rescale was reached (and neutralised) at every step
     torch.testing.assert_close(m.pipeline_latents(x), plain, atol=1e-5, rtol=0)
-    assert (stock - plain).abs().max() > 1e-2  # the rescale is a real difference on these weights
+    assert (stock - plain).abs().max() > 5e-3  # the rescale is a real difference (0.023 measured on latents up to 3.8)
 
 
 def test_the_explore_copy_quantizes_the_block_linears_and_keeps_embedders_and_modulations(qwen):
@@ -220,7 +220,6 @@ def test_solrl_train_exports_a_lora_the_stock_pipeline_loads(qwen, clip, tmp_pat
     what the engine draws with the same adapter for the same seed."""
     from solrl_engine import hw
     from solrl_engine.cli import load_lora_into, main
-    from solrl_engine.rl.export import load_lora
 
     monkeypatch.setattr(hw, "cxx_compiler", lambda *a, **k: None)
     out = tmp_path / "run"
@@ -233,7 +232,7 @@ def test_solrl_train_exports_a_lora_the_stock_pipeline_loads(qwen, clip, tmp_pat
     pipe = _stock(qwen)
     kw = dict(height=SIZE, width=SIZE, num_inference_steps=3, true_cfg_scale=1.0, output_type="pt")
     before = pipe(prompt=["a red apple"], generator=torch.Generator().manual_seed(5), **kw).images
-    load_lora(pipe, out / "lora")  # checked against its manifest, then pipe.load_lora_weights
+    pipe.load_lora_weights(str(out / "lora"))  # as a user loads it (the engine's load_lora checks a manifest first)
     after = pipe(prompt=["a red apple"], generator=torch.Generator().manual_seed(5), **kw).images
     assert (after - before).abs().max() > 1e-3  # the trained adapter changes the stock pipeline's image
     scaling = {v for mod in pipe.transformer.modules() if hasattr(mod, "scaling") for v in mod.scaling.values()}
