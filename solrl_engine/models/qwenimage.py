@@ -16,13 +16,14 @@ dropped) and packed 2x2 into 64-feature tokens inside the forward, as FLUX.1's; 
 time in [0, 1] (the pipeline divides its timesteps by 1000) and the image grid as `img_shapes`. The schedule is
 the pipeline's: sigmas linspace(1, 1/N) under the dynamic shift mu of the image's token count (Qwen-Image's
 scheduler: 256 tokens -> 0.5, 8192 -> 0.9, exponential, stretched to end at 0.02; one step, which that scheduler
-cannot give, is [1, 0]). Decoding un-normalises with the
-VAE's per-channel `latents_mean` / `latents_std` and decodes one frame.
+cannot give, is [1, 0]). Decoding un-normalises with the VAE's per-channel `latents_mean` / `latents_std` and
+decodes one frame.
 
 Guidance: the stock pipeline runs true classifier-free guidance (`true_cfg_scale`, 4.0 in the model card, against
 a negative prompt) and then rescales the guided velocity of every token to the norm of the conditional one. The
 engine's "cfg" is plain classifier-free guidance against the empty prompt, v_u + g (v_c - v_u), without that
-rescale: with guidance on, the engine's images are not the stock pipeline's (without it, they are; tested).
+rescale: with guidance on, the engine's images are the stock pipeline's with that rescale taken out, not the
+stock pipeline's (without guidance they are the stock pipeline's; both tested in tests/test_qwenimage.py).
 
 The explore copy quantizes the per-token linears of the 60 blocks: the attention projections of both streams
 (q, k, v, out; add_q/k/v, to_add_out) and both streams' MLPs, 13.6 of the transformer's 20.4B parameters.
