@@ -25,8 +25,11 @@ from solrl_engine.quant.recipe import get_recipe
 
 # published parameter counts (billions) of the parts we do not build here
 TEXT_ENCODERS = {"sd3": {"CLIP-L": 0.124, "CLIP-G": 0.695, "T5-XXL encoder": 4.76},
-                 "flux": {"CLIP-L": 0.123, "T5-XXL encoder": 4.76}, "sana": {"Gemma-2-2B": 2.61}}  # fmt: skip
-VAE = {"sd3": 0.084, "flux": 0.084, "sana": 0.312}
+                 "flux": {"CLIP-L": 0.123, "T5-XXL encoder": 4.76}, "sana": {"Gemma-2-2B": 2.61},
+                 "qwenimage": {"Qwen2.5-VL-7B": 8.29}}  # fmt: skip
+# (Qwen-Image's text encoder is the whole Qwen2.5-VL with its vision tower and LM head: 8.29B, as published and as
+# counted on the meta device; its VAE, the Wan-2.1 architecture, 0.127B counted the same way)
+VAE = {"sd3": 0.084, "flux": 0.084, "sana": 0.312, "qwenimage": 0.127}
 # the Wan models (their transformers from models/wan.py's published configs); UMT5-XXL and the VAEs are counted
 # on the meta device from their published configs too (vae_b_params)
 WAN = ("wan2.1-1.3b", "wan2.1-14b", "wan2.2-5b")
@@ -97,7 +100,7 @@ def family_memory(name: str, lora_rank: int = 32) -> dict[str, float]:
 
 
 def main() -> None:
-    rows = {n: family_memory(n) for n in ("sd3", "flux", "sana", *WAN)}
+    rows = {n: family_memory(n) for n in ("sd3", "flux", "sana", "qwenimage", *WAN)}
     for n, r in rows.items():
         parts = ("policy_bf16_gib", "explore_copy_gib", "lora_train_old_ema_fp32_with_adam_gib", "vae_bf16_gib")
         resident = sum(r[p] for p in parts)

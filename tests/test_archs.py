@@ -17,8 +17,10 @@ TINY = {
                  joint_attention_dim=32, pooled_projection_dim=32, axes_dims_rope=(4, 6, 6)),
     "sana": dict(num_attention_heads=2, attention_head_dim=16, num_layers=1, num_cross_attention_heads=2,
                  cross_attention_head_dim=16, cross_attention_dim=32, caption_channels=32, sample_size=4),
+    "qwenimage": dict(num_layers=1, attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                      axes_dims_rope=(4, 6, 6)),
 }  # fmt: skip
-RES = {"sd3": 64, "flux": 64, "sana": 128}
+RES = {"sd3": 64, "flux": 64, "sana": 128, "qwenimage": 64}
 
 
 @pytest.mark.parametrize("name", sorted(TINY))
@@ -40,8 +42,10 @@ def test_published_configs_have_the_published_sizes():
     """Parameter counts of the full configs, built on the meta device (no memory)."""
     import diffusers
 
+    # Qwen-Image: "20B" (its model card); its published config counts 20,430,401,088
     want = {"sd35-large": (7.8e9, 8.4e9), "flux-dev": (11.5e9, 12.2e9), "sana-1.6b": (1.5e9, 1.7e9),
-            "wan2.1-1.3b": (1.3e9, 1.5e9), "wan2.1-14b": (13.5e9, 14.8e9), "wan2.2-5b": (4.8e9, 5.2e9)}  # fmt: skip
+            "wan2.1-1.3b": (1.3e9, 1.5e9), "wan2.1-14b": (13.5e9, 14.8e9), "wan2.2-5b": (4.8e9, 5.2e9),
+            "qwen-image": (20.3e9, 20.6e9)}  # fmt: skip
     aliases = {**ARCH_ALIASES, "wan2.2-5b": "wan"}  # the 5B has a config (ALIAS_CONFIGS) but no speed-model row
     for alias, family in aliases.items():
         adapter = model_spec(family).adapter_object()

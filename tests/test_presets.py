@@ -27,6 +27,8 @@ WAN = {
     "wan2.1-14b": ("wan14b", dict(resolution=480, width=832, frames=81, shift=3.0)),
     "wan2.2-5b": ("wan22_5b", dict(resolution=704, width=1280, frames=121, shift=5.0)),
 }
+# Qwen-Image's published inference settings (the model card's quick start), written out
+QWEN = dict(resolution=1328, full_steps=50, guidance_scale=4.0, solver="euler", shift=None, model_path=None)
 SHARED = dict(
     k=24, prompts_per_iter=48, preview_steps=6, full_steps=10, lora_rank=32, lora_alpha=64, lr=3e-4,
     weight_decay=1e-4, kl_beta=1e-4, beta=1.0, resolution=None, model_path=None, train_prompts="sample/train",
@@ -113,7 +115,7 @@ def test_the_table_is_data():
     ns: dict = {}
     names = define_presets(ns, "sana", "demo")
     assert set(names) == set(ns) and len(names) == 20 and all(n.startswith("demo_") for n in names)
-    assert set(PAPER) == set(FILES) | set(WAN)
+    assert set(PAPER) == set(FILES) | set(WAN) | {"qwenimage"}
 
 
 def test_the_wan_presets_take_each_models_published_settings():
@@ -129,3 +131,14 @@ def test_the_wan_presets_take_each_models_published_settings():
         load_config(f"{ROOT / 'configs' / 'wan.py'}:wan13b_sol_rl_clipscore", ["frames=80"])
     with pytest.raises(ConfigError, match="frames = 9: applies to video models"):
         load_config(f"{ROOT / 'configs' / 'sana.py'}:sana_sol_rl_clipscore", ["frames=9"])
+
+
+def test_the_qwen_image_presets_take_the_model_cards_settings():
+    expected = sorted(f"qwenimage_{f}_{r}" for f in FAMILIES for r in REWARDS)
+    assert sorted(_names("qwenimage.py", "qwenimage")) == expected
+    assert sorted(_module("qwenimage.py").__all__) == expected
+    for family in FAMILIES:
+        cfg = load_config(f"{ROOT / 'configs' / 'qwenimage.py'}:qwenimage_{family}_pickscore")
+        assert cfg.model == "qwenimage" and {k: getattr(cfg, k) for k in QWEN} == QWEN, family
+        assert cfg.preview_steps == 30 and cfg.gradient_checkpointing
+        assert cfg.n == (24 if family == "diffusionnft" else 96) and cfg.k == 24 and cfg.lora_targets is None

@@ -9,9 +9,9 @@ mask), the real latent channel counts (16 / 16 / 32), the real VAE factors (8 / 
 VAE scaling/shift factors and the real schedulers. Widths differ between encoders on purpose, so a
 swapped dimension fails loudly instead of passing by coincidence.
 
-Sizes (`SIZES`, `VAE_FACTOR`, `LATENT_SHAPES`): SD3 and FLUX draw 64 px (8x8 latents of 16
-channels; FLUX packs them 2x2 into 16 tokens of 64 features), SANA draws 128 px (DC-AE factor 32:
-4x4 latents of 32 channels).
+Sizes (`SIZES`, `VAE_FACTOR`, `LATENT_SHAPES`): SD3, FLUX and Qwen-Image draw 64 px (8x8 latents of 16
+channels; FLUX and Qwen-Image pack them 2x2 into 16 tokens of 64 features), SANA draws 128 px (DC-AE
+factor 32: 4x4 latents of 32 channels).
 
 Text: CLIP keeps its 77 positions (SD3 / FLUX pad CLIP to `tokenizer.model_max_length`). The T5
 tokenizers say `model_max_length = MAX_SEQUENCE_LENGTH[...]` (32); the pipelines still pad T5 to
@@ -23,9 +23,10 @@ the encoder's 8192 positions as its `model_max_length`; the prompt budget is `ma
 
 Tokenizers are built with the `tokenizers` library through transformers' own classes, no files
 downloaded: CLIP a byte-level BPE over the 256 bytes and their </w> forms (tests/tiny_clip.py), T5
-a Unigram model, Gemma a BPE with byte fallback. transformers 5 saves them as `CLIPTokenizer`,
-`T5Tokenizer` and `GemmaTokenizer` in model_index.json (the real repos say ...TokenizerFast); both
-load under `DiffusionPipeline.from_pretrained`.
+a Unigram model, Gemma a BPE with byte fallback, Qwen2 a byte-level BPE whose merges spell Qwen-Image's
+system prompt in the 34 tokens the real tokenizer gives it. transformers 5 saves them as `CLIPTokenizer`,
+`T5Tokenizer`, `GemmaTokenizer` and `Qwen2Tokenizer` in model_index.json (the real repos say
+...TokenizerFast); both load under `DiffusionPipeline.from_pretrained`.
 """
 
 from __future__ import annotations
@@ -37,9 +38,10 @@ from typing import Any
 import torch
 from tiny_clip import build_clip_reward, clip_tokenizer
 
-SIZES = {"sd3": 64, "flux": 64, "sana": 128, "wan": 64}  # image (video: frame) side in pixels
-VAE_FACTOR = {"sd3": 8, "flux": 8, "sana": 32, "wan": 8}  # pixels per latent cell (FLUX packs 2x2 cells on top)
-LATENT_CHANNELS = {"sd3": 16, "flux": 16, "sana": 32, "wan": 16}
+SIZES = {"sd3": 64, "flux": 64, "sana": 128, "wan": 64, "qwenimage": 64}  # image (video: frame) side in pixels
+# pixels per latent cell (FLUX and Qwen-Image pack 2x2 cells on top)
+VAE_FACTOR = {"sd3": 8, "flux": 8, "sana": 32, "wan": 8, "qwenimage": 8}
+LATENT_CHANNELS = {"sd3": 16, "flux": 16, "sana": 32, "wan": 16, "qwenimage": 16}
 LATENT_SHAPES = {k: (LATENT_CHANNELS[k], SIZES[k] // VAE_FACTOR[k], SIZES[k] // VAE_FACTOR[k]) for k in SIZES}
 WAN_FRAMES = 9  # frames per tiny clip: 3 latent frames (the first, then 4 per latent frame)
 LATENT_SHAPES["wan"] = (16, 3, 8, 8)
@@ -55,6 +57,7 @@ __all__ = [
     "VAE_FACTOR",
     "build_clip_reward",
     "build_flux",
+    "build_qwenimage",
     "build_sana",
     "build_sd3",
     "build_wan",
@@ -263,4 +266,104 @@ def build_wan(path: str | Path, seed: int = 0) -> Path:
                                         num_layers=2, rope_max_seq_len=32)  # fmt: skip
     scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
     pipe = WanPipeline(tokenizer=tok, text_encoder=te, vae=vae, transformer=transformer, scheduler=scheduler)
+    return _save(pipe, path)
+
+
+def _byte_chars() -> dict[int, str]:
+    """GPT-2's byte-level alphabet, which Qwen2's tokenizer uses: printable Latin-1 bytes stand for themselves, the
+    others (space, newline, control bytes) for the characters from U+0100 on, in byte order (space -> "Ġ")."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    out, shifted = {}, 0
+    for b in range(256):
+        if b in printable:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + shifted)
+            shifted += 1
+    return out
+
+
+# QwenImagePipeline's system prompt (its prompt_template_encode); the real tokenizer spells the template's prefix,
+# "<|im_start|>system\n" + this + "<|im_end|>\n<|im_start|>user\n", in exactly the 34 tokens the pipeline drops
+QWEN_SYSTEM = ("Describe the image by detailing the color, shape, size, texture, quantity, text, spatial relationships "
+               "of the objects and background:")  # fmt: skip
+QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+def _qwen_tokenizer() -> Any:
+    """A Qwen2Tokenizer (byte-level BPE behind Qwen2's pre-tokenizer regex) over the 256 byte symbols, with merges
+    that spell each word of the system prompt, the chat roles and a few prompt words as one token each, as the real
+    151k-token vocabulary does; any other text falls back to shorter pieces down to single bytes (never <unk>).
+    <|endoftext|> (pad), <|im_start|> and <|im_end|> come last, as in the real vocabulary."""
+    from transformers import Qwen2Tokenizer
+
+    byte = _byte_chars()
+    words = ["system", "user", "assistant", "Describe"] + [" " + w for w in QWEN_SYSTEM.split()[1:]]
+    words += [" " + w for w in _WORDS] + list(_WORDS)
+    vocab = {byte[b]: b for b in range(256)}
+    merges: list[tuple[str, str]] = []
+    for word in dict.fromkeys("".join(byte[b] for b in w.strip(",:").encode()) for w in words):
+        for k in range(1, len(word)):  # left to right: the word's first k symbols, then the next one
+            if word[: k + 1] not in vocab:
+                vocab[word[: k + 1]] = len(vocab)
+                merges.append((word[:k], word[k]))
+    for special in QWEN_SPECIALS:
+        vocab[special] = len(vocab)
+    return Qwen2Tokenizer(vocab=vocab, merges=merges, additional_special_tokens=list(QWEN_SPECIALS[1:]),
+                          model_max_length=131072)  # fmt: skip
+
+
+def _qwen_vl(hidden: int, tok: Any) -> Any:
+    """A Qwen2.5-VL (the class Qwen-Image's text encoder is: Qwen2_5_VLForConditionalGeneration) with a 2-layer
+    language model (grouped KV heads, multimodal RoPE sections 4/4/4 of its head width 24) and a 1-block vision
+    tower the pipeline never runs; the pipeline reads the language model's last hidden states."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    pad, eos = tok.convert_tokens_to_ids("<|endoftext|>"), tok.convert_tokens_to_ids("<|im_end|>")
+    text = dict(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
+                rope_scaling={"type": "mrope", "mrope_section": [4, 4, 4]}, pad_token_id=pad, bos_token_id=pad,
+                eos_token_id=eos)  # fmt: skip
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=hidden,
+                  fullatt_block_indexes=[0])  # fmt: skip
+    return Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(text_config=text, vision_config=vision)).eval()
+
+
+def build_qwenimage(path: str | Path, seed: int = 0) -> Path:
+    """Save a tiny QwenImagePipeline (Qwen/Qwen-Image layout) into `path`.
+
+    Qwen2.5-VL (48 wide) with a byte-level Qwen2 tokenizer that splits the pipeline's chat template as the real one
+    does (34 system-prompt tokens dropped, 5 assistant-suffix tokens kept after the prompt); a Qwen-Image
+    transformer of 2 double-stream blocks, 2 heads of 16 (RoPE axes 4 / 6 / 6), text width 48, 16 latent channels
+    packed 2x2 into 64 features; the Qwen-Image VAE (a causal 3-D VAE, x8 spatial, run on one frame) with
+    non-trivial per-channel latent means and deviations, so a decode that skips them differs; and Qwen-Image's
+    scheduler: FlowMatchEuler with the exponential dynamic shift (256 tokens -> 0.5, 8192 -> 0.9, shift 1) and
+    shift_terminal 0.02.
+    """
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImagePipeline,
+        QwenImageTransformer2DModel,
+    )
+
+    torch.manual_seed(seed)
+    tok = _qwen_tokenizer()
+    te = _qwen_vl(48, tok)
+    g = torch.Generator().manual_seed(seed + 1)
+    channels = LATENT_CHANNELS["qwenimage"]
+    mean = (torch.randn(channels, generator=g) * 0.5).tolist()
+    std = (torch.rand(channels, generator=g) + 0.5).tolist()
+    vae = AutoencoderKLQwenImage(base_dim=8, z_dim=channels, dim_mult=[1, 2, 4, 4], num_res_blocks=1,
+                                 temperal_downsample=[False, True, True], latents_mean=mean,
+                                 latents_std=std).eval()  # fmt: skip
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2, in_channels=4 * channels, out_channels=channels, num_layers=2, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=48, axes_dims_rope=(4, 6, 6),
+    )  # fmt: skip
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9, base_image_seq_len=256,
+        max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential",
+    )  # fmt: skip
+    pipe = QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=te, tokenizer=tok, transformer=transformer)
     return _save(pipe, path)

@@ -29,11 +29,12 @@ MODELS: dict[str, str] = {
     "flux": "solrl_engine.models.flux:SPEC",
     "sana": "solrl_engine.models.sana:SPEC",
     "wan": "solrl_engine.models.wan:SPEC",
+    "qwenimage": "solrl_engine.models.qwenimage:SPEC",
 }
 
 # The benchmarks' names for the full-size published architectures (random weights).
 ARCH_ALIASES: dict[str, str] = {"sd35-large": "sd3", "flux-dev": "flux", "sana-1.6b": "sana", "wan2.1-1.3b": "wan",
-                                "wan2.1-14b": "wan"}  # fmt: skip
+                                "wan2.1-14b": "wan", "qwen-image": "qwenimage"}  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -134,8 +134,26 @@ PAPER["wan2.1-14b"] = dict(_WAN, model_path="Wan-AI/Wan2.1-T2V-14B-Diffusers", r
 PAPER["wan2.2-5b"] = dict(_WAN, model_path="Wan-AI/Wan2.2-TI2V-5B-Diffusers", resolution=704, width=1280, frames=121,
                           shift=5.0, rollout_batch_size=2)  # fmt: skip
 
+# Qwen-Image (model="qwenimage", configs/qwenimage.py): the model card's inference settings, as its quick-start
+# calls QwenImagePipeline: 1328 x 1328 (its 1:1 size; the pipeline's own default is 1024), 50 steps, true_cfg_scale
+# 4.0 against a negative prompt. The engine's guidance is plain CFG against the empty prompt, without the
+# pipeline's rescale of the guided velocity to the conditional one's norm (solrl_engine/models/qwenimage.py), so
+# at 4.0 its images are close to, not equal to, the stock pipeline's. No Sol-RL paper exists for Qwen-Image: the
+# explore / select / train settings are the image presets' (N = 96, K = 24, 48 prompts, LoRA r32 on the attention
+# projections of both streams), the preview runs 30 of the 50 steps (Wan's choice; the paper's 6 of 10), the
+# update's timestep fraction 0.6 and gradient clip 1.0 as SANA's. Each image is 6,889 tokens through a 20B
+# transformer, twice per step with CFG: one sol_rl iteration at these settings is about 390k image forwards (48
+# prompts x (96 x 30 preview + 24 x 50 regeneration steps) x 2), so on one GPU lower prompts_per_iter and the
+# steps. Batches for one 80 GB GPU are estimates (no real weights have run): the BF16 transformer alone is 38 GiB
+# and its NVFP4 explore copy 7 GiB more (13.6B of the 20.4B parameters at 4.5 bits), so rollouts 4 at a time, the
+# update 1 sample with gradient checkpointing, the VAE one image at a time; an H200 leaves room for more.
+PAPER["qwenimage"] = dict(model="qwenimage", solver="euler", guidance_scale=4.0, shift=None, full_steps=50,
+                          preview_steps=30, resolution=1328, timestep_fraction=0.6, grad_clip=1.0,
+                          rollout_batch_size=4, train_batch_size=1, gradient_checkpointing=True,
+                          decode_batch_size=1)  # fmt: skip
+
 MODEL_NAMES = {"sd3": "SD3.5-Large", "flux": "FLUX.1-dev", "sana": "SANA-1.6B", "wan2.1-1.3b": "Wan2.1-T2V-1.3B",
-               "wan2.1-14b": "Wan2.1-T2V-14B", "wan2.2-5b": "Wan2.2-TI2V-5B"}  # fmt: skip
+               "wan2.1-14b": "Wan2.1-T2V-14B", "wan2.2-5b": "Wan2.2-TI2V-5B", "qwenimage": "Qwen-Image"}  # fmt: skip
 FAMILY_SUMMARY = {
     "diffusionnft": "DiffusionNFT: K BF16 rollouts per prompt, all trained on (N = K)",
     "naive_scaling": "naive scaling: N BF16 rollouts per prompt at the full step count, top/bottom K/2 trained on",
