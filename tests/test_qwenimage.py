@@ -270,3 +270,9 @@ def test_the_explorer_takes_a_stock_qwen_pipeline(qwen):
     regen = sel.regenerate(pipe, steps=2, true_cfg_scale=1.0)
     assert regen.images.shape == (4, 3, SIZE, SIZE) and regen.rewards.shape == (2, 2)
     assert ex.copy is not None and len(ex.copy.report.quantized) == 24
+
+
+def test_weights_loaded_as_another_family_name_the_family_that_fits(qwen: Path) -> None:
+    """model=flux on Qwen-Image weights: the error names the model family whose pipeline they are."""
+    with pytest.raises(ValueError, match="holds a QwenImagePipeline, not a FluxPipeline: set model=qwenimage"):
+        load_model("flux", str(qwen))

@@ -140,11 +140,12 @@ class PipelineFlowModel(nn.Module):
             ) from e
         want = pipeline_class(cls.PIPELINE_CLASS)
         if not isinstance(pipe, want):
-            raise ValueError(
-                f"{path} holds a {type(pipe).__name__}, not a {cls.PIPELINE_CLASS}: choose the model that "
-                "matches the weights (model=sd3 for StableDiffusion3Pipeline, flux for FluxPipeline, sana for "
-                "SanaPipeline, wan for WanPipeline)"
-            )
+            from solrl_engine.models import MODELS, model_spec
+
+            fits = [n for n in MODELS if model_spec(n).pipeline == type(pipe).__name__]
+            known = ", ".join(f"{n} for {model_spec(n).pipeline}" for n in MODELS if n != "tiny")
+            hint = f"set model={fits[0]}" if fits else f"no model family takes it (model={known})"
+            raise ValueError(f"{path} holds a {type(pipe).__name__}, not a {cls.PIPELINE_CLASS}: {hint}")
         pipe.set_progress_bar_config(disable=True)
         return cls(pipe, device=device, dtype=dtype, **options)
 
