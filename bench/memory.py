@@ -23,13 +23,7 @@ from solrl_engine.models import model_spec
 from solrl_engine.nn import plan_quantization
 from solrl_engine.quant.recipe import get_recipe
 
-# published parameter counts (billions) of the parts we do not build here
-TEXT_ENCODERS = {"sd3": {"CLIP-L": 0.124, "CLIP-G": 0.695, "T5-XXL encoder": 4.76},
-                 "flux": {"CLIP-L": 0.123, "T5-XXL encoder": 4.76}, "sana": {"Gemma-2-2B": 2.61},
-                 "qwenimage": {"Qwen2.5-VL-7B": 8.29}}  # fmt: skip
-# (Qwen-Image's text encoder is the whole Qwen2.5-VL with its vision tower and LM head: 8.29B, as published and as
-# counted on the meta device; its VAE, the Wan-2.1 architecture, 0.127B counted the same way)
-VAE = {"sd3": 0.084, "flux": 0.084, "sana": 0.312, "qwenimage": 0.127}
+# the parts we do not build here (text encoders, VAE) come from each family's ModelSpec (published counts)
 # the Wan models (their transformers from models/wan.py's published configs); UMT5-XXL and the VAEs are counted
 # on the meta device from their published configs too (vae_b_params)
 WAN = ("wan2.1-1.3b", "wan2.1-14b", "wan2.2-5b")
@@ -63,7 +57,7 @@ def family_memory(name: str, lora_rank: int = 32) -> dict[str, float]:
     spec = model_spec(family)
     adapter = spec.adapter_object()
     config = adapter.ALIAS_CONFIGS[name] if name in WAN else adapter.FULL_CONFIG
-    text_encoders, vae = wan_parts(name) if name in WAN else (TEXT_ENCODERS[name], VAE[name])
+    text_encoders, vae = wan_parts(name) if name in WAN else (spec.text_encoder_params_b, spec.vae_params_b)
     with torch.device("meta"):
         net = getattr(diffusers, adapter.TRANSFORMER_CLASS)(**config)
     params = sum(p.numel() for p in net.parameters())

@@ -342,6 +342,22 @@ def _fidelity(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from solrl_engine.rl.memplan import memory_plan
+
+    cfg = _load_cfg(args)
+    if args.gpus < 1 or args.gpu_memory <= 0:
+        raise SystemExit("--gpus must be >= 1 and --gpu-memory a size in GiB > 0 (e.g. 80 for an H100)")
+    plan = _checked(lambda: memory_plan(cfg, gpus=args.gpus, gpu_gib=args.gpu_memory))
+    print(plan.render())
+    if args.json:
+        from solrl_engine.rl.sealed import write_atomic
+
+        write_atomic(Path(args.json), json.dumps(plan.to_dict(), indent=2))
+        print(f"wrote {args.json}")
+    return 0 if plan.fits else 3
+
+
 def _verify(args: argparse.Namespace) -> int:
     """Check every checkpoint and exported adapter of a run directory against its manifest."""
     from solrl_engine.rl.checkpoint import verify_run
@@ -458,6 +474,15 @@ def build_parser() -> argparse.ArgumentParser:
                          "writes OUTPUT and OUTPUT's .snippet.py with the explore_layers rule")  # fmt: skip
     fi.add_argument("--target", type=float, default=0.93, help="Spearman the searched rule must keep (default 0.93)")
     fi.set_defaults(func=_fidelity)
+
+    pl = sub.add_parser("plan", help="the memory each GPU needs for a config, by part, before renting one (exit 3 "
+                                     "when it does not fit, with what to change)")  # fmt: skip
+    pl.add_argument("config", help="CONFIG_SPEC: path/to/config.py:function")
+    pl.add_argument("--set", action="append", metavar="KEY=VALUE")
+    pl.add_argument("--gpus", type=int, default=1, help="GPUs per job (each holds everything: no sharding yet)")
+    pl.add_argument("--gpu-memory", type=float, default=80.0, metavar="GIB", help="memory per GPU in GiB (80)")
+    pl.add_argument("--json", default=None, metavar="FILE", help="also write the plan as JSON")
+    pl.set_defaults(func=_plan)
 
     vf = sub.add_parser("verify", help="check a run's checkpoints and exported adapters against their checksums")
     vf.add_argument("output", help="run directory (a `solrl train` --output)")

@@ -72,6 +72,10 @@ class ModelSpec:
     guidance_scale: float = 1.0
     repeated_blocks: tuple[str, ...] = ()
     video: bool = False  # decode gives videos [B, F, 3, H, W]; the config's `frames` and `width` apply
+    # published parameter counts (billions) of the default weights' text encoders and VAE: the memory plan's
+    # (rl/memplan.py) and bench/memory.py's, where nothing is loaded
+    text_encoder_params_b: dict[str, float] = field(default_factory=dict)
+    vae_params_b: float = 0.0
 
     def build(self, path: str | Path | None, device: torch.device | str, dtype: torch.dtype, **options: Any
               ) -> FlowModel:  # fmt: skip

@@ -122,4 +122,6 @@ SPEC = ModelSpec(
     guidance="embedded",
     guidance_scale=3.5,
     repeated_blocks=("FluxTransformerBlock", "FluxSingleTransformerBlock"),
+    text_encoder_params_b={"CLIP-L": 0.123, "T5-XXL encoder": 4.76},  # published
+    vae_params_b=0.084,
 )

@@ -126,7 +126,9 @@ class PipelineFlowModel(nn.Module):
         if path is None:
             raise ValueError(f"{cls.__name__}: set model_path to a pipeline directory or a hub id")
         if str(path) == RANDOM:  # `arch` overrides the published config (tests build small ones)
-            return cls(_RandomPipeline(cls, dtype, options.pop("arch", None)), device=device, dtype=dtype, **options)
+            # `transformer`: one built beforehand (the memory plan's, on fake tensors)
+            pipe = _RandomPipeline(cls, dtype, options.pop("arch", None), options.pop("transformer", None))
+            return cls(pipe, device=device, dtype=dtype, **options)
         check_model_path(path)
         import diffusers
 
@@ -296,21 +298,29 @@ class PipelineFlowModel(nn.Module):
         return torch.sigmoid(F.adaptive_avg_pool2d(rgb, 32))
 
 
+def build_transformer(cls: type[PipelineFlowModel], dtype: torch.dtype, arch: dict[str, Any] | None = None
+                      ) -> nn.Module:  # fmt: skip
+    """The family's published transformer (`arch` overrides its config) with random weights, built in `dtype`
+    directly: no FP32 copy of a 12B model (under FakeTensorMode, no memory at all)."""
+    import diffusers
+
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        return getattr(diffusers, cls.TRANSFORMER_CLASS)(**{**cls.FULL_CONFIG, **(arch or {})})
+    finally:
+        torch.set_default_dtype(default)
+
+
 class _RandomPipeline:
     """The parts of a pipeline a benchmark needs: the published transformer with random weights and
     the family's default scheduler (no text encoders, no VAE: see the module docstring)."""
 
     random = True
 
-    def __init__(self, cls: type[PipelineFlowModel], dtype: torch.dtype, arch: dict[str, Any] | None = None) -> None:
-        import diffusers
-
-        default = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)  # built in the policy dtype directly: no FP32 copy of a 12B model
-        try:
-            self.transformer = getattr(diffusers, cls.TRANSFORMER_CLASS)(**{**cls.FULL_CONFIG, **(arch or {})})
-        finally:
-            torch.set_default_dtype(default)
+    def __init__(self, cls: type[PipelineFlowModel], dtype: torch.dtype, arch: dict[str, Any] | None = None,
+                 transformer: nn.Module | None = None) -> None:  # fmt: skip
+        self.transformer = transformer if transformer is not None else build_transformer(cls, dtype, arch)
         self.scheduler = cls.default_scheduler()  # type: ignore[attr-defined]
         self.vae = None
         self.vae_scale_factor = cls.RANDOM_VAE_FACTOR  # type: ignore[attr-defined]

@@ -204,4 +204,8 @@ SPEC = ModelSpec(
     guidance="cfg",  # plain CFG against "": the pipeline's true CFG without its norm rescale (module docstring)
     guidance_scale=4.0,
     repeated_blocks=QWEN_BLOCKS,
+    # the whole Qwen2.5-VL-7B (vision tower and LM head included) and the VAE, as published and as counted on
+    # the meta device (bench/memory.py)
+    text_encoder_params_b={"Qwen2.5-VL-7B": 8.29},
+    vae_params_b=0.127,
 )

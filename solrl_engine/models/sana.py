@@ -92,4 +92,6 @@ SPEC = ModelSpec(
     guidance="cfg",
     guidance_scale=1.0,
     repeated_blocks=("SanaTransformerBlock",),
+    text_encoder_params_b={"Gemma-2-2B": 2.61},  # published
+    vae_params_b=0.312,
 )

@@ -85,4 +85,6 @@ SPEC = ModelSpec(
     guidance="cfg",
     guidance_scale=1.0,
     repeated_blocks=SD3_BLOCKS,
+    text_encoder_params_b={"CLIP-L": 0.124, "CLIP-G": 0.695, "T5-XXL encoder": 4.76},  # published
+    vae_params_b=0.084,
 )

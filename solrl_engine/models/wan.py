@@ -55,6 +55,12 @@ class WanModel(PipelineFlowModel):
     # the benchmarks' names (models.ARCH_ALIASES) of the published transformers this adapter builds with random
     # weights, beside FULL_CONFIG's 1.3B
     ALIAS_CONFIGS: ClassVar[dict[str, dict[str, Any]]] = {k: {**_COMMON, **v} for k, v in WAN_CONFIGS.items()}
+    # the hub ids of those transformers, for the memory plan of a config whose weights are not on this machine
+    HUB_CONFIGS: ClassVar[dict[str, dict[str, Any]]] = {
+        "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": ALIAS_CONFIGS["wan2.1-1.3b"],
+        "Wan-AI/Wan2.1-T2V-14B-Diffusers": ALIAS_CONFIGS["wan2.1-14b"],
+        "Wan-AI/Wan2.2-TI2V-5B-Diffusers": ALIAS_CONFIGS["wan2.2-5b"],
+    }
 
     def __init__(self, pipe: Any, *args: Any, frames: int | None = None, width: int | None = None,
                  max_sequence_length: int | None = None, **kwargs: Any) -> None:  # fmt: skip
@@ -144,4 +150,8 @@ SPEC = ModelSpec(
     guidance_scale=5.0,
     repeated_blocks=("WanTransformerBlock",),
     video=True,
+    # UMT5-XXL's encoder and the Wan2.1 VAE, counted on the meta device from their published configs
+    # (bench/memory.py; Wan2.2-TI2V-5B's own VAE is 0.705B)
+    text_encoder_params_b={"UMT5-XXL encoder": 5.68},
+    vae_params_b=0.127,
 )

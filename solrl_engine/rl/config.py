@@ -127,6 +127,7 @@ class RLConfig:
     decode_batch_size: int = 8  # images per VAE decode call (memory at 1024 px)
     offload_text_encoders: bool = True  # move the text encoders to CPU after the prompts are encoded
     gradient_checkpointing: bool = False  # trade compute for activation memory in the trained transformer
+    memory_check: bool = True  # on a GPU, refuse at start a run whose memory plan (rl/memplan.py) cannot fit
     # policy update (DiffusionNFT)
     train_mode: str = "lora"  # lora: adapters on the frozen base; full: every transformer weight (rl/full.py)
     lora_rank: int = 32

@@ -30,10 +30,10 @@ from solrl_engine.explore.choice import POLICY, ExploreChoice
 from solrl_engine.explore.copy import ExploreCopy
 from solrl_engine.explore.plan import ExploreSpec
 from solrl_engine.models.base import Conditioning
-from solrl_engine.rl import checkpoint, rundir
+from solrl_engine.rl import checkpoint, memplan, rundir
 from solrl_engine.rl.adapters import OLD, TRAIN, LoraAdapters
 from solrl_engine.rl.checkpoint import EXPORT_DIRS
-from solrl_engine.rl.config import FAMILY_TABLE, ConfigError, RLConfig, autocast_for
+from solrl_engine.rl.config import FAMILY_TABLE, ConfigError, RLConfig, autocast_for, resolve_runtime
 from solrl_engine.rl.distributed import Dist
 from solrl_engine.rl.export import save_trained
 from solrl_engine.rl.full import FullWeights, TrainedWeights
@@ -91,6 +91,7 @@ class Trainer:
                 "ranks: make it a multiple of the number of processes (it is the global number of prompts)"
             )
         self.progress = progress and self.dist.main
+        self._check_memory()  # before any weight loads
         self.rollouts = build_rollouts(cfg)
         self.model, self.device, self.dtype = self.rollouts.model, self.rollouts.device, self.rollouts.dtype
         # like-for-like: with merge_lora, full-precision rollouts run the "old" LoRA merged into a copy of the
@@ -119,6 +120,21 @@ class Trainer:
         self.nonfinite = 0  # iterations whose update was skipped for non-finite values
         self.guard = ProxyGuard(cfg)
         self.signals = rundir.StopSignals()  # installed while `run` runs
+
+    def _check_memory(self) -> None:
+        """On a GPU, refuse a run whose memory plan (rl.memplan) cannot fit this device, with the plan and what to
+        change; memory_check=false starts anyway. A CPU run is not checked."""
+        cfg = self.cfg
+        if not cfg.memory_check:
+            return
+        gib = memplan.device_memory_gib(resolve_runtime(cfg)[0])
+        if gib is None:
+            return
+        plan = memplan.memory_plan(cfg, gpus=self.dist.world, gpu_gib=gib)
+        if not plan.fits:
+            raise ConfigError(f"config {cfg.name!r}: its memory plan does not fit this GPU ({gib:.0f} GiB); change "
+                              "what it suggests, or set memory_check=false to start anyway\n" + plan.render())
+        log.info("memory plan: peak %.1f GiB (%s) of %.0f GiB", plan.peak_gib, plan.peak_phase, gib)
 
     def _trained_weights(self) -> TrainedWeights:
         """What the update trains: LoRA adapters on the frozen base (in FP32; the base stays in the policy

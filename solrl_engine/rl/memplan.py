@@ -1,0 +1,363 @@
+"""A memory plan before renting GPUs: what each part of a run holds on one GPU, for a config, computed without
+loading a weight.
+
+    solrl plan configs/flux1.py:flux_sol_rl_pickscore --gpu-memory 80
+    solrl plan configs/tiny.py:tiny_sol_rl_shapes --set train_mode=full --gpus 8 --gpu-memory 80 --json plan.json
+
+The transformer is built on fake tensors (torch's FakeTensorMode: shapes and dtypes, no storage) from the config's
+model: a local pipeline directory's own transformer config, the Hugging Face cache's copy of a hub id, else the
+family's published config. Its parameters, the LoRA, the explore copy under the family's layer rule (planned as
+`quantize_model` would, nothing quantized) and the optimizer state are counted; the activations of one update
+micro-batch (train_batch_size, with and without gradient checkpointing) and of one rollout forward
+(rollout_batch_size; twice that under classifier-free guidance) are measured by running the forward (and the
+backward) on fake tensors under torch's MemTracker. Text encoders and the VAE are the family's published sizes
+(models/*.py). The trainer checks the plan at start on a GPU and refuses one that cannot fit, before any weight
+loads (`memory_check=false` starts anyway).
+
+Every rank of a torchrun job holds all of this: data parallelism replicates the model (FSDP2 sharding is not
+built yet), so more GPUs make a run faster, not smaller.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import weakref
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from solrl_engine.rl.config import FAMILY_TABLE, RLConfig
+
+GIB = 2**30
+HEADROOM = 0.9  # of a GPU's memory the plan may fill: the CUDA context, allocator fragmentation and kernels' workspaces
+
+
+@dataclass
+class PlanRow:
+    part: str
+    gib: float
+    when: str  # "always": held through the run; "update", "rollout", "encode": only during that phase
+    note: str = ""
+
+
+@dataclass
+class MemoryPlan:
+    """Per-GPU memory of a run, by part, and whether it fits `gpu_gib`."""
+
+    config: str
+    model: str
+    train_mode: str
+    gpus: int
+    gpu_gib: float
+    transformer_params_b: float
+    transformer_source: str
+    rows: list[PlanRow] = field(default_factory=list)
+
+    def total(self, when: str) -> float:
+        return sum(r.gib for r in self.rows if r.when == "always") + sum(r.gib for r in self.rows if r.when == when)
+
+    @property
+    def peak_gib(self) -> float:
+        """The resident parts plus the largest phase (update, rollout or prompt encoding)."""
+        return max(self.total(w) for w in ("update", "rollout", "encode"))
+
+    @property
+    def peak_phase(self) -> str:
+        return max(("update", "rollout", "encode"), key=self.total)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_gib <= HEADROOM * self.gpu_gib
+
+    def advice(self) -> list[str]:
+        """What to change, largest saving first, when the plan does not fit."""
+        if self.fits:
+            return []
+        by = {r.part: r for r in self.rows}
+        out: list[tuple[float, str]] = []
+        phase = self.peak_phase
+        act = by.get("update activations")
+        if phase == "update" and act is not None and "checkpointing" not in act.note and "no_ckpt" in self._extra:
+            saved = act.gib - self._extra["ckpt"]
+            out.append((saved, f"--set gradient_checkpointing=true (update activations {act.gib:.2f} -> "
+                               f"{self._extra['ckpt']:.2f} GiB)"))  # fmt: skip
+        if phase == "update" and act is not None and self._extra.get("train_batch_size", 1) > 1:
+            out.append((act.gib / 2, f"halve train_batch_size (update activations about {act.gib / 2:.2f} GiB less)"))
+        roll = by.get("rollout activations")
+        if phase == "rollout" and roll is not None and self._extra.get("rollout_batch_size", 1) > 1:
+            out.append((roll.gib / 2, f"halve rollout_batch_size (about {roll.gib / 2:.2f} GiB less)"))
+        enc = by.get("text encoders")
+        if enc is not None and enc.when == "always":
+            out.append((enc.gib, f"--set offload_text_encoders=true ({enc.gib:.1f} GiB off the GPU between encodes)"))
+        if self.train_mode == "full":
+            lora = self._extra.get("lora_mode_gib")
+            if lora is not None:
+                tip = f"--set train_mode=lora (peak {self.peak_gib:.2f} -> {lora:.2f} GiB)"
+                out.append((self.peak_gib - lora, tip))
+        out.sort(key=lambda x: -x[0])
+        tips = [t for _, t in out]
+        tips.append(f"a GPU with more memory (this plan peaks at {self.peak_gib:.2f} GiB against {HEADROOM:.0%} of "
+                    f"{self.gpu_gib:g} GiB); more GPUs do not help yet: each rank holds all of this (no FSDP2 "
+                    "sharding)")  # fmt: skip
+        return tips
+
+    _extra: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def render(self) -> str:
+        head = (f"memory plan for {self.config} ({self.model}, train_mode={self.train_mode}): transformer "
+                f"{self.transformer_params_b:.2f}B parameters ({self.transformer_source}); per GPU, "
+                f"{self.gpus} GPU{'s' if self.gpus > 1 else ''} of {self.gpu_gib:g} GiB")  # fmt: skip
+        lines = [head, f"  {'part':28s} {'GiB':>8s}  when      note"]
+        for r in self.rows:
+            lines.append(f"  {r.part:28s} {r.gib:8.2f}  {r.when:8s}  {r.note}")
+        for w in ("update", "rollout", "encode"):
+            lines.append(f"  {'peak during ' + w:28s} {self.total(w):8.2f}")
+        verdict = "fits" if self.fits else "DOES NOT FIT"
+        lines.append(f"  {verdict}: peak {self.peak_gib:.2f} GiB ({self.peak_phase}) against {HEADROOM:.0%} of "
+                     f"{self.gpu_gib:g} GiB = {HEADROOM * self.gpu_gib:.1f} GiB")  # fmt: skip
+        lines += [f"  - {t}" for t in self.advice()]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("_extra", None)
+        d.update(peak_gib=self.peak_gib, peak_phase=self.peak_phase, fits=self.fits, advice=self.advice(),
+                 headroom=HEADROOM)  # fmt: skip
+        return d
+
+
+# --- the transformer, on fake tensors --------------------------------------------------------------------------
+
+
+def _local_transformer_config(path: str | None) -> tuple[dict[str, Any] | None, str]:
+    """A pipeline's transformer/config.json: from a local directory, or the Hugging Face cache's copy of a hub id."""
+    if not path:
+        return None, ""
+    p = Path(path)
+    if (p / "transformer" / "config.json").is_file():
+        return json.loads((p / "transformer" / "config.json").read_text()), f"{p / 'transformer'}"
+    with contextlib.suppress(Exception):
+        from huggingface_hub import try_to_load_from_cache
+
+        hit = try_to_load_from_cache(str(path), "transformer/config.json")
+        if isinstance(hit, str):
+            return json.loads(Path(hit).read_text()), f"{path} (Hugging Face cache)"
+    return None, ""
+
+
+def _import_outside(transformer_class: str) -> None:
+    """Import diffusers' (lazily imported) modules of `transformer_class` before the fake mode is entered: a module
+    first imported under FakeTensorMode keeps fake tensors in its globals, which corrupts the heap at exit."""
+    import diffusers
+
+    getattr(diffusers, transformer_class)
+    import diffusers.models.attention_dispatch  # noqa: F401  (the attention backends a forward reaches)
+
+
+def _fake_model(cfg: RLConfig, dtype: torch.dtype, fake: Any) -> tuple[Any, str]:
+    """The config's model with its transformer on fake tensors (`fake`, a FakeTensorMode; pipelines get their
+    stand-in text encoder and VAE, and a real scheduler: its set-up reads values, which fake tensors lack)."""
+    from solrl_engine.models import load_model, model_spec
+    from solrl_engine.models.pipeline import build_transformer
+
+    spec = model_spec(cfg.model)
+    if cfg.model == "tiny":
+        from solrl_engine.models.tiny.model import WEIGHTS_DIR, TinyConfig, TinyT2I
+
+        path = Path(cfg.model_path) if cfg.model_path else WEIGHTS_DIR
+        conf = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
+        tc = TinyConfig(**{k: v for k, v in conf.items() if k in TinyConfig.__dataclass_fields__})
+        _import_outside("SD3Transformer2DModel")
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)  # built in the policy dtype (a fake module cannot be converted after)
+        try:
+            with fake:
+                model = TinyT2I(tc)
+        finally:
+            torch.set_default_dtype(default)
+        return model, f"the bundled model's config ({path})"
+    config, source = _local_transformer_config(cfg.model_path)
+    adapter = spec.adapter_object()
+    if config is None:
+        by_hub = getattr(adapter, "HUB_CONFIGS", {})
+        if cfg.model_path in by_hub:
+            config, source = by_hub[cfg.model_path], f"the published config of {cfg.model_path}"
+        else:
+            config = adapter.FULL_CONFIG
+            source = f"the published config of {spec.default_path}"
+            if cfg.model_path and cfg.model_path != spec.default_path:
+                source += f" ({cfg.model_path} is not on this machine: its own size may differ)"
+    arch = {k: v for k, v in config.items() if not k.startswith("_")}
+    _import_outside(adapter.TRANSFORMER_CLASS)
+    with fake:
+        net = build_transformer(adapter, dtype, arch)
+    options: dict[str, Any] = {"resolution": cfg.resolution, "transformer": net, "place": False}
+    if spec.video:
+        options.update(frames=cfg.frames, width=cfg.width)
+    return load_model(cfg.model, "random", "cpu", dtype, **options), source
+
+
+class _PeakBytes(TorchDispatchMode):
+    """The peak of bytes held by tensors that ops create while it is active: new storages, counted once, freed
+    when the storage dies (views and in-place results of an op's inputs are not new). On fake tensors: shapes
+    only, no memory, one counter update per op (torch's MemTracker, which agrees with it within 3% on the bundled
+    model and on FLUX.1, also attributes every byte to a module, which costs minutes on a 57-block model)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self._seen: set[int] = set()
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self._seen.discard(key)
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        leaves = torch.utils._pytree.tree_leaves
+        # a view or in-place result of an input (a weight's transpose, say) holds no new memory
+        inputs = {id(a.untyped_storage()) for a in leaves((args, kwargs)) if isinstance(a, torch.Tensor)}
+        for t in leaves(out):
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                key = id(st)
+                if key not in self._seen and key not in inputs:
+                    self._seen.add(key)
+                    self.live += st.nbytes()
+                    weakref.finalize(st, self._free, key, st.nbytes())
+        self.peak = max(self.peak, self.live)
+        return out
+
+
+def _measure(model: Any, batch: int, train: bool, checkpointing: bool, cond: Any) -> float:
+    """Peak bytes of activations and temporaries of one forward (and backward when `train`) at `batch`, on fake
+    tensors. Every weight takes gradients (the saved activations of full fine-tuning, a bound for LoRA's), each
+    dropped as soon as it is computed: the plan counts the trained weights' gradients itself."""
+    net = model.transformer
+    if checkpointing and hasattr(net, "enable_gradient_checkpointing"):
+        net.enable_gradient_checkpointing()
+    elif hasattr(net, "disable_gradient_checkpointing"):
+        net.disable_gradient_checkpointing()
+    net.requires_grad_(train)
+    net.train(train)
+    hooks = [p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None)) for p in net.parameters()
+             if train]  # fmt: skip
+    x = torch.randn(batch, *model.latent_shape, dtype=next(net.parameters()).dtype)
+    t = torch.full((batch,), 0.5)
+    tracker = _PeakBytes()
+    grad = contextlib.nullcontext() if train else torch.no_grad()
+    try:
+        with tracker, grad:
+            v = model.velocity(x, t, cond)
+            if train:
+                v.float().square().mean().backward()
+            del v
+    finally:
+        for h in hooks:
+            h.remove()
+    return float(tracker.peak)
+
+
+def memory_plan(cfg: RLConfig, gpus: int = 1, gpu_gib: float = 80.0) -> MemoryPlan:
+    """The per-GPU memory plan of `cfg` on `gpus` GPUs of `gpu_gib` GiB each (see the module docstring)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from solrl_engine.explore.choice import POLICY
+    from solrl_engine.explore.plan import explore_rule
+    from solrl_engine.models import model_spec
+    from solrl_engine.nn import plan_quantization
+    from solrl_engine.quant.recipe import NVFP4_OPTIONS, get_recipe
+
+    cfg = cfg.validate()
+    spec = model_spec(cfg.model)
+    dtype = torch.float32 if cfg.policy_dtype == "float32" else torch.bfloat16  # auto: BF16 on every GPU
+    b = torch.tensor([], dtype=dtype).element_size()
+    rule = FAMILY_TABLE[cfg.family]
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    model, source = _fake_model(cfg, dtype, fake)
+    train_bs = cfg.train_batch_size
+    roll_bs = cfg.rollout_batch_size * (2 if (cfg.guidance_scale or spec.guidance_scale) > 1
+                                        and spec.guidance == "cfg" else 1)  # fmt: skip
+    # the prompts' (stand-in) conditioning is real, made first: an encoder may read values (a mask's length)
+    with torch.no_grad():  # (a text encoder's graph is not the update's)
+        conds = {bs: model.encode_prompts(["a"] * bs) for bs in {train_bs, roll_bs}}
+    with fake:
+        net = model.transformer
+        params = sum(p.numel() for p in net.parameters())
+        targets = spec.lora_targets if cfg.lora_targets is None else cfg.lora_targets
+        lora = lora_hp = 0
+        precision = cfg.explore_precision if cfg.explore_precision != "auto" else "fp8"
+        copy_report = None
+        if rule.quantized_explore and precision != POLICY:
+            settings = cfg.explore_settings()
+            copy_rule = explore_rule(settings, spec, precision)
+            if get_recipe(precision).format != "nvfp4":  # as explore.plan drops them where auto picks 8 bits
+                for k in NVFP4_OPTIONS:
+                    copy_rule.pop(k, None)
+            copy_report = plan_quantization(net, get_recipe(precision).with_(**copy_rule))
+        kept = {d.name for d in copy_report.layers if not d.quantized} if copy_report is not None else set()
+        for n, m in net.named_modules():
+            if any(n.endswith(t) for t in targets) and hasattr(m, "in_features"):
+                lora += cfg.lora_rank * (m.in_features + m.out_features)
+                if n in kept or copy_report is None:
+                    lora_hp += m.in_features * m.out_features
+        act_plain = _measure(model, train_bs, train=True, checkpointing=False, cond=conds[train_bs])
+        act_ckpt = _measure(model, train_bs, train=True, checkpointing=True, cond=conds[train_bs])
+        act_roll = _measure(model, roll_bs, train=False, checkpointing=False, cond=conds[roll_bs])
+    full = cfg.train_mode == "full"
+    trained = params if full else lora
+    rows = [PlanRow("transformer (base)", params * b / GIB, "always",
+                    "the reference policy: the base as loaded" if full else "frozen; LoRA on top")]  # fmt: skip
+    rows.append(PlanRow("trained weights", 4 * trained / GIB, "always",
+                        f"{trained / 1e6:.1f}M {'weights' if full else 'LoRA parameters'} in FP32"))  # fmt: skip
+    rows.append(PlanRow("old + EMA policies", 8 * trained / GIB, "always", "FP32 copies of the trained weights"))
+    rows.append(PlanRow("AdamW state", 8 * trained / GIB, "always", "two FP32 moments"))
+    rows.append(PlanRow("gradients", 4 * trained / GIB, "update", "FP32"))
+    if copy_report is not None:
+        _, stored = copy_report.weight_bytes()
+        q = sum(d.in_features * d.out_features for d in copy_report.layers if d.quantized)
+        own_hp = (params - q) * b if full else lora_hp * b  # LoRA: the copy shares the frozen base's tensors
+        how = "auto: planned as FP8, the larger 8-bit copy" if cfg.explore_precision == "auto" else precision
+        rows.append(PlanRow("explore copy", (stored + own_hp) / GIB, "always",
+                            f"{len(copy_report.quantized)} layers quantized ({how})"))  # fmt: skip
+    if cfg.merge_lora and not full and not rule.quantized_explore:
+        rows.append(PlanRow("merged policy copy", lora_hp * b / GIB, "always", "the LoRA layers, merged"))
+    ckpt = cfg.gradient_checkpointing
+    rows.append(PlanRow("update activations", (act_ckpt if ckpt else act_plain) / GIB, "update",
+                        f"train_batch_size {train_bs}" + (", gradient checkpointing" if ckpt else "")))  # fmt: skip
+    rows.append(PlanRow("rollout activations", act_roll / GIB, "rollout",
+                        f"rollout_batch_size {cfg.rollout_batch_size}"
+                        + (" x 2 (classifier-free guidance)" if roll_bs > cfg.rollout_batch_size else "")))  # fmt: skip
+    text = sum(spec.text_encoder_params_b.values()) * 1e9 * b / GIB
+    if text:
+        names = " + ".join(spec.text_encoder_params_b)
+        rows.append(PlanRow("text encoders", text, "encode" if cfg.offload_text_encoders else "always",
+                            f"{names}; " + ("on the GPU only while new prompts are encoded" if cfg.offload_text_encoders
+                                            else "kept on the GPU (offload_text_encoders=false)")))  # fmt: skip
+    if spec.vae_params_b:
+        rows.append(PlanRow("VAE", spec.vae_params_b * 1e9 * b / GIB, "always", "published size"))
+    plan = MemoryPlan(cfg.name, cfg.model, cfg.train_mode, gpus, gpu_gib, params / 1e9, source, rows)
+    plan._extra = {"ckpt": act_ckpt / GIB, "no_ckpt": act_plain / GIB, "train_batch_size": train_bs,
+                   "rollout_batch_size": cfg.rollout_batch_size}  # fmt: skip
+    if full:
+        lora_rows = [PlanRow(r.part, r.gib, r.when) for r in rows]
+        scale = lora / max(params, 1)
+        for r in lora_rows:
+            if r.part in ("trained weights", "old + EMA policies", "AdamW state", "gradients"):
+                r.gib *= scale
+            if r.part == "explore copy" and copy_report is not None:
+                r.gib -= ((params - q) - lora_hp) * b / GIB
+        other = MemoryPlan(cfg.name, cfg.model, "lora", gpus, gpu_gib, params / 1e9, source, lora_rows)
+        plan._extra["lora_mode_gib"] = other.peak_gib
+    return plan
+
+
+def device_memory_gib(device: torch.device) -> float | None:
+    """A CUDA device's memory in GiB; None elsewhere (a CPU run is not checked)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(device).total_memory / GIB

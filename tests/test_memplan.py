@@ -1,0 +1,126 @@
+"""The memory plan (rl/memplan.py, `solrl plan`): its peak counter against known allocations and against torch's
+own MemTracker, its parts against the model's real parameter counts, the trainer's refusal before any weight
+loads, and the command's exit code and JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from solrl_engine.rl import memplan
+from solrl_engine.rl.config import ConfigError, RLConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+SPEC = str(ROOT / "configs/tiny.py:tiny_sol_rl_shapes")
+MIB = 2**20
+
+
+def test_peak_counter_counts_new_storages_once_and_frees_them():
+    with FakeTensorMode():
+        x = torch.empty(1024, 1024)  # 4 MiB, made before: never counted
+        tr = memplan._PeakBytes()
+        with tr:
+            y = x * 2  # +4
+            v = y.view(-1).t() if y.dim() == 1 else y.t()  # a view: nothing new
+            y.add_(1)  # in place: nothing new
+            z = y + v  # +4, peak 8
+            del y, v
+            w = torch.nn.functional.linear(x, x)  # (uses x's transpose, a view of an input) +4, z still alive
+            del z, w
+        assert tr.peak == 8 * MIB and tr.live == 0
+
+
+def test_peak_counter_agrees_with_torch_memtracker_on_the_bundled_model():
+    """torch's MemTracker (activations + temporaries) is the reference; ours skips its per-module bookkeeping."""
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    model, _ = memplan._fake_model(RLConfig(name="t", model="tiny"), torch.bfloat16, fake)
+    with torch.no_grad():
+        cond = model.encode_prompts(["a"] * 8)
+    with fake:
+        ours = memplan._measure(model, 8, train=True, checkpointing=False, cond=cond)
+        net = model.transformer
+        net.requires_grad_(True)
+        x = torch.randn(8, *model.latent_shape, dtype=torch.bfloat16)
+        t = torch.full((8,), 0.5)
+        mt = MemTracker()
+        mt.track_external(net)
+        with mt:
+            model.velocity(x, t, cond).float().square().mean().backward()
+        peak = next(iter(mt.get_tracker_snapshot("peak").values()))
+        theirs = peak[_MemRefType.ACT] + peak[_MemRefType.TEMP]
+    assert ours == pytest.approx(theirs, rel=0.03)
+
+
+def test_plan_parts_follow_the_model_and_the_mode():
+    from solrl_engine.models.tiny.model import load_tiny
+
+    real = load_tiny().transformer
+    params = sum(p.numel() for p in real.parameters())
+    lora = memplan.memory_plan(RLConfig(name="t", model="tiny", policy_dtype="bfloat16"))
+    full = memplan.memory_plan(RLConfig(name="t", model="tiny", policy_dtype="bfloat16", train_mode="full"))
+    assert lora.transformer_params_b * 1e9 == params
+    rows = {r.part: r for r in full.rows}
+    assert rows["transformer (base)"].gib == pytest.approx(2 * params / 2**30)  # the BF16 reference
+    assert rows["trained weights"].gib == pytest.approx(4 * params / 2**30)
+    assert rows["old + EMA policies"].gib + rows["AdamW state"].gib == pytest.approx(16 * params / 2**30)
+    lrows = {r.part: r for r in lora.rows}
+    assert lrows["trained weights"].gib < rows["trained weights"].gib / 5
+    assert full.peak_gib > lora.peak_gib
+    # checkpointing cuts the update's activations, and the plan says by how much
+    ck = memplan.memory_plan(RLConfig(name="t", model="tiny", gradient_checkpointing=True))
+    assert {r.part: r for r in ck.rows}["update activations"].gib < lrows["update activations"].gib
+    assert lora.fits and lora.advice() == []
+
+
+def test_a_plan_that_cannot_fit_says_what_to_change():
+    plan = memplan.memory_plan(RLConfig(name="t", model="tiny", train_mode="full"), gpus=8, gpu_gib=0.02)
+    assert not plan.fits
+    tips = plan.advice()
+    assert any("gradient_checkpointing=true" in t for t in tips)
+    assert any("train_mode=lora" in t for t in tips)
+    assert "more GPUs do not help yet" in tips[-1]
+    text = plan.render()
+    assert "DOES NOT FIT" in text and "8 GPUs of 0.02 GiB" in text
+
+
+def test_the_trainer_refuses_a_plan_that_cannot_fit_before_any_weight_loads(monkeypatch, tmp_path):
+    from solrl_engine.rl import trainer as trainer_mod
+
+    monkeypatch.setattr(memplan, "device_memory_gib", lambda device: 0.01)  # as a 10 MiB GPU would report
+    loads: list[str] = []
+    monkeypatch.setattr(trainer_mod, "build_rollouts", lambda cfg: loads.append(cfg.name) or 1 / 0)
+    cfg = RLConfig(name="t", model="tiny", output=str(tmp_path / "run"))
+    with pytest.raises(ConfigError, match="memory plan does not fit this GPU.*memory_check=false") as e:
+        trainer_mod.Trainer(cfg, progress=False)
+    assert "DOES NOT FIT" in str(e.value) and loads == [] and not (tmp_path / "run").exists()
+    with pytest.raises(ZeroDivisionError):  # memory_check=false: past the check, on to loading the model
+        trainer_mod.Trainer(RLConfig(name="t", model="tiny", memory_check=False), progress=False)
+    assert loads == ["t"]
+
+
+def test_solrl_plan_exits_3_when_it_does_not_fit_and_writes_json(tmp_path, capsys):
+    from solrl_engine.cli import main
+
+    assert main(["plan", SPEC, "--gpu-memory", "80", "--json", str(tmp_path / "p.json")]) == 0
+    d = json.loads((tmp_path / "p.json").read_text())
+    assert d["fits"] and d["model"] == "tiny" and d["gpu_gib"] == 80
+    assert main(["plan", SPEC, "--set", "train_mode=full", "--gpu-memory", "0.02"]) == 3
+    assert "DOES NOT FIT" in capsys.readouterr().out
+
+
+def test_published_flux_plan_from_its_config_alone():
+    """FLUX.1-dev from its published config, nothing downloaded: 11.9B parameters, and at 1024 px two samples per
+    update micro-batch fit an 80 GB GPU only with gradient checkpointing."""
+    cfg = RLConfig(name="flux", model="flux", resolution=1024, train_batch_size=2, rollout_batch_size=4)
+    plan = memplan.memory_plan(cfg, gpu_gib=80)
+    assert plan.transformer_params_b == pytest.approx(11.9, abs=0.01)
+    assert "FLUX.1-dev" in plan.transformer_source
+    assert not plan.fits and any("gradient_checkpointing=true" in t for t in plan.advice())
+    ck = memplan.memory_plan(RLConfig(**{**cfg.__dict__, "gradient_checkpointing": True}), gpu_gib=80)
+    assert ck.fits
