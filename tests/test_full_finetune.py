@@ -285,3 +285,24 @@ def test_the_policy_samples_eagerly_while_the_explore_copy_stays_compiled(monkey
     gs.eager_policy = False  # LoRA training: the policy's rollouts compile as before
     gs.sample(cond, [0], 2)
     assert ran[-1] == "compiled"
+
+
+def test_gradient_checkpointing_changes_memory_not_the_update(tmp_path, small_model):
+    """Full fine-tuning with gradient checkpointing: the recompute in the backward runs with the trained set
+    active (the policies are swapped only around no-grad forwards), so the update equals the one without."""
+    from solrl_engine.rl.trainer import Trainer
+
+    runs = []
+    for ckpt in (False, True):
+        tr = Trainer(_cfg(small_model, tmp_path / f"ck{ckpt}", family="naive_scaling", iterations=1, eval_every=1,
+                          gradient_checkpointing=ckpt), progress=False)  # fmt: skip
+        m = tr.step()
+        runs.append((m, [p.detach().clone() for p in tr.model.transformer.parameters()]))
+    (a, wa), (b, wb) = runs
+    assert b["loss"] == pytest.approx(a["loss"], rel=1e-5) and b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+    for x, y in zip(wa, wb, strict=True):
+        torch.testing.assert_close(y, x, rtol=1e-4, atol=1e-6)
+    from solrl_engine.models.tiny.model import load_tiny
+
+    base = list(load_tiny(small_model).transformer.parameters())
+    assert sum(not torch.equal(x, y) for x, y in zip(wa, base, strict=True)) > len(base) // 2  # the update ran

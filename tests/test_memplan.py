@@ -124,3 +124,48 @@ def test_published_flux_plan_from_its_config_alone():
     assert not plan.fits and any("gradient_checkpointing=true" in t for t in plan.advice())
     ck = memplan.memory_plan(RLConfig(**{**cfg.__dict__, "gradient_checkpointing": True}), gpu_gib=80)
     assert ck.fits
+
+
+def test_explore_precisions_the_plan_maps_and_a_local_config_from_another_diffusers(tmp_path):
+    """te_nvfp4 is planned as NVFP4 (it used to raise "unknown recipe" and would stop every TE run at start); a
+    local pipeline's transformer/config.json is read, keys its class does not take dropped (as from_config
+    drops them); and the merged policy copy is counted for LoRA with merge_lora, whatever explores."""
+    te = memplan.memory_plan(RLConfig(name="t", model="tiny", explore_precision="te_nvfp4"))
+    assert "te_nvfp4: planned as NVFP4" in {r.part: r for r in te.rows}["explore copy"].note
+    from solrl_engine.models.sana import SanaModel
+
+    small = {**SanaModel.FULL_CONFIG, "num_layers": 1, "num_attention_heads": 2, "attention_head_dim": 16,
+             "cross_attention_dim": 32, "caption_channels": 32, "num_cross_attention_heads": 2,
+             "cross_attention_head_dim": 16, "_class_name": "SanaTransformer2DModel", "a_key_from_elsewhere": 1}
+    (tmp_path / "transformer").mkdir()
+    (tmp_path / "transformer" / "config.json").write_text(json.dumps(small))
+    cfg = RLConfig(name="s", model="sana", model_path=str(tmp_path), resolution=256, train_batch_size=1,
+                   rollout_batch_size=2)  # fmt: skip
+    plan = memplan.memory_plan(cfg)
+    assert str(tmp_path / "transformer") in plan.transformer_source and plan.transformer_params_b < 0.01
+    rows = {r.part: r for r in plan.rows}
+    assert rows["merged policy copy"].gib > 0 and "explore copy" in rows
+
+
+def test_wan22_5b_is_planned_on_its_own_vae_grid():
+    """Wan2.2-TI2V-5B's 48-channel latents come from a 16x VAE: a 704 x 1280 clip is 44 x 80 latent cells."""
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    cfg = RLConfig(name="w", model="wan", model_path="Wan-AI/Wan2.2-TI2V-5B-Diffusers", resolution=704, width=1280,
+                   frames=121)  # fmt: skip
+    model, source = memplan._fake_model(cfg, torch.bfloat16, fake)
+    assert "Wan2.2-TI2V-5B" in source and model.latent_shape == (48, 31, 44, 80)
+
+
+def test_a_checkpoint_from_before_a_key_existed_resumes_at_its_default():
+    """A key added after a checkpoint was written (train_mode, memory_check, ...) is compared as its default:
+    the run that wrote it ran with that behaviour. A key it holds with another value is still refused."""
+    from dataclasses import asdict
+
+    from solrl_engine.rl.guards import check_resume_config
+
+    now = RLConfig(name="t", model="tiny")
+    then = asdict(now)
+    del then["train_mode"], then["memory_check"]
+    check_resume_config(then, now)  # no error
+    with pytest.raises(ConfigError, match="train_mode"):
+        check_resume_config(then, RLConfig(name="t", model="tiny", train_mode="full"))

@@ -323,7 +323,9 @@ class _RandomPipeline:
         self.transformer = transformer if transformer is not None else build_transformer(cls, dtype, arch)
         self.scheduler = cls.default_scheduler()  # type: ignore[attr-defined]
         self.vae = None
-        self.vae_scale_factor = cls.RANDOM_VAE_FACTOR  # type: ignore[attr-defined]
+        # the published VAE's spatial factor for this architecture (a family with several VAEs says which)
+        factor = getattr(cls, "random_vae_factor", None)
+        self.vae_scale_factor = factor(arch or {}) if factor else cls.RANDOM_VAE_FACTOR  # type: ignore[attr-defined]
 
 
 class _quiet_progress:

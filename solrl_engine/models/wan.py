@@ -74,6 +74,11 @@ class WanModel(PipelineFlowModel):
             self.width = self.DEFAULT_WIDTH if self.resolution == self.DEFAULT_RESOLUTION else self.resolution
             self.latent_shape = self._latent_shape()
 
+    @staticmethod
+    def random_vae_factor(arch: dict[str, Any]) -> int:
+        """The VAE a published transformer comes with: Wan2.2-TI2V-5B's 48 latent channels are its 16x VAE's."""
+        return 16 if arch.get("in_channels") == 48 else 8
+
     @classmethod
     def pipeline_resolution(cls, pipe: Any) -> int:
         """A stock WanPipeline has no default size of its own: its __call__ draws 480 x 832."""

@@ -173,8 +173,8 @@ def verify_adapter(directory: str | Path) -> bool:
     directory = Path(directory)
     if not (directory / WEIGHT_NAME).is_file():
         raise FileNotFoundError(f"{directory}: no {WEIGHT_NAME} there; pass a run's lora/, lora_ema/ or "
-                                "lora_best/ directory, or a full fine-tuning run's transformer_ema/ (written by `solrl "
-                                "train`)")  # fmt: skip
+                                "lora_best/ directory (a full fine-tuning run's transformer*/ directories load with "
+                                "load_trained or `solrl eval --lora`)")  # fmt: skip
     if not (directory / MANIFEST).exists():
         return False
     ok, detail = check_dir(directory)

@@ -21,7 +21,9 @@ built yet), so more GPUs make a run faster, not smaller.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
+import logging
 import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -32,6 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from solrl_engine.rl.config import FAMILY_TABLE, RLConfig
 
+log = logging.getLogger("solrl_engine.rl")
 GIB = 2**30
 HEADROOM = 0.9  # of a GPU's memory the plan may fill: the CUDA context, allocator fragmentation and kernels' workspaces
 
@@ -90,6 +93,10 @@ class MemoryPlan:
         roll = by.get("rollout activations")
         if phase == "rollout" and roll is not None and self._extra.get("rollout_batch_size", 1) > 1:
             out.append((roll.gib / 2, f"halve rollout_batch_size (about {roll.gib / 2:.2f} GiB less)"))
+        merged = by.get("merged policy copy")
+        if merged is not None:
+            out.append((merged.gib, f"--set merge_lora=false (no merged policy copy: {merged.gib:.2f} GiB less; "
+                                    "full-precision rollouts then run PEFT's unmerged LoRA)"))  # fmt: skip
         enc = by.get("text encoders")
         if enc is not None and enc.when == "always":
             out.append((enc.gib, f"--set offload_text_encoders=true ({enc.gib:.1f} GiB off the GPU between encodes)"))
@@ -119,12 +126,17 @@ class MemoryPlan:
         verdict = "fits" if self.fits else "DOES NOT FIT"
         lines.append(f"  {verdict}: peak {self.peak_gib:.2f} GiB ({self.peak_phase}) against {HEADROOM:.0%} of "
                      f"{self.gpu_gib:g} GiB = {HEADROOM * self.gpu_gib:.1f} GiB")  # fmt: skip
+        lines.append("  not counted: the reward model's weights, the VAE decode's activations (decode_batch_size), "
+                     "CUDA's context")
         lines += [f"  - {t}" for t in self.advice()]
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("_extra", None)
+        ex = self._extra
+        if "ckpt" in ex:  # both measurements, whichever the config uses
+            d["update_activations_gib"] = {"gradient_checkpointing": ex["ckpt"], "without": ex["no_ckpt"]}
         d.update(peak_gib=self.peak_gib, peak_phase=self.peak_phase, fits=self.fits, advice=self.advice(),
                  headroom=HEADROOM)  # fmt: skip
         return d
@@ -191,11 +203,15 @@ def _fake_model(cfg: RLConfig, dtype: torch.dtype, fake: Any) -> tuple[Any, str]
             source = f"the published config of {spec.default_path}"
             if cfg.model_path and cfg.model_path != spec.default_path:
                 source += f" ({cfg.model_path} is not on this machine: its own size may differ)"
-    arch = {k: v for k, v in config.items() if not k.startswith("_")}
     _import_outside(adapter.TRANSFORMER_CLASS)
+    import diffusers
+
+    # a config written by another diffusers version may hold keys this class does not take (from_config drops them)
+    takes = inspect.signature(getattr(diffusers, adapter.TRANSFORMER_CLASS).__init__).parameters
+    arch = {k: v for k, v in config.items() if k in takes and k != "self"}
     with fake:
         net = build_transformer(adapter, dtype, arch)
-    options: dict[str, Any] = {"resolution": cfg.resolution, "transformer": net, "place": False}
+    options: dict[str, Any] = {"resolution": cfg.resolution, "transformer": net, "arch": arch, "place": False}
     if spec.video:
         options.update(frames=cfg.frames, width=cfg.width)
     return load_model(cfg.model, "random", "cpu", dtype, **options), source
@@ -276,84 +292,109 @@ def memory_plan(cfg: RLConfig, gpus: int = 1, gpu_gib: float = 80.0) -> MemoryPl
     spec = model_spec(cfg.model)
     dtype = torch.float32 if cfg.policy_dtype == "float32" else torch.bfloat16  # auto: BF16 on every GPU
     b = torch.tensor([], dtype=dtype).element_size()
-    rule = FAMILY_TABLE[cfg.family]
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     model, source = _fake_model(cfg, dtype, fake)
-    train_bs = cfg.train_batch_size
-    roll_bs = cfg.rollout_batch_size * (2 if (cfg.guidance_scale or spec.guidance_scale) > 1
-                                        and spec.guidance == "cfg" else 1)  # fmt: skip
+    train_bs, roll_bs = cfg.train_batch_size, cfg.rollout_batch_size  # (guidance runs its two passes in turn)
     # the prompts' (stand-in) conditioning is real, made first: an encoder may read values (a mask's length)
     with torch.no_grad():  # (a text encoder's graph is not the update's)
         conds = {bs: model.encode_prompts(["a"] * bs) for bs in {train_bs, roll_bs}}
+    # what the explore copy is planned as: auto as FP8 (the larger of the 8- and 4-bit copies), TE's as NVFP4
+    precision = {"auto": "fp8", "te_nvfp4": "nvfp4"}.get(cfg.explore_precision, cfg.explore_precision)
     with fake:
         net = model.transformer
         params = sum(p.numel() for p in net.parameters())
         targets = spec.lora_targets if cfg.lora_targets is None else cfg.lora_targets
-        lora = lora_hp = 0
-        precision = cfg.explore_precision if cfg.explore_precision != "auto" else "fp8"
         copy_report = None
-        if rule.quantized_explore and precision != POLICY:
-            settings = cfg.explore_settings()
-            copy_rule = explore_rule(settings, spec, precision)
+        if FAMILY_TABLE[cfg.family].quantized_explore and precision != POLICY:
+            copy_rule = explore_rule(cfg.explore_settings(), spec, precision)
             if get_recipe(precision).format != "nvfp4":  # as explore.plan drops them where auto picks 8 bits
                 for k in NVFP4_OPTIONS:
                     copy_rule.pop(k, None)
             copy_report = plan_quantization(net, get_recipe(precision).with_(**copy_rule))
         kept = {d.name for d in copy_report.layers if not d.quantized} if copy_report is not None else set()
+        lora = lora_all = lora_hp = 0
         for n, m in net.named_modules():
             if any(n.endswith(t) for t in targets) and hasattr(m, "in_features"):
                 lora += cfg.lora_rank * (m.in_features + m.out_features)
-                if n in kept or copy_report is None:
-                    lora_hp += m.in_features * m.out_features
+                lora_all += m.in_features * m.out_features
+                lora_hp += m.in_features * m.out_features if n in kept else 0
         act_plain = _measure(model, train_bs, train=True, checkpointing=False, cond=conds[train_bs])
         act_ckpt = _measure(model, train_bs, train=True, checkpointing=True, cond=conds[train_bs])
         act_roll = _measure(model, roll_bs, train=False, checkpointing=False, cond=conds[roll_bs])
-    full = cfg.train_mode == "full"
-    trained = params if full else lora
-    rows = [PlanRow("transformer (base)", params * b / GIB, "always",
-                    "the reference policy: the base as loaded" if full else "frozen; LoRA on top")]  # fmt: skip
-    rows.append(PlanRow("trained weights", 4 * trained / GIB, "always",
-                        f"{trained / 1e6:.1f}M {'weights' if full else 'LoRA parameters'} in FP32"))  # fmt: skip
-    rows.append(PlanRow("old + EMA policies", 8 * trained / GIB, "always", "FP32 copies of the trained weights"))
-    rows.append(PlanRow("AdamW state", 8 * trained / GIB, "always", "two FP32 moments"))
-    rows.append(PlanRow("gradients", 4 * trained / GIB, "update", "FP32"))
+    copy = None
     if copy_report is not None:
-        _, stored = copy_report.weight_bytes()
         q = sum(d.in_features * d.out_features for d in copy_report.layers if d.quantized)
-        own_hp = (params - q) * b if full else lora_hp * b  # LoRA: the copy shares the frozen base's tensors
-        how = "auto: planned as FP8, the larger 8-bit copy" if cfg.explore_precision == "auto" else precision
-        rows.append(PlanRow("explore copy", (stored + own_hp) / GIB, "always",
-                            f"{len(copy_report.quantized)} layers quantized ({how})"))  # fmt: skip
-    if cfg.merge_lora and not full and not rule.quantized_explore:
-        rows.append(PlanRow("merged policy copy", lora_hp * b / GIB, "always", "the LoRA layers, merged"))
-    ckpt = cfg.gradient_checkpointing
-    rows.append(PlanRow("update activations", (act_ckpt if ckpt else act_plain) / GIB, "update",
-                        f"train_batch_size {train_bs}" + (", gradient checkpointing" if ckpt else "")))  # fmt: skip
-    rows.append(PlanRow("rollout activations", act_roll / GIB, "rollout",
-                        f"rollout_batch_size {cfg.rollout_batch_size}"
-                        + (" x 2 (classifier-free guidance)" if roll_bs > cfg.rollout_batch_size else "")))  # fmt: skip
-    text = sum(spec.text_encoder_params_b.values()) * 1e9 * b / GIB
-    if text:
-        names = " + ".join(spec.text_encoder_params_b)
-        rows.append(PlanRow("text encoders", text, "encode" if cfg.offload_text_encoders else "always",
-                            f"{names}; " + ("on the GPU only while new prompts are encoded" if cfg.offload_text_encoders
-                                            else "kept on the GPU (offload_text_encoders=false)")))  # fmt: skip
-    if spec.vae_params_b:
-        rows.append(PlanRow("VAE", spec.vae_params_b * 1e9 * b / GIB, "always", "published size"))
-    plan = MemoryPlan(cfg.name, cfg.model, cfg.train_mode, gpus, gpu_gib, params / 1e9, source, rows)
+        how = {"auto": "auto: planned as FP8, the larger 8-bit copy", "te_nvfp4": "te_nvfp4: planned as NVFP4"}
+        copy = (copy_report.weight_bytes()[1], params - q, len(copy_report.quantized),
+                how.get(cfg.explore_precision, precision))  # fmt: skip
+
+    def rows_for(mode: str) -> list[PlanRow]:
+        full = mode == "full"
+        trained = params if full else lora
+        what = f"{trained / 1e6:.1f}M {'weights' if full else 'LoRA parameters'} in FP32"
+        rows = [PlanRow("transformer (base)", params * b / GIB, "always",
+                        "the reference policy: the base as loaded" if full else "frozen; LoRA on top"),
+                PlanRow("trained weights", 4 * trained / GIB, "always", what),
+                PlanRow("old + EMA policies", 8 * trained / GIB, "always", "FP32 copies of the trained weights"),
+                PlanRow("AdamW state", 8 * trained / GIB, "always", "two FP32 moments"),
+                PlanRow("gradients", 4 * trained / GIB, "update", "FP32"),
+                PlanRow("optimizer step", 4 * trained / GIB, "update", "AdamW's (foreach) temporaries")]  # fmt: skip
+        if full and b < 4:
+            rows.append(PlanRow("BF16 casts of the weights", 2 * params / GIB, "update",
+                                "autocast keeps one per FP32 trained weight through the update's forward"))  # fmt: skip
+        if gpus > 1:
+            rows.append(PlanRow("gradient all-reduce", 4 * trained / GIB, "update", "one flat FP32 buffer"))
+        if copy is not None:
+            stored, unquantized, n_q, how = copy
+            own_hp = unquantized * b if full else lora_hp * b  # LoRA: the copy shares the frozen base's tensors
+            rows.append(PlanRow("explore copy", (stored + own_hp) / GIB, "always", f"{n_q} layers quantized ({how})"))
+        if cfg.merge_lora and not full:
+            rows.append(PlanRow("merged policy copy", lora_all * b / GIB, "always",
+                                "the LoRA layers merged, for full-precision rollouts"))  # fmt: skip
+        ckpt = cfg.gradient_checkpointing
+        rows.append(PlanRow("update activations", (act_ckpt if ckpt else act_plain) / GIB, "update",
+                            f"train_batch_size {train_bs}" + (", gradient checkpointing" if ckpt else "")))  # fmt: skip
+        rows.append(PlanRow("rollout activations", act_roll / GIB, "rollout", f"rollout_batch_size {roll_bs}"))
+        text = sum(spec.text_encoder_params_b.values()) * 1e9 * b / GIB
+        if text:
+            where = ("on the GPU only while new prompts are encoded" if cfg.offload_text_encoders
+                     else "kept on the GPU (offload_text_encoders=false)")  # fmt: skip
+            rows.append(PlanRow("text encoders", text, "encode" if cfg.offload_text_encoders else "always",
+                                f"{' + '.join(spec.text_encoder_params_b)}; {where}"))  # fmt: skip
+        if spec.vae_params_b:
+            rows.append(PlanRow("VAE", spec.vae_params_b * 1e9 * b / GIB, "always", "published size"))
+        return rows
+
+    plan = MemoryPlan(cfg.name, cfg.model, cfg.train_mode, gpus, gpu_gib, params / 1e9, source,
+                      rows_for(cfg.train_mode))  # fmt: skip
     plan._extra = {"ckpt": act_ckpt / GIB, "no_ckpt": act_plain / GIB, "train_batch_size": train_bs,
-                   "rollout_batch_size": cfg.rollout_batch_size}  # fmt: skip
-    if full:
-        lora_rows = [PlanRow(r.part, r.gib, r.when) for r in rows]
-        scale = lora / max(params, 1)
-        for r in lora_rows:
-            if r.part in ("trained weights", "old + EMA policies", "AdamW state", "gradients"):
-                r.gib *= scale
-            if r.part == "explore copy" and copy_report is not None:
-                r.gib -= ((params - q) - lora_hp) * b / GIB
-        other = MemoryPlan(cfg.name, cfg.model, "lora", gpus, gpu_gib, params / 1e9, source, lora_rows)
+                   "rollout_batch_size": roll_bs}  # fmt: skip
+    if cfg.train_mode == "full":
+        other = MemoryPlan(cfg.name, cfg.model, "lora", gpus, gpu_gib, params / 1e9, source, rows_for("lora"))
         plan._extra["lora_mode_gib"] = other.peak_gib
     return plan
+
+
+def check_fits(cfg: RLConfig, world: int) -> None:
+    """The trainer's start-time check: on a GPU, refuse a run whose plan cannot fit this device (ConfigError with
+    the plan and what to change; memory_check=false starts anyway). A CPU run is not checked, and a plan that
+    cannot be made (an architecture it cannot build on fake tensors) is a warning, not a refusal."""
+    from solrl_engine.rl.config import ConfigError, resolve_runtime
+
+    if not cfg.memory_check:
+        return
+    gib = device_memory_gib(resolve_runtime(cfg)[0])
+    if gib is None:
+        return
+    try:
+        plan = memory_plan(cfg, gpus=world, gpu_gib=gib)
+    except Exception as e:  # advice, not a gate: a plan that fails must not stop a run that would fit
+        log.warning("memory plan not made (%s: %s); starting without it", type(e).__name__, str(e)[:200])
+        return
+    if not plan.fits:
+        raise ConfigError(f"config {cfg.name!r}: its memory plan does not fit this GPU ({gib:.0f} GiB); change "
+                          "what it suggests, or set memory_check=false to start anyway\n" + plan.render())
+    log.info("memory plan: peak %.1f GiB (%s) of %.0f GiB", plan.peak_gib, plan.peak_phase, gib)
 
 
 def device_memory_gib(device: torch.device) -> float | None:

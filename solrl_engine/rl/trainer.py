@@ -33,10 +33,10 @@ from solrl_engine.models.base import Conditioning
 from solrl_engine.rl import checkpoint, memplan, rundir
 from solrl_engine.rl.adapters import OLD, TRAIN, LoraAdapters
 from solrl_engine.rl.checkpoint import EXPORT_DIRS
-from solrl_engine.rl.config import FAMILY_TABLE, ConfigError, RLConfig, autocast_for, resolve_runtime
+from solrl_engine.rl.config import FAMILY_TABLE, ConfigError, RLConfig, autocast_for
 from solrl_engine.rl.distributed import Dist
 from solrl_engine.rl.export import save_trained
-from solrl_engine.rl.full import FullWeights, TrainedWeights
+from solrl_engine.rl.full import REF, FullWeights, TrainedWeights
 from solrl_engine.rl.guards import NonFiniteError, ProxyGuard, check_finite, check_resume_config
 from solrl_engine.rl.heldout import HeldOut
 from solrl_engine.rl.ranking import group_advantages, kendall, spearman
@@ -91,7 +91,7 @@ class Trainer:
                 "ranks: make it a multiple of the number of processes (it is the global number of prompts)"
             )
         self.progress = progress and self.dist.main
-        self._check_memory()  # before any weight loads
+        memplan.check_fits(cfg, self.dist.world)  # on a GPU, before any weight loads
         self.rollouts = build_rollouts(cfg)
         self.model, self.device, self.dtype = self.rollouts.model, self.rollouts.device, self.rollouts.dtype
         # like-for-like: with merge_lora, full-precision rollouts run the "old" LoRA merged into a copy of the
@@ -120,21 +120,6 @@ class Trainer:
         self.nonfinite = 0  # iterations whose update was skipped for non-finite values
         self.guard = ProxyGuard(cfg)
         self.signals = rundir.StopSignals()  # installed while `run` runs
-
-    def _check_memory(self) -> None:
-        """On a GPU, refuse a run whose memory plan (rl.memplan) cannot fit this device, with the plan and what to
-        change; memory_check=false starts anyway. A CPU run is not checked."""
-        cfg = self.cfg
-        if not cfg.memory_check:
-            return
-        gib = memplan.device_memory_gib(resolve_runtime(cfg)[0])
-        if gib is None:
-            return
-        plan = memplan.memory_plan(cfg, gpus=self.dist.world, gpu_gib=gib)
-        if not plan.fits:
-            raise ConfigError(f"config {cfg.name!r}: its memory plan does not fit this GPU ({gib:.0f} GiB); change "
-                              "what it suggests, or set memory_check=false to start anyway\n" + plan.render())
-        log.info("memory plan: peak %.1f GiB (%s) of %.0f GiB", plan.peak_gib, plan.peak_phase, gib)
 
     def _trained_weights(self) -> TrainedWeights:
         """What the update trains: LoRA adapters on the frozen base (in FP32; the base stays in the policy
@@ -370,7 +355,9 @@ class Trainer:
         if then is not None and now is not None and then != now.precision:
             log.info("resuming with the checkpoint's explore precision %s (this start chose %s)", then, now.precision)
             why = "the checkpoint's (explore_precision=auto, timed at its start)"
-            self._explore_as(ExploreChoice(then, why))
+            # built from the base as loaded (full fine-tuning: not its FP32 trained set), then refreshed below
+            with self.adapters.using(REF) if self.cfg.train_mode == "full" else contextlib.nullcontext():
+                self._explore_as(ExploreChoice(then, why))
             self._follow_explore()
         if self.guard.fallback:
             self._set_fallback(True)

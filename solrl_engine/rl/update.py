@@ -16,9 +16,10 @@ from typing import Any
 import torch
 
 from solrl_engine.models.base import Conditioning, FlowModel
-from solrl_engine.rl.adapters import OLD, TRAIN, LoraAdapters
+from solrl_engine.rl.adapters import OLD, TRAIN
 from solrl_engine.rl.config import RLConfig
 from solrl_engine.rl.distributed import Dist
+from solrl_engine.rl.full import TrainedWeights
 from solrl_engine.rl.guards import NonFiniteError, nonfinite_detail, raise_collective
 from solrl_engine.rl.loss import nft_loss
 from solrl_engine.sampling import seeded_noise
@@ -65,7 +66,7 @@ class UpdateBatch:
     sel: Any = None
 
 
-def nft_update(model: FlowModel, adapters: LoraAdapters, opt: torch.optim.Optimizer, batch: UpdateBatch,
+def nft_update(model: FlowModel, adapters: TrainedWeights, opt: torch.optim.Optimizer, batch: UpdateBatch,
                c: NFTSettings, dist: Dist, autocast: Callable[[], contextlib.AbstractContextManager]
                ) -> dict[str, float]:  # fmt: skip
     """`updates_per_iter` optimizer steps over the selected samples x the chosen rollout timesteps
@@ -127,7 +128,7 @@ def nft_update(model: FlowModel, adapters: LoraAdapters, opt: torch.optim.Optimi
         params = adapters.params(TRAIN)
         dist.sum_grads_(params)
         if not all(bool(torch.isfinite(p.grad).all()) for p in params if p.grad is not None):
-            raise NonFiniteError("the LoRA gradients", "after accumulation over the batch")
+            raise NonFiniteError("the gradients", "after accumulation over the batch")
         gn = float(torch.nn.utils.clip_grad_norm_(params, c.grad_clip))
         opt.step()
         opt.zero_grad(set_to_none=True)
