@@ -12,13 +12,12 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 from torch import nn
 
 from solrl_engine.models import ModelSpec
 from solrl_engine.models.base import Conditioning
-from solrl_engine.models.pipeline import PipelineFlowModel
+from solrl_engine.models.pipeline import PackedLatentFlowModel
 
 FLUX_LORA_TARGETS = (
     "attn.to_q",
@@ -32,7 +31,7 @@ FLUX_LORA_TARGETS = (
 )
 
 
-class FluxModel(PipelineFlowModel):
+class FluxModel(PackedLatentFlowModel):
     MODEL = "flux"  # its name in solrl_engine.models.MODELS (the config key `model`)
     PIPELINE_CLASS = "FluxPipeline"
     TRANSFORMER_CLASS = "FluxTransformer2DModel"
@@ -54,28 +53,9 @@ class FluxModel(PipelineFlowModel):
             max_image_seq_len=4096,
         )  # fmt: skip
 
-    @property
-    def vae_factor(self) -> int:
-        return 2 * int(self.pipe.vae_scale_factor)  # 2x2 packing on top of the VAE's 8x
-
-    def _latent_shape(self) -> tuple[int, ...]:
-        side = 2 * (self.resolution // self.vae_factor)
-        return (int(self.transformer.config.in_channels) // 4, side, side)
-
     def _standin_dims(self) -> tuple[int, int | None]:
         c = self.transformer.config
         return int(c.joint_attention_dim), int(c.pooled_projection_dim)
-
-    def _timestep_kwargs(self, steps: int, sched: Any) -> dict[str, Any]:
-        kw: dict[str, Any] = {"sigmas": np.linspace(1.0, 1 / steps, steps)}
-        if sched.config.get("use_dynamic_shifting", False):
-            from diffusers.pipelines.flux.pipeline_flux import calculate_shift
-
-            c = sched.config
-            seq = (self.latent_shape[1] // 2) * (self.latent_shape[2] // 2)
-            kw["mu"] = calculate_shift(seq, c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
-                                       c.get("base_shift", 0.5), c.get("max_shift", 1.15))  # fmt: skip
-        return kw
 
     def _encode(self, prompts: list[str]) -> Conditioning:
         hidden, pooled, _ = self.pipe.encode_prompt(prompt=prompts, prompt_2=None, device=self.device_)

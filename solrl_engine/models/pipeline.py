@@ -343,3 +343,31 @@ class _quiet_progress:
 
         dlog.set_verbosity(self._level)
         dlog.enable_progress_bar()
+
+
+class PackedLatentFlowModel(PipelineFlowModel):
+    """A family whose transformer takes 2x2-packed latents and whose scheduler shifts by the image's token count
+    (FLUX.1, Qwen-Image): latents are kept unpacked, [C/4, H/8, W/8] for a C-feature token, and the schedule is
+    the pipeline's sigmas linspace(1, 1/N) under the dynamic shift mu of (H/16) x (W/16) tokens (diffusers'
+    calculate_shift, which both pipelines share)."""
+
+    @property
+    def vae_factor(self) -> int:
+        return 2 * int(self.pipe.vae_scale_factor)  # 2x2 packing on top of the VAE's 8x
+
+    def _latent_shape(self) -> tuple[int, ...]:
+        side = 2 * (self.resolution // self.vae_factor)
+        return (int(self.transformer.config.in_channels) // 4, side, side)
+
+    def _timestep_kwargs(self, steps: int, sched: Any) -> dict[str, Any]:
+        import numpy as np
+
+        kw: dict[str, Any] = {"sigmas": np.linspace(1.0, 1 / steps, steps)}
+        if sched.config.get("use_dynamic_shifting", False):
+            from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+            c = sched.config
+            seq = (self.latent_shape[1] // 2) * (self.latent_shape[2] // 2)
+            kw["mu"] = calculate_shift(seq, c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
+                                       c.get("base_shift", 0.5), c.get("max_shift", 1.15))  # fmt: skip
+        return kw

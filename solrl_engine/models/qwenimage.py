@@ -41,13 +41,12 @@ from __future__ import annotations
 import inspect
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 from torch import nn
 
 from solrl_engine.models import ModelSpec
 from solrl_engine.models.base import Conditioning
-from solrl_engine.models.pipeline import PipelineFlowModel
+from solrl_engine.models.pipeline import PackedLatentFlowModel
 
 # the attention projections of both streams (image: to_q/k/v, to_out.0; text: add_q/k/v_proj, to_add_out)
 QWEN_LORA_TARGETS = (
@@ -66,7 +65,7 @@ QWEN_EXPLORE_RULE: dict[str, Any] = {
 QWEN_BLOCKS = ("QwenImageTransformerBlock",)
 
 
-class QwenImageModel(PipelineFlowModel):
+class QwenImageModel(PackedLatentFlowModel):
     MODEL = "qwenimage"  # its name in solrl_engine.models.MODELS (the config key `model`)
     PIPELINE_CLASS = "QwenImagePipeline"
     TRANSFORMER_CLASS = "QwenImageTransformer2DModel"
@@ -100,27 +99,8 @@ class QwenImageModel(PipelineFlowModel):
             max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential",
         )  # fmt: skip
 
-    @property
-    def vae_factor(self) -> int:
-        return 2 * int(self.pipe.vae_scale_factor)  # 2x2 packing on top of the VAE's 8x
-
-    def _latent_shape(self) -> tuple[int, ...]:
-        side = 2 * (self.resolution // self.vae_factor)
-        return (int(self.transformer.config.in_channels) // 4, side, side)
-
     def _standin_dims(self) -> tuple[int, int | None]:
         return int(self.transformer.config.joint_attention_dim), None
-
-    def _timestep_kwargs(self, steps: int, sched: Any) -> dict[str, Any]:
-        kw: dict[str, Any] = {"sigmas": np.linspace(1.0, 1 / steps, steps)}
-        if sched.config.get("use_dynamic_shifting", False):
-            from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
-
-            c = sched.config
-            seq = (self.latent_shape[1] // 2) * (self.latent_shape[2] // 2)
-            kw["mu"] = calculate_shift(seq, c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
-                                       c.get("base_shift", 0.5), c.get("max_shift", 1.15))  # fmt: skip
-        return kw
 
     def sigmas(self, steps: int, shift: float | None = None) -> torch.Tensor:
         """The pipeline's scheduler's sigmas; one step is [1, 0]. Qwen-Image's scheduler has no 1-step schedule: it

@@ -15,7 +15,46 @@ from torch import nn
 TRAIN, OLD = "default", "old"
 
 
-class LoraAdapters:
+class PolicySets:
+    """What both kinds of trained weights share (LoraAdapters here, rl.full.FullWeights): switching the active
+    policy for a block, and the moves of the "old" sampling policy and the EMA towards the trained weights.
+    A subclass says which tensors those are (`_trained`, `_old`) and how to switch (`use`)."""
+
+    ema: list[torch.Tensor]
+
+    def use(self, which: str) -> None:
+        raise NotImplementedError
+
+    def _trained(self) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def _old(self) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def using(self, which: str) -> Iterator[None]:
+        self.use(which)
+        try:
+            yield
+        finally:
+            self.use(TRAIN)
+
+    @torch.no_grad()
+    def update_old(self, step: int, rate: float = 0.001, max_decay: float = 0.5) -> float:
+        """old <- d old + (1 - d) theta with d = min(rate * step, max_decay); returns d."""
+        d = min(rate * step, max_decay)
+        for o, p in zip(self._old(), self._trained(), strict=True):
+            o.mul_(d).add_(p, alpha=1 - d)
+        return d
+
+    @torch.no_grad()
+    def update_ema(self, step: int, max_decay: float = 0.9) -> None:
+        d = min((1 + step) / (10 + step), max_decay)
+        for e, p in zip(self.ema, self._trained(), strict=True):
+            e.mul_(d).add_(p.detach(), alpha=1 - d)
+
+
+class LoraAdapters(PolicySets):
     """Owns the LoRA state of `transformer` (a diffusers model with PEFT support)."""
 
     kind = "lora"  # train_mode=lora (rl/full.py holds train_mode=full)
@@ -61,27 +100,11 @@ class LoraAdapters:
         for p in self.params(OLD):
             p.requires_grad_(False)
 
-    @contextlib.contextmanager
-    def using(self, which: str) -> Iterator[None]:
-        self.use(which)
-        try:
-            yield
-        finally:
-            self.use(TRAIN)
+    def _trained(self) -> list[torch.Tensor]:
+        return self.params(TRAIN)
 
-    @torch.no_grad()
-    def update_old(self, step: int, rate: float = 0.001, max_decay: float = 0.5) -> float:
-        """old <- d old + (1 - d) theta with d = min(rate * step, max_decay); returns d."""
-        d = min(rate * step, max_decay)
-        for o, p in zip(self.params(OLD), self.params(TRAIN), strict=True):
-            o.mul_(d).add_(p, alpha=1 - d)
-        return d
-
-    @torch.no_grad()
-    def update_ema(self, step: int, max_decay: float = 0.9) -> None:
-        d = min((1 + step) / (10 + step), max_decay)
-        for e, p in zip(self.ema, self.params(TRAIN), strict=True):
-            e.mul_(d).add_(p.detach(), alpha=1 - d)
+    def _old(self) -> list[torch.Tensor]:
+        return self.params(OLD)
 
     @contextlib.contextmanager
     def ema_weights(self) -> Iterator[None]:

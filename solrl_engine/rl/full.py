@@ -26,12 +26,12 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from solrl_engine.rl.adapters import OLD, TRAIN, LoraAdapters
+from solrl_engine.rl.adapters import OLD, TRAIN, LoraAdapters, PolicySets
 
 REF, EMA = "ref", "ema"
 
 
-class FullWeights:
+class FullWeights(PolicySets):
     """The trained, old, reference and EMA weight sets of `transformer` (every parameter is trained)."""
 
     kind = "full"
@@ -80,27 +80,11 @@ class FullWeights:
             p.requires_grad_(which == TRAIN)
         self._active = which
 
-    @contextlib.contextmanager
-    def using(self, which: str) -> Iterator[None]:
-        self.use(which)
-        try:
-            yield
-        finally:
-            self.use(TRAIN)
+    def _trained(self) -> list[torch.Tensor]:
+        return self._sets[TRAIN]
 
-    @torch.no_grad()
-    def update_old(self, step: int, rate: float = 0.001, max_decay: float = 0.5) -> float:
-        """old <- d old + (1 - d) theta with d = min(rate * step, max_decay); returns d."""
-        d = min(rate * step, max_decay)
-        for o, p in zip(self._sets[OLD], self._sets[TRAIN], strict=True):
-            o.mul_(d).add_(p, alpha=1 - d)
-        return d
-
-    @torch.no_grad()
-    def update_ema(self, step: int, max_decay: float = 0.9) -> None:
-        d = min((1 + step) / (10 + step), max_decay)
-        for e, p in zip(self.ema, self._sets[TRAIN], strict=True):
-            e.mul_(d).add_(p, alpha=1 - d)
+    def _old(self) -> list[torch.Tensor]:
+        return self._sets[OLD]
 
     @contextlib.contextmanager
     def ema_weights(self) -> Iterator[None]:

@@ -59,6 +59,11 @@ class MemoryPlan:
     transformer_params_b: float
     transformer_source: str
     rows: list[PlanRow] = field(default_factory=list)
+    train_batch_size: int = 1
+    rollout_batch_size: int = 1
+    # the update's activations both ways, whichever the config uses ("gradient_checkpointing", "without")
+    update_activations_gib: dict[str, float] = field(default_factory=dict)
+    lora_peak_gib: float | None = None  # a full fine-tuning plan's peak as LoRA instead
 
     def total(self, when: str) -> float:
         return sum(r.gib for r in self.rows if r.when == "always") + sum(r.gib for r in self.rows if r.when == when)
@@ -84,14 +89,14 @@ class MemoryPlan:
         out: list[tuple[float, str]] = []
         phase = self.peak_phase
         act = by.get("update activations")
-        if phase == "update" and act is not None and "checkpointing" not in act.note and "no_ckpt" in self._extra:
-            saved = act.gib - self._extra["ckpt"]
-            out.append((saved, f"--set gradient_checkpointing=true (update activations {act.gib:.2f} -> "
-                               f"{self._extra['ckpt']:.2f} GiB)"))  # fmt: skip
-        if phase == "update" and act is not None and self._extra.get("train_batch_size", 1) > 1:
+        ckpt = self.update_activations_gib.get("gradient_checkpointing")
+        if phase == "update" and act is not None and "checkpointing" not in act.note and ckpt is not None:
+            out.append((act.gib - ckpt, f"--set gradient_checkpointing=true (update activations {act.gib:.2f} -> "
+                                        f"{ckpt:.2f} GiB)"))  # fmt: skip
+        if phase == "update" and act is not None and self.train_batch_size > 1:
             out.append((act.gib / 2, f"halve train_batch_size (update activations about {act.gib / 2:.2f} GiB less)"))
         roll = by.get("rollout activations")
-        if phase == "rollout" and roll is not None and self._extra.get("rollout_batch_size", 1) > 1:
+        if phase == "rollout" and roll is not None and self.rollout_batch_size > 1:
             out.append((roll.gib / 2, f"halve rollout_batch_size (about {roll.gib / 2:.2f} GiB less)"))
         merged = by.get("merged policy copy")
         if merged is not None:
@@ -100,19 +105,15 @@ class MemoryPlan:
         enc = by.get("text encoders")
         if enc is not None and enc.when == "always":
             out.append((enc.gib, f"--set offload_text_encoders=true ({enc.gib:.1f} GiB off the GPU between encodes)"))
-        if self.train_mode == "full":
-            lora = self._extra.get("lora_mode_gib")
-            if lora is not None:
-                tip = f"--set train_mode=lora (peak {self.peak_gib:.2f} -> {lora:.2f} GiB)"
-                out.append((self.peak_gib - lora, tip))
+        if self.train_mode == "full" and self.lora_peak_gib is not None:
+            tip = f"--set train_mode=lora (peak {self.peak_gib:.2f} -> {self.lora_peak_gib:.2f} GiB)"
+            out.append((self.peak_gib - self.lora_peak_gib, tip))
         out.sort(key=lambda x: -x[0])
         tips = [t for _, t in out]
         tips.append(f"a GPU with more memory (this plan peaks at {self.peak_gib:.2f} GiB against {HEADROOM:.0%} of "
                     f"{self.gpu_gib:g} GiB); more GPUs do not help yet: each rank holds all of this (no FSDP2 "
                     "sharding)")  # fmt: skip
         return tips
-
-    _extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def render(self) -> str:
         head = (f"memory plan for {self.config} ({self.model}, train_mode={self.train_mode}): transformer "
@@ -133,10 +134,6 @@ class MemoryPlan:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        d.pop("_extra", None)
-        ex = self._extra
-        if "ckpt" in ex:  # both measurements, whichever the config uses
-            d["update_activations_gib"] = {"gradient_checkpointing": ex["ckpt"], "without": ex["no_ckpt"]}
         d.update(peak_gib=self.peak_gib, peak_phase=self.peak_phase, fits=self.fits, advice=self.advice(),
                  headroom=HEADROOM)  # fmt: skip
         return d
@@ -365,14 +362,12 @@ def memory_plan(cfg: RLConfig, gpus: int = 1, gpu_gib: float = 80.0) -> MemoryPl
             rows.append(PlanRow("VAE", spec.vae_params_b * 1e9 * b / GIB, "always", "published size"))
         return rows
 
-    plan = MemoryPlan(cfg.name, cfg.model, cfg.train_mode, gpus, gpu_gib, params / 1e9, source,
-                      rows_for(cfg.train_mode))  # fmt: skip
-    plan._extra = {"ckpt": act_ckpt / GIB, "no_ckpt": act_plain / GIB, "train_batch_size": train_bs,
-                   "rollout_batch_size": roll_bs}  # fmt: skip
-    if cfg.train_mode == "full":
-        other = MemoryPlan(cfg.name, cfg.model, "lora", gpus, gpu_gib, params / 1e9, source, rows_for("lora"))
-        plan._extra["lora_mode_gib"] = other.peak_gib
-    return plan
+    def plan_for(mode: str, **more: Any) -> MemoryPlan:
+        return MemoryPlan(cfg.name, cfg.model, mode, gpus, gpu_gib, params / 1e9, source, rows_for(mode), **more)
+
+    lora_peak = plan_for("lora").peak_gib if cfg.train_mode == "full" else None
+    return plan_for(cfg.train_mode, train_batch_size=train_bs, rollout_batch_size=roll_bs, lora_peak_gib=lora_peak,
+                    update_activations_gib={"gradient_checkpointing": act_ckpt / GIB, "without": act_plain / GIB})
 
 
 def check_fits(cfg: RLConfig, world: int) -> None:
