@@ -11,6 +11,12 @@ import triton.language as tl
 FP32_MAX = tl.constexpr(3.4028234663852886e38)
 
 
+# Launch options of every kernel checked bit for bit against solrl_engine.quant: a GPU build contracts
+# a * b + c into one FMA (one rounding) by default, where the reference rounds twice. The interpreter
+# ignores the option; bench/compile_kernels.py reads each kernel's PTX for fma.rn.f32.
+EXACT = {"enable_fp_fusion": False}
+
+
 @triton.jit
 def is_finite(x):
     """True where x is neither NaN nor +-Inf."""

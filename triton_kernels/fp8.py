@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._numerics import e4m3_round_magnitude, is_finite, load_f32
+from ._numerics import EXACT, e4m3_round_magnitude, is_finite, load_f32
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -71,7 +71,7 @@ def launch_rowwise(
         block_m, block_k = _row_blocks(k, os.environ.get("TRITON_INTERPRET", "0") == "1")
         src = x.view(torch.int16) if x.dtype == torch.bfloat16 else x
         kernel[(triton.cdiv(rows, block_m),)](src, q, scale, rows, k, BLOCK_M=block_m, BLOCK_K=block_k,  # type: ignore[index]
-                                              IN_BF16=x.dtype == torch.bfloat16)  # fmt: skip
+                                              IN_BF16=x.dtype == torch.bfloat16, **EXACT)  # fmt: skip
     return q, scale
 
 

@@ -12,11 +12,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ._numerics import is_finite, load_f32, store_out
+from ._numerics import EXACT, is_finite, load_f32, store_out
 from .fp8 import launch_rowwise
 
 _OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-TINY = 1.401298464324817e-45  # the smallest fp32 subnormal: the least scale of a non-zero row
+# the smallest fp32 subnormal, the least scale of a non-zero row (a Triton global must be a constexpr)
+TINY = tl.constexpr(1.401298464324817e-45)
 
 
 @triton.jit
@@ -34,7 +35,7 @@ def _int8_rowwise_kernel(x_ptr, q_ptr, scale_ptr, M, K, BLOCK_M: tl.constexpr, B
         acc = tl.maximum(acc, tl.where(fin, tl.abs(x), 0.0))
         bad = tl.maximum(bad, tl.where(fin, 0, 1))
     amax = tl.max(acc, axis=1)
-    s = tl.maximum(tl.div_rn(amax, tl.full([BLOCK_M], 127.0, tl.float32)), TINY)
+    s = tl.maximum(tl.div_rn(amax, tl.full([BLOCK_M], 127.0, tl.float32)), tl.full([BLOCK_M], TINY, tl.float32))
     s = tl.where(amax == 0.0, 1.0, s)
     s = tl.where(tl.max(bad, axis=1) > 0, float("nan"), s)
     tl.store(scale_ptr + rows, s, mask=rmask)
@@ -93,5 +94,5 @@ def scale_epilogue(
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     _epilogue_kernel[grid](acc.contiguous(), sx, sw, b_arg, dst, m, n, HAS_BIAS=b is not None,
                            BIAS_BF16=b is not None and b.dtype == torch.bfloat16, OUT_KIND=_OUT_KIND[out_dtype],
-                           BM=bm, BN=bn)  # fmt: skip
+                           BM=bm, BN=bn, **EXACT)  # fmt: skip
     return out

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from ._numerics import (
+    EXACT,
     e2m1_decode,
     e2m1_encode,
     e4m3_decode,
@@ -231,7 +232,7 @@ def amax(x: torch.Tensor) -> torch.Tensor:
     block = 16384 if _interpreting() else 4096
     n = x.numel()
     if n:
-        _amax_kernel[(triton.cdiv(n, block),)](_src(x), out, n, BLOCK=block, IN_BF16=_is_bf16(x))
+        _amax_kernel[(triton.cdiv(n, block),)](_src(x), out, n, BLOCK=block, IN_BF16=_is_bf16(x), **EXACT)
     return out
 
 
@@ -245,7 +246,7 @@ def _amax_arg(x: torch.Tensor, amax_value: torch.Tensor | float | None, rot: tup
     n_blocks = x.numel() // 16
     nb = _blocks_per_program()
     _rot_amax_kernel[(triton.cdiv(n_blocks, nb),)](_src(x), rot[0], rot[1], out, n_blocks, NB=nb,
-                                                   ROT=rot[0].numel(), IN_BF16=_is_bf16(x))  # fmt: skip
+                                                   ROT=rot[0].numel(), IN_BF16=_is_bf16(x), **EXACT)  # fmt: skip
     return out
 
 
@@ -270,7 +271,7 @@ def _launch(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, g: torch.Tensor, 
     d, inv = rot if rot is not None else (am, 1.0)  # d_ptr is never read without a rotation
     _quantize_kernel[(triton.cdiv(n_blocks, nb),)](
         _src(x), q, s, am, g if not dequant else am, d, inv, n_blocks, NB=nb, DEQUANT=dequant, OUT_KIND=out_kind,
-        IN_BF16=_is_bf16(x), ROT=0 if rot is None else rot[0].numel(), FOUR_OVER_SIX=four_over_six,
+        IN_BF16=_is_bf16(x), ROT=0 if rot is None else rot[0].numel(), FOUR_OVER_SIX=four_over_six, **EXACT,
     )  # fmt: skip
 
 
@@ -332,7 +333,8 @@ def rotate(x: torch.Tensor, rht_signs: torch.Tensor, dtype: torch.dtype = torch.
         nb = _blocks_per_program()
         dst = out.view(torch.int16) if dtype == torch.bfloat16 else out
         _rotate_kernel[(triton.cdiv(n_blocks, nb),)](_src(x), d, inv, dst, n_blocks, NB=nb, ROT=d.numel(),
-                                                     IN_BF16=_is_bf16(x), OUT_KIND=_OUT_KIND[dtype])  # fmt: skip
+                                                     IN_BF16=_is_bf16(x), OUT_KIND=_OUT_KIND[dtype],
+                                                     **EXACT)  # fmt: skip
     return out
 
 
@@ -350,5 +352,6 @@ def dequantize(
         nb = _blocks_per_program()
         dst = out.view(torch.int16) if dtype == torch.bfloat16 else out
         g = global_scale.to(torch.float32).reshape(())
-        _dequantize_kernel[(triton.cdiv(n_blocks, nb),)](qdata, s, g, dst, n_blocks, NB=nb, OUT_KIND=_OUT_KIND[dtype])
+        _dequantize_kernel[(triton.cdiv(n_blocks, nb),)](qdata, s, g, dst, n_blocks, NB=nb, OUT_KIND=_OUT_KIND[dtype],
+                                                         **EXACT)
     return out
