@@ -129,6 +129,8 @@ def probe_explore_timings(
     timed again after the candidates (its faster pass kept): other work on the machine only ever adds
     time, and a burst of it while the policy was timed once made a 2.8x slower candidate look faster.
 
+    Each layer's first call is not timed: on the first lent H100 it held the Triton kernels' load and
+    the GEMM plans, and a 3x "slower" FP8 copy (one first call) made `auto` explore with the policy.
     A candidate whose warm-up pass (or its first layers) already takes `give_up` times the
     policy's median cannot be chosen and is not timed further: its entry is that partial pass, far
     above the policy's (a lower bound of its full pass). Emulated NVFP4 on a CPU is tens of times slower than the
@@ -158,6 +160,7 @@ def probe_explore_timings(
             calls, warm = [], 0.0
             for lin, x, count in layers:  # the warm-up pass, abandoned as soon as it cannot win
                 mod = lin if recipe is None else QuantLinear.from_linear(lin, recipe)
+                mod(x)  # untimed: a first call's one-time costs (kernel JIT or load, GEMM plans) are not its speed
                 warm += count * _call_ms(lambda mod=mod, x=x: mod(x), dev)
                 calls.append((mod, x, count))
                 if name != "policy" and warm > give_up * out["policy"]:
