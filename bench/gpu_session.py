@@ -55,6 +55,7 @@ from session_common import (  # noqa: E402
     _release,
     build_model,
     ceilings,
+    cuda_broken,
     format_unavailable,
     graphed_ms,
     predict,
@@ -414,8 +415,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         except StageTimeout as e:
             res = {**rec["stages"].get(stage, {}), "timed_out": str(e)}
             res.pop("partial", None)
-        except Exception as e:
-            res = _error(e, 6)
+        except Exception as e:  # the entries written before the error stay (its step names where it was)
+            res = {**rec["stages"].get(stage, {}), **_error(e, 6)}
+            res.pop("partial", None)
+        broken = cuda_broken(device)
+        if broken:  # a sticky CUDA error (an illegal address): every later CUDA call in this process fails
+            res["cuda_broken"] = broken
+            stop = f"the CUDA context is broken ({broken}); the next call starts a fresh process"
+            rec["exit_code"] = 4
         res["seconds"] = time.monotonic() - t0
         if device.type == "cuda":
             res["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
@@ -432,7 +439,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"== {stage}: {res['seconds']:.1f} s" + (" (error)" if "error" in res else "")
               + (" (cut at its allowance)" if "timed_out" in res else ""), flush=True)  # fmt: skip
         print("\n".join(rec["summary"]), flush=True)
-        _release(device)
+        if not broken:
+            _release(device)
     rec["summary"] = summary.summary_lines(rec)
     if rec["skipped"]:  # the last summary printed did not know of the stages skipped after it
         print("\n".join(rec["summary"]), flush=True)

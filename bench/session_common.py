@@ -200,9 +200,25 @@ def graphed_ms(fwd: Callable[[], Any], device: torch.device, reps: int) -> float
 
 
 def _release(device: torch.device) -> None:
+    """Free what the last entry held. Never raises: after a sticky CUDA error empty_cache fails too, and
+    raising here (a `finally`) would replace the error that names the step; cuda_broken reports it."""
     gc.collect()
     if device.type == "cuda":
-        torch.cuda.empty_cache()
+        with contextlib.suppress(Exception):
+            torch.cuda.empty_cache()
+
+
+def cuda_broken(device: torch.device) -> str | None:
+    """The sticky CUDA error this process carries (an illegal address poisons every later call), or None."""
+    if device.type != "cuda":
+        return None
+    try:
+        torch.cuda.synchronize(device)
+        torch.empty(1, device=device).add_(1)
+        torch.cuda.synchronize(device)
+    except Exception as e:  # noqa: BLE001 - the message is the finding
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    return None
 
 
 def _error(e: BaseException, limit: int = 4) -> dict[str, str]:

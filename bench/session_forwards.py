@@ -295,6 +295,8 @@ def model_stage(alias: str, device: torch.device, cfg: dict[str, Any], dev_rates
                 continue
             net = copy = None
             t_entry = time.perf_counter()
+            out["step"] = f"{mode} {fmt}"  # where a stage that fails was (recorded before each entry)
+            cfg["progress"](out)
             try:
                 if fmt == "bf16":
                     net = model.transformer

@@ -160,7 +160,9 @@ def summary_lines(rec: dict[str, Any]) -> list[str]:
                      "refresh and nft_update training")  # fmt: skip
     for key, s in stages.items():
         if "error" in s or "timed_out" in s:
-            lines.append(f"stage {key}: {_why(s)}")
+            lines.append(f"stage {key}: {_why(s)}" + (f" (during {s['step']})" if s.get("step") else ""))
+        if s.get("cuda_broken"):
+            lines.append(f"stage {key}: the CUDA context is broken: {s['cuda_broken']}")
         peak = s.get("peak_gib")
         if peak is not None:
             lines.append(f"stage {key}: peak {peak:.1f} GiB of GPU memory, {s.get('seconds', 0):.0f} s")

@@ -138,6 +138,8 @@ def training_phase(model: Any, alias: str, device: torch.device, out: dict[str, 
         for fmt, entry in out["precisions"].items():
             if fmt == "bf16" or "eager_ms" not in entry:
                 continue
+            out["step"] = f"refresh {fmt}"  # where a stage that fails was (recorded before each step)
+            cfg["progress"](out)
             try:
                 entry.update(refresh_time(model, adapters, alias, fmt, device, cfg["reps"]))
             except Exception as e:  # one copy failing must not lose the update's time
@@ -145,6 +147,8 @@ def training_phase(model: Any, alias: str, device: torch.device, out: dict[str, 
             finally:
                 _release(device)
             cfg["progress"](out)
+        out["step"] = "nft_update"
+        cfg["progress"](out)
         out["nft_update"] = time_nft_update(model, adapters, alias, device, ts, 2)
     except Exception as e:
         out["nft_update"] = _error(e)
