@@ -48,7 +48,8 @@ COMPILE_ALLOWANCE = 60.0
 
 
 # Kernel names -> groups, first match wins (lower-case substrings). GPU kernels: cuBLASLt's FP8 names
-# carry the element type (e4m3/e5m2), INT8 IMMA ones i8/s8/imma, FP4 e2m1; our Triton GEMMs are
+# carry the element type (e4m3/e5m2) or, for nvjet's, "qq" (nvjet_sm90_qqtst_...: seen on an H200),
+# INT8 IMMA ones i8/s8/imma, FP4 e2m1; our Triton GEMMs are
 # _w4a4/_w4a16/_splitk_reduce and the INT8 scale epilogue _epilogue_kernel; our quantize kernels are
 # _fp8_rowwise/_int8_rowwise/_amax/_quantize/_rotate; flash/fmha/cudnn/efficient_attention are SDPA;
 # nvjet/gemm/xmma/cutlass that are none of the above are BF16 GEMMs; inductor's fused triton_poi/per/red
@@ -58,8 +59,9 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("attention", ("flash", "fmha", "scaled_dot_product", "efficient_attention", "cudnn_attn", "attention")),
     ("quantize", ("_fp8_rowwise", "_int8_rowwise", "_amax", "_quantize", "_rotate", "rot_amax", "solrl::",
                   "quantize", "amax")),
-    ("low_precision_gemm", ("_scaled_mm", "_int_mm", "e4m3", "e5m2", "e2m1", "i8i32", "imma", "_s8", "s8_", "int8",
-                            "fp8", "fp4", "_w4a4", "_w4a16", "_splitk_reduce", "_epilogue_kernel")),
+    ("low_precision_gemm", ("_scaled_mm", "_int_mm", "nvjet_sm90_qq", "nvjet_sm100_qq", "e4m3", "e5m2", "e2m1",
+                            "i8i32", "imma", "_s8", "s8_", "int8", "fp8", "fp4", "_w4a4", "_w4a16", "_splitk_reduce",
+                            "_epilogue_kernel")),
     ("bf16_gemm", ("gemm", "nvjet", "xmma", "cutlass", "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm",
                    "matmul", "cublas", "conv")),
     ("elementwise", ("elementwise", "vectorized", "reduce", "norm", "softmax", "gelu", "silu", "triton_", "copy",

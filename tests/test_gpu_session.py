@@ -100,6 +100,29 @@ def test_a_failed_preflight_stops_the_call_with_what_failed(session, tmp_path, m
     assert "preflight: kernels FAILED, layers FAILED, fast_path_small ok" in out and "STOPPED: the preflight" in out
 
 
+
+def test_a_stage_that_fails_keeps_its_entries_and_a_broken_cuda_context_stops_the_call(session, tmp_path,
+                                                                                     monkeypatch, capsys):  # fmt: skip
+    """On the first lent GPU, FLUX.1's forwards stage hit an illegal address: its record kept only the error
+    (every forward measured before it was lost), and the next CUDA call crashed the script. Now the entries
+    and the step it was in stay, and a poisoned CUDA context skips the later stages with the reason."""
+
+    def failing(cfg, seconds):
+        cfg["progress"]({"eager_ms": 12.5, "step": "nft_update"})
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(session, "gpu_tests_stage", failing)
+    broken = iter([None, "AcceleratorError: CUDA error: an illegal memory access was encountered"])
+    monkeypatch.setattr(session, "cuda_broken", lambda device: next(broken))
+    rec = session.main(["--smoke", "--stages", "ceilings,gpu-tests,forwards:sana-1.6b", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "gpu_session.json").read_text())
+    failed = saved["stages"]["gpu-tests"]
+    assert failed["eager_ms"] == 12.5 and failed["step"] == "nft_update" and "partial" not in failed
+    assert "illegal memory access" in failed["error"] and "illegal memory access" in failed["cuda_broken"]
+    assert rec["exit_code"] == 4 and "CUDA context is broken" in saved["skipped"]["forwards:sana-1.6b"]
+    assert saved["stages"]["ceilings"]["copy"]["gb_per_s"] > 0
+    assert "(during nft_update)" in capsys.readouterr().out
+
 def test_a_small_budget_skips_the_later_stages_and_says_so(session, tmp_path, capsys):
     small = session.ALLOWANCE["smoke"]
     budget = (small["ceilings"] + small["forwards"]) / 2  # ceilings fit; a forwards stage never does
@@ -193,3 +216,17 @@ def test_the_summary_reads_a_partial_record(session):
     text = "\n".join(lines)
     assert "sol_rl         rollout 5.00 s" in text and "naive_scaling  not run" in text
     assert "sana-1.6b   fp8    not run (cut off)" in text
+
+
+def test_kernel_groups_of_the_names_an_h200_ran(forwards):
+    """Kernel names from the first GPU session's profiles (H200, 2026-11-25): cuBLASLt's FP8 GEMM is named
+    nvjet_sm90_qq... without its element type, and was counted as a BF16 GEMM."""
+    ran = {
+        "nvjet_sm90_qqtst_128x128_128x6_1x1_h_bz_coopA_algo2_ovscale_bias_TNT": "low_precision_gemm",
+        "nvjet_sm90_tst_320x128_64x3_1x2_h_bz_coopB_TNT": "bf16_gemm",
+        "void cutlass::Kernel2<cutlass_80_tensorop_i16832gemm_s8_128x64_128x3_tn_align16>": "low_precision_gemm",
+        "sm90_xmma_fprop_implicit_gemm_bf16bf16_bf16f32_f32_nhwckrsc_nhwc_tilesize128x128x64": "bf16_gemm",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128": "attention",
+        "triton_red_fused__to_copy_add_mul_native_layer_norm_split_unsqueeze_view_0": "elementwise",
+    }
+    assert {name: forwards.kernel_group(name) for name in ran} == ran
