@@ -218,7 +218,7 @@ def test_the_summary_reads_a_partial_record(session):
     assert "sana-1.6b   fp8    not run (cut off)" in text
 
 
-def test_kernel_groups_of_the_names_an_h200_ran(forwards):
+def test_kernel_groups_of_the_names_an_h200_ran(session, forwards):
     """Kernel names from the first GPU session's profiles (H200, 2026-11-25): cuBLASLt's FP8 GEMM is named
     nvjet_sm90_qq... without its element type, and was counted as a BF16 GEMM."""
     ran = {
