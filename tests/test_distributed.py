@@ -85,3 +85,42 @@ def test_torchrun_two_ranks_match_one_process(small_model, tmp_path, dtype, mode
         else:  # Adam steps from BF16 gradients: an element whose gradient is near zero may step otherwise,
             # and lora_B, zero at the start, is only four steps long (1-2% apart measured; 5% allowed)
             assert (wb[k] - wa[k]).norm() <= 5e-2 * wa[k].norm(), k
+
+
+def _torchrun(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "solrl_engine.cli", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=cwd)
+
+
+@pytest.mark.parametrize("first", [2, 1], ids=["2-then-1", "1-then-2"])
+def test_a_checkpoint_resumes_on_another_number_of_ranks(small_model, tmp_path, first):
+    """A run checkpointed at iteration 1 by `first` processes resumes on the other count and ends with the
+    metrics and adapter of a one-process run that never stopped (the run depends on `seed`, not on the
+    world size; the checkpoint holds the global state: rank 0 writes it, every rank reads it)."""
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    assert main(_args(small_model, whole, torch.float32)) == 0
+    part = _args(small_model, split, torch.float32) + ["--set", "iterations=1"]
+    rest = _args(small_model, split, torch.float32) + ["--resume"]
+    for args, procs in ((part, first), (rest, 3 - first)):
+        if procs == 1:
+            assert main(args) == 0
+        else:
+            out = _torchrun(args, tmp_path)
+            assert out.returncode == 0, out.stderr[-4000:]
+    a = [json.loads(x) for x in (whole / "metrics.jsonl").read_text().splitlines()]
+    b = [json.loads(x) for x in (split / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iter"] for r in b] == [1, 2] and [r["world_size"] for r in b] == [first, 3 - first]
+    tol = tolerance(torch.float32)
+    for ra, rb in zip(a, b, strict=True):
+        assert ra["selection_digest"] == rb["selection_digest"]
+        for key in ("reward_mean", "reward_std", "loss", "policy_loss", "kl", "grad_norm", "proxy_spearman"):
+            assert rb[key] == pytest.approx(ra[key], **tol), (rb["iter"], key)
+    assert b[-1]["heldout_reward"] == pytest.approx(a[-1]["heldout_reward"], **tol)
+    from safetensors.torch import load_file
+
+    wa = load_file(whole / "lora/pytorch_lora_weights.safetensors")
+    wb = load_file(split / "lora/pytorch_lora_weights.safetensors")
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=1e-6)
