@@ -45,6 +45,10 @@ def trainer_lines(key: str, s: dict[str, Any]) -> list[str]:
                      f"({m['explore_recipe']}){vs}")  # fmt: skip
     for base, r in s.get("sol_rl_vs", {}).items():
         lines.append(f"  sol_rl vs {base}: rollout {r['time_rollout_s']:.2f}x, iteration {r['time_total_s']:.2f}x")
+    sol = s.get("families", {}).get("sol_rl", {})
+    if str(sol.get("explore_recipe", "")).startswith("policy"):  # the headline without its quantized copy
+        why = sol.get("explore_choice_reason")
+        lines.append(f"  NOTE: sol_rl explored with the policy, not a quantized copy: {why}")
     if "skipped" in pred:
         lines.append(f"  no prediction: {pred['skipped']}")
     return lines

@@ -230,3 +230,13 @@ def test_kernel_groups_of_the_names_an_h200_ran(session, forwards):
         "triton_red_fused__to_copy_add_mul_native_layer_norm_split_unsqueeze_view_0": "elementwise",
     }
     assert {name: forwards.kernel_group(name) for name in ran} == ran
+
+
+def test_the_summary_says_when_sol_rl_explored_with_the_policy(session):
+    """The H200's trainer stage (2026-11-25): `auto` chose the policy, so its sol_rl is not the 4/8-bit headline."""
+    summary = load_bench("session_summary")
+    rec = json.loads((ROOT / "bench/results/2026-11-25-NVIDIA_H200-gpu-session-1-trainer-gpu-tests.json").read_text())
+    stage = rec["stages"]["trainer:sana-1.6b"]
+    assert any(line.startswith("  NOTE: sol_rl explored with the policy") for line in summary.trainer_lines("t", stage))
+    stage["families"]["sol_rl"]["explore_recipe"] = "fp8"
+    assert not any("NOTE" in line for line in summary.trainer_lines("t", stage))
