@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -37,6 +38,8 @@ def _args(small_model: str, out: Path, dtype: torch.dtype, mode: str = "lora") -
             "eval_train_prompt_count=3", f"policy_dtype={str(dtype).removeprefix('torch.')}"]  # fmt: skip
     if mode == "full":  # every weight trained (rl/full.py), at a full fine-tuning's learning rate
         sets += ["train_mode=full", "lr=1e-3"]
+    if mode == "fsdp":  # the base weights FSDP2-sharded over the ranks (rl/sharding.py); one process: same paths
+        sets += ["sharding=fsdp"]
     args = ["train", str(ROOT / "configs/tiny.py:tiny_sol_rl_shapes"), "--output", str(out)]
     for s in sets:
         args += ["--set", s]
@@ -44,11 +47,14 @@ def _args(small_model: str, out: Path, dtype: torch.dtype, mode: str = "lora") -
 
 
 @pytest.mark.parametrize(("dtype", "mode"), [(torch.float32, "lora"), (torch.bfloat16, "lora"),
-                                             (torch.float32, "full")], ids=["fp32", "bf16", "full-fp32"])  # fmt: skip
+                                             (torch.float32, "full"), (torch.float32, "fsdp")],
+                         ids=["fp32", "bf16", "full-fp32", "fsdp-fp32"])  # fmt: skip
 def test_torchrun_two_ranks_match_one_process(small_model, tmp_path, dtype, mode):
     """Both policy dtypes the CPU's detection can pick (set explicitly: the ranks are other processes),
     with tolerances set by the dtype (tests/cpu_branches.py): BF16 sums in another order differ by
-    a few of its rounding steps; and full fine-tuning (train_mode=full), every weight's gradient summed."""
+    a few of its rounding steps; full fine-tuning (train_mode=full), every weight's gradient summed; and
+    sharding=fsdp, the base weights FSDP2-sharded (each rank holds half; its micro-batch counts differ and are
+    padded, the end-of-run picture is sampled on both ranks)."""
     one, two = tmp_path / "one", tmp_path / "two"
     tol = tolerance(dtype)
     assert main(_args(small_model, one, dtype, mode)) == 0
@@ -58,6 +64,9 @@ def test_torchrun_two_ranks_match_one_process(small_model, tmp_path, dtype, mode
            *_args(small_model, two, dtype, mode)]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-4000:]
+    if mode == "fsdp":  # what ran: every rank holds half of the base weights
+        held = re.findall(r"sharding=fsdp: 1 blocks over 2 ranks; this rank holds ([\d.]+) of ([\d.]+) MiB", out.stderr)
+        assert len(held) == 2 and all(float(a) < 0.6 * float(b) for a, b in held), out.stderr[-2000:]
     assert not (two / ".solrl.lock").exists()  # rank 0 held the run's lock for the job, and let it go
     # writing the LoRA imports SD3's pipeline, whose SigLIP processor transformers warns about without
     # torchvision: nothing a user of the run can act on, so it stays off the progress bar
@@ -75,7 +84,8 @@ def test_torchrun_two_ranks_match_one_process(small_model, tmp_path, dtype, mode
     assert b[-1]["train_prompt_reward"] == pytest.approx(a[-1]["train_prompt_reward"], **tol)
     from safetensors.torch import load_file
 
-    files = {"lora": "lora/pytorch_lora_weights.safetensors", "full": "transformer/diffusion_pytorch_model.safetensors"}
+    files = {"lora": "lora/pytorch_lora_weights.safetensors", "fsdp": "lora/pytorch_lora_weights.safetensors",
+             "full": "transformer/diffusion_pytorch_model.safetensors"}
     name = files[mode]
     wa, wb = load_file(one / name), load_file(two / name)
     assert wa.keys() == wb.keys()
@@ -93,15 +103,17 @@ def _torchrun(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=cwd)
 
 
-@pytest.mark.parametrize("first", [2, 1], ids=["2-then-1", "1-then-2"])
-def test_a_checkpoint_resumes_on_another_number_of_ranks(small_model, tmp_path, first):
+@pytest.mark.parametrize(("first", "mode"), [(2, "lora"), (1, "lora"), (2, "fsdp"), (1, "fsdp")],
+                         ids=["2-then-1", "1-then-2", "fsdp-2-then-1", "fsdp-1-then-2"])  # fmt: skip
+def test_a_checkpoint_resumes_on_another_number_of_ranks(small_model, tmp_path, first, mode):
     """A run checkpointed at iteration 1 by `first` processes resumes on the other count and ends with the
     metrics and adapter of a one-process run that never stopped (the run depends on `seed`, not on the
-    world size; the checkpoint holds the global state: rank 0 writes it, every rank reads it)."""
+    world size; the checkpoint holds the global state: rank 0 writes it, every rank reads it). Sharded
+    (sharding=fsdp) too: the adapters are whole on every rank, so its checkpoint is the same format."""
     whole, split = tmp_path / "whole", tmp_path / "split"
-    assert main(_args(small_model, whole, torch.float32)) == 0
-    part = _args(small_model, split, torch.float32) + ["--set", "iterations=1"]
-    rest = _args(small_model, split, torch.float32) + ["--resume"]
+    assert main(_args(small_model, whole, torch.float32, mode)) == 0
+    part = _args(small_model, split, torch.float32, mode) + ["--set", "iterations=1"]
+    rest = _args(small_model, split, torch.float32, mode) + ["--resume"]
     for args, procs in ((part, first), (rest, 3 - first)):
         if procs == 1:
             assert main(args) == 0
@@ -124,3 +136,23 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks(small_model, tmp_path, 
     assert wa.keys() == wb.keys()
     for k in wa:
         torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=1e-6)
+
+
+def test_the_config_refuses_what_a_sharded_run_cannot_do():
+    from solrl_engine.rl.config import ConfigError, RLConfig
+
+    with pytest.raises(ConfigError, match="sharding.*none.*fsdp"):
+        RLConfig(model="tiny", sharding="zero3").validate()
+    with pytest.raises(ConfigError, match="sharding.*full fine-tuning is not sharded yet"):
+        RLConfig(model="tiny", sharding="fsdp", train_mode="full").validate()
+    with pytest.raises(ConfigError, match="family.*sharded policy.*sol_rl or naive_scaling"):
+        RLConfig(model="tiny", sharding="fsdp", family="compile").validate()
+    RLConfig(model="tiny", sharding="fsdp").validate()  # LoRA, sol_rl: accepted
+
+
+def test_a_sharded_model_without_repeated_blocks_is_refused_with_the_fix():
+    from solrl_engine.rl.distributed import Dist
+    from solrl_engine.rl.sharding import shard_policy
+
+    with pytest.raises(ValueError, match="repeated_blocks"):
+        shard_policy(torch.nn.Sequential(torch.nn.Linear(2, 2)), ("NoSuchBlock",), [], Dist(0, 2), torch.device("cpu"))

@@ -12,6 +12,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from solrl_engine.rl.distributed import whole
+
 TRAIN, OLD = "default", "old"
 
 
@@ -126,7 +128,7 @@ class LoraAdapters(PolicySets):
         """{"<layer>.weight": base + scale * B A} for every LoRA layer (keys as in the base model)."""
         out = {}
         for name, m in self.layers.items():
-            w = m.base_layer.weight
+            w = whole(m.base_layer.weight)  # sharding=fsdp: gathered one layer at a time (rl/sharding.py)
             out[f"{name}.weight"] = (w.float() + m.get_delta_weight(adapter).float()).to(w.dtype)
         return out
 

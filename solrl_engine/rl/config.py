@@ -53,6 +53,7 @@ FAMILY_TABLE: dict[str, FamilyRule] = {
 }
 FAMILIES = tuple(FAMILY_TABLE)
 TRAIN_MODES = ("lora", "full")  # what the update trains: LoRA adapters, or every transformer weight
+SHARDING = ("none", "fsdp")  # the policy's frozen base weights replicated on every rank, or FSDP2-sharded
 
 
 class ConfigError(ValueError):
@@ -134,6 +135,9 @@ class RLConfig:
     lora_alpha: int = 64
     lora_targets: tuple[str, ...] | None = None  # None: the model's default LoRA targets
     merge_lora: bool = True
+    # under torchrun: "fsdp" shards the policy's frozen base weights over the ranks with FSDP2 (fully_shard per
+    # repeated block); the LoRA adapters stay whole on every rank (docs/scale.md)
+    sharding: str = "none"
     lr: float = 3e-4
     weight_decay: float = 1e-4
     grad_clip: float = 1.0
@@ -296,6 +300,15 @@ class RLConfig:
         if self.train_mode == "full" and not self.merge_lora:
             raise bad("merge_lora", "full fine-tuning refreshes the explore copy with the whole old policy; there is "
                                     "no LoRA branch to keep unmerged: leave merge_lora at true")
+        if self.sharding not in SHARDING:
+            raise bad("sharding", f"choose one of {SHARDING} (fsdp: the base weights sharded over torchrun's ranks)")
+        if self.sharding == "fsdp" and self.train_mode == "full":
+            raise bad("sharding", "sharding=fsdp shards LoRA runs' frozen base weights; full fine-tuning is not "
+                                  "sharded yet (docs/scale.md): use train_mode=lora, or sharding=none")
+        if self.sharding == "fsdp" and FAMILY_TABLE[self.family].compiled:
+            raise bad("family", "the compile family samples the policy through captured graphs; a sharded policy "
+                                "gathers its weights block by block inside each forward, so it samples eagerly: "
+                                "use sol_rl or naive_scaling with sharding=fsdp")
         if self.policy_dtype not in ("auto", "bfloat16", "float32"):
             raise bad("policy_dtype", "use auto, bfloat16 or float32")
         return self

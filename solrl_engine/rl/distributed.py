@@ -24,6 +24,9 @@ class Dist:
     rank: int = 0
     world: int = 1
     local_rank: int = 0
+    # the policy's base weights are FSDP2-sharded (rl/sharding.py): every forward of the policy is a collective,
+    # so every rank must run the same number of them (the update pads its micro-batches, rank 0 never samples alone)
+    sharded: bool = False
 
     @property
     def main(self) -> bool:
@@ -79,6 +82,17 @@ class Dist:
             p.grad = flat[i : i + n].view_as(g).to(g.dtype)
             i += n
 
+    def most(self, n: int, device: torch.device | str = "cpu") -> int:
+        """The largest of every rank's `n` (how many micro-batches the rank with the most runs); `device` is
+        where the collective's tensor lives (a GPU under nccl)."""
+        if self.world == 1:
+            return n
+        import torch.distributed as td
+
+        t = torch.tensor([n], dtype=torch.int64, device=device)
+        td.all_reduce(t, op=td.ReduceOp.MAX)
+        return int(t.item())
+
     def broadcast_object(self, obj: object) -> object:
         """Rank 0's `obj` on every rank (a decision every rank must share, e.g. a timed choice)."""
         if self.world == 1:
@@ -94,3 +108,11 @@ class Dist:
             import torch.distributed as td
 
             td.barrier()
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """A sharded (DTensor) weight gathered whole on every rank (a collective: every rank calls it in the same
+    order); any other tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t

@@ -39,6 +39,9 @@ from solrl_engine.viz import line_plot
 log = logging.getLogger("solrl_engine.rl")
 
 
+COMPARE_PAIRS = 8  # prompts in the end-of-run picture, base vs the EMA adapter
+
+
 @torch.no_grad()
 def compare_adapters(ro: Rollouts, adapters: TrainedWeights, prompts: Sequence[str], seeds_per_prompt: int = 1
                      ) -> Comparison:  # fmt: skip
@@ -52,7 +55,8 @@ def compare_adapters(ro: Rollouts, adapters: TrainedWeights, prompts: Sequence[s
 
 
 def write_compare(out_dir: Any, ro: Rollouts, adapters: TrainedWeights, prompts: Sequence[str], header: str,
-                  tracker: Any = None, step: int = 0, max_pairs: int = 8) -> tuple[Comparison, Any]:  # fmt: skip
+                  tracker: Any = None, step: int = 0, max_pairs: int = COMPARE_PAIRS
+                  ) -> tuple[Comparison, Any]:  # fmt: skip
     """End of a training run: OUT/compare.png of `max_pairs` held-out prompts spread over the set (seed
     0), base vs the EMA adapter, also to the tracker (TensorBoard / wandb) when the run logs to one.
     Regenerated here rather than kept from the first evaluation: a resumed run has the same picture,
@@ -212,6 +216,10 @@ class HeldOut:
         """The end of a run: compare.png, base vs the EMA adapter on held-out prompts (None without an
         evaluation to head it)."""
         if not self.eval_prompts or not self.gains or self.eval_base is None:
+            return None
+        if not self.dist.main:  # a sharded policy: every rank samples the pictures (collectives), rank 0 draws
+            prompts = list(self.eval_prompts)
+            compare_adapters(self.rollouts, self.adapters, [prompts[i] for i in spread(len(prompts), COMPARE_PAIRS)])
             return None
         it, g, se = self.gains[-1]
         head = f"{name}: held-out paired gain {g:+.3f} +- {se:.3f} ({len(self.eval_base)} images, iteration {it})"

@@ -42,6 +42,7 @@ from solrl_engine.rl.heldout import HeldOut
 from solrl_engine.rl.ranking import group_advantages, kendall, spearman
 from solrl_engine.rl.runtime import build_rollouts, explorer_for
 from solrl_engine.rl.sealed import write_atomic
+from solrl_engine.rl.sharding import shard_policy, sharded_bytes
 from solrl_engine.rl.tracking import Tracker
 from solrl_engine.rl.update import NFTSettings, UpdateBatch, nft_update
 
@@ -97,17 +98,27 @@ class Trainer:
         # like-for-like: with merge_lora, full-precision rollouts run the "old" LoRA merged into a copy of the
         # policy at its own precision, as the quantized copy has it (not PEFT's unmerged branches)
         # (full fine-tuning: the policy samples with its old weights swapped in, already merged)
-        lora = cfg.train_mode == "lora"
-        self.policy_copy = ExploreCopy(self.model.transformer, POLICY) if cfg.merge_lora and lora else None
+        # (sharding=fsdp: the policy samples itself, its LoRA unmerged: a merged copy would be a whole second copy)
+        lora, sharded = cfg.train_mode == "lora", cfg.sharding == "fsdp"
+        merged = cfg.merge_lora and lora and not sharded
+        self.policy_copy = ExploreCopy(self.model.transformer, POLICY) if merged else None
         self._explore_as(None)  # the explore pass planned (auto: timed, rank 0's answer) and its copy built
         self.reward = self.rollouts.reward
         self.reward(torch.zeros(1, 3, 8, 8), self.train_prompts[:1])  # fail early on prompts the reward rejects
         self.adapters = self._trained_weights()  # LoRA adapters, or every weight (train_mode=full)
         # full fine-tuning swaps the policy's weight sets (rl/full.py): its own rollouts are never captured
-        self.rollouts.sampler.eager_policy = cfg.train_mode == "full"
+        # (sharding=fsdp: its forwards gather weights block by block, which a captured graph cannot hold)
+        self.rollouts.sampler.eager_policy = cfg.train_mode == "full" or sharded
         if cfg.gradient_checkpointing:
             self.model.transformer.enable_gradient_checkpointing()
         self._follow_explore()
+        if sharded:  # after the explore copy is built from (and attached to) the whole base weights
+            keep = self.adapters.params(TRAIN) + self.adapters.params(OLD)
+            blocks = shard_policy(self.model.transformer, self.rollouts.spec.repeated_blocks, keep, self.dist,
+                                  self.device)  # fmt: skip
+            local, full = sharded_bytes(self.model.transformer)
+            log.info("sharding=fsdp: %d blocks over %d ranks; this rank holds %.1f of %.1f MiB of base weights",
+                     blocks, self.dist.world, local / 2**20, full / 2**20)  # fmt: skip
         self.opt = torch.optim.AdamW(self.adapters.params(TRAIN), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.nft = NFTSettings.from_config(cfg)  # what the update reads of the config
         self.prompt_sampler = PromptSampler(self.train_prompts, cfg.seed)
@@ -353,6 +364,10 @@ class Trainer:
         self.guard.load_state(st["proxy_guard"])
         then, now = st.get("explore_precision"), self.explore_spec
         if then is not None and now is not None and then != now.precision:
+            if self.dist.sharded:  # the copy is built from the whole base weights, before they are sharded
+                raise ConfigError(f"cannot resume: the checkpoint explored in {then}, this start's "
+                                  f"explore_precision=auto chose {now.precision}, and a sharded run cannot rebuild "
+                                  f"its explore copy: resume with --set explore_precision={then}")  # fmt: skip
             log.info("resuming with the checkpoint's explore precision %s (this start chose %s)", then, now.precision)
             why = "the checkpoint's (explore_precision=auto, timed at its start)"
             # built from the base as loaded (full fine-tuning: not its FP32 trained set), then refreshed below
@@ -459,7 +474,8 @@ class Trainer:
         if main and not (self.out / trained).exists():  # e.g. resumed at the end: still exported
             self.export()
         compare, stopped = None, self.signals.name
-        if main and not stopped:  # the before/after picture; a stopped run leaves at once
+        # the before/after picture; a stopped run leaves at once (sharded: every rank samples it, rank 0 draws it)
+        if (main or self.dist.sharded) and not stopped:
             compare = self.heldout.compare(c.name, self.iteration, self.tracker)
         self.tracker.close()
         summary = {

@@ -91,39 +91,55 @@ def nft_update(model: FlowModel, adapters: TrainedWeights, opt: torch.optim.Opti
         groups = list(torch.randperm(b_global, generator=gen).tensor_split(c.updates_per_iter))
     totals = torch.zeros(3, dtype=torch.float64)
     gn = 0.0
+
+    def micro(ix: torch.Tensor, j: int) -> tuple[torch.Tensor, dict[str, float], torch.Tensor, torch.Tensor]:
+        """One micro-batch (rows `ix` of this rank, timestep slot `j`): (loss, its parts, velocity, t)."""
+        xb, cb, ab = x0[ix.to(x0.device)], cond[ix.to(x0.device)], adv[ix.to(adv.device)]
+        t = sig[perms[ix, j]].to(device)
+        noise = seeded_noise(noise_seeds[ix, j].tolist(), tuple(xb.shape[1:]), device, xb.dtype)
+        tb = t.view(-1, *([1] * (xb.dim() - 1))).to(xb.dtype)
+        xt = (1 - tb) * xb + tb * noise
+        with torch.no_grad(), autocast():
+            with adapters.using(OLD):
+                v_old = model.velocity(xt, t, cb).float()
+            with adapters.using("ref"):
+                v_ref = model.velocity(xt, t, cb).float() if c.kl_beta > 0 else None
+        with autocast():
+            v = model.velocity(xt, t, cb).float()
+        loss, st = nft_loss(v, v_old, v_ref, xb.float(), xt.float(), t, ab, c.beta, c.kl_beta, c.adv_clip)
+        return loss, st, v, t
+
     for g, members in enumerate(groups):
         mine = members[(members >= row0) & (members < row0 + b)] - row0  # this rank's rows of the group
         weight = 1.0 / (len(members) * n_t)
         opt.zero_grad(set_to_none=True)
         problem = None  # the first non-finite velocity or loss on this rank: (stage, detail)
+        runs = n_t * -(-len(mine) // c.train_batch_size)  # this rank's micro-batches in the group
+        # a sharded policy's forwards and backwards are collectives: agreed before the first, every rank runs the
+        # busiest rank's count, padded with micro-batches that weigh nothing
+        pad = dist.most(runs, device) - runs if dist.sharded else 0
         for j in range(n_t):
             for s in range(0, len(mine), c.train_batch_size):
                 ix = mine[s : s + c.train_batch_size]
-                xb, cb, ab = x0[ix.to(x0.device)], cond[ix.to(x0.device)], adv[ix.to(adv.device)]
-                t = sig[perms[ix, j]].to(device)
-                noise = seeded_noise(noise_seeds[ix, j].tolist(), tuple(xb.shape[1:]), device, xb.dtype)
-                tb = t.view(-1, *([1] * (xb.dim() - 1))).to(xb.dtype)
-                xt = (1 - tb) * xb + tb * noise
-                with torch.no_grad(), autocast():
-                    with adapters.using(OLD):
-                        v_old = model.velocity(xt, t, cb).float()
-                    with adapters.using("ref"):
-                        v_ref = model.velocity(xt, t, cb).float() if c.kl_beta > 0 else None
-                with autocast():
-                    v = model.velocity(xt, t, cb).float()
+                loss, st, v, t = micro(ix, j)
                 if problem is None and sel is not None:
                     names = ([sel.flat_prompts[i] for i in ix], [sel.flat_seeds[i] for i in ix])
                     bad = nonfinite_detail(v, *names)
                     problem = None if bad is None else (f"the velocities at t={t.tolist()}", bad)
-                loss, st = nft_loss(v, v_old, v_ref, xb.float(), xt.float(), t, ab, c.beta, c.kl_beta,
-                                    c.adv_clip)  # fmt: skip
                 if problem is None and not torch.isfinite(loss):
                     problem = ("the loss", f"samples {ix.tolist()} of a rank's batch")
                 if problem is not None:
+                    if dist.sharded:  # the backward gathers weights too: every rank runs as many
+                        (loss * 0.0).backward()
                     continue  # the iteration's update is skipped (or the run stops) below
-                (loss * (len(xb) * weight)).backward()
+                (loss * (len(ix) * weight)).backward()
                 parts = torch.tensor([st["loss"], st["policy_loss"], st["kl"]], dtype=torch.float64)
-                totals += parts * (len(xb) * weight / len(groups))
+                totals += parts * (len(ix) * weight / len(groups))
+        for _ in range(pad):
+            loss = micro(torch.zeros(1, dtype=torch.long), 0)[0]
+            (loss * 0.0).backward()  # adds exact zeros to the gradients (a non-finite one skips the step)
+            if problem is None and not torch.isfinite(loss):
+                problem = ("the loss", "a padding micro-batch (row 0 of a rank's batch)")
         raise_collective(problem, dist, device)  # once per group: ranks' loops differ in length
         params = adapters.params(TRAIN)
         dist.sum_grads_(params)

@@ -1,0 +1,62 @@
+"""FSDP2 sharding of the policy's frozen base weights over torchrun's ranks (`sharding=fsdp`).
+
+Why this shape: in a LoRA run the base weights are nearly all of the policy's memory and never change, while
+the adapters (trained, "old", EMA and AdamW's state) are small and switched, averaged and saved every
+iteration. So each repeated block and then the root are `fully_shard`-ed with the LoRA matrices left out
+(`ignored_params`): the base weights live 1/world on each rank and are gathered block by block inside each
+forward (and again in the backward), while the adapters stay whole on every rank, summed across ranks as in an
+unsharded run, and saved by rank 0 in the same checkpoint format. A checkpoint therefore resumes on any number
+of ranks, sharded or not.
+
+What it asks of the rest: every forward of the policy is a collective, so every rank runs the same number
+(rl/update.py pads its micro-batches, the end-of-run comparison runs on every rank); the policy samples eagerly
+with its LoRA unmerged (a merged copy would be a whole second copy of the weights); the explore copy is built
+before sharding and refreshed from weights gathered one layer at a time (rl/adapters.py `merged_weights`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import nn
+
+from solrl_engine.rl.distributed import Dist
+from solrl_engine.sampling.compile import repeated_blocks
+
+
+def shard_policy(transformer: nn.Module, blocks: Sequence[str], keep: Iterable[nn.Parameter], dist: Dist,
+                 device: torch.device) -> int:  # fmt: skip
+    """`fully_shard` each repeated block of `transformer` (classes `blocks`), then the root, over all of `dist`'s
+    ranks, leaving the parameters `keep` whole; marks `dist` sharded. Returns how many blocks were sharded (one
+    process: none, nothing changes, and the run takes the same paths as a sharded one)."""
+    found = repeated_blocks(transformer, blocks)
+    if not found:
+        raise ValueError(f"sharding=fsdp shards {type(transformer).__name__} by its repeated blocks {tuple(blocks)}, "
+                         "and none was found: this model's spec needs `repeated_blocks`")  # fmt: skip
+    dist.sharded = True
+    if dist.world == 1:
+        return 0
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.world,))
+    ignored = set(keep)
+    for b in found:
+        fully_shard(b, mesh=mesh, ignored_params=ignored, reshard_after_forward=True)
+    # the root resharded after each forward too (FSDP2 keeps it gathered by default): rank 0 alone reads the
+    # model's state dict for an export, which reshards it there only, and the next forwards would then disagree
+    fully_shard(transformer, mesh=mesh, ignored_params=ignored, reshard_after_forward=True)
+    return len(found)
+
+
+def sharded_bytes(transformer: nn.Module) -> tuple[int, int]:
+    """(bytes of this rank's shards, bytes the same parameters hold whole): what sharding saved on this rank."""
+    from torch.distributed.tensor import DTensor
+
+    local = full = 0
+    for p in transformer.parameters():
+        if isinstance(p, DTensor):
+            local += p.to_local().numel() * p.element_size()
+            full += p.numel() * p.element_size()
+    return local, full
