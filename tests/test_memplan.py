@@ -84,10 +84,31 @@ def test_a_plan_that_cannot_fit_says_what_to_change():
     tips = plan.advice()
     assert any("gradient_checkpointing=true" in t for t in tips)
     assert any("train_mode=lora" in t for t in tips)
-    assert "more GPUs do not help yet" in tips[-1]
+    assert "more GPUs do not help full fine-tuning yet" in tips[-1]
     text = plan.render()
     assert "DOES NOT FIT" in text and "8 GPUs of 0.02 GiB" in text
 
+
+
+def test_a_sharded_lora_plan_splits_the_base_weights_and_keeps_no_merged_copy():
+    """sharding=fsdp (rl/sharding.py): the frozen base is 1/gpus per GPU plus the two largest blocks gathered;
+    no merged policy copy; the explore copy keeps its own unquantized tensors. An unsharded LoRA plan that does
+    not fit on several GPUs names sharding=fsdp with the peak it would have."""
+    from solrl_engine.models.tiny.model import load_tiny
+
+    params = sum(p.numel() for p in load_tiny().transformer.parameters())
+    cfg = {"name": "t", "model": "tiny", "policy_dtype": "bfloat16"}
+    plain = memplan.memory_plan(RLConfig(**cfg), gpus=4)
+    shard = memplan.memory_plan(RLConfig(**cfg, sharding="fsdp"), gpus=4)
+    rows, prow = {r.part: r for r in shard.rows}, {r.part: r for r in plain.rows}
+    assert rows["transformer (base)"].gib == pytest.approx(2 * params / 4 / 2**30)
+    assert 0 < rows["gathered blocks"].gib < prow["transformer (base)"].gib
+    assert "merged policy copy" in prow and "merged policy copy" not in rows
+    assert rows["explore copy"].gib > prow["explore copy"].gib  # its unquantized tensors are its own
+    assert shard.sharding == "fsdp" and "sharding=fsdp" in shard.render()
+    tight = memplan.memory_plan(RLConfig(**cfg), gpus=4, gpu_gib=plain.peak_gib / 0.9 * 0.9999)
+    assert not tight.fits and tight.sharded_peak_gib == pytest.approx(shard.peak_gib)
+    assert any(t.startswith("--set sharding=fsdp under torchrun") for t in tight.advice())
 
 def test_the_trainer_refuses_a_plan_that_cannot_fit_before_any_weight_loads(monkeypatch, tmp_path):
     from solrl_engine.rl import trainer as trainer_mod

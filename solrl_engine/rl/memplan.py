@@ -14,8 +14,9 @@ backward) on fake tensors under torch's MemTracker. Text encoders and the VAE ar
 (models/*.py). The trainer checks the plan at start on a GPU and refuses one that cannot fit, before any weight
 loads (`memory_check=false` starts anyway).
 
-Every rank of a torchrun job holds all of this: data parallelism replicates the model (FSDP2 sharding is not
-built yet), so more GPUs make a run faster, not smaller.
+Every rank of a torchrun job holds all of this unless `sharding=fsdp` (LoRA runs): then the frozen base weights
+are 1/gpus per rank, plus the two largest repeated blocks gathered at a time, and no merged policy copy is kept;
+the explore copy and the adapters stay whole on every rank. Full fine-tuning is not sharded yet.
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ class MemoryPlan:
     # the update's activations both ways, whichever the config uses ("gradient_checkpointing", "without")
     update_activations_gib: dict[str, float] = field(default_factory=dict)
     lora_peak_gib: float | None = None  # a full fine-tuning plan's peak as LoRA instead
+    sharding: str = "none"  # the config's: "fsdp" shards a LoRA run's base weights over the GPUs
+    sharded_peak_gib: float | None = None  # an unsharded LoRA plan's peak with sharding=fsdp on these GPUs
 
     def total(self, when: str) -> float:
         return sum(r.gib for r in self.rows if r.when == "always") + sum(r.gib for r in self.rows if r.when == when)
@@ -108,15 +111,21 @@ class MemoryPlan:
         if self.train_mode == "full" and self.lora_peak_gib is not None:
             tip = f"--set train_mode=lora (peak {self.peak_gib:.2f} -> {self.lora_peak_gib:.2f} GiB)"
             out.append((self.peak_gib - self.lora_peak_gib, tip))
+        if self.sharded_peak_gib is not None and self.sharded_peak_gib < self.peak_gib:
+            tip = (f"--set sharding=fsdp under torchrun (the base weights over the {self.gpus} GPUs: peak "
+                   f"{self.peak_gib:.2f} -> {self.sharded_peak_gib:.2f} GiB)")  # fmt: skip
+            out.append((self.peak_gib - self.sharded_peak_gib, tip))
         out.sort(key=lambda x: -x[0])
         tips = [t for _, t in out]
+        more = ("more GPUs shard only the base weights (sharding=fsdp)" if self.train_mode == "lora"
+                else "more GPUs do not help full fine-tuning yet: each rank holds all of this (not sharded)")
         tips.append(f"a GPU with more memory (this plan peaks at {self.peak_gib:.2f} GiB against {HEADROOM:.0%} of "
-                    f"{self.gpu_gib:g} GiB); more GPUs do not help yet: each rank holds all of this (no FSDP2 "
-                    "sharding)")  # fmt: skip
+                    f"{self.gpu_gib:g} GiB); {more}")  # fmt: skip
         return tips
 
     def render(self) -> str:
-        head = (f"memory plan for {self.config} ({self.model}, train_mode={self.train_mode}): transformer "
+        shard = ", sharding=fsdp" if self.sharding == "fsdp" else ""
+        head = (f"memory plan for {self.config} ({self.model}, train_mode={self.train_mode}{shard}): transformer "
                 f"{self.transformer_params_b:.2f}B parameters ({self.transformer_source}); per GPU, "
                 f"{self.gpus} GPU{'s' if self.gpus > 1 else ''} of {self.gpu_gib:g} GiB")  # fmt: skip
         lines = [head, f"  {'part':28s} {'GiB':>8s}  when      note"]
@@ -315,6 +324,11 @@ def memory_plan(cfg: RLConfig, gpus: int = 1, gpu_gib: float = 80.0) -> MemoryPl
                 lora += cfg.lora_rank * (m.in_features + m.out_features)
                 lora_all += m.in_features * m.out_features
                 lora_hp += m.in_features * m.out_features if n in kept else 0
+        from solrl_engine.sampling.compile import repeated_blocks
+
+        sizes = sorted((sum(p.numel() for p in blk.parameters()) for blk in repeated_blocks(net, spec.repeated_blocks)),
+                       reverse=True)  # fmt: skip
+        gathered = sum(sizes[:2])  # a sharded policy's blocks gathered at a time: this one and the next (prefetch)
         act_plain = _measure(model, train_bs, train=True, checkpointing=False, cond=conds[train_bs])
         act_ckpt = _measure(model, train_bs, train=True, checkpointing=True, cond=conds[train_bs])
         act_roll = _measure(model, roll_bs, train=False, checkpointing=False, cond=conds[roll_bs])
@@ -325,12 +339,15 @@ def memory_plan(cfg: RLConfig, gpus: int = 1, gpu_gib: float = 80.0) -> MemoryPl
         copy = (copy_report.weight_bytes()[1], params - q, len(copy_report.quantized),
                 how.get(cfg.explore_precision, precision))  # fmt: skip
 
-    def rows_for(mode: str) -> list[PlanRow]:
+    def rows_for(mode: str, sharded: bool) -> list[PlanRow]:
         full = mode == "full"
         trained = params if full else lora
         what = f"{trained / 1e6:.1f}M {'weights' if full else 'LoRA parameters'} in FP32"
-        rows = [PlanRow("transformer (base)", params * b / GIB, "always",
-                        "the reference policy: the base as loaded" if full else "frozen; LoRA on top"),
+        base = (PlanRow("transformer (base)", params * b / gpus / GIB, "always",
+                        f"frozen, FSDP2-sharded over {gpus} GPUs; LoRA on top, whole") if sharded
+                else PlanRow("transformer (base)", params * b / GIB, "always",
+                             "the reference policy: the base as loaded" if full else "frozen; LoRA on top"))
+        rows = [base,
                 PlanRow("trained weights", 4 * trained / GIB, "always", what),
                 PlanRow("old + EMA policies", 8 * trained / GIB, "always", "FP32 copies of the trained weights"),
                 PlanRow("AdamW state", 8 * trained / GIB, "always", "two FP32 moments"),
@@ -341,11 +358,15 @@ def memory_plan(cfg: RLConfig, gpus: int = 1, gpu_gib: float = 80.0) -> MemoryPl
                                 "autocast keeps one per FP32 trained weight through the update's forward"))  # fmt: skip
         if gpus > 1:
             rows.append(PlanRow("gradient all-reduce", 4 * trained / GIB, "update", "one flat FP32 buffer"))
+        if sharded and gpus > 1:
+            rows.append(PlanRow("gathered blocks", gathered * b / GIB, "always",
+                                "the largest two repeated blocks whole (one computing, the next gathered)"))
         if copy is not None:
             stored, unquantized, n_q, how = copy
-            own_hp = unquantized * b if full else lora_hp * b  # LoRA: the copy shares the frozen base's tensors
+            # LoRA: the copy shares the frozen base's tensors (sharded: it keeps its own, whole, built before sharding)
+            own_hp = unquantized * b if full or sharded else lora_hp * b
             rows.append(PlanRow("explore copy", (stored + own_hp) / GIB, "always", f"{n_q} layers quantized ({how})"))
-        if cfg.merge_lora and not full:
+        if cfg.merge_lora and not full and not sharded:
             rows.append(PlanRow("merged policy copy", lora_all * b / GIB, "always",
                                 "the LoRA layers merged, for full-precision rollouts"))  # fmt: skip
         ckpt = cfg.gradient_checkpointing
@@ -362,11 +383,15 @@ def memory_plan(cfg: RLConfig, gpus: int = 1, gpu_gib: float = 80.0) -> MemoryPl
             rows.append(PlanRow("VAE", spec.vae_params_b * 1e9 * b / GIB, "always", "published size"))
         return rows
 
-    def plan_for(mode: str, **more: Any) -> MemoryPlan:
-        return MemoryPlan(cfg.name, cfg.model, mode, gpus, gpu_gib, params / 1e9, source, rows_for(mode), **more)
+    def plan_for(mode: str, sharded: bool, **more: Any) -> MemoryPlan:
+        return MemoryPlan(cfg.name, cfg.model, mode, gpus, gpu_gib, params / 1e9, source, rows_for(mode, sharded),
+                          sharding="fsdp" if sharded else "none", **more)  # fmt: skip
 
-    lora_peak = plan_for("lora").peak_gib if cfg.train_mode == "full" else None
-    return plan_for(cfg.train_mode, train_batch_size=train_bs, rollout_batch_size=roll_bs, lora_peak_gib=lora_peak,
+    sharded = cfg.sharding == "fsdp" and cfg.train_mode == "lora"  # (one GPU: nothing split, no merged copy)
+    lora_peak = plan_for("lora", False).peak_gib if cfg.train_mode == "full" else None
+    could_shard = cfg.train_mode == "lora" and not sharded and gpus > 1
+    return plan_for(cfg.train_mode, sharded, train_batch_size=train_bs, rollout_batch_size=roll_bs,
+                    lora_peak_gib=lora_peak, sharded_peak_gib=plan_for("lora", True).peak_gib if could_shard else None,
                     update_activations_gib={"gradient_checkpointing": act_ckpt / GIB, "without": act_plain / GIB})
 
 
