@@ -2,7 +2,7 @@
 # One device call of the GPU session, exactly as the lent machine runs it (docs/gpu-session.md). The device
 # tool's command is `bash bench/device_call.sh 1` (then `... 2`), with carry [".whl"] and timeout_s 600:
 #   1: preflight, ceilings, Sol-RL's trainer iterations on SANA-1.6B, SANA-1.6B's forwards
-#   2: the GPU tests, ceilings, FLUX.1-dev's and SD3.5-L's forwards
+#   2: ceilings, FLUX.1-dev's forwards (first: its stage failed on the first lent GPU), the GPU tests, SD3.5-L's forwards
 #   3: ceilings, Wan2.1-1.3B's and Wan2.1-14B's forwards (video, 480 x 832 x 81 frames), when device time is left
 # The machine is bare and the project is NOT installed: the carried wheels (diffusers and what it needs, torchao)
 # go into $SOLRL_SITE (default /tmp/site), and the checkout runs from PYTHONPATH. Everything is logged to
