@@ -4,10 +4,11 @@ Why: the CPU interpreter (TRITON_INTERPRET=1), which runs the kernels' numerics 
 compiler refuses: a plain Python float read as a global, a float64 constant meeting an fp32-only
 intrinsic. The first lent H100 stopped at its first quantized layer on exactly these. This script
 calls each launcher with CPU tensors while Triton's launch is replaced by a recorder (nothing runs), so
-the argument types, constexprs, warps and stages are the ones a GPU run specializes on, then compiles
-each recorded launch to a cubin (Triton's bundled ptxas). It also reads each bit-exact kernel's PTX:
-those must hold no contracted multiply-add (a GPU build fuses a*b+c by default; the reference rounds
-twice), so they launch with enable_fp_fusion=False.
+the argument types, constexprs, warps and stages are the ones a GPU run takes, then compiles each
+recorded launch to a cubin (Triton's bundled ptxas), with its pointers specialized as 16-byte aligned, as
+contiguous torch tensors are (Triton's other specialization, integers equal to 1, is not applied). It
+also reads each bit-exact kernel's PTX: those must hold no contracted multiply-add (a GPU build fuses
+a*b+c by default; the reference rounds twice), so they launch with enable_fp_fusion=False.
 
     python bench/compile_kernels.py                  # sm_90a and sm_100a, prints one line per launch
     python bench/compile_kernels.py --arch 90 --json out.json
@@ -181,7 +182,9 @@ def compile_launch(launch: Launch, arch: int) -> dict[str, object]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    src = ASTSource(fn=launch.fn, signature=launch.signature, constexprs=launch.constexprs)
+    # a GPU launch specializes a 16-byte-aligned pointer (every contiguous torch allocation) as divisible by 16
+    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(launch.signature.values()) if t.startswith("*")}
+    src = ASTSource(fn=launch.fn, signature=launch.signature, constexprs=launch.constexprs, attrs=attrs)
     t0 = time.perf_counter()
     k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(launch.options))
     ptx = k.asm["ptx"]

@@ -54,7 +54,6 @@ def test_the_gpu_probe_times_the_plan_against_the_policy(monkeypatch):
     assert set(t) == {"policy", "int8"} and all(v > 0 for v in t.values())
 
 
-
 def test_a_first_calls_one_time_cost_is_not_taken_for_its_speed(monkeypatch):
     """On the first lent H100 (2026-11-25) `auto` timed FP8 and INT8 at 3x the policy from one first call
     each (the Triton kernels' load, the GEMM plans) and explored with the policy. Here each quantized

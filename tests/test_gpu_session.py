@@ -100,7 +100,6 @@ def test_a_failed_preflight_stops_the_call_with_what_failed(session, tmp_path, m
     assert "preflight: kernels FAILED, layers FAILED, fast_path_small ok" in out and "STOPPED: the preflight" in out
 
 
-
 def test_a_stage_that_fails_keeps_its_entries_and_a_broken_cuda_context_stops_the_call(session, tmp_path,
                                                                                      monkeypatch, capsys):  # fmt: skip
     """On the first lent GPU, FLUX.1's forwards stage hit an illegal address: its record kept only the error

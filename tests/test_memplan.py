@@ -89,7 +89,6 @@ def test_a_plan_that_cannot_fit_says_what_to_change():
     assert "DOES NOT FIT" in text and "8 GPUs of 0.02 GiB" in text
 
 
-
 def test_a_sharded_lora_plan_splits_the_base_weights_and_keeps_no_merged_copy():
     """sharding=fsdp (rl/sharding.py): the frozen base is 1/gpus per GPU plus the two largest blocks gathered;
     no merged policy copy; the explore copy keeps its own unquantized tensors. An unsharded LoRA plan that does
@@ -106,6 +105,10 @@ def test_a_sharded_lora_plan_splits_the_base_weights_and_keeps_no_merged_copy():
     assert "merged policy copy" in prow and "merged policy copy" not in rows
     assert rows["explore copy"].gib > prow["explore copy"].gib  # its unquantized tensors are its own
     assert shard.sharding == "fsdp" and "sharding=fsdp" in shard.render()
+    # start-up: each rank loads the whole base before sharding, and each copy is built from a whole copy
+    assert rows["base before sharding"].gib == pytest.approx(2 * params * 3 / 4 / 2**30)
+    assert rows["explore copy, being built"].gib > 0 and "merged policy copy, being built" in prow
+    assert shard.total("start") == pytest.approx(sum(r.gib for r in shard.rows if r.when in ("always", "start")))
     tight = memplan.memory_plan(RLConfig(**cfg), gpus=4, gpu_gib=plain.peak_gib / 0.9 * 0.9999)
     assert not tight.fits and tight.sharded_peak_gib == pytest.approx(shard.peak_gib)
     assert any(t.startswith("--set sharding=fsdp under torchrun") for t in tight.advice())

@@ -261,6 +261,16 @@ def test_resume_keeps_the_explore_precision_the_run_was_timed_into(small_model, 
         assert g["selection_digest"] == w["selection_digest"]
         for key in ("reward_mean", "explore_reward_mean", "proxy_spearman", "loss"):
             assert g[key] == pytest.approx(w[key], rel=1e-4, abs=1e-6), key
+    # the checkpoint's choice set explicitly resumes too (what a sharded run's refusal tells its user to do);
+    # another explicit precision is still refused
+    fast["nvfp4"] = 0.5  # auto chooses NVFP4 again
+    Trainer(_cfg(small_model, tmp_path / "again", **{**kw, "iterations": 2}), progress=False).run()
+    with pytest.raises(ConfigError, match="explore_precision"):
+        Trainer(_cfg(small_model, tmp_path / "again", **{**kw, "explore_precision": "fp8"}), progress=False).run(
+            resume=True)
+    Trainer(_cfg(small_model, tmp_path / "again", **{**kw, "explore_precision": "nvfp4"}), progress=False).run(
+        resume=True)
+    assert [r["iter"] for r in _records(tmp_path / "again")] == [1, 2, 3, 4]
 
 
 def test_best_heldout_adapter_is_kept_and_a_degrading_policy_is_reported(small_model, tmp_path, caplog):

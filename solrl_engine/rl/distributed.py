@@ -113,6 +113,8 @@ class Dist:
 def whole(t: torch.Tensor) -> torch.Tensor:
     """A sharded (DTensor) weight gathered whole on every rank (a collective: every rank calls it in the same
     order); any other tensor as it is."""
+    if not torch.distributed.is_available():
+        return t
     from torch.distributed.tensor import DTensor
 
     return t.full_tensor() if isinstance(t, DTensor) else t

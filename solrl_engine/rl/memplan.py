@@ -37,6 +37,7 @@ from solrl_engine.rl.config import FAMILY_TABLE, RLConfig
 
 log = logging.getLogger("solrl_engine.rl")
 GIB = 2**30
+PHASES = ("update", "rollout", "encode", "start")  # "start": the copies being built, the base before sharding
 HEADROOM = 0.9  # of a GPU's memory the plan may fill: the CUDA context, allocator fragmentation and kernels' workspaces
 
 
@@ -44,7 +45,7 @@ HEADROOM = 0.9  # of a GPU's memory the plan may fill: the CUDA context, allocat
 class PlanRow:
     part: str
     gib: float
-    when: str  # "always": held through the run; "update", "rollout", "encode": only during that phase
+    when: str  # "always": held through the run; "update", "rollout", "encode", "start": only during that phase
     note: str = ""
 
 
@@ -74,11 +75,11 @@ class MemoryPlan:
     @property
     def peak_gib(self) -> float:
         """The resident parts plus the largest phase (update, rollout or prompt encoding)."""
-        return max(self.total(w) for w in ("update", "rollout", "encode"))
+        return max(self.total(w) for w in PHASES)
 
     @property
     def peak_phase(self) -> str:
-        return max(("update", "rollout", "encode"), key=self.total)
+        return max(PHASES, key=self.total)
 
     @property
     def fits(self) -> bool:
@@ -105,6 +106,10 @@ class MemoryPlan:
         if merged is not None:
             out.append((merged.gib, f"--set merge_lora=false (no merged policy copy: {merged.gib:.2f} GiB less; "
                                     "full-precision rollouts then run PEFT's unmerged LoRA)"))  # fmt: skip
+        if phase == "start":
+            merged_too = " (merge_lora=false drops the merged one)" if "merged policy copy, being built" in by else ""
+            out.append((0.0, "the peak is at start, while the copies are built from whole copies of the transformer"
+                             f"{merged_too}: no other setting avoids that yet"))  # fmt: skip
         enc = by.get("text encoders")
         if enc is not None and enc.when == "always":
             out.append((enc.gib, f"--set offload_text_encoders=true ({enc.gib:.1f} GiB off the GPU between encodes)"))
@@ -131,7 +136,7 @@ class MemoryPlan:
         lines = [head, f"  {'part':28s} {'GiB':>8s}  when      note"]
         for r in self.rows:
             lines.append(f"  {r.part:28s} {r.gib:8.2f}  {r.when:8s}  {r.note}")
-        for w in ("update", "rollout", "encode"):
+        for w in PHASES:
             lines.append(f"  {'peak during ' + w:28s} {self.total(w):8.2f}")
         verdict = "fits" if self.fits else "DOES NOT FIT"
         lines.append(f"  {verdict}: peak {self.peak_gib:.2f} GiB ({self.peak_phase}) against {HEADROOM:.0%} of "
@@ -358,6 +363,7 @@ def memory_plan(cfg: RLConfig, gpus: int = 1, gpu_gib: float = 80.0) -> MemoryPl
                                 "autocast keeps one per FP32 trained weight through the update's forward"))  # fmt: skip
         if gpus > 1:
             rows.append(PlanRow("gradient all-reduce", 4 * trained / GIB, "update", "one flat FP32 buffer"))
+        copy_gib = 0.0
         if sharded and gpus > 1:
             rows.append(PlanRow("gathered blocks", gathered * b / GIB, "always",
                                 "the largest two repeated blocks whole (one computing, the next gathered)"))
@@ -365,10 +371,19 @@ def memory_plan(cfg: RLConfig, gpus: int = 1, gpu_gib: float = 80.0) -> MemoryPl
             stored, unquantized, n_q, how = copy
             # LoRA: the copy shares the frozen base's tensors (sharded: it keeps its own, whole, built before sharding)
             own_hp = unquantized * b if full or sharded else lora_hp * b
-            rows.append(PlanRow("explore copy", (stored + own_hp) / GIB, "always", f"{n_q} layers quantized ({how})"))
+            copy_gib = stored + own_hp
+            rows.append(PlanRow("explore copy", copy_gib / GIB, "always", f"{n_q} layers quantized ({how})"))
         if cfg.merge_lora and not full and not sharded:
             rows.append(PlanRow("merged policy copy", lora_all * b / GIB, "always",
                                 "the LoRA layers merged, for full-precision rollouts"))  # fmt: skip
+            rows.append(PlanRow("merged policy copy, being built", (params - lora_all) * b / GIB, "start",
+                                "a whole copy of the transformer until it shares the frozen base"))  # fmt: skip
+        if copy is not None:  # ExploreCopy deep-copies the whole transformer, then quantizes it layer by layer
+            rows.append(PlanRow("explore copy, being built", max(0.0, params * b - copy_gib) / GIB, "start",
+                                "the whole transformer copied before it is quantized"))  # fmt: skip
+        if sharded and gpus > 1:
+            rows.append(PlanRow("base before sharding", params * b * (1 - 1 / gpus) / GIB, "start",
+                                "each rank loads the whole base, then shards it"))  # fmt: skip
         ckpt = cfg.gradient_checkpointing
         rows.append(PlanRow("update activations", (act_ckpt if ckpt else act_plain) / GIB, "update",
                             f"train_batch_size {train_bs}" + (", gradient checkpointing" if ckpt else "")))  # fmt: skip
@@ -389,7 +404,7 @@ def memory_plan(cfg: RLConfig, gpus: int = 1, gpu_gib: float = 80.0) -> MemoryPl
 
     sharded = cfg.sharding == "fsdp" and cfg.train_mode == "lora"  # (one GPU: nothing split, no merged copy)
     lora_peak = plan_for("lora", False).peak_gib if cfg.train_mode == "full" else None
-    could_shard = cfg.train_mode == "lora" and not sharded and gpus > 1
+    could_shard = cfg.train_mode == "lora" and not sharded and gpus > 1 and not FAMILY_TABLE[cfg.family].compiled
     return plan_for(cfg.train_mode, sharded, train_batch_size=train_bs, rollout_batch_size=roll_bs,
                     lora_peak_gib=lora_peak, sharded_peak_gib=plan_for("lora", True).peak_gib if could_shard else None,
                     update_activations_gib={"gradient_checkpointing": act_ckpt / GIB, "without": act_plain / GIB})

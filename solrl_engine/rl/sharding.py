@@ -34,6 +34,10 @@ def shard_policy(transformer: nn.Module, blocks: Sequence[str], keep: Iterable[n
     if not found:
         raise ValueError(f"sharding=fsdp shards {type(transformer).__name__} by its repeated blocks {tuple(blocks)}, "
                          "and none was found: this model's spec needs `repeated_blocks`")  # fmt: skip
+    have = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    if have < (2, 8):  # FSDP2 resharded its root after forward (a rank-0-only export then desynced ranks) from 2.8
+        raise RuntimeError(f"sharding=fsdp needs torch >= 2.8 (this is {torch.__version__}): upgrade torch, or "
+                           "use sharding=none")  # fmt: skip
     dist.sharded = True
     if dist.world == 1:
         return 0

@@ -352,7 +352,10 @@ class Trainer:
     def _restore(self, st: dict[str, Any]) -> None:
         """Continue from a checkpoint; a config that would change what comes next is refused, naming
         what differs. A different world size is fine: the run does not depend on it."""
-        check_resume_config(st.get("config", {}), self.cfg)
+        then_cfg = dict(st.get("config", {}))
+        if then_cfg.get("explore_precision") == "auto" and self.cfg.explore_precision == st.get("explore_precision"):
+            then_cfg["explore_precision"] = self.cfg.explore_precision  # auto's recorded choice, now set explicitly
+        check_resume_config(then_cfg, self.cfg)
         self.iteration = st["iteration"]
         self.adapters.load_state_dict(st["adapters"])
         self.opt.load_state_dict(st["opt"])
@@ -364,7 +367,7 @@ class Trainer:
         self.guard.load_state(st["proxy_guard"])
         then, now = st.get("explore_precision"), self.explore_spec
         if then is not None and now is not None and then != now.precision:
-            if self.dist.sharded:  # the copy is built from the whole base weights, before they are sharded
+            if self.dist.sharded and self.dist.world > 1:  # the copy was built from the whole base, before sharding
                 raise ConfigError(f"cannot resume: the checkpoint explored in {then}, this start's "
                                   f"explore_precision=auto chose {now.precision}, and a sharded run cannot rebuild "
                                   f"its explore copy: resume with --set explore_precision={then}")  # fmt: skip
@@ -473,6 +476,8 @@ class Trainer:
         trained, ema, _ = EXPORT_DIRS[c.train_mode]
         if main and not (self.out / trained).exists():  # e.g. resumed at the end: still exported
             self.export()
+        if self.dist.sharded:  # a late signal may have reached some ranks only: they agree before the picture
+            self.signals.requested(self.dist, self.device)
         compare, stopped = None, self.signals.name
         # the before/after picture; a stopped run leaves at once (sharded: every rank samples it, rank 0 draws it)
         if (main or self.dist.sharded) and not stopped:
