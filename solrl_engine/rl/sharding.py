@@ -6,7 +6,7 @@ iteration. So each repeated block and then the root are `fully_shard`-ed with th
 (`ignored_params`): the base weights live 1/world on each rank and are gathered block by block inside each
 forward (and again in the backward), while the adapters stay whole on every rank, summed across ranks as in an
 unsharded run, and saved by rank 0 in the same checkpoint format. A checkpoint therefore resumes on any number
-of ranks, sharded or not.
+of ranks (with the same `sharding`: a sharded policy samples with its LoRA unmerged, an unsharded one merged).
 
 What it asks of the rest: every forward of the policy is a collective, so every rank runs the same number
 (rl/update.py pads its micro-batches, the end-of-run comparison runs on every rank); the policy samples eagerly
