@@ -43,3 +43,14 @@ def triton_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     if not HAS_TRITON:
         pytest.skip("triton is not installed (pip install -e '.[dev]')")
     monkeypatch.setenv("SOLRL_BACKEND", "triton")
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A one-layer random TinyT2I saved as a user's model directory (seed 0): the trainer tests' model."""
+    from solrl_engine.models.tiny import TinyConfig, TinyT2I
+
+    torch.manual_seed(0)
+    d = tmp_path_factory.mktemp("small_tiny")
+    TinyT2I(TinyConfig(num_layers=1, heads=2, head_dim=16, text_dim=32, text_layers=1)).save(d)
+    return str(d)

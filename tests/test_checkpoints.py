@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_trust import _argv, _records, _same_records, small_model  # noqa: F401 - small_model is a fixture
+from test_trust import _argv, _records, _same_records
 
 from solrl_engine.cli import main
 from solrl_engine.rl import checkpoint
@@ -25,7 +25,7 @@ ITERS = 4  # the run keeps iter_000003 and iter_000004 (keep_checkpoints=2)
 
 
 @pytest.fixture(scope="module")
-def finished(small_model: str, tmp_path_factory: pytest.TempPathFactory) -> Path:  # noqa: F811
+def finished(small_model: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A finished, uninterrupted run: each test damages a copy of it and resumes."""
     out = tmp_path_factory.mktemp("finished") / "run"
     assert main(_argv(small_model, out)) == 0
@@ -74,7 +74,7 @@ def _same_adapters(a: Path, b: Path) -> None:
 
 
 @pytest.mark.parametrize(("how", "name"), [("flip", TENSORS), ("truncate", TENSORS), ("delete", STATE)])
-def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(small_model, finished, tmp_path, caplog, how,  # noqa: F811
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(small_model, finished, tmp_path, caplog, how,
                                                                     name):  # fmt: skip
     out = _copy(finished, tmp_path)
     said = _damage(_ck(out, ITERS) / name, how)
@@ -89,7 +89,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(small_model,
     assert checkpoint.verify(_ck(out, ITERS)).status == "ok"  # rewritten whole
 
 
-def test_every_checkpoint_damaged_is_a_clear_error_that_touches_nothing(small_model, finished, tmp_path):  # noqa: F811
+def test_every_checkpoint_damaged_is_a_clear_error_that_touches_nothing(small_model, finished, tmp_path):
     out = _copy(finished, tmp_path)
     _flip(_ck(out, 4) / TENSORS)
     _damage(_ck(out, 3) / STATE, "truncate")
@@ -126,7 +126,7 @@ def _plant(ck: Path, marker: Path) -> None:
     (ck / "COMPLETE").write_text("9")
 
 
-def test_a_planted_pickle_never_runs(small_model, finished, tmp_path, capsys):  # noqa: F811
+def test_a_planted_pickle_never_runs(small_model, finished, tmp_path, capsys):
     out, marker = _copy(finished, tmp_path), tmp_path / "code-ran"
     _plant(_ck(out, 4), marker)  # beside a manifest: never read, the manifest says what the checkpoint is
     _plant(_ck(out, 9), marker)  # an old-format "newest checkpoint": refused, naming how to convert it
@@ -153,7 +153,7 @@ def _to_old_format(ck: Path) -> None:
     (ck / "COMPLETE").write_text(str(state["iteration"]))
 
 
-def test_an_old_format_checkpoint_resumes_and_converts(small_model, finished, tmp_path, capsys):  # noqa: F811
+def test_an_old_format_checkpoint_resumes_and_converts(small_model, finished, tmp_path, capsys):
     out = _copy(finished, tmp_path)
     shutil.rmtree(_ck(out, 4))
     _to_old_format(_ck(out, 3))

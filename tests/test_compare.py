@@ -11,24 +11,14 @@ import torch
 
 from solrl_engine.cli import main
 from solrl_engine.evaluation import Comparison, EvalResult, compare_figure, spread
-from solrl_engine.models.tiny import TinyConfig, TinyT2I
 from solrl_engine.rl.heldout import compare_adapters
 from solrl_engine.viz import pair_grid
 
 ROOT = Path(__file__).resolve().parents[1]
-SMALL = TinyConfig(num_layers=1, heads=2, head_dim=16, text_dim=32, text_layers=1)
 SETS = ["n=6", "k=4", "prompts_per_iter=2", "preview_steps=2", "full_steps=4", "iterations=2", "eval_every=2",
         "eval_prompt_count=5", "eval_seeds=1", "eval_train_prompt_count=0", "save_every=2", "lora_rank=4",
         "lora_alpha=8", "lr=5e-2", "rollout_batch_size=16", "train_batch_size=4", "timestep_fraction=0.5",
         "explore_precision=nvfp4"]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def small_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    torch.manual_seed(0)
-    d = tmp_path_factory.mktemp("cmp_tiny")
-    TinyT2I(SMALL).save(d)
-    return str(d)
 
 
 def _sets(small_model: str) -> list[str]:

@@ -16,18 +16,8 @@ import torch
 from cpu_branches import tolerance
 
 from solrl_engine.cli import main
-from solrl_engine.models.tiny import TinyConfig, TinyT2I
 
 ROOT = Path(__file__).resolve().parents[1]
-SMALL = TinyConfig(num_layers=1, heads=2, head_dim=16, text_dim=32, text_layers=1)
-
-
-@pytest.fixture(scope="module")
-def small_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    torch.manual_seed(0)
-    d = tmp_path_factory.mktemp("dist_tiny")
-    TinyT2I(SMALL).save(d)
-    return str(d)
 
 
 def _args(small_model: str, out: Path, dtype: torch.dtype, mode: str = "lora") -> list[str]:

@@ -92,14 +92,6 @@ def test_the_plan_on_an_ampere_takes_int8_when_it_is_faster(tmp_path, monkeypatc
     assert explorer_for(cfg).copy is None  # INT8 slower than the policy: the policy explores
 
 
-@pytest.fixture(scope="module")
-def small_model(tmp_path_factory):
-    torch.manual_seed(0)
-    d = tmp_path_factory.mktemp("small_tiny")
-    TinyT2I(SMALL).save(d)
-    return str(d)
-
-
 def _cfg(small_model: str, out, **kw) -> RLConfig:
     base = dict(name="t_like", family="naive_scaling", model_path=small_model, n=4, k=2, prompts_per_iter=2,
                 preview_steps=2, full_steps=3, iterations=1, eval_every=10, eval_prompt_count=2, eval_seeds=1,

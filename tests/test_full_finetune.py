@@ -30,14 +30,6 @@ def _eager_cpu_sampler(monkeypatch):
     monkeypatch.setattr(hw, "cxx_compiler", lambda *a, **k: None)
 
 
-@pytest.fixture(scope="module")
-def small_model(tmp_path_factory):
-    torch.manual_seed(0)
-    d = tmp_path_factory.mktemp("small_tiny_full")
-    TinyT2I(SMALL).save(d)
-    return str(d)
-
-
 def _cfg(small_model: str, out, family: str = "sol_rl", **kw) -> RLConfig:
     base = dict(name=f"full_{family}", family=family, model_path=small_model, n=6, k=4, prompts_per_iter=2,
                 preview_steps=2, full_steps=4, iterations=2, eval_every=2, eval_prompt_count=2, eval_seeds=1,

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_trust import ROOT, SPEC, _argv, _records, _same_records, _trainer, small_model  # noqa: F401 - a fixture
+from test_trust import ROOT, SPEC, _argv, _records, _same_records, _trainer
 
 from solrl_engine.cli import main
 from solrl_engine.rl import ConfigError, load_config
@@ -32,7 +32,7 @@ ITERS = 4  # the finished run keeps checkpoints iter_000003 and iter_000004
 
 
 @pytest.fixture(scope="module")
-def finished(small_model: str, tmp_path_factory: pytest.TempPathFactory) -> Path:  # noqa: F811
+def finished(small_model: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A finished, uninterrupted run: each test works on a copy of it."""
     out = tmp_path_factory.mktemp("finished") / "run"
     assert main(_argv(small_model, out, iterations=ITERS)) == 0
@@ -85,7 +85,7 @@ def _records_so_far(out: Path) -> int:
 # --- 1. nothing is moved before the whole start is validated ---------------------------------------
 
 
-def test_overwrite_validates_the_whole_start_before_it_moves_the_old_run_aside(small_model, finished, tmp_path):  # noqa: F811
+def test_overwrite_validates_the_whole_start_before_it_moves_the_old_run_aside(small_model, finished, tmp_path):
     out = _copy(finished, tmp_path)
     before = _tree(out)
     for bad, said in ((["--set", "reward=nope"], "unknown reward 'nope'"),
@@ -103,7 +103,7 @@ def test_overwrite_validates_the_whole_start_before_it_moves_the_old_run_aside(s
 # --- 2. --resume means resume --------------------------------------------------------------------
 
 
-def test_resume_without_a_verified_checkpoint_stops_and_touches_nothing(small_model, finished, tmp_path):  # noqa: F811
+def test_resume_without_a_verified_checkpoint_stops_and_touches_nothing(small_model, finished, tmp_path):
     out = _copy(finished, tmp_path)
     shutil.rmtree(out / "checkpoints")  # removed to save space
     before = _tree(out)
@@ -123,7 +123,7 @@ def test_resume_without_a_verified_checkpoint_stops_and_touches_nothing(small_mo
     assert _tree(out) == before
 
 
-def test_auto_resume_starts_a_new_run_or_resumes_the_one_there(small_model, finished, tmp_path):  # noqa: F811
+def test_auto_resume_starts_a_new_run_or_resumes_the_one_there(small_model, finished, tmp_path):
     """For job scripts that are requeued after preemption: the same command starts, then resumes."""
     out = tmp_path / "run"
     assert main(_argv(small_model, out, "--auto-resume", iterations=2)) == 0  # nothing there: a new run
@@ -136,7 +136,7 @@ def test_auto_resume_starts_a_new_run_or_resumes_the_one_there(small_model, fini
 
 
 def test_a_second_start_fails_at_once_naming_the_holder_and_a_killed_runs_lock_is_taken_over(
-    small_model, tmp_path, caplog  # noqa: F811
+    small_model, tmp_path, caplog
 ):  # fmt: skip
     out = tmp_path / "run"
     # the first run, held inside its first checkpoint write (the files stand still meanwhile)
@@ -174,7 +174,7 @@ def _holds_the_directory(first: subprocess.Popen, out: Path, small_model: str, t
 # --- 4. appended files survive a torn write; rewritten files are replaced atomically ----------------
 
 
-def test_a_torn_metrics_line_is_cut_back_to_the_checkpoint_on_resume(small_model, finished, tmp_path, caplog):  # noqa: F811
+def test_a_torn_metrics_line_is_cut_back_to_the_checkpoint_on_resume(small_model, finished, tmp_path, caplog):
     out = _copy(finished, tmp_path)
     shutil.rmtree(out / "checkpoints" / f"iter_{ITERS:06d}")  # stopped after the 4th record, before its checkpoint
     m = out / "metrics.jsonl"
@@ -185,7 +185,7 @@ def test_a_torn_metrics_line_is_cut_back_to_the_checkpoint_on_resume(small_model
     _same_records(_records(finished), _records(out))  # as if it had never stopped
 
 
-def test_files_the_run_rewrites_are_replaced_atomically(small_model, finished, tmp_path, monkeypatch):  # noqa: F811
+def test_files_the_run_rewrites_are_replaced_atomically(small_model, finished, tmp_path, monkeypatch):
     from solrl_engine.rl import sealed
 
     p = tmp_path / "summary.json"
@@ -223,12 +223,12 @@ def _flip(path: Path, n: int = 64) -> None:
     path.write_bytes(bytes(data))
 
 
-def _eval_argv(small_model: str, lora: Path, out: Path) -> list[str]:  # noqa: F811
+def _eval_argv(small_model: str, lora: Path, out: Path) -> list[str]:
     return ["eval", SPEC, "--lora", str(lora), "--max-prompts", "1", "--seeds", "1", "--output", str(out),
             "--set", f"model_path={small_model}", "--set", "full_steps=2", "--set", "preview_steps=1"]  # fmt: skip
 
 
-def test_solrl_eval_and_the_library_refuse_a_damaged_adapter(small_model, finished, tmp_path):  # noqa: F811
+def test_solrl_eval_and_the_library_refuse_a_damaged_adapter(small_model, finished, tmp_path):
     out = _copy(finished, tmp_path)
     ema = out / "lora_ema"
     _flip(ema / WEIGHT_NAME)  # 64 bytes flipped, MANIFEST.json beside it
@@ -257,7 +257,7 @@ def test_solrl_eval_and_the_library_refuse_a_damaged_adapter(small_model, finish
     assert main(_eval_argv(small_model, out / "lora_best", tmp_path / "ev")) == 0
 
 
-def test_resume_rewrites_a_damaged_exported_adapter(small_model, finished, tmp_path, caplog):  # noqa: F811
+def test_resume_rewrites_a_damaged_exported_adapter(small_model, finished, tmp_path, caplog):
     from solrl_engine.rl.checkpoint import verify
 
     out = _copy(finished, tmp_path)
@@ -282,7 +282,7 @@ def test_resume_rewrites_a_damaged_exported_adapter(small_model, finished, tmp_p
 
 
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGHUP, 129), (signal.SIGINT, 130)], ids=["SIGHUP", "SIGINT"])
-def test_a_signal_stops_with_a_checkpoint_its_exit_code_and_how_to_resume(small_model, tmp_path, sig, code):  # noqa: F811
+def test_a_signal_stops_with_a_checkpoint_its_exit_code_and_how_to_resume(small_model, tmp_path, sig, code):
     out = tmp_path / "run"
     proc = _spawn(_argv(small_model, out, iterations=60), tmp_path)
     try:
@@ -300,7 +300,7 @@ def test_a_signal_stops_with_a_checkpoint_its_exit_code_and_how_to_resume(small_
     assert (out / "checkpoints" / f"iter_{summary['iterations']:06d}").exists()
 
 
-def test_a_stop_during_start_up_is_one_line_and_changes_nothing(small_model, finished, tmp_path, monkeypatch,  # noqa: F811
+def test_a_stop_during_start_up_is_one_line_and_changes_nothing(small_model, finished, tmp_path, monkeypatch,
                                                                 capsys):  # fmt: skip
     from solrl_engine.rl import trainer
 
@@ -331,7 +331,7 @@ def test_a_stop_during_start_up_is_one_line_and_changes_nothing(small_model, fin
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA device")
-def test_device_cuda_without_a_gpu_is_one_line(small_model, tmp_path):  # noqa: F811
+def test_device_cuda_without_a_gpu_is_one_line(small_model, tmp_path):
     with pytest.raises(SystemExit) as e:
         main(_argv(small_model, tmp_path / "run", device="cuda"))
     assert "device" in _one_line(e) and "cuda" in str(e.value) and "cpu" in str(e.value)
@@ -356,7 +356,7 @@ def test_solrl_eval_refuses_zero_seeds_or_prompts(tmp_path):
     assert not (tmp_path / "ev").exists()
 
 
-def test_learning_rate_and_eval_prompt_count_are_checked_with_the_config(small_model, tmp_path):  # noqa: F811
+def test_learning_rate_and_eval_prompt_count_are_checked_with_the_config(small_model, tmp_path):
     for bad in ("lr=-1e-3", "lr=0", "lr=inf", "lr=nan", "eval_prompt_count=0"):
         key = bad.split("=")[0]
         with pytest.raises(ConfigError, match=rf"{key} = "):
@@ -367,7 +367,7 @@ def test_learning_rate_and_eval_prompt_count_are_checked_with_the_config(small_m
     assert not (tmp_path / "run").exists()
 
 
-def test_a_non_finite_adapter_names_the_checkpoint_that_stays_or_that_there_is_none(small_model, tmp_path):  # noqa: F811
+def test_a_non_finite_adapter_names_the_checkpoint_that_stays_or_that_there_is_none(small_model, tmp_path):
     tr = _trainer(small_model, tmp_path / "run")
     tr.out.mkdir()
     tr.adapters.ema[0].fill_(float("inf"))  # as lr=inf leaves it
@@ -381,7 +381,7 @@ def test_a_non_finite_adapter_names_the_checkpoint_that_stays_or_that_there_is_n
         tr._checkpoint(True)
 
 
-def test_a_prompt_file_that_is_not_utf8_is_named(small_model, tmp_path):  # noqa: F811
+def test_a_prompt_file_that_is_not_utf8_is_named(small_model, tmp_path):
     bad = tmp_path / "prompts.txt"
     bad.write_bytes("a red circle\nun cercle rouge \u00e0 gauche\n".encode("latin-1"))
     with pytest.raises(SystemExit) as e:
@@ -390,7 +390,7 @@ def test_a_prompt_file_that_is_not_utf8_is_named(small_model, tmp_path):  # noqa
     assert not (tmp_path / "run").exists()
 
 
-def test_an_empty_output_is_refused(small_model, tmp_path, monkeypatch):  # noqa: F811
+def test_an_empty_output_is_refused(small_model, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     argv = _argv(small_model, tmp_path, iterations=1)
     argv[argv.index("--output") + 1] = ""

@@ -10,11 +10,9 @@ import torch
 from cpu_branches import BRANCHES, dtype_name, force_cpu_bf16
 
 from solrl_engine.explore import choice
-from solrl_engine.models.tiny import TinyConfig, TinyT2I
 from solrl_engine.rl import ConfigError, RLConfig
 from solrl_engine.rl.trainer import Trainer
 
-SMALL = TinyConfig(num_layers=1, heads=2, head_dim=16, text_dim=32, text_layers=1)
 TIME_KEYS = {"time_explore_s", "time_regen_s", "time_train_s", "time_total_s"}
 
 
@@ -31,14 +29,6 @@ def _eager_cpu_sampler(monkeypatch):
 def cpu_policy(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> torch.dtype:
     """Both outcomes of the CPU's BF16 detection (tests/cpu_branches.py): the policy dtype of the run."""
     return force_cpu_bf16(monkeypatch, request.param == "bf16")
-
-
-@pytest.fixture(scope="module")
-def small_model(tmp_path_factory):
-    torch.manual_seed(0)
-    d = tmp_path_factory.mktemp("small_tiny")
-    TinyT2I(SMALL).save(d)
-    return str(d)
 
 
 def _cfg(small_model: str, out, family: str = "sol_rl", **kw) -> RLConfig:

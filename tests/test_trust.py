@@ -19,7 +19,6 @@ import pytest
 import torch
 
 from solrl_engine.cli import main
-from solrl_engine.models.tiny import TinyConfig, TinyT2I
 from solrl_engine.rl import ConfigError, load_config
 from solrl_engine.rl.guards import NonFiniteError
 from solrl_engine.rl.trainer import Trainer
@@ -27,14 +26,6 @@ from solrl_engine.rl.trainer import Trainer
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = str(ROOT / "configs/tiny.py:tiny_sol_rl_shapes")
 TIME_KEYS = {"time_explore_s", "time_regen_s", "time_train_s", "time_total_s"}
-
-
-@pytest.fixture(scope="module")
-def small_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    torch.manual_seed(0)
-    d = tmp_path_factory.mktemp("trust_tiny")
-    TinyT2I(TinyConfig(num_layers=1, heads=2, head_dim=16, text_dim=32, text_layers=1)).save(d)
-    return str(d)
 
 
 def _sets(small_model: str, **kw: object) -> list[str]:

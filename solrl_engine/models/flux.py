@@ -17,18 +17,9 @@ from torch import nn
 
 from solrl_engine.models import ModelSpec
 from solrl_engine.models.base import Conditioning
-from solrl_engine.models.pipeline import PackedLatentFlowModel
+from solrl_engine.models.pipeline import JOINT_ATTENTION_LORA_TARGETS, PackedLatentFlowModel
 
-FLUX_LORA_TARGETS = (
-    "attn.to_q",
-    "attn.to_k",
-    "attn.to_v",
-    "attn.to_out.0",
-    "attn.add_q_proj",
-    "attn.add_k_proj",
-    "attn.add_v_proj",
-    "attn.to_add_out",
-)
+FLUX_LORA_TARGETS = JOINT_ATTENTION_LORA_TARGETS
 
 
 class FluxModel(PackedLatentFlowModel):
@@ -82,12 +73,7 @@ class FluxModel(PackedLatentFlowModel):
             img_ids=ids.reshape(-1, 3),
             return_dict=False,
         )[0]
-        return out.view(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, c, h, w)
-
-    def pipeline_latents(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, 16, h, w] -> the packed [B, h/2 * w/2, 64] that FluxPipeline's `latents=` takes."""
-        b, c, h, w = x.shape
-        return x.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
+        return self.unpack(out, x.shape)
 
 
 

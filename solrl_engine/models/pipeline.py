@@ -345,6 +345,20 @@ class _quiet_progress:
         dlog.enable_progress_bar()
 
 
+# The joint-attention projections of an MMDiT's two streams (image: to_q/k/v, to_out.0; text: add_q/k/v_proj,
+# to_add_out), named alike by diffusers' SD3, FLUX.1 and Qwen-Image attention: their default LoRA targets.
+JOINT_ATTENTION_LORA_TARGETS = (
+    "attn.to_q",
+    "attn.to_k",
+    "attn.to_v",
+    "attn.to_out.0",
+    "attn.add_q_proj",
+    "attn.add_k_proj",
+    "attn.add_v_proj",
+    "attn.to_add_out",
+)
+
+
 class PackedLatentFlowModel(PipelineFlowModel):
     """A family whose transformer takes 2x2-packed latents and whose scheduler shifts by the image's token count
     (FLUX.1, Qwen-Image): latents are kept unpacked, [C/4, H/8, W/8] for a C-feature token, and the schedule is
@@ -371,3 +385,14 @@ class PackedLatentFlowModel(PipelineFlowModel):
             kw["mu"] = calculate_shift(seq, c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
                                        c.get("base_shift", 0.5), c.get("max_shift", 1.15))  # fmt: skip
         return kw
+
+    def pipeline_latents(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, C, h, w] -> the packed [B, h/2 * w/2, 4C] that the pipeline's `latents=` (and its transformer) take."""
+        b, c, h, w = x.shape
+        return x.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
+
+    @staticmethod
+    def unpack(tokens: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        """The transformer's packed output back to our [B, C, h, w] latents (`shape`), `pipeline_latents` undone."""
+        b, c, h, w = shape
+        return tokens.view(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, c, h, w)

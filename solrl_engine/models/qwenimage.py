@@ -46,19 +46,9 @@ from torch import nn
 
 from solrl_engine.models import ModelSpec
 from solrl_engine.models.base import Conditioning
-from solrl_engine.models.pipeline import PackedLatentFlowModel
+from solrl_engine.models.pipeline import JOINT_ATTENTION_LORA_TARGETS, PackedLatentFlowModel
 
-# the attention projections of both streams (image: to_q/k/v, to_out.0; text: add_q/k/v_proj, to_add_out)
-QWEN_LORA_TARGETS = (
-    "attn.to_q",
-    "attn.to_k",
-    "attn.to_v",
-    "attn.to_out.0",
-    "attn.add_q_proj",
-    "attn.add_k_proj",
-    "attn.add_v_proj",
-    "attn.to_add_out",
-)
+QWEN_LORA_TARGETS = JOINT_ATTENTION_LORA_TARGETS
 QWEN_EXPLORE_RULE: dict[str, Any] = {
     "include": ("transformer_blocks.*.attn.*", "transformer_blocks.*.img_mlp.*", "transformer_blocks.*.txt_mlp.*")
 }
@@ -154,12 +144,7 @@ class QwenImageModel(PackedLatentFlowModel):
             return_dict=False,
             **extra,
         )[0]
-        return out.view(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, c, h, w)
-
-    def pipeline_latents(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, 16, h, w] -> the packed [B, h/2 * w/2, 64] that QwenImagePipeline's `latents=` takes."""
-        b, c, h, w = x.shape
-        return x.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
+        return self.unpack(out, x.shape)
 
     def _decode_latents(self, x: torch.Tensor) -> torch.Tensor:
         """Un-normalised per channel as the pipeline does it (x / (1 / std) + mean, in the VAE's dtype), decoded as

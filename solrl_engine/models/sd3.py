@@ -14,18 +14,9 @@ from torch import nn
 
 from solrl_engine.models import ModelSpec
 from solrl_engine.models.base import Conditioning
-from solrl_engine.models.pipeline import PipelineFlowModel
+from solrl_engine.models.pipeline import JOINT_ATTENTION_LORA_TARGETS, PipelineFlowModel
 
-SD3_LORA_TARGETS = (
-    "attn.to_q",
-    "attn.to_k",
-    "attn.to_v",
-    "attn.to_out.0",
-    "attn.add_q_proj",
-    "attn.add_k_proj",
-    "attn.add_v_proj",
-    "attn.to_add_out",
-)
+SD3_LORA_TARGETS = JOINT_ATTENTION_LORA_TARGETS
 SD3_EXPLORE_RULE: dict[str, Any] = {"include": ("transformer_blocks.*.ff.*",)}
 SD3_BLOCKS = ("JointTransformerBlock", "SD3SingleTransformerBlock")  # the MMDiT's repeated blocks
 
