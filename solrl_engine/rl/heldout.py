@@ -42,6 +42,12 @@ log = logging.getLogger("solrl_engine.rl")
 COMPARE_PAIRS = 8  # prompts in the end-of-run picture, base vs the EMA adapter
 
 
+def picture_prompts(prompts: Sequence[str], max_pairs: int = COMPARE_PAIRS) -> list[str]:
+    """The held-out prompts the end-of-run picture shows: `max_pairs` spread over the set."""
+    prompts = list(prompts)
+    return [prompts[i] for i in spread(len(prompts), max_pairs)]
+
+
 @torch.no_grad()
 def compare_adapters(ro: Rollouts, adapters: TrainedWeights, prompts: Sequence[str], seeds_per_prompt: int = 1
                      ) -> Comparison:  # fmt: skip
@@ -61,8 +67,7 @@ def write_compare(out_dir: Any, ro: Rollouts, adapters: TrainedWeights, prompts:
     0), base vs the EMA adapter, also to the tracker (TensorBoard / wandb) when the run logs to one.
     Regenerated here rather than kept from the first evaluation: a resumed run has the same picture,
     and it costs 2 x `max_pairs` images."""
-    prompts = list(prompts)
-    cmp = compare_adapters(ro, adapters, [prompts[i] for i in spread(len(prompts), max_pairs)])
+    cmp = compare_adapters(ro, adapters, picture_prompts(prompts, max_pairs))
     g, _se = cmp.gain
     head = f"{header}  |  these {len(cmp.base.rewards)}: {cmp.base.mean:.3f} -> {cmp.trained.mean:.3f} ({g:+.3f})"
     fig = compare_figure(cmp, head, ("base", "trained (EMA)"), max_pairs)
@@ -218,8 +223,7 @@ class HeldOut:
         if not self.eval_prompts or not self.gains or self.eval_base is None:
             return None
         if not self.dist.main:  # a sharded policy: every rank samples the pictures (collectives), rank 0 draws
-            prompts = list(self.eval_prompts)
-            compare_adapters(self.rollouts, self.adapters, [prompts[i] for i in spread(len(prompts), COMPARE_PAIRS)])
+            compare_adapters(self.rollouts, self.adapters, picture_prompts(self.eval_prompts))
             return None
         it, g, se = self.gains[-1]
         head = f"{name}: held-out paired gain {g:+.3f} +- {se:.3f} ({len(self.eval_base)} images, iteration {it})"
