@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from tiny_pipelines import LATENT_SHAPES, QWEN_SYSTEM, SIZES, build_clip_reward, build_qwenimage
+from tiny_pipelines import LATENT_SHAPES, QWEN_SYSTEM, SIZES, build_clip_reward, build_qwenimage, linear_rows
 
 from solrl_engine.explore.copy import ExploreCopy
 from solrl_engine.models import load_model, model_spec
@@ -276,3 +276,11 @@ def test_weights_loaded_as_another_family_name_the_family_that_fits(qwen: Path) 
     """model=flux on Qwen-Image weights: the error names the model family whose pipeline they are."""
     with pytest.raises(ValueError, match="holds a QwenImagePipeline, not a FluxPipeline: set model=qwenimage"):
         load_model("flux", str(qwen))
+
+
+def test_tokens_per_sample_are_the_packed_tokens_the_layers_see(qwen):
+    """Qwen-Image packs 2x2 latent cells into a token (as FLUX): explore_precision=auto's probe rows
+    (Rollouts.forward_rows) per image, one of the row counts its linear layers see (hooks)."""
+    m = _model(qwen)
+    _, h, w = m.latent_shape
+    assert m.tokens_per_sample == h * w // 4 and m.tokens_per_sample in linear_rows(m)

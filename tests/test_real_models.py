@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from cpu_branches import BRANCHES, assert_close, force_cpu_bf16
-from tiny_pipelines import SIZES, build_clip_reward, build_flux, build_sana, build_sd3
+from tiny_pipelines import SIZES, build_clip_reward, build_flux, build_sana, build_sd3, linear_rows
 
 from solrl_engine.cli import load_lora_into, main
 from solrl_engine.explore.copy import ExploreCopy
@@ -223,3 +223,15 @@ def test_a_missing_reward_weight_fails_before_the_model_loads(pipes, tmp_path):
         args += ["--set", s]
     with pytest.raises(SystemExit, match="no-clip"):
         main(args)
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_tokens_per_sample_are_the_image_tokens_the_layers_see(pipes, name):
+    """explore_precision=auto times its layers at the rollouts' token rows (Rollouts.forward_rows): the count
+    must be one the transformer's linear layers really see per sample (FLUX packs 2x2 latent cells into
+    one token; SD3 patches 2x2; SANA's patch is 1), measured by hooks, not restated."""
+    m = load_model(name, pipes[name], "cpu", torch.float32, resolution=SIZES[name])
+    seen = linear_rows(m)
+    c, h, w = m.latent_shape
+    assert m.tokens_per_sample in seen and m.tokens_per_sample == {"sana": h * w, "sd3": h * w // 4,
+                                                                   "flux": h * w // 4}[name], (name, seen)  # fmt: skip

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_pipelines import LATENT_SHAPES, MAX_SEQUENCE_LENGTH, SIZES, WAN_FRAMES, build_wan
+from tiny_pipelines import LATENT_SHAPES, MAX_SEQUENCE_LENGTH, SIZES, WAN_FRAMES, build_wan, linear_rows
 
 from solrl_engine.explore.copy import ExploreCopy
 from solrl_engine.models import load_model, model_spec
@@ -263,3 +263,11 @@ def test_explore_attention_is_checked_and_reaches_the_trainers_copy(wan, clip):
 
         Explorer(_stock(wan, torch.float32), lambda im, p: im.mean((1, 2, 3, 4)), n=4, k=2,
                  explore_precision="bf16", quantize={"attention": "fp8"})  # fmt: skip
+
+
+def test_tokens_per_sample_are_the_video_tokens_the_layers_see(wan):
+    """Wan patches (1, 2, 2): explore_precision=auto's probe rows (Rollouts.forward_rows) per clip are
+    frames x h/2 x w/2, one of the row counts its linear layers see (hooks)."""
+    m = load_model("wan", wan, "cpu", torch.float32, **OPTS)
+    _, f, h, w = m.latent_shape
+    assert m.tokens_per_sample == f * h * w // 4 and m.tokens_per_sample in linear_rows(m)

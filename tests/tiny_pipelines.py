@@ -367,3 +367,18 @@ def build_qwenimage(path: str | Path, seed: int = 0) -> Path:
     )  # fmt: skip
     pipe = QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=te, tokenizer=tok, transformer=transformer)
     return _save(pipe, path)
+
+
+def linear_rows(model: Any) -> set[int]:
+    """Token rows each nn.Linear of `model`'s transformer sees in one velocity call on one sample: what
+    `tokens_per_sample` (the image tokens, sizing explore_precision=auto's probe) must be one of."""
+    seen: set[int] = set()
+    hooks = [m.register_forward_pre_hook(lambda mod, args: seen.add(args[0].numel() // args[0].shape[-1]))
+             for m in model.transformer.modules() if isinstance(m, torch.nn.Linear)]  # fmt: skip
+    try:
+        with torch.no_grad():
+            model.velocity(torch.randn(1, *model.latent_shape), torch.tensor([0.5]), model.encode_prompts(["a cat"]))
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen

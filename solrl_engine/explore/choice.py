@@ -105,9 +105,23 @@ def _call_ms(fn: Callable[[], object], device: torch.device | None = None) -> fl
     return (time.perf_counter() - t0) * 1e3
 
 
+def _layer_ms(mod: Any, x: torch.Tensor, reps: int, dev: torch.device) -> float:
+    """ms of one call of a layer. On a GPU: `reps` calls back to back between two synchronizations, averaged
+    (as a forward launches them: the host's per-call overhead counts only where it exceeds the GPU's work),
+    fastest of three such windows; elsewhere the fastest of `reps` single calls."""
+    if dev.type != "cuda":
+        return min(_call_ms(lambda: mod(x), dev) for _ in range(reps))
+
+    def window() -> None:
+        for _ in range(reps):
+            mod(x)
+
+    return min(_call_ms(window, dev) for _ in range(3)) / reps
+
+
 def _pass_ms(calls: Iterable[tuple[Any, torch.Tensor, int]], reps: int, dev: torch.device) -> float:
-    """ms of one pass over the layers: each layer's fastest of `reps` calls times its count."""
-    return sum(count * min(_call_ms(lambda mod=mod, x=x: mod(x), dev) for _ in range(reps)) for mod, x, count in calls)
+    """ms of one pass over the layers: each layer's time (`_layer_ms`) times its count."""
+    return sum(count * _layer_ms(mod, x, reps, dev) for mod, x, count in calls)
 
 
 def probe_explore_timings(
@@ -123,10 +137,13 @@ def probe_explore_timings(
 ) -> dict[str, float]:
     """ms of the explore copy's quantized layers (`shapes`: (in, out) -> count) at each candidate
     precision (default `explore_candidates(device)`) and at the policy's (`dtype`), on `device`, for
-    `rows` input rows (default 256 on a CPU, 4096 on a GPU: a rollout's tokens; fewer for wide layers
-    on a CPU): per layer, the fastest of `reps` calls (3 on a CPU, 10 on a GPU) after a warm-up call,
-    times its count, under `autocast` (the rollouts' own). The fastest, not the median, and the policy
-    timed again after the candidates (its faster pass kept): other work on the machine only ever adds
+    `rows` input rows (the rollouts' own, Rollouts.forward_rows; default 256 on a CPU, 4096 on a GPU;
+    at most 32768 on a GPU and fewer for wide layers on a CPU, to bound the probe's memory and time): per
+    layer, its time over `reps` calls (3 on a CPU, 10 on a GPU; `_layer_ms`) after a warm-up call, times its
+    count, under `autocast` (the rollouts' own). The second lent GPU (H200) showed why the rows matter: at
+    4096 rows, timed one synchronized call at a time, SANA-1.6B's FP8 layers took 1.56x the policy's time,
+    while its whole FP8 forward at the rollout's 49152 rows was 1.12x faster. The fastest, not the median,
+    and the policy timed again after the candidates (its faster pass kept): other work on the machine only ever adds
     time, and a burst of it while the policy was timed once made a 2.8x slower candidate look faster.
 
     Each layer's first call is not timed: on the first lent H100 it held the Triton kernels' load and
@@ -137,7 +154,7 @@ def probe_explore_timings(
     policy, so this keeps the whole probe to about a second on the tiny model. Cached per process."""
     dev = torch.device(device)
     gpu = dev.type == "cuda"
-    rows = rows if rows is not None else (4096 if gpu else 256)
+    rows = min(rows, 32768) if rows is not None else (4096 if gpu else 256)
     reps = reps if reps is not None else (10 if gpu else 3)
     names = tuple(explore_candidates(dev) if candidates is None else candidates)
     extras = {k: rule[k] for k in NVFP4_OPTIONS if rule.get(k)}
@@ -185,11 +202,13 @@ def resolve_explore_precision(
     timings_ms: Mapping[str, float] | None = None,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     measure: bool = True,
+    rows: int | None = None,
 ) -> ExploreChoice:
     """explore_precision -> the recipe used, with its reason. A set precision passes through; "auto"
     times this model's quantized layers at each candidate precision (`explore_candidates`: on a GPU the
     formats its tensor cores run, on a CPU all) against the policy's own, and takes the fastest that
-    beats the policy, else the policy itself (`timings_ms` stubs the measurement). `measure` False takes
+    beats the policy, else the policy itself (`timings_ms` stubs the measurement), at `rows` token rows per
+    layer call (the rollouts' forward; probe_explore_timings' default if None). `measure` False takes
     the hardware plan's format untimed (a fidelity study measures a quantized proxy wherever it is slow)."""
     if precision != "auto":
         return ExploreChoice(precision, "set in the config (explore_precision)")
@@ -208,6 +227,7 @@ def resolve_explore_precision(
         shapes = explore_layer_shapes(transformer, rule or {})
         if not shapes:
             return ExploreChoice(POLICY, "the explore rule quantizes no layer of this model: the policy explores")
-        timings_ms = probe_explore_timings(shapes, rule or {}, dtype, autocast=autocast, device=dev, candidates=cands)
+        timings_ms = probe_explore_timings(shapes, rule or {}, dtype, rows=rows, autocast=autocast, device=dev,
+                                           candidates=cands)  # fmt: skip
     ch = choose_explore_precision(timings_ms, candidates=cands)
     return ExploreChoice(ch.precision, f"{where}, candidates {', '.join(cands)}: {ch.reason}", ch.timings_ms)

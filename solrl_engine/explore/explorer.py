@@ -173,7 +173,8 @@ class Explorer:
         ro = Rollouts(model, spec_m, reward, how)
         spec = None
         if explore_precision != "bf16":  # bf16: the caller's policy explores, no copy
-            spec = plan(settings, spec_m, ro.device, ro.dtype, model.transformer, autocast=ro.autocast)
+            spec = plan(settings, spec_m, ro.device, ro.dtype, model.transformer, autocast=ro.autocast,
+                        rows=ro.forward_rows)  # fmt: skip
         self._init(ro, ExploreCopy.from_spec(model.transformer, spec), spec, n, k, preview_steps,
                    random.Random(seed))  # fmt: skip
         self.resolution = resolution or getattr(model, "resolution", None)

@@ -127,16 +127,18 @@ def plan(
     agree: Callable[[ExploreChoice], ExploreChoice] | None = None,
     choice: ExploreChoice | None = None,
     measure: bool = True,
+    rows: int | None = None,
 ) -> ExploreSpec:
     """Resolve `settings` for `model` on `device`: a set precision passes through; `auto` times this model's
     layers (explore.choice) unless `choice` is given (a checkpoint's); `agree` makes every rank take one
-    answer (rank 0's timing, under torchrun); `measure` False resolves `auto` by the hardware plan, untimed.
+    answer (rank 0's timing, under torchrun); `measure` False resolves `auto` by the hardware plan, untimed;
+    `rows`: the token rows `auto` times each layer at (Rollouts.forward_rows).
     The NVFP4 options are dropped, with a warning, when the
     precision used is not NVFP4."""
     if choice is None:
         choice = resolve_explore_precision(settings.precision, device, dtype, transformer,
                                            explore_rule(settings, model), autocast=autocast,
-                                           measure=measure)  # fmt: skip
+                                           measure=measure, rows=rows)  # fmt: skip
         if agree is not None:  # timings differ between ranks; the explore copy must not
             choice = agree(choice)
     rule = explore_rule(settings, model, choice.precision)

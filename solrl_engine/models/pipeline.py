@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, ClassVar
@@ -164,6 +165,14 @@ class PipelineFlowModel(nn.Module):
     def vae_factor(self) -> int:
         """Pixels per latent cell."""
         return int(self.pipe.vae_scale_factor)
+
+    @property
+    def tokens_per_sample(self) -> int:
+        """Image tokens the transformer sees per sample: the latent's cells over its patch (an int: square; a
+        tuple: (frames, h, w) for video). Sizes explore_precision=auto's timing (Rollouts.forward_rows)."""
+        patch = self.transformer.config.patch_size
+        area = math.prod(patch) if isinstance(patch, (tuple, list)) else int(patch) ** (len(self.latent_shape) - 1)
+        return math.prod(self.latent_shape[1:]) // area
 
     def _text_encoders(self) -> list[nn.Module]:
         return [
@@ -368,6 +377,11 @@ class PackedLatentFlowModel(PipelineFlowModel):
     @property
     def vae_factor(self) -> int:
         return 2 * int(self.pipe.vae_scale_factor)  # 2x2 packing on top of the VAE's 8x
+
+    @property
+    def tokens_per_sample(self) -> int:
+        """The packed tokens: one per 2x2 latent cells."""
+        return math.prod(self.latent_shape[1:]) // 4
 
     def _latent_shape(self) -> tuple[int, ...]:
         side = 2 * (self.resolution // self.vae_factor)

@@ -63,7 +63,7 @@ def plan_explore(cfg: RLConfig, ro: Rollouts, agree: Agree | None = None, choice
                  measure: bool = True) -> ExploreSpec:  # fmt: skip
     """The config's explore pass resolved for the rollouts' model and device (explore.plan)."""
     return plan(cfg.explore_settings(), ro.spec, ro.device, ro.dtype, ro.model.transformer, autocast=ro.autocast,
-                agree=agree, choice=choice, measure=measure)  # fmt: skip
+                agree=agree, choice=choice, measure=measure, rows=ro.forward_rows)  # fmt: skip
 
 
 def build_explorer(ro: Rollouts, spec: ExploreSpec | None, n: int, k: int, steps: int, rng: Any = None) -> Explorer:

@@ -89,6 +89,17 @@ class Rollouts:
             return model_guidance(self.spec, self.settings.guidance_scale)
         return self.cfg_guidance
 
+    @property
+    def forward_rows(self) -> int | None:
+        """Token rows one batched forward of the denoiser's linear layers sees while exploring: the batch
+        (doubled under classifier-free guidance) x the model's image tokens per sample (`tokens_per_sample`),
+        None where the model does not say. explore_precision=auto times its candidates at this size: at a
+        tenth of it, launch overhead hid the GEMMs and FP8 timed slower than BF16 on an H200."""
+        tokens = getattr(self.model, "tokens_per_sample", None)
+        if not tokens:
+            return None
+        return int(tokens) * self.settings.batch_size * (2 if self.cfg_guidance != 1.0 else 1)
+
     def autocast(self) -> Any:
         """The rollouts' autocast (hw.autocast_for this device and policy dtype)."""
         return autocast_for(self.device, self.dtype)

@@ -61,6 +61,11 @@ class TinyT2I(nn.Module):
         self.latent_shape = (3, c.image_size, c.image_size)
 
     @property
+    def tokens_per_sample(self) -> int:
+        """Image tokens per sample (patches), as PipelineFlowModel.tokens_per_sample."""
+        return (self.config.image_size // self.config.patch_size) ** 2
+
+    @property
     def device(self) -> torch.device:
         return next(self.parameters()).device
 
