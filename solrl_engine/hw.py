@@ -147,6 +147,17 @@ def autocast_for(device: torch.device, dtype: torch.dtype | None = None) -> cont
     return contextlib.nullcontext()
 
 
+def training_attention() -> contextlib.AbstractContextManager:
+    """The attention kernels the update's forwards and backwards may use: every SDPA backend but cuDNN's.
+    Why: on the second lent H200 (torch 2.11+cu130) FLUX.1-dev's update failed in cuDNN's attention graph
+    (`mha_graph.execute(...).is_good()` under CUDA_LAUNCH_BLOCKING=1; without it, an illegal memory address that
+    broke the CUDA context), with and without expandable segments; its eager rollout forwards ran. Flash and
+    memory-efficient attention do the same math; rollouts keep PyTorch's own choice."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
 # names that moved, and where to: asking this module for one says so (an ImportError, which `from ... import`
 # passes on with its message, where an AttributeError would be replaced by a bare "cannot import name")
 _MOVED = {

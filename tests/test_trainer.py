@@ -332,3 +332,24 @@ def test_resume_drops_a_best_adapter_written_after_its_checkpoint(small_model, t
     (best / BEST_INFO).write_text('{"iterat')
     Trainer(_cfg(small_model, tmp_path, iterations=2, eval_every=1, save_every=1), progress=False).run(resume=True)
     assert not best.exists()
+
+
+def test_the_update_trains_without_cudnn_attention_and_rollouts_keep_torchs_choice(small_model, tmp_path,
+                                                                                    monkeypatch):  # fmt: skip
+    """FLUX.1-dev's update failed in cuDNN's attention on an H200 (hw.training_attention): every attention the
+    update runs with gradients must have cuDNN's SDPA backend off, and the rollouts' (no gradients) keep it."""
+    import torch.nn.functional as F
+
+    seen: list[tuple[bool, bool]] = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        seen.append((torch.is_grad_enabled(), torch.backends.cuda.cudnn_sdp_enabled()))
+        return sdpa(*a, **k)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    Trainer(_cfg(small_model, tmp_path, iterations=1), progress=False).step()
+    train = {cudnn for grad, cudnn in seen if grad}
+    rollout = {cudnn for grad, cudnn in seen if not grad}
+    assert train == {False} and True in rollout, seen[:5]
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # restored after the update

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from solrl_engine.hw import training_attention
 from solrl_engine.models.base import Conditioning, FlowModel
 from solrl_engine.rl.adapters import OLD, TRAIN
 from solrl_engine.rl.config import RLConfig
@@ -77,7 +78,15 @@ def nft_update(model: FlowModel, adapters: TrainedWeights, opt: torch.optim.Opti
     row0 .. row0 + len(x0) are this rank's), and each sample's loss is weighed by 1 / (its group's
     global size x timesteps), so the summed gradients equal a one-process run's. `sigmas` are the
     rollout's flow times at the full step budget, `iteration` the number of iterations done
-    before this one, `sel` (a Selection) names prompts and seeds in non-finite errors."""
+    before this one, `sel` (a Selection) names prompts and seeds in non-finite errors. Attention runs
+    on the kernels hw.training_attention allows (not cuDNN's, which failed FLUX.1's update on an H200)."""
+    with training_attention():
+        return _nft_update(model, adapters, opt, batch, c, dist, autocast)
+
+
+def _nft_update(model: FlowModel, adapters: TrainedWeights, opt: torch.optim.Optimizer, batch: UpdateBatch,
+                c: NFTSettings, dist: Dist, autocast: Callable[[], contextlib.AbstractContextManager]
+                ) -> dict[str, float]:  # fmt: skip
     x0, cond, adv, gen, sel = batch.x0, batch.cond, batch.adv, batch.gen, batch.sel
     b_global, row0, iteration = batch.b_global, batch.row0, batch.iteration
     sig, device = batch.sigmas, x0.device  # the rollout times, t in (0, 1]
