@@ -26,9 +26,9 @@ def _args(small_model: str, out: Path, dtype: torch.dtype, mode: str = "lora") -
             "lora_alpha=8", "lr=1e-2", "rollout_batch_size=16", "train_batch_size=4",
             "timestep_fraction=0.5", "explore_precision=nvfp4", "updates_per_iter=2",
             "eval_train_prompt_count=3", f"policy_dtype={str(dtype).removeprefix('torch.')}"]  # fmt: skip
-    if mode == "full":  # every weight trained (rl/full.py), at a full fine-tuning's learning rate
+    if mode in ("full", "full-fsdp"):  # every weight trained (rl/full.py), at a full fine-tuning's learning rate
         sets += ["train_mode=full", "lr=1e-3"]
-    if mode == "fsdp":  # the base weights FSDP2-sharded over the ranks (rl/sharding.py); one process: same paths
+    if mode in ("fsdp", "full-fsdp"):  # FSDP2-sharded over the ranks (rl/sharding.py); one process: same paths
         sets += ["sharding=fsdp"]
     args = ["train", str(ROOT / "configs/tiny.py:tiny_sol_rl_shapes"), "--output", str(out)]
     for s in sets:
@@ -37,14 +37,16 @@ def _args(small_model: str, out: Path, dtype: torch.dtype, mode: str = "lora") -
 
 
 @pytest.mark.parametrize(("dtype", "mode"), [(torch.float32, "lora"), (torch.bfloat16, "lora"),
-                                             (torch.float32, "full"), (torch.float32, "fsdp")],
-                         ids=["fp32", "bf16", "full-fp32", "fsdp-fp32"])  # fmt: skip
+                                             (torch.float32, "full"), (torch.float32, "fsdp"),
+                                             (torch.float32, "full-fsdp")],
+                         ids=["fp32", "bf16", "full-fp32", "fsdp-fp32", "full-fsdp-fp32"])  # fmt: skip
 def test_torchrun_two_ranks_match_one_process(small_model, tmp_path, dtype, mode):
     """Both policy dtypes the CPU's detection can pick (set explicitly: the ranks are other processes),
     with tolerances set by the dtype (tests/cpu_branches.py): BF16 sums in another order differ by
     a few of its rounding steps; full fine-tuning (train_mode=full), every weight's gradient summed; and
     sharding=fsdp, the base weights FSDP2-sharded (each rank holds half; its micro-batch counts differ and are
-    padded, the end-of-run picture is sampled on both ranks)."""
+    padded, the end-of-run picture is sampled on both ranks); and full fine-tuning sharded (every weight, its
+    gradients reduce-scattered and summed, AdamW's state and the old / reference / EMA sets in shards)."""
     one, two = tmp_path / "one", tmp_path / "two"
     tol = tolerance(dtype)
     assert main(_args(small_model, one, dtype, mode)) == 0
@@ -54,8 +56,9 @@ def test_torchrun_two_ranks_match_one_process(small_model, tmp_path, dtype, mode
            *_args(small_model, two, dtype, mode)]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-4000:]
-    if mode == "fsdp":  # what ran: every rank holds half of the base weights
-        held = re.findall(r"sharding=fsdp: 1 blocks over 2 ranks; this rank holds ([\d.]+) of ([\d.]+) MiB", out.stderr)
+    if mode in ("fsdp", "full-fsdp"):  # what ran: every rank holds half of the base (or trained) weights
+        held = re.findall(r"sharding=fsdp: 1 blocks over 2 ranks; this rank holds ([\d.]+) of ([\d.]+) MiB of "
+                          + ("trained" if mode == "full-fsdp" else "base"), out.stderr)
         assert len(held) == 2 and all(float(a) < 0.6 * float(b) for a, b in held), out.stderr[-2000:]
     assert not (two / ".solrl.lock").exists()  # rank 0 held the run's lock for the job, and let it go
     # writing the LoRA imports SD3's pipeline, whose SigLIP processor transformers warns about without
@@ -74,9 +77,7 @@ def test_torchrun_two_ranks_match_one_process(small_model, tmp_path, dtype, mode
     assert b[-1]["train_prompt_reward"] == pytest.approx(a[-1]["train_prompt_reward"], **tol)
     from safetensors.torch import load_file
 
-    files = {"lora": "lora/pytorch_lora_weights.safetensors", "fsdp": "lora/pytorch_lora_weights.safetensors",
-             "full": "transformer/diffusion_pytorch_model.safetensors"}
-    name = files[mode]
+    name = FILES[mode]
     wa, wb = load_file(one / name), load_file(two / name)
     assert wa.keys() == wb.keys()
     for k in wa:
@@ -87,20 +88,29 @@ def test_torchrun_two_ranks_match_one_process(small_model, tmp_path, dtype, mode
             assert (wb[k] - wa[k]).norm() <= 5e-2 * wa[k].norm(), k
 
 
+FILES = {"lora": "lora/pytorch_lora_weights.safetensors", "fsdp": "lora/pytorch_lora_weights.safetensors",
+         "full": "transformer/diffusion_pytorch_model.safetensors",
+         "full-fsdp": "transformer/diffusion_pytorch_model.safetensors"}  # what each mode exports
+
+
 def _torchrun(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "-m", "solrl_engine.cli", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=cwd)
 
 
-@pytest.mark.parametrize(("first", "mode"), [(2, "lora"), (1, "lora"), (2, "fsdp"), (1, "fsdp")],
-                         ids=["2-then-1", "1-then-2", "fsdp-2-then-1", "fsdp-1-then-2"])  # fmt: skip
+@pytest.mark.parametrize(("first", "mode"), [(2, "lora"), (1, "lora"), (2, "fsdp"), (1, "fsdp"), (2, "full-fsdp"),
+                                            (1, "full-fsdp")],
+                         ids=["2-then-1", "1-then-2", "fsdp-2-then-1", "fsdp-1-then-2", "full-fsdp-2-then-1",
+                              "full-fsdp-1-then-2"])  # fmt: skip
 def test_a_checkpoint_resumes_on_another_number_of_ranks(small_model, tmp_path, first, mode):
     """A run checkpointed at iteration 1 by `first` processes resumes on the other count and ends with the
     metrics and adapter of a one-process run that never stopped (the run depends on `seed`, not on the
     world size; the checkpoint holds the global state: rank 0 writes it, every rank reads it). Sharded
-    (sharding=fsdp) too: the adapters are whole on every rank, so its checkpoint is the same format. (Not
-    across sharding settings: a sharded policy samples unmerged, an unsharded one through a merged copy.)"""
+    (sharding=fsdp) too: the adapters are whole on every rank, so its checkpoint is the same format; and sharded
+    full fine-tuning, whose ranks gather every weight set and AdamW's state whole for rank 0 to write, and each
+    cut its own shard on resume. (Not across sharding settings: a sharded LoRA policy samples unmerged, an
+    unsharded one through a merged copy.)"""
     whole, split = tmp_path / "whole", tmp_path / "split"
     assert main(_args(small_model, whole, torch.float32, mode)) == 0
     part = _args(small_model, split, torch.float32, mode) + ["--set", "iterations=1"]
@@ -122,8 +132,7 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks(small_model, tmp_path, 
     assert b[-1]["heldout_reward"] == pytest.approx(a[-1]["heldout_reward"], **tol)
     from safetensors.torch import load_file
 
-    wa = load_file(whole / "lora/pytorch_lora_weights.safetensors")
-    wb = load_file(split / "lora/pytorch_lora_weights.safetensors")
+    wa, wb = load_file(whole / FILES[mode]), load_file(split / FILES[mode])
     assert wa.keys() == wb.keys()
     for k in wa:
         torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=1e-6)
@@ -134,11 +143,10 @@ def test_the_config_refuses_what_a_sharded_run_cannot_do():
 
     with pytest.raises(ConfigError, match="sharding.*none.*fsdp"):
         RLConfig(model="tiny", sharding="zero3").validate()
-    with pytest.raises(ConfigError, match="sharding.*full fine-tuning is not sharded yet"):
-        RLConfig(model="tiny", sharding="fsdp", train_mode="full").validate()
     with pytest.raises(ConfigError, match="family.*sharded policy.*sol_rl or naive_scaling"):
         RLConfig(model="tiny", sharding="fsdp", family="compile").validate()
     RLConfig(model="tiny", sharding="fsdp").validate()  # LoRA, sol_rl: accepted
+    RLConfig(model="tiny", sharding="fsdp", train_mode="full").validate()  # full fine-tuning sharded: accepted
 
 
 def test_a_sharded_model_without_repeated_blocks_is_refused_with_the_fix():

@@ -84,7 +84,9 @@ def test_a_plan_that_cannot_fit_says_what_to_change():
     tips = plan.advice()
     assert any("gradient_checkpointing=true" in t for t in tips)
     assert any("train_mode=lora" in t for t in tips)
-    assert "more GPUs do not help full fine-tuning yet" in tips[-1]
+    assert "more GPUs shard every weight and its optimizer state (sharding=fsdp)" in tips[-1]
+    assert plan.sharded_peak_gib is not None and plan.sharded_peak_gib < plan.peak_gib
+    assert any(t.startswith("--set sharding=fsdp under torchrun (every weight") for t in tips)
     text = plan.render()
     assert "DOES NOT FIT" in text and "8 GPUs of 0.02 GiB" in text
 
@@ -112,6 +114,24 @@ def test_a_sharded_lora_plan_splits_the_base_weights_and_keeps_no_merged_copy():
     tight = memplan.memory_plan(RLConfig(**cfg), gpus=4, gpu_gib=plain.peak_gib / 0.9 * 0.9999)
     assert not tight.fits and tight.sharded_peak_gib == pytest.approx(shard.peak_gib)
     assert any(t.startswith("--set sharding=fsdp under torchrun") for t in tight.advice())
+
+def test_a_sharded_full_fine_tuning_plan_divides_every_trained_tensor():
+    """train_mode=full with sharding=fsdp: the trained weights, old + EMA, AdamW, gradients, the stash and the
+    reference are 1/gpus per GPU; blocks are gathered in FP32; at start each rank holds the whole FP32 upcast."""
+    from solrl_engine.models.tiny.model import load_tiny
+
+    params = sum(p.numel() for p in load_tiny().transformer.parameters())
+    cfg = {"name": "t", "model": "tiny", "policy_dtype": "bfloat16", "train_mode": "full"}
+    plain = memplan.memory_plan(RLConfig(**cfg), gpus=4)
+    shard = memplan.memory_plan(RLConfig(**cfg, sharding="fsdp"), gpus=4)
+    rows, prow = {r.part: r for r in shard.rows}, {r.part: r for r in plain.rows}
+    for part in ("trained weights", "old + EMA policies", "AdamW state", "gradients", "transformer (base)"):
+        assert rows[part].gib == pytest.approx(prow[part].gib / 4), part
+    assert rows["trained weights' stash"].gib == pytest.approx(4 * params / 4 / 2**30)
+    assert rows["trained weights before sharding"].gib == pytest.approx(4 * params * 3 / 4 / 2**30)
+    assert "gradient all-reduce" in prow and "gradient all-reduce" not in rows
+    assert shard.peak_gib < plain.peak_gib and plain.sharded_peak_gib == pytest.approx(shard.peak_gib)
+
 
 def test_the_trainer_refuses_a_plan_that_cannot_fit_before_any_weight_loads(monkeypatch, tmp_path):
     from solrl_engine.rl import trainer as trainer_mod

@@ -135,8 +135,9 @@ class RLConfig:
     lora_alpha: int = 64
     lora_targets: tuple[str, ...] | None = None  # None: the model's default LoRA targets
     merge_lora: bool = True
-    # under torchrun: "fsdp" shards the policy's frozen base weights over the ranks with FSDP2 (fully_shard per
-    # repeated block); the LoRA adapters stay whole on every rank (docs/scale.md)
+    # under torchrun: "fsdp" shards the policy over the ranks with FSDP2 (fully_shard per repeated block): a LoRA
+    # run's frozen base weights (the adapters stay whole on every rank), or every weight of a full fine-tuning
+    # run with its optimizer state and weight sets (docs/scale.md)
     sharding: str = "none"
     lr: float = 3e-4
     weight_decay: float = 1e-4
@@ -302,9 +303,6 @@ class RLConfig:
                                     "no LoRA branch to keep unmerged: leave merge_lora at true")
         if self.sharding not in SHARDING:
             raise bad("sharding", f"choose one of {SHARDING} (fsdp: the base weights sharded over torchrun's ranks)")
-        if self.sharding == "fsdp" and self.train_mode == "full":
-            raise bad("sharding", "sharding=fsdp shards LoRA runs' frozen base weights; full fine-tuning is not "
-                                  "sharded yet (docs/scale.md): use train_mode=lora, or sharding=none")
         if self.sharding == "fsdp" and FAMILY_TABLE[self.family].compiled:
             raise bad("family", "the compile family samples the policy through captured graphs; a sharded policy "
                                 "gathers its weights block by block inside each forward, so it samples eagerly: "

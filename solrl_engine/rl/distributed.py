@@ -71,8 +71,14 @@ class Dist:
         return x
 
     def sum_grads_(self, params: list[torch.nn.Parameter]) -> None:
-        """Sum the gradients of `params` over ranks, flattened into one collective."""
+        """Sum the gradients of `params` over ranks, flattened into one collective; sharded (DTensor) parameters are
+        left out: FSDP2 already reduce-scattered theirs (rl/sharding.py)."""
         if self.world == 1:
+            return
+        from torch.distributed.tensor import DTensor
+
+        params = [p for p in params if not isinstance(p, DTensor)]
+        if not params:
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = self.sum_(torch.cat([g.flatten().float() for g in grads]))

@@ -72,7 +72,7 @@ FULL_WEIGHT_NAME = "diffusion_pytorch_model.safetensors"  # what a diffusers mod
 
 def save_full(
     weights: FullWeights, directory: str | Path, pipeline_class: str, ema: bool = False,
-    extra: dict[str, str] | None = None,
+    extra: dict[str, str] | None = None, write: bool = True,
 ) -> Path:
     """Write the fully fine-tuned transformer (or its EMA) as a diffusers model directory, in the dtype its
     base weights were loaded in (what a user samples with), sealed like an adapter:
@@ -80,21 +80,18 @@ def save_full(
         transformer = SD3Transformer2DModel.from_pretrained("runs/mine/transformer_ema", torch_dtype=torch.bfloat16)
         pipe = StableDiffusion3Pipeline.from_pretrained(BASE, transformer=transformer)
 
-    `pipeline_class` is accepted for the same call as `save_lora` (the directory is the transformer alone)."""
+    `pipeline_class` is accepted for the same call as `save_lora` (the directory is the transformer alone).
+    Sharded (`weights.collective_io`), every rank calls it to gather the weights and only `write` ones write."""
     from safetensors.torch import save_file
-
-    from solrl_engine.rl.full import REF
 
     del pipeline_class
     directory = Path(directory)
+    state = weights.export_state(ema=ema)
+    if not write:
+        return directory
     tmp = directory.with_name(f".tmp_{directory.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    dtypes = {n: t.dtype for n, t in weights.merged_weights(REF).items()}
-    ctx = weights.ema_weights() if ema else weights.using(TRAIN)
-    with ctx:
-        state = {k: v.detach().to("cpu", dtypes.get(k, v.dtype)).contiguous().clone()
-                 for k, v in weights.transformer.state_dict().items()}  # fmt: skip
     save_file(state, str(tmp / FULL_WEIGHT_NAME), metadata={"format": "pt"})
     weights.transformer.save_config(tmp)
     for name, text in (extra or {}).items():
@@ -108,11 +105,13 @@ def save_full(
 
 def save_trained(
     weights: TrainedWeights, directory: str | Path, pipeline_class: str, ema: bool = False,
-    extra: dict[str, str] | None = None,
+    extra: dict[str, str] | None = None, write: bool = True,
 ) -> Path:
-    """The run's trained weights as the stock pipeline loads them: a LoRA directory, or a whole transformer."""
-    save = save_full if weights.kind == "full" else save_lora
-    return save(weights, directory, pipeline_class, ema=ema, extra=extra)  # type: ignore[arg-type]
+    """The run's trained weights as the stock pipeline loads them: a LoRA directory, or a whole transformer.
+    Where saving gathers (`weights.collective_io`) every rank calls it, and those with `write` write."""
+    if weights.kind == "full":
+        return save_full(weights, directory, pipeline_class, ema=ema, extra=extra, write=write)  # type: ignore[arg-type]
+    return save_lora(weights, directory, pipeline_class, ema=ema, extra=extra) if write else Path(directory)
 
 
 def is_full_export(directory: str | Path) -> bool:

@@ -10,7 +10,10 @@ same four policies LoRA training has, held as whole weight sets instead of adapt
 - an FP32 EMA of the trained weights, evaluated and exported.
 
 Switching policy swaps each parameter's storage (`param.data`), never copies: the transformer computes with
-whichever set is active. Per parameter that is 4 (trained) + 4 (old) + 4 (EMA) + 2 (reference, BF16) bytes,
+whichever set is active. Under `sharding=fsdp` (`shard`) every set is this rank's shard of each weight, and
+switching copies into the parameters' own shards (FSDP2 gathers from its own storage, so a swapped `.data` would
+never be seen); the trained set waits in a stash meanwhile (4 more bytes per weight, over the ranks).
+Per parameter that is 4 (trained) + 4 (old) + 4 (EMA) + 2 (reference, BF16) bytes,
 plus AdamW's 8: 22 bytes against LoRA's 2 (docs/full-fine-tuning.md).
 
 `FullWeights` presents what the trainer, the held-out evaluation and the explore copy use of
@@ -36,7 +39,9 @@ class FullWeights(PolicySets):
 
     kind = "full"
 
-    def __init__(self, transformer: nn.Module) -> None:
+    def __init__(self, transformer: nn.Module, sharded: bool = False) -> None:
+        """`sharded` (sharding=fsdp): only the FP32 trained weights are made now, in place of the loaded base (what
+        gets sharded); the other sets are made as shards by `shard`, so no rank ever holds them whole."""
         self.transformer = transformer
         named = list(transformer.named_parameters())
         if not named:
@@ -45,17 +50,43 @@ class FullWeights(PolicySets):
         self._params = [p for _, p in named]
         # the modules owning parameters, by name: what the explore copy must have a counterpart of
         self.layers = {n: m for n, m in transformer.named_modules() if any(True for _ in m.parameters(recurse=False))}
+        self._ref_dtypes = [p.dtype for p in self._params]
         with torch.no_grad():
-            ref = [p.data for p in self._params]  # the loaded base, as it is (no copy)
-            train = [t.float().clone() if t.dtype == torch.float32 else t.float() for t in ref]
-            self._sets: dict[str, list[torch.Tensor]] = {
-                TRAIN: train,
-                OLD: [t.clone() for t in train],
-                REF: ref,
-            }
-        self.ema = [t.clone() for t in train]
+            if sharded:  # the base is upcast in place, one weight at a time; `shard` makes the rest
+                for p in self._params:
+                    p.data = p.data.float()
+                self._sets: dict[str, list[torch.Tensor]] = {TRAIN: [p.data for p in self._params]}
+                self.ema = []
+            else:
+                ref = [p.data for p in self._params]  # the loaded base, as it is (no copy)
+                train = [t.float().clone() if t.dtype == torch.float32 else t.float() for t in ref]
+                self._sets = {TRAIN: train, OLD: [t.clone() for t in train], REF: ref}
+                self.ema = [t.clone() for t in train]
+        self._copying = False  # sharding=fsdp (`shard`): switching copies into the parameters' shards
+        self._stash: list[torch.Tensor] = []
         self._active = ""
         self.use(TRAIN)
+
+    @property
+    def collective_io(self) -> bool:  # type: ignore[override]
+        """Sharded: saving gathers every weight, so every rank calls it (rank 0 alone writes)."""
+        return self._copying
+
+    @torch.no_grad()
+    def shard(self) -> None:
+        """After the transformer's FP32 trained weights were sharded (rl/sharding.py): the old, reference and EMA
+        sets are made as this rank's shards of each weight (from the trained ones, as at start: the reference is
+        the base, whose FP32 upcast is exact), and switching copies. One process takes the same path, whole."""
+        named = list(self.transformer.named_parameters())
+        if [n for n, _ in named] != self._names:
+            raise RuntimeError("sharding changed the transformer's parameter names")
+        self._params = [p for _, p in named]
+        live = [_local(p) for p in self._params]
+        self._sets = {TRAIN: live, OLD: [t.clone() for t in live],
+                      REF: [t.to(d) for t, d in zip(live, self._ref_dtypes, strict=True)]}  # fmt: skip
+        self.ema = [t.clone() for t in live]
+        self._stash = [torch.empty_like(t) for t in live]
+        self._copying, self._active = True, TRAIN
 
     def params(self, which: str) -> list[nn.Parameter] | list[torch.Tensor]:
         """The trained parameters (TRAIN: what the optimizer steps) or the old policy's tensors (OLD)."""
@@ -67,21 +98,29 @@ class FullWeights(PolicySets):
         """The parameters' names, in the order of `params`."""
         return list(self._names)
 
-    def _point(self, tensors: list[torch.Tensor]) -> None:
-        for p, t in zip(self._params, tensors, strict=True):
-            p.data = t
+    @torch.no_grad()
+    def _show(self, which: str, tensors: list[torch.Tensor]) -> None:
+        """Make `tensors` (the set `which`) what the transformer computes with."""
+        if not self._copying:
+            for p, t in zip(self._params, tensors, strict=True):
+                p.data = t
+        elif which != self._active:
+            live = self._sets[TRAIN]
+            if self._active == TRAIN:  # the trained weights wait in the stash
+                torch._foreach_copy_(self._stash, live)
+            torch._foreach_copy_(live, self._stash if which == TRAIN else tensors)
+        self._active = which
 
     def use(self, which: str) -> None:
         """Activate "default" (trained, takes gradients), "old" or "ref" (the frozen base)."""
         if which not in self._sets:
             raise ValueError(f"unknown weight set {which!r}: one of {sorted(self._sets)}")
-        self._point(self._sets[which])
+        self._show(which, self._sets[which])
         for p in self._params:
             p.requires_grad_(which == TRAIN)
-        self._active = which
 
     def _trained(self) -> list[torch.Tensor]:
-        return self._sets[TRAIN]
+        return self._stash if self._copying and self._active != TRAIN else self._sets[TRAIN]
 
     def _old(self) -> list[torch.Tensor]:
         return self._sets[OLD]
@@ -89,7 +128,7 @@ class FullWeights(PolicySets):
     @contextlib.contextmanager
     def ema_weights(self) -> Iterator[None]:
         """The EMA weights active (for evaluation and export); the trained ones back afterwards."""
-        self._point(self.ema)
+        self._show(EMA, self.ema)
         for p in self._params:
             p.requires_grad_(False)
         try:
@@ -101,8 +140,20 @@ class FullWeights(PolicySets):
     def merged_weights(self, adapter: str = OLD) -> dict[str, torch.Tensor]:
         """{"<parameter name>": tensor} of a weight set (default: the old policy's): every parameter, so a
         refreshed explore copy holds the whole old policy, not only some layers."""
-        tensors = self.ema if adapter == EMA else self._sets[adapter]
-        return dict(zip(self._names, tensors, strict=True))
+        tensors = self.ema if adapter == EMA else self._trained() if adapter == TRAIN else self._sets[adapter]
+        return {n: _whole(p, t) for n, p, t in zip(self._names, self._params, tensors, strict=True)}
+
+    @torch.no_grad()
+    def export_state(self, ema: bool = False) -> dict[str, torch.Tensor]:
+        """The transformer's state dict with the trained (or EMA) weights, whole, on the CPU, in the dtypes the base
+        was loaded in: what an export writes. Under sharding, a collective: every rank calls it."""
+        tensors = self.ema if ema else self._trained()
+        params = {n: _whole(p, t).to("cpu", d) for n, p, t, d in
+                  zip(self._names, self._params, tensors, self._ref_dtypes, strict=True)}  # fmt: skip
+        buffers = {f"{m_name}.{b_name}".lstrip("."): b.detach().cpu()
+                   for m_name, m in self.transformer.named_modules() for b_name, b in m.named_buffers(recurse=False)
+                   if b is not None and b_name not in m._non_persistent_buffers_set}  # as state_dict() has them
+        return {k: v.contiguous().clone() for k, v in (params | buffers).items()}
 
     def side_branch(self, name: str, adapter: str = OLD) -> tuple[torch.Tensor, torch.Tensor, float]:
         raise ValueError("full fine-tuning has no LoRA branch to add to the explore copy: it always refreshes the "
@@ -110,18 +161,14 @@ class FullWeights(PolicySets):
 
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
         """The trained, old and EMA weight sets by parameter name (the reference is the base model's weights)."""
-        named = self._names
-        return {
-            TRAIN: {n: t.detach().cpu().clone() for n, t in zip(named, self._sets[TRAIN], strict=True)},
-            OLD: {n: t.detach().cpu().clone() for n, t in zip(named, self._sets[OLD], strict=True)},
-            EMA: {n: t.cpu().clone() for n, t in zip(named, self.ema, strict=True)},
-        }
+        sets = ((TRAIN, self._trained()), (OLD, self._sets[OLD]), (EMA, self.ema))  # whole, gathered if sharded
+        return {key: {n: _whole(p, t).detach().cpu().clone() for n, p, t in
+                      zip(self._names, self._params, tensors, strict=True)} for key, tensors in sets}  # fmt: skip
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
         """Check every name and shape first, then copy (a mismatched checkpoint changes nothing)."""
-        groups = ((TRAIN, self._sets[TRAIN]), (OLD, self._sets[OLD]), (EMA, self.ema))
-        for key, tensors in groups:
+        for key in (TRAIN, OLD, EMA):
             got = state.get(key)
             if got is None or set(got) != set(self._names):
                 have = set(got or {})
@@ -130,13 +177,71 @@ class FullWeights(PolicySets):
                     f"checkpoint's {key} weights do not match the transformer's parameters: missing {missing[:3]}, "
                     f"unexpected {extra[:3]} (was it written by a LoRA run, train_mode=lora, or another model?)"
                 )
-            for n, t in zip(self._names, tensors, strict=True):
-                if got[n].shape != t.shape:
-                    raise ValueError(f"checkpoint's {key} {n} has shape {tuple(got[n].shape)}, the model "
-                                     f"{tuple(t.shape)}")  # fmt: skip
-        for key, tensors in groups:
-            for n, t in zip(self._names, tensors, strict=True):
-                t.copy_(state[key][n])
+            for n, p in zip(self._names, self._params, strict=True):
+                if tuple(state[key][n].shape) != tuple(p.shape):
+                    raise ValueError(f"checkpoint's {key} {n} has shape {tuple(state[key][n].shape)}, the model "
+                                     f"{tuple(p.shape)}")  # fmt: skip
+        for key, tensors in ((TRAIN, self._trained()), (OLD, self._sets[OLD]), (EMA, self.ema)):
+            for n, p, t in zip(self._names, self._params, tensors, strict=True):
+                t.copy_(shard_of(p, state[key][n]))
+
+    @torch.no_grad()
+    def optimizer_state(self, opt: torch.optim.Optimizer) -> dict:
+        """`opt.state_dict()` with every sharded tensor gathered whole (a collective under sharding): a checkpoint
+        that resumes on any number of ranks. Keyed by parameter index, in `names` order, as unsharded."""
+        sd = opt.state_dict()
+        return {"state": {k: {n: _whole(v, v) for n, v in st.items()} for k, st in sd["state"].items()},
+                "param_groups": sd["param_groups"]}  # fmt: skip
+
+    def load_optimizer_state(self, opt: torch.optim.Optimizer, sd: dict) -> None:
+        """`optimizer_state`'s dict into `opt`, each whole tensor cut to this rank's shard of its parameter."""
+        params = self._params
+        state = {int(k): {n: _shard_as(params[int(k)], v) for n, v in st.items()} for k, st in sd["state"].items()}
+        opt.load_state_dict({"state": state, "param_groups": sd["param_groups"]})
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a sharded (DTensor) parameter, the storage FSDP2 gathers from; else its data."""
+    from torch.distributed.tensor import DTensor
+
+    return p.to_local() if isinstance(p, DTensor) else p.data
+
+
+def _whole(p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """`t`, this rank's shard of `p` (or a DTensor itself), gathered whole (a collective); a plain `t` as it is."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        return t.full_tensor()
+    if isinstance(p, DTensor):
+        return DTensor.from_local(t, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor()
+    return t
+
+
+def shard_of(p: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a whole tensor shaped as the sharded parameter `p` (FSDP2 shards dim 0 as
+    torch.chunk does); `full` itself for an unsharded `p`."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(p, DTensor):
+        return full
+    mesh = p.device_mesh
+    chunks, r = full.chunk(mesh.size(), 0), mesh.get_local_rank()
+    part = chunks[r] if r < len(chunks) else full[:0]
+    if tuple(part.shape) != tuple(p.to_local().shape):
+        raise RuntimeError(f"shard {tuple(part.shape)} of a {tuple(full.shape)} tensor does not match this rank's "
+                           f"{tuple(p.to_local().shape)}: not a dim-0 FSDP2 shard")  # fmt: skip
+    return part
+
+
+def _shard_as(p: torch.Tensor, v: object) -> object:
+    """An optimizer state value for `p`: a whole tensor shaped as `p` becomes a DTensor of this rank's shard."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(p, DTensor) or not torch.is_tensor(v) or tuple(v.shape) != tuple(p.shape):
+        return v
+    return DTensor.from_local(shard_of(p, v).clone().to(p.device), p.device_mesh, p.placements, shape=p.shape,
+                              stride=p.stride())  # fmt: skip
 
 
 TrainedWeights = LoraAdapters | FullWeights  # what a run trains (train_mode lora or full), one interface

@@ -145,9 +145,10 @@ class HeldOut:
         mean, best_dir = rewards.mean().item(), self.best_dir
         if self.best is None or mean > self.best[1].mean().item():
             self.best = (iteration, rewards.clone())
-            if iteration > 0 and self.dist.main:  # at 0 the best is the base model: nothing to export
+            if iteration > 0 and (self.dist.main or self.adapters.collective_io):  # at 0 the best is the base model
                 info = {checkpoint.BEST_INFO: json.dumps({"iteration": iteration, "heldout_reward": mean})}
-                save_trained(self.adapters, best_dir, self.rollouts.spec.pipeline, ema=True, extra=info)
+                save_trained(self.adapters, best_dir, self.rollouts.spec.pipeline, ema=True, extra=info,
+                             write=self.dist.main)  # fmt: skip
             return
         it, best_rewards = self.best
         gain, se = mean_stderr(rewards - best_rewards)

@@ -14,9 +14,11 @@ backward) on fake tensors under torch's MemTracker. Text encoders and the VAE ar
 (models/*.py). The trainer checks the plan at start on a GPU and refuses one that cannot fit, before any weight
 loads (`memory_check=false` starts anyway).
 
-Every rank of a torchrun job holds all of this unless `sharding=fsdp` (LoRA runs): then the frozen base weights
+Every rank of a torchrun job holds all of this unless `sharding=fsdp`: then a LoRA run's frozen base weights
 are 1/gpus per rank, plus the two largest repeated blocks gathered at a time, and no merged policy copy is kept;
-the explore copy and the adapters stay whole on every rank. Full fine-tuning is not sharded yet.
+the explore copy and the adapters stay whole on every rank. Full fine-tuning sharded divides every trained
+tensor (weights, old, EMA, the stash, AdamW's moments, gradients) and the reference by the GPUs, and gathers
+its blocks in FP32; at start each rank upcasts the whole base to FP32 before sharding it.
 """
 
 from __future__ import annotations
@@ -66,8 +68,8 @@ class MemoryPlan:
     # the update's activations both ways, whichever the config uses ("gradient_checkpointing", "without")
     update_activations_gib: dict[str, float] = field(default_factory=dict)
     lora_peak_gib: float | None = None  # a full fine-tuning plan's peak as LoRA instead
-    sharding: str = "none"  # the config's: "fsdp" shards a LoRA run's base weights over the GPUs
-    sharded_peak_gib: float | None = None  # an unsharded LoRA plan's peak with sharding=fsdp on these GPUs
+    sharding: str = "none"  # the config's: "fsdp" shards a LoRA run's base weights (full: every weight) over the GPUs
+    sharded_peak_gib: float | None = None  # an unsharded plan's peak with sharding=fsdp on these GPUs
 
     def total(self, when: str) -> float:
         return sum(r.gib for r in self.rows if r.when == "always") + sum(r.gib for r in self.rows if r.when == when)
@@ -117,13 +119,14 @@ class MemoryPlan:
             tip = f"--set train_mode=lora (peak {self.peak_gib:.2f} -> {self.lora_peak_gib:.2f} GiB)"
             out.append((self.peak_gib - self.lora_peak_gib, tip))
         if self.sharded_peak_gib is not None and self.sharded_peak_gib < self.peak_gib:
-            tip = (f"--set sharding=fsdp under torchrun (the base weights over the {self.gpus} GPUs: peak "
+            what = "the base weights" if self.train_mode == "lora" else "every weight and its optimizer state"
+            tip = (f"--set sharding=fsdp under torchrun ({what} over the {self.gpus} GPUs: peak "
                    f"{self.peak_gib:.2f} -> {self.sharded_peak_gib:.2f} GiB)")  # fmt: skip
             out.append((self.peak_gib - self.sharded_peak_gib, tip))
         out.sort(key=lambda x: -x[0])
         tips = [t for _, t in out]
         more = ("more GPUs shard only the base weights (sharding=fsdp)" if self.train_mode == "lora"
-                else "more GPUs do not help full fine-tuning yet: each rank holds all of this (not sharded)")
+                else "more GPUs shard every weight and its optimizer state (sharding=fsdp)")
         tips.append(f"a GPU with more memory (this plan peaks at {self.peak_gib:.2f} GiB against {HEADROOM:.0%} of "
                     f"{self.gpu_gib:g} GiB); {more}")  # fmt: skip
         return tips
@@ -347,25 +350,40 @@ def memory_plan(cfg: RLConfig, gpus: int = 1, gpu_gib: float = 80.0) -> MemoryPl
     def rows_for(mode: str, sharded: bool) -> list[PlanRow]:
         full = mode == "full"
         trained = params if full else lora
-        what = f"{trained / 1e6:.1f}M {'weights' if full else 'LoRA parameters'} in FP32"
-        base = (PlanRow("transformer (base)", params * b / gpus / GIB, "always",
-                        f"frozen, FSDP2-sharded over {gpus} GPUs; LoRA on top, whole") if sharded
-                else PlanRow("transformer (base)", params * b / GIB, "always",
-                             "the reference policy: the base as loaded" if full else "frozen; LoRA on top"))
+        split = gpus if full and sharded else 1  # sharded full fine-tuning: every trained tensor over the GPUs
+        per = f", this GPU's 1/{split}" if split > 1 else ""
+        what = f"{trained / 1e6:.1f}M {'weights' if full else 'LoRA parameters'} in FP32{per}"
+        if sharded:
+            base = PlanRow("transformer (base)", params * b / gpus / GIB, "always",
+                           f"the reference policy: the base as loaded, FSDP2-sharded over {gpus} GPUs" if full
+                           else f"frozen, FSDP2-sharded over {gpus} GPUs; LoRA on top, whole")  # fmt: skip
+        else:
+            base = PlanRow("transformer (base)", params * b / GIB, "always",
+                           "the reference policy: the base as loaded" if full else "frozen; LoRA on top")
         rows = [base,
-                PlanRow("trained weights", 4 * trained / GIB, "always", what),
-                PlanRow("old + EMA policies", 8 * trained / GIB, "always", "FP32 copies of the trained weights"),
-                PlanRow("AdamW state", 8 * trained / GIB, "always", "two FP32 moments"),
-                PlanRow("gradients", 4 * trained / GIB, "update", "FP32"),
-                PlanRow("optimizer step", 4 * trained / GIB, "update", "AdamW's (foreach) temporaries")]  # fmt: skip
+                PlanRow("trained weights", 4 * trained / split / GIB, "always", what),
+                PlanRow("old + EMA policies", 8 * trained / split / GIB, "always",
+                        f"FP32 copies of the trained weights{per}"),
+                PlanRow("AdamW state", 8 * trained / split / GIB, "always", f"two FP32 moments{per}"),
+                PlanRow("gradients", 4 * trained / split / GIB, "update", f"FP32{per}"),
+                PlanRow("optimizer step", 4 * trained / split / GIB, "update",
+                        "AdamW's (foreach) temporaries")]  # fmt: skip
+        if full and sharded:
+            rows.append(PlanRow("trained weights' stash", 4 * trained / split / GIB, "always",
+                                "the trained shard, kept while the old, reference or EMA set computes"))  # fmt: skip
         if full and b < 4:
-            rows.append(PlanRow("BF16 casts of the weights", 2 * params / GIB, "update",
-                                "autocast keeps one per FP32 trained weight through the update's forward"))  # fmt: skip
-        if gpus > 1:
+            why = ("autocast's, of the gathered blocks" if sharded
+                   else "autocast keeps one per FP32 trained weight through the update's forward")
+            rows.append(PlanRow("BF16 casts of the weights", 2 * (gathered if sharded else params) / GIB, "update",
+                                why))  # fmt: skip
+        if gpus > 1 and split == 1:
             rows.append(PlanRow("gradient all-reduce", 4 * trained / GIB, "update", "one flat FP32 buffer"))
+        elif gpus > 1:
+            rows.append(PlanRow("gradient reduce-scatter", 4 * (sizes[0] if sizes else 0) / GIB, "update",
+                                "the largest block's FP32 gradients whole, before FSDP2 scatters them"))  # fmt: skip
         copy_gib = 0.0
         if sharded and gpus > 1:
-            rows.append(PlanRow("gathered blocks", gathered * b / GIB, "always",
+            rows.append(PlanRow("gathered blocks", gathered * (4 if full else b) / GIB, "always",
                                 "the largest two repeated blocks whole (one computing, the next gathered)"))
         if copy is not None:
             stored, unquantized, n_q, how = copy
@@ -382,8 +400,10 @@ def memory_plan(cfg: RLConfig, gpus: int = 1, gpu_gib: float = 80.0) -> MemoryPl
             rows.append(PlanRow("explore copy, being built", max(0.0, params * b - copy_gib) / GIB, "start",
                                 "the whole transformer copied before it is quantized"))  # fmt: skip
         if sharded and gpus > 1:
-            rows.append(PlanRow("base before sharding", params * b * (1 - 1 / gpus) / GIB, "start",
-                                "each rank loads the whole base, then shards it"))  # fmt: skip
+            rows.append(PlanRow("trained weights before sharding", params * 4 * (1 - 1 / gpus) / GIB, "start",
+                                "each rank upcasts the whole base to FP32, then shards it") if full
+                        else PlanRow("base before sharding", params * b * (1 - 1 / gpus) / GIB, "start",
+                                     "each rank loads the whole base, then shards it"))  # fmt: skip
         ckpt = cfg.gradient_checkpointing
         rows.append(PlanRow("update activations", (act_ckpt if ckpt else act_plain) / GIB, "update",
                             f"train_batch_size {train_bs}" + (", gradient checkpointing" if ckpt else "")))  # fmt: skip
@@ -402,11 +422,12 @@ def memory_plan(cfg: RLConfig, gpus: int = 1, gpu_gib: float = 80.0) -> MemoryPl
         return MemoryPlan(cfg.name, cfg.model, mode, gpus, gpu_gib, params / 1e9, source, rows_for(mode, sharded),
                           sharding="fsdp" if sharded else "none", **more)  # fmt: skip
 
-    sharded = cfg.sharding == "fsdp" and cfg.train_mode == "lora"  # (one GPU: nothing split, no merged copy)
+    sharded = cfg.sharding == "fsdp"  # (one GPU: nothing split, no merged copy)
     lora_peak = plan_for("lora", False).peak_gib if cfg.train_mode == "full" else None
-    could_shard = cfg.train_mode == "lora" and not sharded and gpus > 1 and not FAMILY_TABLE[cfg.family].compiled
+    could_shard = not sharded and gpus > 1 and not FAMILY_TABLE[cfg.family].compiled
+    shard_peak = plan_for(cfg.train_mode, True).peak_gib if could_shard else None
     return plan_for(cfg.train_mode, sharded, train_batch_size=train_bs, rollout_batch_size=roll_bs,
-                    lora_peak_gib=lora_peak, sharded_peak_gib=plan_for("lora", True).peak_gib if could_shard else None,
+                    lora_peak_gib=lora_peak, sharded_peak_gib=shard_peak,
                     update_activations_gib={"gradient_checkpointing": act_ckpt / GIB, "without": act_plain / GIB})
 
 

@@ -1,4 +1,5 @@
-"""FSDP2 sharding of the policy's frozen base weights over torchrun's ranks (`sharding=fsdp`).
+"""FSDP2 sharding of the policy over torchrun's ranks (`sharding=fsdp`): a LoRA run's frozen base weights, or
+(train_mode=full) every trained weight, with its gradients, AdamW state and old / reference / EMA sets.
 
 Why this shape: in a LoRA run the base weights are nearly all of the policy's memory and never change, while
 the adapters (trained, "old", EMA and AdamW's state) are small and switched, averaged and saved every
@@ -7,6 +8,12 @@ iteration. So each repeated block and then the root are `fully_shard`-ed with th
 forward (and again in the backward), while the adapters stay whole on every rank, summed across ranks as in an
 unsharded run, and saved by rank 0 in the same checkpoint format. A checkpoint therefore resumes on any number
 of ranks (with the same `sharding`: a sharded policy samples with its LoRA unmerged, an unsharded one merged).
+
+Full fine-tuning shards every weight instead (no parameter is left out): FSDP2 reduce-scatters the gradients,
+summed (the divide factor 1 and a plain SUM), so each rank steps AdamW on its shard, and rl/full.py keeps its
+old, reference and EMA sets as this rank's shards. Saving gathers every tensor whole, on every rank, and rank 0
+writes the usual checkpoint (so it resumes on any rank count), at the cost of rank 0 holding the whole state in
+CPU memory while it writes: `torch.distributed.checkpoint`'s sharded files are not built.
 
 What it asks of the rest: every forward of the policy is a collective, so every rank runs the same number
 (rl/update.py pads its micro-batches, the end-of-run comparison runs on every rank); the policy samples eagerly
@@ -51,6 +58,9 @@ def shard_policy(transformer: nn.Module, blocks: Sequence[str], keep: Iterable[n
     # the root resharded after each forward too (FSDP2 keeps it gathered by default): rank 0 alone reads the
     # model's state dict for an export, which reshards it there only, and the next forwards would then disagree
     fully_shard(transformer, mesh=mesh, ignored_params=ignored, reshard_after_forward=True)
+    for m in (*found, transformer):  # trained sharded weights (train_mode=full): gradients summed, not averaged,
+        m.set_gradient_divide_factor(1.0)  # as every rank already weighs its samples by the global batch
+        m.set_force_sum_reduction_for_comms(True)  # (a plain SUM: gloo refuses the pre-multiplied one)
     return len(found)
 
 

@@ -111,14 +111,19 @@ class Trainer:
         self.rollouts.sampler.eager_policy = cfg.train_mode == "full" or sharded
         if cfg.gradient_checkpointing:
             self.model.transformer.enable_gradient_checkpointing()
-        self._follow_explore()
+        if lora or not sharded:  # (sharded full fine-tuning has an old set to follow once sharded, below)
+            self._follow_explore()
         if sharded:  # after the explore copy is built from (and attached to) the whole base weights
-            keep = self.adapters.params(TRAIN) + self.adapters.params(OLD)
+            # LoRA: the base sharded, the adapters left whole; full fine-tuning: every (FP32 trained) weight sharded
+            keep = self.adapters.params(TRAIN) + self.adapters.params(OLD) if lora else []
             blocks = shard_policy(self.model.transformer, self.rollouts.spec.repeated_blocks, keep, self.dist,
                                   self.device)  # fmt: skip
+            if not lora:
+                self.adapters.shard()  # its weight sets made as this rank's shards
+                self._follow_explore()  # the explore copy refreshed from them, gathered a weight at a time
             local, full = sharded_bytes(self.model.transformer)
-            log.info("sharding=fsdp: %d blocks over %d ranks; this rank holds %.1f of %.1f MiB of base weights",
-                     blocks, self.dist.world, local / 2**20, full / 2**20)  # fmt: skip
+            log.info("sharding=fsdp: %d blocks over %d ranks; this rank holds %.1f of %.1f MiB of %s weights",
+                     blocks, self.dist.world, local / 2**20, full / 2**20, "base" if lora else "trained")  # fmt: skip
         self.opt = torch.optim.AdamW(self.adapters.params(TRAIN), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.nft = NFTSettings.from_config(cfg)  # what the update reads of the config
         self.prompt_sampler = PromptSampler(self.train_prompts, cfg.seed)
@@ -137,7 +142,7 @@ class Trainer:
         dtype), or with train_mode=full every transformer weight (rl.full.FullWeights, FP32 too)."""
         cfg = self.cfg
         if cfg.train_mode == "full":
-            return FullWeights(self.model.transformer)
+            return FullWeights(self.model.transformer, sharded=cfg.sharding == "fsdp")
         spec = self.rollouts.spec
         targets = spec.lora_targets if cfg.lora_targets is None else cfg.lora_targets
         with torch.random.fork_rng(devices=[]):  # the LoRA init depends on cfg.seed only
@@ -336,7 +341,7 @@ class Trainer:
         return {
             "iteration": self.iteration,
             "adapters": self.adapters.state_dict(),
-            "opt": self.opt.state_dict(),
+            "opt": self.adapters.optimizer_state(self.opt),
             "prompts": self.prompt_sampler.state(),
             "seed_rng": self.seed_rng.getstate(),
             "gen": self.gen.get_state(),
@@ -358,7 +363,7 @@ class Trainer:
         check_resume_config(then_cfg, self.cfg)
         self.iteration = st["iteration"]
         self.adapters.load_state_dict(st["adapters"])
-        self.opt.load_state_dict(st["opt"])
+        self.adapters.load_optimizer_state(self.opt, st["opt"])
         self.prompt_sampler.load_state(st["prompts"])
         self.seed_rng.setstate(st["seed_rng"])
         self.gen.set_state(st["gen"])
@@ -387,8 +392,10 @@ class Trainer:
             last = checkpoint.latest(self.out / "checkpoints")
             kept = f"the last good checkpoint, {last}, stays" if last else "no checkpoint of this run was written yet"
             raise NonFiniteError("the adapters", f"refusing to checkpoint them; {kept} (lr is {self.cfg.lr})")
-        if main:
-            checkpoint.save(self.out / "checkpoints", self.iteration, self._state(), self.cfg.keep_checkpoints)
+        if main or self.adapters.collective_io:  # sharded full fine-tuning: every rank gathers, rank 0 writes
+            state = self._state()
+            if main:
+                checkpoint.save(self.out / "checkpoints", self.iteration, state, self.cfg.keep_checkpoints)
             self.export()
         self.dist.barrier()
 
@@ -396,8 +403,9 @@ class Trainer:
         """The trained weights and their EMA as the stock pipeline loads them: diffusers LoRA directories
         OUT/lora and OUT/lora_ema, or (train_mode=full) whole transformers OUT/transformer, OUT/transformer_ema."""
         pipeline, (trained, ema, _) = self.rollouts.spec.pipeline, EXPORT_DIRS[self.cfg.train_mode]
-        save_trained(self.adapters, self.out / trained, pipeline)
-        save_trained(self.adapters, self.out / ema, pipeline, ema=True)
+        write = self.dist.main  # where saving gathers (adapters.collective_io) every rank calls this
+        save_trained(self.adapters, self.out / trained, pipeline, write=write)
+        save_trained(self.adapters, self.out / ema, pipeline, ema=True, write=write)
 
     def run(self, resume: bool = False, overwrite: bool = False, auto_resume: bool = False) -> dict[str, Any]:
         """Train for cfg.iterations. `resume`: from the newest checkpoint that verifies (none: NothingToResume,
@@ -430,13 +438,15 @@ class Trainer:
             self._restore(checkpoint.load(ck))
             history, cut = rundir.read_log(metrics_path, self.iteration)  # later records and a torn line go
             self.dist.barrier()  # every rank has read it before rank 0 rewrites it
+            damaged = rundir.damaged_exports(self.out)  # exports are made from the checkpoint's state
+            self.dist.barrier()  # every rank has looked before rank 0 writes them again
             if main:
                 if cut:
                     log.warning("%s: cut back to iteration %d, the checkpoint's: dropped %s", metrics_path,
                                 self.iteration, cut)  # fmt: skip
                 write_atomic(metrics_path, "".join(json.dumps(h) + "\n" for h in history))
-                if rundir.damaged_exports(self.out):  # exports are made from the checkpoint's state
-                    self.export()
+            if damaged and (main or self.adapters.collective_io):
+                self.export()
             log.info("resumed from %s at iteration %d", ck, self.iteration)
         elif main:
             if mode == "overwrite":
@@ -474,7 +484,9 @@ class Trainer:
                 break
         bar.close()
         trained, ema, _ = EXPORT_DIRS[c.train_mode]
-        if main and not (self.out / trained).exists():  # e.g. resumed at the end: still exported
+        missing = not (self.out / trained).exists()  # e.g. resumed at the end: still exported
+        self.dist.barrier()
+        if missing and (main or self.adapters.collective_io):
             self.export()
         if self.dist.sharded:  # a late signal may have reached some ranks only: they agree before the picture
             self.signals.requested(self.dist, self.device)
