@@ -479,7 +479,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      "when it does not fit, with what to change)")  # fmt: skip
     pl.add_argument("config", help="CONFIG_SPEC: path/to/config.py:function")
     pl.add_argument("--set", action="append", metavar="KEY=VALUE")
-    pl.add_argument("--gpus", type=int, default=1, help="GPUs per job (each holds everything: no sharding yet)")
+    pl.add_argument("--gpus", type=int, default=1,
+                    help="GPUs per job (each holds everything unless --set sharding=fsdp)")
     pl.add_argument("--gpu-memory", type=float, default=80.0, metavar="GIB", help="memory per GPU in GiB (80)")
     pl.add_argument("--json", default=None, metavar="FILE", help="also write the plan as JSON")
     pl.set_defaults(func=_plan)

@@ -148,3 +148,37 @@ def test_explorer_refuses_what_it_cannot_use(pipes):
     ex = Explorer(copy.copy(pipe), lambda i, p: i.mean((1, 2, 3)), n=4, k=2, preview_steps=2, resolution=64)
     with pytest.raises(ValueError, match="4 seeds"):
         ex.select(["a"], [[1, 2, 3]])
+
+
+def test_a_borrowing_copy_holds_no_second_copy_and_copies_on_write(small_model):
+    """ExploreCopy(borrow=True), what the trainer builds: its high-precision tensors are the base's own storage
+    (new frozen Parameter objects, marked), quantized layers hold only their quantized buffers; a requantize_
+    that writes a borrowed tensor gives it its own storage first, so the base never changes."""
+    from solrl_engine.explore.choice import POLICY
+    from solrl_engine.explore.copy import ExploreCopy
+    from solrl_engine.models import load_model
+    from solrl_engine.nn import QuantLinear, requantize_
+    from solrl_engine.nn.quantize import BORROWED
+
+    base = load_model("tiny", small_model, "cpu", torch.float32).transformer
+    want = {n: p.detach().clone() for n, p in base.named_parameters()}
+    src = dict(base.named_parameters())
+    for recipe in (POLICY, "fp8"):
+        cp = ExploreCopy(base, recipe, borrow=True)
+        quant = {n for n, m in cp.transformer.named_modules() if isinstance(m, QuantLinear)}
+        assert (recipe == "fp8") == bool(quant)
+        for n, p in cp.transformer.named_parameters():
+            assert p is not src[n] and not p.requires_grad  # its own Parameter objects, frozen ...
+            assert p.data_ptr() == src[n].data_ptr() and getattr(p, BORROWED)  # ... on the base's storage
+        assert cp.borrowed_bytes == sum(p.numel() * p.element_size() for p in cp.transformer.parameters())
+        name = next(n for n, _ in cp.transformer.named_parameters() if n.endswith("norm1.linear.weight"))
+        if name.rpartition(".")[0] in quant:
+            continue
+        new = torch.randn_like(src[name])
+        requantize_(cp.transformer, source={name: new}, strict=False)
+        written = dict(cp.transformer.named_parameters())[name]
+        assert torch.equal(written, new) and written.data_ptr() != src[name].data_ptr()
+        assert not getattr(written, BORROWED, False)
+        assert all(torch.equal(want[n], p) for n, p in base.named_parameters())  # the base never changed
+    deep = ExploreCopy(base, POLICY)  # the default (the public Explorer's): a deep copy, nothing borrowed
+    assert deep.borrowed_bytes == 0

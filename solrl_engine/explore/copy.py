@@ -16,6 +16,7 @@ other tensor is the policy's own.
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -29,7 +30,7 @@ from solrl_engine.kernels.capability import (
 )
 from solrl_engine.nn import QuantLinear, QuantReport, quantize_model, requantize_
 from solrl_engine.nn.flops import amdahl_bound
-from solrl_engine.nn.quantize import _peft_weight, is_lora_layer
+from solrl_engine.nn.quantize import BORROWED, _peft_weight, borrow, is_lora_layer
 from solrl_engine.quant.fp8 import fake_quantize_rowwise
 from solrl_engine.quant.recipe import QuantRecipe, get_recipe
 
@@ -50,13 +51,30 @@ class FollowedAdapters(Protocol):
     def side_branch(self, name: str) -> tuple[torch.Tensor, torch.Tensor, float]: ...
 
 
+def _borrowing_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of `model` whose parameters are new, frozen Parameter objects on the same storage (marked
+    borrowed: requantize_ gives one its own storage before writing into it), so building a copy never holds a
+    second copy of the weights; layers the copy quantizes then drop theirs. Buffers are copied (small)."""
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        if id(p) not in memo:
+            q = nn.Parameter(torch.empty(0, dtype=p.dtype, device=p.device), requires_grad=False)
+            borrow(q, p.data)
+            memo[id(p)] = q
+    return copy.deepcopy(model, memo)
+
+
 def _merge_lora_into_copy(model: nn.Module) -> None:
     """Replace every PEFT LoRA layer of `model` (a private copy) by its base layer holding base +
     the active adapters' delta: the copy then starts from what the policy computes now."""
     for name, m in list(model.named_modules()):
         if is_lora_layer(m):
             base = m.base_layer
-            base.weight.data.copy_(_peft_weight(name, m))
+            merged = _peft_weight(name, m)
+            if getattr(base.weight, BORROWED, False):  # a borrowing copy: the policy's storage is never written
+                base.weight.data = torch.empty_like(base.weight)
+                delattr(base.weight, BORROWED)
+            base.weight.data.copy_(merged)
             parent, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, leaf, base)
 
@@ -110,6 +128,7 @@ class ExploreCopy:
         extra_skip: tuple[str, ...] = (),
         skip_max_dim: int | None = None,
         changes: Mapping[str, Any] | None = None,
+        borrow: bool = False,
     ) -> None:
         self.te = isinstance(recipe, str) and recipe == "te_nvfp4"  # Transformer Engine's NVFP4, a peer
         self.full_precision = isinstance(recipe, str) and recipe == POLICY  # the policy's precision, LoRA merged
@@ -121,7 +140,11 @@ class ExploreCopy:
             rule.setdefault("skip_max_dim", skip_max_dim)
         self.quant_recipe: QuantRecipe = base.with_(**rule)
         self.recipe: str = "te_nvfp4" if self.te else POLICY if self.full_precision else self.quant_recipe.name
-        self.transformer = copy.deepcopy(base_transformer).eval().requires_grad_(False)
+        # `borrow`: the copy starts on the base's own storage (the trainer's copies: no second whole copy at start);
+        # not under TE, whose layers take the weights over
+        lend = borrow and not self.te
+        self.transformer = (_borrowing_copy(base_transformer) if lend
+                            else copy.deepcopy(base_transformer)).eval().requires_grad_(False)  # fmt: skip
         _merge_lora_into_copy(self.transformer)  # a caller's transformer may already carry a LoRA
         if self.te:
             from solrl_engine.nn.te import TEAutocast, to_te_
@@ -137,12 +160,12 @@ class ExploreCopy:
         self.attention = "bf16"
 
     @classmethod
-    def from_spec(cls, transformer: nn.Module, spec: ExploreSpec | None) -> ExploreCopy | None:
+    def from_spec(cls, transformer: nn.Module, spec: ExploreSpec | None, borrow: bool = False) -> ExploreCopy | None:
         """The copy an ExploreSpec asks for (its precision, full layer rule and attention), None where the policy
-        itself explores (POLICY) or there is no spec."""
+        itself explores (POLICY) or there is no spec; `borrow` as ExploreCopy's."""
         if spec is None or not spec.quantized:
             return None
-        copy = cls(transformer, spec.precision, changes=dict(spec.rule))
+        copy = cls(transformer, spec.precision, changes=dict(spec.rule), borrow=borrow)
         if spec.attention != "bf16":
             copy.set_attention(spec.attention)
         return copy
@@ -221,10 +244,16 @@ class ExploreCopy:
             src = policy.get(name)
             if owner in quant or owner in exclude or src is None or src.shape != p.shape or src.dtype != p.dtype:
                 continue
-            if src.device == p.device and src.data_ptr() != p.data_ptr():
+            if src.device == p.device:  # (a copy built borrowing already points there)
                 saved += p.numel() * p.element_size()
-                p.data = src.data
+                if src.data_ptr() != p.data_ptr():
+                    borrow(p, src.data)  # marked: a later requantize_ from a source gives it its own storage first
         return saved
+
+    @property
+    def borrowed_bytes(self) -> int:
+        """Bytes of the copy's high-precision tensors that are the policy's own storage (borrowed, not copied)."""
+        return sum(p.numel() * p.element_size() for p in self.transformer.parameters() if getattr(p, BORROWED, False))
 
     @torch.no_grad()
     def refresh(self, adapters: FollowedAdapters) -> int:
@@ -233,12 +262,13 @@ class ExploreCopy:
         Every LoRA-merged weight must land somewhere: quantized layers are re-quantized, layers kept
         in high precision get the merged weight copied in, all checked before anything is written. A
         LoRA layer the copy lacks or bypasses, or a layer of the copy with no source beside one (QKV
-        projections fused on the copy), is an error, not a silent skip.
+        projections fused on the copy), is an error, not a silent skip. The weights come a block at a time (each
+        block checked before it is written), so the refresh never holds a second copy of the whole policy.
         """
         if not self.merge:
             return 0
         self.check_follows(adapters)
-        merged = adapters.merged_weights()
+        merged = adapters.merged_weights()  # a mapping whose tensors are made as they are read (LazyWeights)
         if self.te:
             from solrl_engine.nn.te import refresh_te_
 
@@ -246,7 +276,10 @@ class ExploreCopy:
         mods = dict(self.transformer.named_modules())
         quant = sum(k.endswith(".weight") and isinstance(mods.get(k.removesuffix(".weight")), QuantLinear)
                     for k in merged)  # fmt: skip
-        done = requantize_(self.transformer, source=merged, strict=False)  # high-precision layers copied too
+        done = 0  # a block at a time ("transformer_blocks.3..."): one block's merged weights live at once
+        for _, names in itertools.groupby(merged, key=lambda k: ".".join(k.split(".")[:2])):
+            part = {k: merged[k] for k in names}  # high-precision layers copied too
+            done += requantize_(self.transformer, source=part, strict=False)
         if done != quant:  # cannot happen once check_follows passed; a guard against silent partial refreshes
             raise RuntimeError(f"refreshed {done} of the {quant} quantized LoRA layers of the explore copy")
         return len(merged)

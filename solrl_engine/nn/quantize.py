@@ -348,6 +348,17 @@ def _source_tensors(source: nn.Module, wanted: set[str]) -> dict[str, torch.Tens
     return out
 
 
+# a parameter of a copy whose storage is the source model's (explore.copy: built borrowing, or a frozen layer shared):
+# requantize_ gives it storage of its own before writing, so a refresh never writes into the model it came from
+BORROWED = "_solrl_borrowed"
+
+
+def borrow(p: torch.Tensor, storage: torch.Tensor) -> None:
+    """Point parameter `p` at another model's `storage` (no copy), marked so requantize_ never writes into it."""
+    p.data = storage
+    setattr(p, BORROWED, True)
+
+
 def _plain_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """Parameters and buffers outside the QuantLinear layers (the parts kept in high precision)."""
     inside = {n for n, m in model.named_modules() if isinstance(m, QuantLinear)}
@@ -416,5 +427,8 @@ def requantize_(
         layers[name].set_weight_(w, b)
     for dst, val in plain:
         if dst.data_ptr() != val.data_ptr():
+            if getattr(dst, BORROWED, False):  # copy on write: the storage belongs to the model it came from
+                dst.data = torch.empty_like(dst)
+                delattr(dst, BORROWED)
             dst.copy_(val.detach())
     return len(weights)

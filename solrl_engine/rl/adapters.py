@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -15,6 +15,28 @@ from torch import nn
 from solrl_engine.rl.distributed import whole
 
 TRAIN, OLD = "default", "old"
+
+
+class LazyWeights(Mapping[str, torch.Tensor]):
+    """name -> tensor, each made only when asked for (a LoRA-merged weight, a sharded weight gathered whole), so the
+    explore copy's refresh holds one block's worth at a time, not a second copy of every weight. Under sharding
+    each is a collective: every rank asks for the same names in the same order."""
+
+    def __init__(self, names: Iterable[str], make: Callable[[str], torch.Tensor]) -> None:
+        self._names = list(names)
+        self._known = set(self._names)
+        self._make = make
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._known:
+            raise KeyError(name)
+        return self._make(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
 
 
 class PolicySets:
@@ -132,14 +154,17 @@ class LoraAdapters(PolicySets):
                 for p, v in zip(self.params(TRAIN), live, strict=True):
                     p.copy_(v)
 
-    @torch.no_grad()
-    def merged_weights(self, adapter: str = OLD) -> dict[str, torch.Tensor]:
-        """{"<layer>.weight": base + scale * B A} for every LoRA layer (keys as in the base model)."""
-        out = {}
-        for name, m in self.layers.items():
+    def merged_weights(self, adapter: str = OLD) -> LazyWeights:
+        """{"<layer>.weight": base + scale * B A} for every LoRA layer (keys as in the base model), each merged
+        when read (LazyWeights)."""
+
+        @torch.no_grad()
+        def merge(key: str) -> torch.Tensor:
+            m = self.layers[key.removesuffix(".weight")]
             w = whole(m.base_layer.weight)  # sharding=fsdp: gathered one layer at a time (rl/sharding.py)
-            out[f"{name}.weight"] = (w.float() + m.get_delta_weight(adapter).float()).to(w.dtype)
-        return out
+            return (w.float() + m.get_delta_weight(adapter).float()).to(w.dtype)
+
+        return LazyWeights((f"{name}.weight" for name in self.layers), merge)
 
     def side_branch(self, name: str, adapter: str = OLD) -> tuple[torch.Tensor, torch.Tensor, float]:
         """(A, B, scale) of one layer: the BF16 LoRA branch a quantized copy can add to its output."""

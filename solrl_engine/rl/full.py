@@ -29,7 +29,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from solrl_engine.rl.adapters import OLD, TRAIN, LoraAdapters, PolicySets
+from solrl_engine.rl.adapters import OLD, TRAIN, LazyWeights, LoraAdapters, PolicySets
 
 REF, EMA = "ref", "ema"
 
@@ -40,8 +40,8 @@ class FullWeights(PolicySets):
     kind = "full"
 
     def __init__(self, transformer: nn.Module, sharded: bool = False) -> None:
-        """`sharded` (sharding=fsdp): only the FP32 trained weights are made now, in place of the loaded base (what
-        gets sharded); the other sets are made as shards by `shard`, so no rank ever holds them whole."""
+        """`sharded` (sharding=fsdp): nothing is made now; rl/sharding.py upcasts the base to FP32 block by block as
+        it shards it, and `shard` makes every set as this rank's shards, so no rank ever holds one whole."""
         self.transformer = transformer
         named = list(transformer.named_parameters())
         if not named:
@@ -52,9 +52,7 @@ class FullWeights(PolicySets):
         self.layers = {n: m for n, m in transformer.named_modules() if any(True for _ in m.parameters(recurse=False))}
         self._ref_dtypes = [p.dtype for p in self._params]
         with torch.no_grad():
-            if sharded:  # the base is upcast in place, one weight at a time; `shard` makes the rest
-                for p in self._params:
-                    p.data = p.data.float()
+            if sharded:  # the base as loaded stands in until `shard`
                 self._sets: dict[str, list[torch.Tensor]] = {TRAIN: [p.data for p in self._params]}
                 self.ema = []
             else:
@@ -136,12 +134,18 @@ class FullWeights(PolicySets):
         finally:
             self.use(TRAIN)
 
-    @torch.no_grad()
-    def merged_weights(self, adapter: str = OLD) -> dict[str, torch.Tensor]:
+    def merged_weights(self, adapter: str = OLD) -> LazyWeights:
         """{"<parameter name>": tensor} of a weight set (default: the old policy's): every parameter, so a
-        refreshed explore copy holds the whole old policy, not only some layers."""
+        refreshed explore copy holds the whole old policy, not only some layers. Each is read when asked for
+        (LazyWeights): sharded, gathered whole then, one weight at a time."""
         tensors = self.ema if adapter == EMA else self._trained() if adapter == TRAIN else self._sets[adapter]
-        return {n: _whole(p, t) for n, p, t in zip(self._names, self._params, tensors, strict=True)}
+        index = {n: i for i, n in enumerate(self._names)}
+
+        @torch.no_grad()
+        def read(name: str) -> torch.Tensor:
+            return _whole(self._params[index[name]], tensors[index[name]])
+
+        return LazyWeights(self._names, read)
 
     @torch.no_grad()
     def export_state(self, ema: bool = False) -> dict[str, torch.Tensor]:

@@ -18,7 +18,7 @@ Every rank of a torchrun job holds all of this unless `sharding=fsdp`: then a Lo
 are 1/gpus per rank, plus the two largest repeated blocks gathered at a time, and no merged policy copy is kept;
 the explore copy and the adapters stay whole on every rank. Full fine-tuning sharded divides every trained
 tensor (weights, old, EMA, the stash, AdamW's moments, gradients) and the reference by the GPUs, and gathers
-its blocks in FP32; at start each rank upcasts the whole base to FP32 before sharding it.
+its blocks in FP32; at start each rank loads the whole base and upcasts it to FP32 block by block as it shards it.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ from solrl_engine.rl.config import FAMILY_TABLE, RLConfig
 
 log = logging.getLogger("solrl_engine.rl")
 GIB = 2**30
-PHASES = ("update", "rollout", "encode", "start")  # "start": the copies being built, the base before sharding
+# "refresh": the copies following the updated policy; "start": each rank's whole base before it is sharded
+PHASES = ("update", "rollout", "encode", "refresh", "start")
 HEADROOM = 0.9  # of a GPU's memory the plan may fill: the CUDA context, allocator fragmentation and kernels' workspaces
 
 
@@ -47,7 +48,7 @@ HEADROOM = 0.9  # of a GPU's memory the plan may fill: the CUDA context, allocat
 class PlanRow:
     part: str
     gib: float
-    when: str  # "always": held through the run; "update", "rollout", "encode", "start": only during that phase
+    when: str  # "always": held through the run; "update", "rollout", "encode", "refresh", "start": only then
     note: str = ""
 
 
@@ -109,9 +110,8 @@ class MemoryPlan:
             out.append((merged.gib, f"--set merge_lora=false (no merged policy copy: {merged.gib:.2f} GiB less; "
                                     "full-precision rollouts then run PEFT's unmerged LoRA)"))  # fmt: skip
         if phase == "start":
-            merged_too = " (merge_lora=false drops the merged one)" if "merged policy copy, being built" in by else ""
-            out.append((0.0, "the peak is at start, while the copies are built from whole copies of the transformer"
-                             f"{merged_too}: no other setting avoids that yet"))  # fmt: skip
+            out.append((0.0, "the peak is at start, while each rank holds the whole base before sharding it: loading "
+                             "it on the CPU first is not built yet"))  # fmt: skip
         enc = by.get("text encoders")
         if enc is not None and enc.when == "always":
             out.append((enc.gib, f"--set offload_text_encoders=true ({enc.gib:.1f} GiB off the GPU between encodes)"))
@@ -136,11 +136,12 @@ class MemoryPlan:
         head = (f"memory plan for {self.config} ({self.model}, train_mode={self.train_mode}{shard}): transformer "
                 f"{self.transformer_params_b:.2f}B parameters ({self.transformer_source}); per GPU, "
                 f"{self.gpus} GPU{'s' if self.gpus > 1 else ''} of {self.gpu_gib:g} GiB")  # fmt: skip
-        lines = [head, f"  {'part':28s} {'GiB':>8s}  when      note"]
+        width = max([28] + [len(r.part) for r in self.rows])
+        lines = [head, f"  {'part':{width}s} {'GiB':>8s}  when      note"]
         for r in self.rows:
-            lines.append(f"  {r.part:28s} {r.gib:8.2f}  {r.when:8s}  {r.note}")
+            lines.append(f"  {r.part:{width}s} {r.gib:8.2f}  {r.when:8s}  {r.note}")
         for w in PHASES:
-            lines.append(f"  {'peak during ' + w:28s} {self.total(w):8.2f}")
+            lines.append(f"  {'peak during ' + w:{width}s} {self.total(w):8.2f}")
         verdict = "fits" if self.fits else "DOES NOT FIT"
         lines.append(f"  {verdict}: peak {self.peak_gib:.2f} GiB ({self.peak_phase}) against {HEADROOM:.0%} of "
                      f"{self.gpu_gib:g} GiB = {HEADROOM * self.gpu_gib:.1f} GiB")  # fmt: skip
@@ -394,16 +395,15 @@ def memory_plan(cfg: RLConfig, gpus: int = 1, gpu_gib: float = 80.0) -> MemoryPl
         if cfg.merge_lora and not full and not sharded:
             rows.append(PlanRow("merged policy copy", lora_all * b / GIB, "always",
                                 "the LoRA layers merged, for full-precision rollouts"))  # fmt: skip
-            rows.append(PlanRow("merged policy copy, being built", (params - lora_all) * b / GIB, "start",
-                                "a whole copy of the transformer until it shares the frozen base"))  # fmt: skip
-        if copy is not None:  # ExploreCopy deep-copies the whole transformer, then quantizes it layer by layer
-            rows.append(PlanRow("explore copy, being built", max(0.0, params * b - copy_gib) / GIB, "start",
-                                "the whole transformer copied before it is quantized"))  # fmt: skip
+        # (the copies are built on the base's own storage, ExploreCopy(borrow=True): no second whole copy at start)
+        if copy is not None or (cfg.merge_lora and not full and not sharded):
+            rows.append(PlanRow("refresh, one block's weights", (sizes[0] if sizes else params) * (4 if full else b)
+                                / GIB, "refresh", "the copies refresh a block at a time: its merged (or gathered) "
+                                "weights"))  # fmt: skip
         if sharded and gpus > 1:
-            rows.append(PlanRow("trained weights before sharding", params * 4 * (1 - 1 / gpus) / GIB, "start",
-                                "each rank upcasts the whole base to FP32, then shards it") if full
-                        else PlanRow("base before sharding", params * b * (1 - 1 / gpus) / GIB, "start",
-                                     "each rank loads the whole base, then shards it"))  # fmt: skip
+            rows.append(PlanRow("base before sharding", params * b * (1 - 1 / gpus) / GIB, "start",
+                                "each rank loads the whole base, then shards it"
+                                + (" block by block, each upcast to FP32 just before" if full else "")))  # fmt: skip
         ckpt = cfg.gradient_checkpointing
         rows.append(PlanRow("update activations", (act_ckpt if ckpt else act_plain) / GIB, "update",
                             f"train_batch_size {train_bs}" + (", gradient checkpointing" if ckpt else "")))  # fmt: skip
@@ -423,7 +423,7 @@ def memory_plan(cfg: RLConfig, gpus: int = 1, gpu_gib: float = 80.0) -> MemoryPl
                           sharding="fsdp" if sharded else "none", **more)  # fmt: skip
 
     sharded = cfg.sharding == "fsdp"  # (one GPU: nothing split, no merged copy)
-    lora_peak = plan_for("lora", False).peak_gib if cfg.train_mode == "full" else None
+    lora_peak = plan_for("lora", sharded).peak_gib if cfg.train_mode == "full" else None  # on the same sharding
     could_shard = not sharded and gpus > 1 and not FAMILY_TABLE[cfg.family].compiled
     shard_peak = plan_for(cfg.train_mode, True).peak_gib if could_shard else None
     return plan_for(cfg.train_mode, sharded, train_batch_size=train_bs, rollout_batch_size=roll_bs,

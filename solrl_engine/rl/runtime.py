@@ -70,7 +70,7 @@ def build_explorer(ro: Rollouts, spec: ExploreSpec | None, n: int, k: int, steps
     """An Explorer over the rollouts: with the copy `spec` asks for, or the policy itself (spec None, or
     POLICY). The copy is built from the rollouts' transformer as it is now. `rng` draws seeds when the
     caller gives none (the trainer always gives them)."""
-    copy = ExploreCopy.from_spec(ro.model.transformer, spec)
+    copy = ExploreCopy.from_spec(ro.model.transformer, spec, borrow=True)  # no second whole copy at start
     return Explorer.from_rollouts(ro, copy, spec, n, k, steps, rng)
 
 

@@ -33,10 +33,12 @@ from solrl_engine.sampling.compile import repeated_blocks
 
 
 def shard_policy(transformer: nn.Module, blocks: Sequence[str], keep: Iterable[nn.Parameter], dist: Dist,
-                 device: torch.device) -> int:  # fmt: skip
+                 device: torch.device, upcast: bool = False) -> int:  # fmt: skip
     """`fully_shard` each repeated block of `transformer` (classes `blocks`), then the root, over all of `dist`'s
     ranks, leaving the parameters `keep` whole; marks `dist` sharded. Returns how many blocks were sharded (one
-    process: none, nothing changes, and the run takes the same paths as a sharded one)."""
+    process: none, nothing changes, and the run takes the same paths as a sharded one). `upcast` (full
+    fine-tuning: FP32 trained weights) makes each block's weights FP32 just before it is sharded, so no rank ever
+    holds the whole model in FP32."""
     found = repeated_blocks(transformer, blocks)
     if not found:
         raise ValueError(f"sharding=fsdp shards {type(transformer).__name__} by its repeated blocks {tuple(blocks)}, "
@@ -46,7 +48,16 @@ def shard_policy(transformer: nn.Module, blocks: Sequence[str], keep: Iterable[n
         raise RuntimeError(f"sharding=fsdp needs torch >= 2.8 (this is {torch.__version__}): upgrade torch, or "
                            "use sharding=none")  # fmt: skip
     dist.sharded = True
+
+    def fp32(m: nn.Module) -> None:
+        if upcast:
+            with torch.no_grad():
+                for p in m.parameters():
+                    if p.dtype != torch.float32:  # (the root's pass skips the sharded blocks' FP32 shards)
+                        p.data = p.data.float()
+
     if dist.world == 1:
+        fp32(transformer)
         return 0
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -54,7 +65,9 @@ def shard_policy(transformer: nn.Module, blocks: Sequence[str], keep: Iterable[n
     mesh = init_device_mesh(device.type, (dist.world,))
     ignored = set(keep)
     for b in found:
+        fp32(b)
         fully_shard(b, mesh=mesh, ignored_params=ignored, reshard_after_forward=True)
+    fp32(transformer)  # what the blocks left: the root's own weights (blocks' shards are FP32 already)
     # the root resharded after each forward too (FSDP2 keeps it gathered by default): rank 0 alone reads the
     # model's state dict for an export, which reshards it there only, and the next forwards would then disagree
     fully_shard(transformer, mesh=mesh, ignored_params=ignored, reshard_after_forward=True)

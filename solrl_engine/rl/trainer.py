@@ -101,7 +101,7 @@ class Trainer:
         # (sharding=fsdp: the policy samples itself, its LoRA unmerged: a merged copy would be a whole second copy)
         lora, sharded = cfg.train_mode == "lora", cfg.sharding == "fsdp"
         merged = cfg.merge_lora and lora and not sharded
-        self.policy_copy = ExploreCopy(self.model.transformer, POLICY) if merged else None
+        self.policy_copy = ExploreCopy(self.model.transformer, POLICY, borrow=True) if merged else None
         self._explore_as(None)  # the explore pass planned (auto: timed, rank 0's answer) and its copy built
         self.reward = self.rollouts.reward
         self.reward(torch.zeros(1, 3, 8, 8), self.train_prompts[:1])  # fail early on prompts the reward rejects
@@ -117,7 +117,7 @@ class Trainer:
             # LoRA: the base sharded, the adapters left whole; full fine-tuning: every (FP32 trained) weight sharded
             keep = self.adapters.params(TRAIN) + self.adapters.params(OLD) if lora else []
             blocks = shard_policy(self.model.transformer, self.rollouts.spec.repeated_blocks, keep, self.dist,
-                                  self.device)  # fmt: skip
+                                  self.device, upcast=not lora)  # fmt: skip
             if not lora:
                 self.adapters.shard()  # its weight sets made as this rank's shards
                 self._follow_explore()  # the explore copy refreshed from them, gathered a weight at a time

@@ -1,0 +1,63 @@
+"""The memory plans the docs quote (docs/scale.md), recorded in one run: `solrl plan` of the FLUX.1-dev and
+Qwen-Image Sol-RL presets, LoRA and full fine-tuning, replicated and FSDP2-sharded, on 80 GB GPUs. Fake tensors
+from the published configs: nothing is loaded or downloaded, and every number is an estimate that no GPU's
+measured peak has checked.
+
+    python bench/memory_plans.py     # prints one line per plan, writes bench/results/<date>-memory-plans.json
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from pathlib import Path
+
+import torch
+
+from solrl_engine.rl.config import load_config
+from solrl_engine.rl.memplan import PHASES, memory_plan
+
+ROOT = Path(__file__).resolve().parents[1]
+PRESETS = {"flux1": "configs/flux1.py:flux1_sol_rl_pickscore",
+           "qwenimage": "configs/qwenimage.py:qwenimage_sol_rl_pickscore"}
+# (name, preset, --set overrides, GPUs)
+PLANS = [
+    ("flux1-lora-1gpu", "flux1", {}, 1),
+    ("flux1-lora-1gpu-1024px-batch1", "flux1", {"resolution": "1024", "train_batch_size": "1"}, 1),
+    ("flux1-lora-8gpu-fsdp", "flux1", {"sharding": "fsdp"}, 8),
+    ("flux1-full-8gpu-none", "flux1", {"train_mode": "full"}, 8),
+    ("flux1-full-8gpu-fsdp", "flux1", {"train_mode": "full", "sharding": "fsdp"}, 8),
+    ("flux1-full-16gpu-fsdp", "flux1", {"train_mode": "full", "sharding": "fsdp"}, 16),
+    ("qwenimage-lora-1gpu", "qwenimage", {}, 1),
+    ("qwenimage-lora-1gpu-unmerged", "qwenimage", {"merge_lora": "false"}, 1),
+    ("qwenimage-lora-8gpu-fsdp", "qwenimage", {"sharding": "fsdp"}, 8),
+    ("qwenimage-full-8gpu-none", "qwenimage", {"train_mode": "full"}, 8),
+    ("qwenimage-full-8gpu-fsdp", "qwenimage", {"train_mode": "full", "sharding": "fsdp"}, 8),
+    ("qwenimage-full-16gpu-fsdp", "qwenimage", {"train_mode": "full", "sharding": "fsdp"}, 16),
+    ("qwenimage-full-32gpu-fsdp", "qwenimage", {"train_mode": "full", "sharding": "fsdp"}, 32),
+]
+
+
+def main() -> None:
+    rows = {}
+    for name, preset, sets, gpus in PLANS:
+        cfg = load_config(str(ROOT / PRESETS[preset]), [f"{k}={v}" for k, v in sets.items()])
+        plan = memory_plan(cfg, gpus=gpus, gpu_gib=80.0)
+        d = plan.to_dict()
+        d["command"] = " ".join([f"solrl plan {PRESETS[preset]}", *(f"--set {k}={v}" for k, v in sets.items()),
+                                 f"--gpus {gpus} --gpu-memory 80 --json plan.json"])  # fmt: skip
+        d["phases_gib"] = {w: plan.total(w) for w in PHASES}
+        rows[name] = d
+        print(f"{name:32s} peak {plan.peak_gib:6.1f} GiB ({plan.peak_phase}); "
+              + ", ".join(f"{w} {plan.total(w):.1f}" for w in PHASES) + ("" if plan.fits else "  DOES NOT FIT"))
+    out = ROOT / "bench" / "results" / f"{dt.date.today().isoformat()}-memory-plans.json"
+    out.write_text(json.dumps({
+        "what": "per-GPU memory plans (solrl plan) of the FLUX.1-dev and Qwen-Image Sol-RL presets on 80 GB GPUs, "
+                "LoRA and full fine-tuning, replicated and FSDP2-sharded (sharding=fsdp); fake tensors from the "
+                "published configs, nothing loaded; estimates, never compared with a GPU's measured peak",
+        "date": dt.date.today().isoformat(), "torch": torch.__version__, "rows": rows}, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
