@@ -108,9 +108,9 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks(small_model, tmp_path, 
     metrics and adapter of a one-process run that never stopped (the run depends on `seed`, not on the
     world size; the checkpoint holds the global state: rank 0 writes it, every rank reads it). Sharded
     (sharding=fsdp) too: the adapters are whole on every rank, so its checkpoint is the same format; and sharded
-    full fine-tuning, whose ranks gather every weight set and AdamW's state whole for rank 0 to write, and each
-    cut its own shard on resume. (Not across sharding settings: a sharded LoRA policy samples unmerged, an
-    unsharded one through a merged copy.)"""
+    full fine-tuning, whose ranks write their shards of every weight set and of AdamW's state through
+    torch.distributed.checkpoint (sealed in the same manifest), resharded on load. (Not across sharding
+    settings: a sharded LoRA policy samples unmerged, an unsharded one through a merged copy.)"""
     whole, split = tmp_path / "whole", tmp_path / "split"
     assert main(_args(small_model, whole, torch.float32, mode)) == 0
     part = _args(small_model, split, torch.float32, mode) + ["--set", "iterations=1"]
@@ -121,6 +121,8 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks(small_model, tmp_path, 
         else:
             out = _torchrun(args, tmp_path)
             assert out.returncode == 0, out.stderr[-4000:]
+        if mode == "full-fsdp" and args is part:  # each rank wrote its shards (DCP), sealed with rank 0's state
+            _check_sharded_checkpoint(split / "checkpoints" / "iter_000001", procs, tmp_path)
     a = [json.loads(x) for x in (whole / "metrics.jsonl").read_text().splitlines()]
     b = [json.loads(x) for x in (split / "metrics.jsonl").read_text().splitlines()]
     assert [r["iter"] for r in b] == [1, 2] and [r["world_size"] for r in b] == [first, 3 - first]
@@ -136,6 +138,44 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks(small_model, tmp_path, 
     assert wa.keys() == wb.keys()
     for k in wa:
         torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=1e-6)
+
+
+def _check_sharded_checkpoint(ck: Path, ranks: int, tmp: Path) -> None:
+    """A sharded full fine-tuning checkpoint: torch.distributed.checkpoint's files, one per rank, beside rank 0's
+    state, every one in the manifest; the weights are not in rank 0's tensors file; a flipped byte in a shard
+    fails verification, so a resume falls back instead of loading it."""
+    import shutil
+
+    from safetensors import safe_open
+
+    from solrl_engine.rl import checkpoint
+
+    shards = sorted(p.name for p in ck.glob("*.distcp"))
+    assert len(shards) == ranks and (ck / ".metadata").is_file(), sorted(p.name for p in ck.iterdir())
+    listed = set(json.loads((ck / "MANIFEST.json").read_text())["files"])
+    assert {*shards, ".metadata", "state.json", "tensors.safetensors"} <= listed
+    with safe_open(str(ck / "tensors.safetensors"), "pt") as f:
+        assert not any(k.startswith(("adapters/", "opt/")) for k in f.keys())
+    assert checkpoint.verify(ck).status == "ok"
+    bad = tmp / "damaged" / ck.name
+    shutil.copytree(ck, bad)
+    data = bytearray((bad / shards[0]).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (bad / shards[0]).write_bytes(bytes(data))
+    v = checkpoint.verify(bad)
+    assert v.status == "damaged" and shards[0] in v.detail
+    # DCP reads its index with pickle: ours unpickles only the index's types, so a planted one never runs
+    import pickle
+
+    class Payload:
+        def __reduce__(self):  # noqa: ANN204
+            return (Path.touch, (tmp / "pwned",))
+
+    (bad / ".metadata").write_bytes(pickle.dumps(Payload()))
+    with pytest.raises(checkpoint.CheckpointError, match=r"\.metadata is refused"):
+        checkpoint.dcp_reader(bad).read_metadata()
+    assert not (tmp / "pwned").exists()
+    assert type(checkpoint.dcp_reader(ck).read_metadata()).__name__ == "Metadata"
 
 
 def test_the_config_refuses_what_a_sharded_run_cannot_do():

@@ -45,18 +45,11 @@ class PolicySets:
     A subclass says which tensors those are (`_trained`, `_old`) and how to switch (`use`)."""
 
     ema: list[torch.Tensor]
-    # whether saving (state_dict, optimizer_state, exports) gathers sharded weights: then every rank must call it
+    # whether saving (checkpoints through torch.distributed.checkpoint, exports gathered) needs every rank
     collective_io = False
 
     def use(self, which: str) -> None:
         raise NotImplementedError
-
-    def optimizer_state(self, opt: torch.optim.Optimizer) -> dict:
-        """The optimizer's state as a checkpoint holds it."""
-        return opt.state_dict()
-
-    def load_optimizer_state(self, opt: torch.optim.Optimizer, sd: dict) -> None:
-        opt.load_state_dict(sd)
 
     def _trained(self) -> list[torch.Tensor]:
         raise NotImplementedError

@@ -28,9 +28,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle  # only to refuse: _DCPMetadataUnpickler unpickles nothing outside the DCP index's own types
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +40,7 @@ from typing import Any
 import torch
 
 from solrl_engine.rl.sealed import (  # noqa: F401 - MANIFEST, encode, decode, FORMAT: part of this module's API
+    DCP_METADATA,
     FORMAT,
     MANIFEST,
     Damaged,
@@ -87,12 +90,14 @@ def _complete(p: Path) -> bool:
     return (p / MANIFEST).exists() or (p / LEGACY_DONE).exists()
 
 
-def write(final: Path, state: dict[str, Any], meta: dict[str, Any] | None = None) -> Path:
-    """Write `state` as a checkpoint directory at `final`, atomically and durably."""
+def write(final: Path, state: dict[str, Any], meta: dict[str, Any] | None = None, prepared: bool = False) -> Path:
+    """Write `state` as a checkpoint directory at `final`, atomically and durably. `prepared`: its temporary
+    directory already holds other files (save_sharded's shards), sealed with the rest."""
     tensors, tree = encode(state)
     tmp = final.with_name(f".tmp_{final.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    if not prepared:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
     known = {
         STATE: write_synced(tmp / STATE, json.dumps(tree).encode()),
         TENSORS: write_tensors(tmp / TENSORS, tensors),
@@ -107,11 +112,11 @@ def write(final: Path, state: dict[str, Any], meta: dict[str, Any] | None = None
     return final
 
 
-def save(root: str | Path, iteration: int, state: dict[str, Any], keep: int = 2) -> Path:
-    """Write checkpoint `iteration` under `root` and keep the newest `keep` complete ones."""
+def save(root: str | Path, iteration: int, state: dict[str, Any], keep: int = 2, prepared: bool = False) -> Path:
+    """Write checkpoint `iteration` under `root` and keep the newest `keep` complete ones (`prepared`: see write)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    final = write(root / f"iter_{iteration:06d}", state, {"iteration": iteration})
+    final = write(root / f"iter_{iteration:06d}", state, {"iteration": iteration}, prepared)
     for stale in root.glob(".del_iter_*"):  # left by a crash while an old checkpoint was being deleted
         shutil.rmtree(stale, ignore_errors=True)
     for old in [p for p in checkpoints(root) if _complete(p)][keep:]:
@@ -119,6 +124,67 @@ def save(root: str | Path, iteration: int, state: dict[str, Any], keep: int = 2)
         old.rename(gone)
         shutil.rmtree(gone, ignore_errors=True)
     return final
+
+
+def save_sharded(root: str | Path, iteration: int, state: dict[str, Any], keep: int, dist: Any,
+                 shards: Callable[[Path], None]) -> None:  # fmt: skip
+    """A checkpoint whose large tensors every rank writes itself: `shards(tmp)` runs on every rank into the
+    checkpoint's temporary directory (torch.distributed.checkpoint's files, each rank its shards), then rank 0
+    writes `state` beside them and seals the whole directory, manifest over every file, as `save` does: the
+    same trust (checksums, fsync, verify before resume, fall back). Every rank calls it."""
+    root = Path(root)
+    tmp = root / f".tmp_iter_{iteration:06d}"
+    if dist.main:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    shards(tmp)
+    dist.barrier()
+    if dist.main:
+        save(root, iteration, state, keep, prepared=True)
+    dist.barrier()
+
+
+# what torch.distributed.checkpoint's `.metadata` (a pickle) may name: its own metadata classes, tensor sizes,
+# dtypes and layouts, and the path type; a file naming anything else is refused, never unpickled
+_DCP_MODULES = ("torch.distributed.checkpoint.metadata",)
+_DCP_NAMES = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"), ("torch", "device"),
+              ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+              ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath")}  # fmt: skip
+
+
+class _DCPMetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if module in _DCP_MODULES or (module, name) in _DCP_NAMES or dtype:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint index")
+
+
+def dcp_reader(path: str | Path) -> Any:
+    """A torch.distributed.checkpoint reader of checkpoint `path` that keeps the promise above: DCP reads its
+    `.metadata` with a plain `pickle.load`, which could run code; this one unpickles only the index's own types
+    and raises CheckpointError on anything else. (Its shard files hold raw tensor bytes.)"""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class Reader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            rank = kwargs.get("rank")
+            name = DCP_METADATA if rank is None else f"__{rank}{DCP_METADATA}"
+            try:
+                with open(Path(self.path) / name, "rb") as f:
+                    meta = _DCPMetadataUnpickler(f).load()
+            except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as e:
+                raise CheckpointError(f"checkpoint {path}: {name} is refused ({e}); restore the run directory from "
+                                      "a copy, or start over with --overwrite") from None  # fmt: skip
+            if getattr(meta, "storage_meta", None) is None:
+                meta.storage_meta = StorageMeta()
+            meta.storage_meta.load_id = self.load_id  # as DCP's own reader marks it
+            return meta
+
+    return Reader(str(path))
 
 
 def latest(root: str | Path) -> Path | None:

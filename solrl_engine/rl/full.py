@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -67,7 +68,7 @@ class FullWeights(PolicySets):
 
     @property
     def collective_io(self) -> bool:  # type: ignore[override]
-        """Sharded: saving gathers every weight, so every rank calls it (rank 0 alone writes)."""
+        """Sharded: checkpoints (DCP, every rank its shards) and exports (gathered, rank 0 writes) need every rank."""
         return self._copying
 
     @torch.no_grad()
@@ -164,14 +165,19 @@ class FullWeights(PolicySets):
                          "copy with the whole old policy (merge_lora must stay true with train_mode=full)")  # fmt: skip
 
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
-        """The trained, old and EMA weight sets by parameter name (the reference is the base model's weights)."""
+        """The trained, old and EMA weight sets by parameter name (the reference is the base model's weights), whole
+        (sharded: gathered, a collective; a sharded run checkpoints through `sharded_state` instead)."""
         sets = ((TRAIN, self._trained()), (OLD, self._sets[OLD]), (EMA, self.ema))  # whole, gathered if sharded
         return {key: {n: _whole(p, t).detach().cpu().clone() for n, p, t in
                       zip(self._names, self._params, tensors, strict=True)} for key, tensors in sets}  # fmt: skip
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
-        """Check every name and shape first, then copy (a mismatched checkpoint changes nothing)."""
+        """Check every name and shape first, then copy (a mismatched checkpoint changes nothing). Unsharded:
+        a sharded run loads through `sharded_state`."""
+        if self._copying and any(_is_dtensor(p) for p in self._params):
+            raise RuntimeError("a sharded run's weight sets load through torch.distributed.checkpoint "
+                               "(sharded_state), not a whole state dict")  # fmt: skip
         for key in (TRAIN, OLD, EMA):
             got = state.get(key)
             if got is None or set(got) != set(self._names):
@@ -186,22 +192,26 @@ class FullWeights(PolicySets):
                     raise ValueError(f"checkpoint's {key} {n} has shape {tuple(state[key][n].shape)}, the model "
                                      f"{tuple(p.shape)}")  # fmt: skip
         for key, tensors in ((TRAIN, self._trained()), (OLD, self._sets[OLD]), (EMA, self.ema)):
-            for n, p, t in zip(self._names, self._params, tensors, strict=True):
-                t.copy_(shard_of(p, state[key][n]))
+            for n, t in zip(self._names, tensors, strict=True):
+                t.copy_(state[key][n])
 
-    @torch.no_grad()
-    def optimizer_state(self, opt: torch.optim.Optimizer) -> dict:
-        """`opt.state_dict()` with every sharded tensor gathered whole (a collective under sharding): a checkpoint
-        that resumes on any number of ranks. Keyed by parameter index, in `names` order, as unsharded."""
-        sd = opt.state_dict()
-        return {"state": {k: {n: _whole(v, v) for n, v in st.items()} for k, st in sd["state"].items()},
-                "param_groups": sd["param_groups"]}  # fmt: skip
+    def sharded_state(self, opt: torch.optim.Optimizer) -> dict[str, Any]:
+        """The trained, old and EMA sets and AdamW's state as `torch.distributed.checkpoint` saves and loads them
+        in place: each rank's shards, as DTensors on the tensors themselves (no copy; plain tensors in one
+        process). DCP reshards on load, so a checkpoint resumes on any number of ranks; nothing is gathered."""
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    def load_optimizer_state(self, opt: torch.optim.Optimizer, sd: dict) -> None:
-        """`optimizer_state`'s dict into `opt`, each whole tensor cut to this rank's shard of its parameter."""
-        params = self._params
-        state = {int(k): {n: _shard_as(params[int(k)], v) for n, v in st.items()} for k, st in sd["state"].items()}
-        opt.load_state_dict({"state": state, "param_groups": sd["param_groups"]})
+        sets = ((TRAIN, self._trained()), (OLD, self._sets[OLD]), (EMA, self.ema))
+        weights = {key: {n: _as_dtensor(p, t) for n, p, t in zip(self._names, self._params, tensors, strict=True)}
+                   for key, tensors in sets}  # fmt: skip
+        return {"weights": weights, "opt": get_optimizer_state_dict(self.transformer, opt)}
+
+    def load_sharded_state(self, opt: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """After `dcp.load` filled `sharded_state`'s dict: the weight sets are already in place; AdamW's state goes
+        into `opt`."""
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.transformer, opt, state["opt"])
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
@@ -212,40 +222,27 @@ def _local(p: torch.Tensor) -> torch.Tensor:
 
 
 def _whole(p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """`t`, this rank's shard of `p` (or a DTensor itself), gathered whole (a collective); a plain `t` as it is."""
+    """`t`, this rank's shard of the sharded parameter `p`, gathered whole (a collective); else `t` as it is."""
     from torch.distributed.tensor import DTensor
 
-    if isinstance(t, DTensor):
-        return t.full_tensor()
     if isinstance(p, DTensor):
         return DTensor.from_local(t, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor()
     return t
 
 
-def shard_of(p: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a whole tensor shaped as the sharded parameter `p` (FSDP2 shards dim 0 as
-    torch.chunk does); `full` itself for an unsharded `p`."""
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _as_dtensor(p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """`t`, this rank's shard of the sharded parameter `p`, as a DTensor on the same storage; `t` itself otherwise."""
     from torch.distributed.tensor import DTensor
 
     if not isinstance(p, DTensor):
-        return full
-    mesh = p.device_mesh
-    chunks, r = full.chunk(mesh.size(), 0), mesh.get_local_rank()
-    part = chunks[r] if r < len(chunks) else full[:0]
-    if tuple(part.shape) != tuple(p.to_local().shape):
-        raise RuntimeError(f"shard {tuple(part.shape)} of a {tuple(full.shape)} tensor does not match this rank's "
-                           f"{tuple(p.to_local().shape)}: not a dim-0 FSDP2 shard")  # fmt: skip
-    return part
-
-
-def _shard_as(p: torch.Tensor, v: object) -> object:
-    """An optimizer state value for `p`: a whole tensor shaped as `p` becomes a DTensor of this rank's shard."""
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(p, DTensor) or not torch.is_tensor(v) or tuple(v.shape) != tuple(p.shape):
-        return v
-    return DTensor.from_local(shard_of(p, v).clone().to(p.device), p.device_mesh, p.placements, shape=p.shape,
-                              stride=p.stride())  # fmt: skip
+        return t
+    return DTensor.from_local(t, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)
 
 
 TrainedWeights = LoraAdapters | FullWeights  # what a run trains (train_mode lora or full), one interface

@@ -236,11 +236,17 @@ def _check(name: str, size: int | None, sha256: Callable[[], str], want: dict[st
     return None
 
 
+# the one dot-file a sealed directory may hold: torch.distributed.checkpoint's index of its shard files (a sharded
+# run's checkpoint, rl/checkpoint.py save_sharded)
+DCP_METADATA = ".metadata"
+
+
 def _manifest(path: Path) -> dict[str, Any]:
     try:
         m = json.loads((path / MANIFEST).read_text())
         files = m.get("files")
-        if not isinstance(files, dict) or any(Path(n).name != n or n.startswith(".") for n in files):
+        if not isinstance(files, dict) or any(Path(n).name != n or (n.startswith(".") and n != DCP_METADATA)
+                                              for n in files):  # fmt: skip
             raise ValueError("no list of plain file names")
         return m
     except FileNotFoundError:

@@ -19,6 +19,8 @@ import json
 import logging
 import random
 import time
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +49,15 @@ from solrl_engine.rl.tracking import Tracker
 from solrl_engine.rl.update import NFTSettings, UpdateBatch, nft_update
 
 log = logging.getLogger("solrl_engine.rl")
+
+
+@contextlib.contextmanager
+def _one_process_dcp(dist: Dist) -> Iterator[None]:
+    """torch.distributed.checkpoint in one process (no process group, on purpose): without its warning."""
+    with warnings.catch_warnings():
+        if dist.world == 1:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 class PromptSampler:
@@ -340,8 +351,9 @@ class Trainer:
     def _state(self) -> dict[str, Any]:
         return {
             "iteration": self.iteration,
-            "adapters": self.adapters.state_dict(),
-            "opt": self.adapters.optimizer_state(self.opt),
+            # a sharded full fine-tuning run's weight sets and AdamW state: torch.distributed.checkpoint's files
+            **({"sharded": "dcp"} if self.adapters.collective_io else
+               {"adapters": self.adapters.state_dict(), "opt": self.opt.state_dict()}),
             "prompts": self.prompt_sampler.state(),
             "seed_rng": self.seed_rng.getstate(),
             "gen": self.gen.get_state(),
@@ -354,7 +366,7 @@ class Trainer:
             "explore_precision": self.explore_spec.precision if self.explore_spec is not None else None,
         }
 
-    def _restore(self, st: dict[str, Any]) -> None:
+    def _restore(self, st: dict[str, Any], path: Path | None = None) -> None:
         """Continue from a checkpoint; a config that would change what comes next is refused, naming
         what differs. A different world size is fine: the run does not depend on it."""
         then_cfg = dict(st.get("config", {}))
@@ -362,8 +374,16 @@ class Trainer:
             then_cfg["explore_precision"] = self.cfg.explore_precision  # auto's recorded choice, now set explicitly
         check_resume_config(then_cfg, self.cfg)
         self.iteration = st["iteration"]
-        self.adapters.load_state_dict(st["adapters"])
-        self.adapters.load_optimizer_state(self.opt, st["opt"])
+        if st.get("sharded") == "dcp":  # every rank reads its shards (any rank count: DCP reshards)
+            import torch.distributed.checkpoint as dcp
+
+            sd = self.adapters.sharded_state(self.opt)
+            with _one_process_dcp(self.dist):
+                dcp.load(sd, storage_reader=checkpoint.dcp_reader(path), no_dist=self.dist.world == 1)
+            self.adapters.load_sharded_state(self.opt, sd)
+        else:
+            self.adapters.load_state_dict(st["adapters"])
+            self.opt.load_state_dict(st["opt"])
         self.prompt_sampler.load_state(st["prompts"])
         self.seed_rng.setstate(st["seed_rng"])
         self.gen.set_state(st["gen"])
@@ -392,10 +412,21 @@ class Trainer:
             last = checkpoint.latest(self.out / "checkpoints")
             kept = f"the last good checkpoint, {last}, stays" if last else "no checkpoint of this run was written yet"
             raise NonFiniteError("the adapters", f"refusing to checkpoint them; {kept} (lr is {self.cfg.lr})")
-        if main or self.adapters.collective_io:  # sharded full fine-tuning: every rank gathers, rank 0 writes
-            state = self._state()
-            if main:
-                checkpoint.save(self.out / "checkpoints", self.iteration, state, self.cfg.keep_checkpoints)
+        root = self.out / "checkpoints"
+        if self.adapters.collective_io:  # sharded full fine-tuning: every rank writes its shards, rank 0 the rest
+            import torch.distributed.checkpoint as dcp
+
+            shards = self.adapters.sharded_state(self.opt)
+
+            def write(tmp: Path) -> None:
+                with _one_process_dcp(self.dist):
+                    dcp.save(shards, checkpoint_id=str(tmp), no_dist=self.dist.world == 1)
+
+            checkpoint.save_sharded(root, self.iteration, self._state() if main else {}, self.cfg.keep_checkpoints,
+                                    self.dist, write)  # fmt: skip
+            self.export()  # gathers on every rank, rank 0 writes
+        elif main:
+            checkpoint.save(root, self.iteration, self._state(), self.cfg.keep_checkpoints)
             self.export()
         self.dist.barrier()
 
@@ -435,7 +466,7 @@ class Trainer:
         # restored (its config checked) before anything in OUT is written
         ck = checkpoint.resume_point(self.out / "checkpoints", self.dist) if mode == "resume" else None
         if ck is not None:
-            self._restore(checkpoint.load(ck))
+            self._restore(checkpoint.load(ck), ck)
             history, cut = rundir.read_log(metrics_path, self.iteration)  # later records and a torn line go
             self.dist.barrier()  # every rank has read it before rank 0 rewrites it
             damaged = rundir.damaged_exports(self.out)  # exports are made from the checkpoint's state
