@@ -26,10 +26,12 @@ def _args(small_model: str, out: Path, dtype: torch.dtype, mode: str = "lora") -
             "lora_alpha=8", "lr=1e-2", "rollout_batch_size=16", "train_batch_size=4",
             "timestep_fraction=0.5", "explore_precision=nvfp4", "updates_per_iter=2",
             "eval_train_prompt_count=3", f"policy_dtype={str(dtype).removeprefix('torch.')}"]  # fmt: skip
-    if mode in ("full", "full-fsdp"):  # every weight trained (rl/full.py), at a full fine-tuning's learning rate
+    if mode in ("full", "full-fsdp", "full-hsdp"):  # every weight trained (rl/full.py), at a full FT's rate
         sets += ["train_mode=full", "lr=1e-3"]
     if mode in ("fsdp", "full-fsdp"):  # FSDP2-sharded over the ranks (rl/sharding.py); one process: same paths
         sets += ["sharding=fsdp"]
+    if mode == "full-hsdp":  # HSDP: groups of one rank ("nodes" of one GPU), replicated across the two
+        sets += ["sharding=hsdp", "shard_group_size=1"]
     args = ["train", str(ROOT / "configs/tiny.py:tiny_sol_rl_shapes"), "--output", str(out)]
     for s in sets:
         args += ["--set", s]
@@ -38,8 +40,9 @@ def _args(small_model: str, out: Path, dtype: torch.dtype, mode: str = "lora") -
 
 @pytest.mark.parametrize(("dtype", "mode"), [(torch.float32, "lora"), (torch.bfloat16, "lora"),
                                              (torch.float32, "full"), (torch.float32, "fsdp"),
-                                             (torch.float32, "full-fsdp")],
-                         ids=["fp32", "bf16", "full-fp32", "fsdp-fp32", "full-fsdp-fp32"])  # fmt: skip
+                                             (torch.float32, "full-fsdp"), (torch.float32, "full-hsdp")],
+                         ids=["fp32", "bf16", "full-fp32", "fsdp-fp32", "full-fsdp-fp32",
+                              "full-hsdp-fp32"])  # fmt: skip
 def test_torchrun_two_ranks_match_one_process(small_model, tmp_path, dtype, mode):
     """Both policy dtypes the CPU's detection can pick (set explicitly: the ranks are other processes),
     with tolerances set by the dtype (tests/cpu_branches.py): BF16 sums in another order differ by
@@ -60,6 +63,10 @@ def test_torchrun_two_ranks_match_one_process(small_model, tmp_path, dtype, mode
         held = re.findall(r"sharding=fsdp: 1 blocks over 2 ranks; this rank holds ([\d.]+) of ([\d.]+) MiB of "
                           + ("trained" if mode == "full-fsdp" else "base"), out.stderr)
         assert len(held) == 2 and all(float(a) < 0.6 * float(b) for a, b in held), out.stderr[-2000:]
+    if mode == "full-hsdp":  # what ran: a 2-D mesh, each rank a group of one holding everything, two replicas
+        held = re.findall(r"sharding=hsdp: 1 blocks over groups of 1 of the 2 ranks; this rank holds ([\d.]+) of "
+                          r"([\d.]+) MiB of trained", out.stderr)
+        assert len(held) == 2 and all(a == b for a, b in held), out.stderr[-2000:]
     assert not (two / ".solrl.lock").exists()  # rank 0 held the run's lock for the job, and let it go
     # writing the LoRA imports SD3's pipeline, whose SigLIP processor transformers warns about without
     # torchvision: nothing a user of the run can act on, so it stays off the progress bar
@@ -90,7 +97,8 @@ def test_torchrun_two_ranks_match_one_process(small_model, tmp_path, dtype, mode
 
 FILES = {"lora": "lora/pytorch_lora_weights.safetensors", "fsdp": "lora/pytorch_lora_weights.safetensors",
          "full": "transformer/diffusion_pytorch_model.safetensors",
-         "full-fsdp": "transformer/diffusion_pytorch_model.safetensors"}  # what each mode exports
+         "full-fsdp": "transformer/diffusion_pytorch_model.safetensors",
+         "full-hsdp": "transformer/diffusion_pytorch_model.safetensors"}  # what each mode exports
 
 
 def _torchrun(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
@@ -100,9 +108,9 @@ def _torchrun(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize(("first", "mode"), [(2, "lora"), (1, "lora"), (2, "fsdp"), (1, "fsdp"), (2, "full-fsdp"),
-                                            (1, "full-fsdp")],
+                                            (1, "full-fsdp"), (2, "full-hsdp")],
                          ids=["2-then-1", "1-then-2", "fsdp-2-then-1", "fsdp-1-then-2", "full-fsdp-2-then-1",
-                              "full-fsdp-1-then-2"])  # fmt: skip
+                              "full-fsdp-1-then-2", "full-hsdp-2-then-1"])  # fmt: skip
 def test_a_checkpoint_resumes_on_another_number_of_ranks(small_model, tmp_path, first, mode):
     """A run checkpointed at iteration 1 by `first` processes resumes on the other count and ends with the
     metrics and adapter of a one-process run that never stopped (the run depends on `seed`, not on the
@@ -121,7 +129,7 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks(small_model, tmp_path, 
         else:
             out = _torchrun(args, tmp_path)
             assert out.returncode == 0, out.stderr[-4000:]
-        if mode == "full-fsdp" and args is part:  # each rank wrote its shards (DCP), sealed with rank 0's state
+        if mode in ("full-fsdp", "full-hsdp") and args is part:  # DCP shards, sealed with rank 0's state
             _check_sharded_checkpoint(split / "checkpoints" / "iter_000001", procs, tmp_path)
     a = [json.loads(x) for x in (whole / "metrics.jsonl").read_text().splitlines()]
     b = [json.loads(x) for x in (split / "metrics.jsonl").read_text().splitlines()]
@@ -187,6 +195,9 @@ def test_the_config_refuses_what_a_sharded_run_cannot_do():
         RLConfig(model="tiny", sharding="fsdp", family="compile").validate()
     RLConfig(model="tiny", sharding="fsdp").validate()  # LoRA, sol_rl: accepted
     RLConfig(model="tiny", sharding="fsdp", train_mode="full").validate()  # full fine-tuning sharded: accepted
+    RLConfig(model="tiny", sharding="hsdp", shard_group_size=4).validate()
+    with pytest.raises(ConfigError, match="shard_group_size.*sharding=hsdp"):
+        RLConfig(model="tiny", sharding="fsdp", shard_group_size=4).validate()
 
 
 def test_a_sharded_model_without_repeated_blocks_is_refused_with_the_fix():

@@ -133,6 +133,12 @@ def test_a_sharded_full_fine_tuning_plan_divides_every_trained_tensor():
     assert rows["base before sharding"].gib == pytest.approx(2 * params * 3 / 4 / 2**30)  # BF16: upcast per block
     assert "gradient all-reduce" in prow and "gradient all-reduce" not in rows
     assert shard.peak_gib < plain.peak_gib and plain.sharded_peak_gib == pytest.approx(shard.peak_gib)
+    # HSDP: split over a group (a node), replicated across groups: 16 GPUs in groups of 4 hold what fsdp on 4 does
+    hsdp = memplan.memory_plan(RLConfig(**cfg, sharding="hsdp", shard_group_size=4), gpus=16)
+    hrows = {r.part: r for r in hsdp.rows}
+    for part in ("trained weights", "AdamW state", "transformer (base)", "base before sharding"):
+        assert hrows[part].gib == pytest.approx(rows[part].gib), part
+    assert hsdp.sharding == "hsdp" and "sharding=hsdp" in hsdp.render()
 
 
 def test_the_trainer_refuses_a_plan_that_cannot_fit_before_any_weight_loads(monkeypatch, tmp_path):

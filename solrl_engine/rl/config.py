@@ -53,7 +53,9 @@ FAMILY_TABLE: dict[str, FamilyRule] = {
 }
 FAMILIES = tuple(FAMILY_TABLE)
 TRAIN_MODES = ("lora", "full")  # what the update trains: LoRA adapters, or every transformer weight
-SHARDING = ("none", "fsdp")  # the policy's frozen base weights replicated on every rank, or FSDP2-sharded
+# the policy replicated on every rank, FSDP2-sharded over all ranks, or HSDP: sharded within each group of
+# shard_group_size ranks (a node's GPUs by default), replicated across the groups (nodes)
+SHARDING = ("none", "fsdp", "hsdp")
 
 
 class ConfigError(ValueError):
@@ -137,8 +139,10 @@ class RLConfig:
     merge_lora: bool = True
     # under torchrun: "fsdp" shards the policy over the ranks with FSDP2 (fully_shard per repeated block): a LoRA
     # run's frozen base weights (the adapters stay whole on every rank), or every weight of a full fine-tuning
-    # run with its optimizer state and weight sets (docs/scale.md)
+    # run with its optimizer state and weight sets (docs/scale.md); "hsdp": sharded within groups of
+    # shard_group_size ranks (0: each node's, torchrun's LOCAL_WORLD_SIZE) and replicated across them
     sharding: str = "none"
+    shard_group_size: int = 0
     lr: float = 3e-4
     weight_decay: float = 1e-4
     grad_clip: float = 1.0
@@ -302,11 +306,15 @@ class RLConfig:
             raise bad("merge_lora", "full fine-tuning refreshes the explore copy with the whole old policy; there is "
                                     "no LoRA branch to keep unmerged: leave merge_lora at true")
         if self.sharding not in SHARDING:
-            raise bad("sharding", f"choose one of {SHARDING} (fsdp: the base weights sharded over torchrun's ranks)")
-        if self.sharding == "fsdp" and FAMILY_TABLE[self.family].compiled:
+            raise bad("sharding", f"choose one of {SHARDING} (fsdp: sharded over torchrun's ranks; hsdp: within each "
+                                  "node, replicated across nodes)")  # fmt: skip
+        if self.shard_group_size < 0 or (self.shard_group_size and self.sharding != "hsdp"):
+            raise bad("shard_group_size", "it is sharding=hsdp's group of ranks sharing one copy (0: a node's); "
+                                          "set sharding=hsdp, or leave it at 0")  # fmt: skip
+        if self.sharding != "none" and FAMILY_TABLE[self.family].compiled:
             raise bad("family", "the compile family samples the policy through captured graphs; a sharded policy "
                                 "gathers its weights block by block inside each forward, so it samples eagerly: "
-                                "use sol_rl or naive_scaling with sharding=fsdp")
+                                f"use sol_rl or naive_scaling with sharding={self.sharding}")
         if self.policy_dtype not in ("auto", "bfloat16", "float32"):
             raise bad("policy_dtype", "use auto, bfloat16 or float32")
         return self

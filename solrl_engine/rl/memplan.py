@@ -14,11 +14,12 @@ backward) on fake tensors under torch's MemTracker. Text encoders and the VAE ar
 (models/*.py). The trainer checks the plan at start on a GPU and refuses one that cannot fit, before any weight
 loads (`memory_check=false` starts anyway).
 
-Every rank of a torchrun job holds all of this unless `sharding=fsdp`: then a LoRA run's frozen base weights
-are 1/gpus per rank, plus the two largest repeated blocks gathered at a time, and no merged policy copy is kept;
-the explore copy and the adapters stay whole on every rank. Full fine-tuning sharded divides every trained
-tensor (weights, old, EMA, the stash, AdamW's moments, gradients) and the reference by the GPUs, and gathers
-its blocks in FP32; at start each rank loads the whole base and upcasts it to FP32 block by block as it shards it.
+Every rank of a torchrun job holds all of this unless `sharding=fsdp` (or `hsdp`: over a node's GPUs, not all of
+them): then a LoRA run's frozen base weights are 1/gpus per rank, plus the two largest repeated blocks gathered at
+a time, and no merged policy copy is kept; the explore copy and the adapters stay whole on every rank. Full fine-
+tuning sharded divides every trained tensor (weights, old, EMA, the stash, AdamW's moments, gradients) and the
+reference by the GPUs, and gathers its blocks in FP32; at start each rank loads the whole base and upcasts it to
+FP32 block by block as it shards it.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ class MemoryPlan:
     # the update's activations both ways, whichever the config uses ("gradient_checkpointing", "without")
     update_activations_gib: dict[str, float] = field(default_factory=dict)
     lora_peak_gib: float | None = None  # a full fine-tuning plan's peak as LoRA instead
-    sharding: str = "none"  # the config's: "fsdp" shards a LoRA run's base weights (full: every weight) over the GPUs
+    sharding: str = "none"  # the config's: fsdp / hsdp shard a LoRA run's base weights (full: every weight)
     sharded_peak_gib: float | None = None  # an unsharded plan's peak with sharding=fsdp on these GPUs
 
     def total(self, when: str) -> float:
@@ -132,7 +133,7 @@ class MemoryPlan:
         return tips
 
     def render(self) -> str:
-        shard = ", sharding=fsdp" if self.sharding == "fsdp" else ""
+        shard = f", sharding={self.sharding}" if self.sharding != "none" else ""
         head = (f"memory plan for {self.config} ({self.model}, train_mode={self.train_mode}{shard}): transformer "
                 f"{self.transformer_params_b:.2f}B parameters ({self.transformer_source}); per GPU, "
                 f"{self.gpus} GPU{'s' if self.gpus > 1 else ''} of {self.gpu_gib:g} GiB")  # fmt: skip
@@ -348,16 +349,20 @@ def memory_plan(cfg: RLConfig, gpus: int = 1, gpu_gib: float = 80.0) -> MemoryPl
         copy = (copy_report.weight_bytes()[1], params - q, len(copy_report.quantized),
                 how.get(cfg.explore_precision, precision))  # fmt: skip
 
+    # the ranks each sharded tensor is split over: all of them (fsdp), or a group (hsdp: shard_group_size, else a
+    # node's GPUs, taken as up to 8)
+    shards = (cfg.shard_group_size or min(gpus, 8)) if cfg.sharding == "hsdp" else gpus
+
     def rows_for(mode: str, sharded: bool) -> list[PlanRow]:
         full = mode == "full"
         trained = params if full else lora
-        split = gpus if full and sharded else 1  # sharded full fine-tuning: every trained tensor over the GPUs
+        split = shards if full and sharded else 1  # sharded full fine-tuning: every trained tensor over the GPUs
         per = f", this GPU's 1/{split}" if split > 1 else ""
         what = f"{trained / 1e6:.1f}M {'weights' if full else 'LoRA parameters'} in FP32{per}"
         if sharded:
-            base = PlanRow("transformer (base)", params * b / gpus / GIB, "always",
-                           f"the reference policy: the base as loaded, FSDP2-sharded over {gpus} GPUs" if full
-                           else f"frozen, FSDP2-sharded over {gpus} GPUs; LoRA on top, whole")  # fmt: skip
+            base = PlanRow("transformer (base)", params * b / shards / GIB, "always",
+                           f"the reference policy: the base as loaded, FSDP2-sharded over {shards} GPUs" if full
+                           else f"frozen, FSDP2-sharded over {shards} GPUs; LoRA on top, whole")  # fmt: skip
         else:
             base = PlanRow("transformer (base)", params * b / GIB, "always",
                            "the reference policy: the base as loaded" if full else "frozen; LoRA on top")
@@ -383,7 +388,7 @@ def memory_plan(cfg: RLConfig, gpus: int = 1, gpu_gib: float = 80.0) -> MemoryPl
             rows.append(PlanRow("gradient reduce-scatter", 4 * (sizes[0] if sizes else 0) / GIB, "update",
                                 "the largest block's FP32 gradients whole, before FSDP2 scatters them"))  # fmt: skip
         copy_gib = 0.0
-        if sharded and gpus > 1:
+        if sharded and shards > 1:
             rows.append(PlanRow("gathered blocks", gathered * (4 if full else b) / GIB, "always",
                                 "the largest two repeated blocks whole (one computing, the next gathered)"))
         if copy is not None:
@@ -400,8 +405,8 @@ def memory_plan(cfg: RLConfig, gpus: int = 1, gpu_gib: float = 80.0) -> MemoryPl
             rows.append(PlanRow("refresh, one block's weights", (sizes[0] if sizes else params) * (4 if full else b)
                                 / GIB, "refresh", "the copies refresh a block at a time: its merged (or gathered) "
                                 "weights"))  # fmt: skip
-        if sharded and gpus > 1:
-            rows.append(PlanRow("base before sharding", params * b * (1 - 1 / gpus) / GIB, "start",
+        if sharded and shards > 1:
+            rows.append(PlanRow("base before sharding", params * b * (1 - 1 / shards) / GIB, "start",
                                 "each rank loads the whole base, then shards it"
                                 + (" block by block, each upcast to FP32 just before" if full else "")))  # fmt: skip
         ckpt = cfg.gradient_checkpointing
@@ -420,9 +425,9 @@ def memory_plan(cfg: RLConfig, gpus: int = 1, gpu_gib: float = 80.0) -> MemoryPl
 
     def plan_for(mode: str, sharded: bool, **more: Any) -> MemoryPlan:
         return MemoryPlan(cfg.name, cfg.model, mode, gpus, gpu_gib, params / 1e9, source, rows_for(mode, sharded),
-                          sharding="fsdp" if sharded else "none", **more)  # fmt: skip
+                          sharding=cfg.sharding if sharded else "none", **more)  # fmt: skip
 
-    sharded = cfg.sharding == "fsdp"  # (one GPU: nothing split, no merged copy)
+    sharded = cfg.sharding != "none"  # (one GPU: nothing split, no merged copy)
     lora_peak = plan_for("lora", sharded).peak_gib if cfg.train_mode == "full" else None  # on the same sharding
     could_shard = not sharded and gpus > 1 and not FAMILY_TABLE[cfg.family].compiled
     shard_peak = plan_for(cfg.train_mode, True).peak_gib if could_shard else None

@@ -33,12 +33,14 @@ from solrl_engine.sampling.compile import repeated_blocks
 
 
 def shard_policy(transformer: nn.Module, blocks: Sequence[str], keep: Iterable[nn.Parameter], dist: Dist,
-                 device: torch.device, upcast: bool = False) -> int:  # fmt: skip
+                 device: torch.device, upcast: bool = False, group: int = 0) -> int:  # fmt: skip
     """`fully_shard` each repeated block of `transformer` (classes `blocks`), then the root, over all of `dist`'s
     ranks, leaving the parameters `keep` whole; marks `dist` sharded. Returns how many blocks were sharded (one
     process: none, nothing changes, and the run takes the same paths as a sharded one). `upcast` (full
     fine-tuning: FP32 trained weights) makes each block's weights FP32 just before it is sharded, so no rank ever
-    holds the whole model in FP32."""
+    holds the whole model in FP32. `group` > 0: HSDP, sharded within consecutive groups of that many ranks (a
+    node's GPUs) and replicated across the groups (FSDP2 on a 2-D mesh: reduce-scatter inside a group,
+    all-reduce across groups)."""
     found = repeated_blocks(transformer, blocks)
     if not found:
         raise ValueError(f"sharding=fsdp shards {type(transformer).__name__} by its repeated blocks {tuple(blocks)}, "
@@ -62,7 +64,11 @@ def shard_policy(transformer: nn.Module, blocks: Sequence[str], keep: Iterable[n
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh(device.type, (dist.world,))
+    if group and (group > dist.world or dist.world % group):
+        raise ValueError(f"sharding=hsdp: {dist.world} ranks do not split into groups of {group} (shard_group_size, "
+                         "or the ranks per node): pick a divisor of the number of ranks")  # fmt: skip
+    mesh = (init_device_mesh(device.type, (dist.world // group, group), mesh_dim_names=("replicate", "shard"))
+            if group else init_device_mesh(device.type, (dist.world,)))  # fmt: skip
     ignored = set(keep)
     for b in found:
         fp32(b)

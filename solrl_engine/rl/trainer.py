@@ -17,6 +17,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 import random
 import time
 import warnings
@@ -110,7 +111,7 @@ class Trainer:
         # policy at its own precision, as the quantized copy has it (not PEFT's unmerged branches)
         # (full fine-tuning: the policy samples with its old weights swapped in, already merged)
         # (sharding=fsdp: the policy samples itself, its LoRA unmerged: a merged copy would be a whole second copy)
-        lora, sharded = cfg.train_mode == "lora", cfg.sharding == "fsdp"
+        lora, sharded = cfg.train_mode == "lora", cfg.sharding != "none"
         merged = cfg.merge_lora and lora and not sharded
         self.policy_copy = ExploreCopy(self.model.transformer, POLICY, borrow=True) if merged else None
         self._explore_as(None)  # the explore pass planned (auto: timed, rank 0's answer) and its copy built
@@ -127,14 +128,17 @@ class Trainer:
         if sharded:  # after the explore copy is built from (and attached to) the whole base weights
             # LoRA: the base sharded, the adapters left whole; full fine-tuning: every (FP32 trained) weight sharded
             keep = self.adapters.params(TRAIN) + self.adapters.params(OLD) if lora else []
+            group = (cfg.shard_group_size or int(os.environ.get("LOCAL_WORLD_SIZE", self.dist.world))
+                     if cfg.sharding == "hsdp" else 0)  # fmt: skip
             blocks = shard_policy(self.model.transformer, self.rollouts.spec.repeated_blocks, keep, self.dist,
-                                  self.device, upcast=not lora)  # fmt: skip
+                                  self.device, upcast=not lora, group=group)  # fmt: skip
             if not lora:
                 self.adapters.shard()  # its weight sets made as this rank's shards
                 self._follow_explore()  # the explore copy refreshed from them, gathered a weight at a time
             local, full = sharded_bytes(self.model.transformer)
-            log.info("sharding=fsdp: %d blocks over %d ranks; this rank holds %.1f of %.1f MiB of %s weights",
-                     blocks, self.dist.world, local / 2**20, full / 2**20, "base" if lora else "trained")  # fmt: skip
+            over = f"groups of {group} of the {self.dist.world} ranks" if group else f"{self.dist.world} ranks"
+            log.info("sharding=%s: %d blocks over %s; this rank holds %.1f of %.1f MiB of %s weights", cfg.sharding,
+                     blocks, over, local / 2**20, full / 2**20, "base" if lora else "trained")  # fmt: skip
         self.opt = torch.optim.AdamW(self.adapters.params(TRAIN), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.nft = NFTSettings.from_config(cfg)  # what the update reads of the config
         self.prompt_sampler = PromptSampler(self.train_prompts, cfg.seed)
@@ -153,7 +157,7 @@ class Trainer:
         dtype), or with train_mode=full every transformer weight (rl.full.FullWeights, FP32 too)."""
         cfg = self.cfg
         if cfg.train_mode == "full":
-            return FullWeights(self.model.transformer, sharded=cfg.sharding == "fsdp")
+            return FullWeights(self.model.transformer, sharded=cfg.sharding != "none")
         spec = self.rollouts.spec
         targets = spec.lora_targets if cfg.lora_targets is None else cfg.lora_targets
         with torch.random.fork_rng(devices=[]):  # the LoRA init depends on cfg.seed only
