@@ -133,17 +133,20 @@ def policy_dtype(setting: str, device: torch.device) -> tuple[torch.dtype, str]:
     return auto_policy_dtype(device)
 
 
-def autocast_for(device: torch.device, dtype: torch.dtype | None = None) -> contextlib.AbstractContextManager:
-    """BF16 autocast on CUDA, and on a CPU when the policy (`dtype`) is BF16; nothing elsewhere.
+def autocast_for(device: torch.device, dtype: torch.dtype | None = None,
+                 cache: bool = True) -> contextlib.AbstractContextManager:  # fmt: skip
+    """BF16 autocast on CUDA, and on a CPU when the policy (`dtype`) is BF16; nothing elsewhere. `cache` False:
+    autocast keeps no BF16 cast of a trainable weight for the rest of the forward (a sharded full fine-tuning
+    run gathers its FP32 weights block by block; cached casts would pile up to the whole model in BF16).
 
     Why on the CPU: the FP32 LoRA branch beside BF16 base weights would otherwise run in FP32 with
     casts around it: measured on the tiny model (AVX512-BF16, 2 cores, batch 32) a LoRA policy's
     forward takes 123 ms without autocast, 70 ms with it, 106 ms in FP32. An FP32 policy keeps exact
     FP32 numerics on the CPU (no autocast)."""
     if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
+        return torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=cache)
     if device.type == "cpu" and dtype == torch.bfloat16:
-        return torch.autocast("cpu", dtype=torch.bfloat16)
+        return torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=cache)
     return contextlib.nullcontext()
 
 

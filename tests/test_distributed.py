@@ -183,6 +183,13 @@ def _check_sharded_checkpoint(ck: Path, ranks: int, tmp: Path) -> None:
     with pytest.raises(checkpoint.CheckpointError, match=r"\.metadata is refused"):
         checkpoint.dcp_reader(bad).read_metadata()
     assert not (tmp / "pwned").exists()
+    # a dotted name inside an allowed module reaches its imports (metadata.os.getcwd): refused too
+    mod, name = b"torch.distributed.checkpoint.metadata", b"os.getcwd"
+    dotted = b"\x80\x04\x8c" + bytes([len(mod)]) + mod + b"\x8c" + bytes([len(name)]) + name + b"\x93)R."
+    assert pickle.loads(dotted)  # what plain pickle (DCP's own reader) would do: call it
+    (bad / ".metadata").write_bytes(dotted)
+    with pytest.raises(checkpoint.CheckpointError, match="os.getcwd is not part of a checkpoint index"):
+        checkpoint.dcp_reader(bad).read_metadata()
     assert type(checkpoint.dcp_reader(ck).read_metadata()).__name__ == "Metadata"
 
 

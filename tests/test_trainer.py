@@ -358,3 +358,40 @@ def test_the_update_trains_without_cudnn_attention_and_rollouts_keep_torchs_choi
     rollout = {cudnn for grad, cudnn in seen if not grad}
     assert train == {False} and True in rollout, seen[:5]
     assert torch.backends.cuda.cudnn_sdp_enabled()  # restored after the update
+
+
+def test_a_sharded_full_run_keeps_no_cached_casts_and_its_reference_is_its_own(small_model, tmp_path, monkeypatch):
+    """sharding=fsdp with train_mode=full (one process: the same paths as on many ranks). Its FP32 weights are
+    gathered block by block, so autocast must not cache their BF16 casts for the rest of a forward (they would
+    pile up to the whole model); an unsharded run keeps the cache. And the reference set is its own tensors even
+    when the base is FP32 (`to` returns the tensor itself for a matching dtype)."""
+    import torch.nn.functional as F
+
+    from solrl_engine.rl.adapters import TRAIN
+    from solrl_engine.rl.full import REF
+
+    dtype = force_cpu_bf16(monkeypatch, True)
+    seen: list[tuple[bool, bool]] = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(*a, **k):  # noqa: ANN002, ANN003, ANN202
+        if torch.is_autocast_enabled("cpu"):
+            seen.append((torch.is_grad_enabled(), torch.is_autocast_cache_enabled()))
+        return sdpa(*a, **k)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    for sharding, cached in (("fsdp", False), ("none", True)):
+        seen.clear()
+        tr = Trainer(_cfg(small_model, tmp_path / sharding, "naive_scaling", iterations=1, train_mode="full",
+                          lr=1e-3, sharding=sharding), progress=False)  # fmt: skip
+        assert tr.dtype == dtype == torch.bfloat16
+        tr.step()
+        assert seen and {c for _, c in seen} == {cached}, (sharding, seen[:3])
+    fp32 = Trainer(_cfg(small_model, tmp_path / "fp32", "naive_scaling", iterations=1, train_mode="full", lr=1e-3,
+                        sharding="fsdp", policy_dtype="float32"), progress=False)  # fmt: skip
+    ref, trained = fp32.adapters.params(REF), fp32.adapters.params(TRAIN)
+    assert all(r.data_ptr() != t.data_ptr() for r, t in zip(ref, trained, strict=True))
+    before = [r.clone() for r in ref]
+    fp32.step()
+    assert all(torch.equal(b, r) for b, r in zip(before, ref, strict=True))  # the reference never moves
+    assert any(not torch.equal(b, t) for b, t in zip(before, trained, strict=True))  # the trained weights did

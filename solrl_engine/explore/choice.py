@@ -110,7 +110,7 @@ def _layer_ms(mod: Any, x: torch.Tensor, reps: int, dev: torch.device) -> float:
     (as a forward launches them: the host's per-call overhead counts only where it exceeds the GPU's work),
     fastest of three such windows; elsewhere the fastest of `reps` single calls."""
     if dev.type != "cuda":
-        return min(_call_ms(lambda: mod(x), dev) for _ in range(reps))
+        return min(_call_ms(lambda mod=mod, x=x: mod(x), dev) for _ in range(reps))
 
     def window() -> None:
         for _ in range(reps):

@@ -148,24 +148,47 @@ def save_sharded(root: str | Path, iteration: int, state: dict[str, Any], keep: 
 
 # what torch.distributed.checkpoint's `.metadata` (a pickle) may name: its own metadata classes, tensor sizes,
 # dtypes and layouts, and the path type; a file naming anything else is refused, never unpickled
-_DCP_MODULES = ("torch.distributed.checkpoint.metadata",)
-_DCP_NAMES = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"), ("torch", "device"),
-              ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
-              ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath")}  # fmt: skip
+_DCP_META = "torch.distributed.checkpoint.metadata"
+_DCP_NAMES = {(_DCP_META, n) for n in ("Metadata", "TensorStorageMetadata", "ChunkStorageMetadata",
+                                       "BytesStorageMetadata", "TensorProperties", "MetadataIndex", "StorageMeta",
+                                       "_MEM_FORMAT_ENCODING")} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"), ("torch", "device"),
+    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath")}  # fmt: skip
 
 
 class _DCPMetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-        if module in _DCP_MODULES or (module, name) in _DCP_NAMES or dtype:
+        dtype = module == "torch" and "." not in name and isinstance(getattr(torch, name, None), torch.dtype)
+        if (module, name) in _DCP_NAMES or dtype:  # exact names only (a dotted one would reach other modules)
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint index")
+
+
+def dcp_planner() -> Any:
+    """torch.distributed.checkpoint's load planner, with the non-tensor entries of the shard files (AdamW's
+    param_groups: numbers, strings, lists) read by `torch.load(weights_only=True)`, not DCP's weights_only=False."""
+    import io
+
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint._traverse import set_element  # (where DefaultLoadPlanner puts an entry)
+
+    class Planner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            obj = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    return Planner()
 
 
 def dcp_reader(path: str | Path) -> Any:
     """A torch.distributed.checkpoint reader of checkpoint `path` that keeps the promise above: DCP reads its
     `.metadata` with a plain `pickle.load`, which could run code; this one unpickles only the index's own types
-    and raises CheckpointError on anything else. (Its shard files hold raw tensor bytes.)"""
+    (exact names) and raises CheckpointError on anything else. With `dcp_planner` nothing in the shard files is
+    unpickled beyond weights_only either."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 
@@ -237,7 +260,8 @@ def load(path: str | Path) -> dict[str, Any]:
     from safetensors.torch import load as st_load
 
     try:
-        _, blobs = read_verified(path)
+        # (a sharded run's shard files are read by each rank through DCP, after `pick` hashed them all in chunks)
+        _, blobs = read_verified(path, (STATE, TENSORS))
         return decode(json.loads(blobs[STATE]), st_load(blobs[TENSORS]))
     except Damaged as e:
         raise CheckpointError(f"checkpoint {path} is damaged: {e}") from None

@@ -116,6 +116,16 @@ class Dist:
             td.barrier()
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a sharded (DTensor) tensor; any other tensor as it is. (A DTensor's reduction read with
+    bool() or item() gives this rank's value only: checks that must agree read the local part and agree.)"""
+    if not torch.distributed.is_available():
+        return t
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def whole(t: torch.Tensor) -> torch.Tensor:
     """A sharded (DTensor) weight gathered whole on every rank (a collective: every rank calls it in the same
     order); any other tensor as it is."""

@@ -86,7 +86,7 @@ def save_full(
 
     del pipeline_class
     directory = Path(directory)
-    state = weights.export_state(ema=ema)
+    state = weights.export_state(ema=ema, keep=write)
     if not write:
         return directory
     tmp = directory.with_name(f".tmp_{directory.name}")

@@ -48,22 +48,25 @@ class FullWeights(PolicySets):
         if not named:
             raise ValueError(f"{type(transformer).__name__} has no parameters to train")
         self._names = [n for n, _ in named]
-        self._params = [p for _, p in named]
         # the modules owning parameters, by name: what the explore copy must have a counterpart of
         self.layers = {n: m for n, m in transformer.named_modules() if any(True for _ in m.parameters(recurse=False))}
-        self._ref_dtypes = [p.dtype for p in self._params]
-        with torch.no_grad():
-            if sharded:  # the base as loaded stands in until `shard`
-                self._sets: dict[str, list[torch.Tensor]] = {TRAIN: [p.data for p in self._params]}
-                self.ema = []
-            else:
-                ref = [p.data for p in self._params]  # the loaded base, as it is (no copy)
-                train = [t.float().clone() if t.dtype == torch.float32 else t.float() for t in ref]
-                self._sets = {TRAIN: train, OLD: [t.clone() for t in train], REF: ref}
-                self.ema = [t.clone() for t in train]
+        self._ref_dtypes = [p.dtype for _, p in named]
         self._copying = False  # sharding=fsdp (`shard`): switching copies into the parameters' shards
         self._stash: list[torch.Tensor] = []
         self._active = ""
+        if sharded:  # nothing held until `shard`: a reference kept here would keep each replaced weight alive
+            self._params: list[nn.Parameter] = []
+            self._sets: dict[str, list[torch.Tensor]] = {}
+            self.ema = []
+            for _, p in named:
+                p.requires_grad_(True)
+            return
+        self._params = [p for _, p in named]
+        with torch.no_grad():
+            ref = [p.data for p in self._params]  # the loaded base, as it is (no copy)
+            train = [t.float().clone() if t.dtype == torch.float32 else t.float() for t in ref]
+            self._sets = {TRAIN: train, OLD: [t.clone() for t in train], REF: ref}
+            self.ema = [t.clone() for t in train]
         self.use(TRAIN)
 
     @property
@@ -82,7 +85,7 @@ class FullWeights(PolicySets):
         self._params = [p for _, p in named]
         live = [_local(p) for p in self._params]
         self._sets = {TRAIN: live, OLD: [t.clone() for t in live],
-                      REF: [t.to(d) for t, d in zip(live, self._ref_dtypes, strict=True)]}  # fmt: skip
+                      REF: [t.to(d, copy=True) for t, d in zip(live, self._ref_dtypes, strict=True)]}  # fmt: skip
         self.ema = [t.clone() for t in live]
         self._stash = [torch.empty_like(t) for t in live]
         self._copying, self._active = True, TRAIN
@@ -149,16 +152,23 @@ class FullWeights(PolicySets):
         return LazyWeights(self._names, read)
 
     @torch.no_grad()
-    def export_state(self, ema: bool = False) -> dict[str, torch.Tensor]:
+    def export_state(self, ema: bool = False, keep: bool = True) -> dict[str, torch.Tensor]:
         """The transformer's state dict with the trained (or EMA) weights, whole, on the CPU, in the dtypes the base
-        was loaded in: what an export writes. Under sharding, a collective: every rank calls it."""
+        was loaded in: what an export writes. Under sharding, a collective: every rank calls it, and the ranks that
+        do not write (`keep` False) gather each weight in turn and drop it (an empty dict)."""
         tensors = self.ema if ema else self._trained()
-        params = {n: _whole(p, t).to("cpu", d) for n, p, t, d in
-                  zip(self._names, self._params, tensors, self._ref_dtypes, strict=True)}  # fmt: skip
-        buffers = {f"{m_name}.{b_name}".lstrip("."): b.detach().cpu()
-                   for m_name, m in self.transformer.named_modules() for b_name, b in m.named_buffers(recurse=False)
-                   if b is not None and b_name not in m._non_persistent_buffers_set}  # as state_dict() has them
-        return {k: v.contiguous().clone() for k, v in (params | buffers).items()}
+        out = {}
+        for n, p, t, d in zip(self._names, self._params, tensors, self._ref_dtypes, strict=True):
+            w = _whole(p, t)
+            if keep:
+                out[n] = w.detach().to("cpu", d, copy=True).contiguous()
+        if not keep:
+            return {}
+        for m_name, m in self.transformer.named_modules():  # the persistent buffers, as state_dict() has them
+            for b_name, b in m.named_buffers(recurse=False):
+                if b is not None and b_name not in m._non_persistent_buffers_set:
+                    out[f"{m_name}.{b_name}".lstrip(".")] = b.detach().to("cpu", copy=True).contiguous()
+        return out
 
     def side_branch(self, name: str, adapter: str = OLD) -> tuple[torch.Tensor, torch.Tensor, float]:
         raise ValueError("full fine-tuning has no LoRA branch to add to the explore copy: it always refreshes the "
@@ -195,23 +205,25 @@ class FullWeights(PolicySets):
             for n, t in zip(self._names, tensors, strict=True):
                 t.copy_(state[key][n])
 
-    def sharded_state(self, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    def sharded_state(self, opt: torch.optim.Optimizer, with_opt: bool = True) -> dict[str, Any]:
         """The trained, old and EMA sets and AdamW's state as `torch.distributed.checkpoint` saves and loads them
         in place: each rank's shards, as DTensors on the tensors themselves (no copy; plain tensors in one
-        process). DCP reshards on load, so a checkpoint resumes on any number of ranks; nothing is gathered."""
+        process). DCP reshards on load, so a checkpoint resumes on any number of ranks; nothing is gathered.
+        `with_opt` False leaves AdamW out (an optimizer that never stepped: asking for its state would step it)."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         sets = ((TRAIN, self._trained()), (OLD, self._sets[OLD]), (EMA, self.ema))
         weights = {key: {n: _as_dtensor(p, t) for n, p, t in zip(self._names, self._params, tensors, strict=True)}
                    for key, tensors in sets}  # fmt: skip
-        return {"weights": weights, "opt": get_optimizer_state_dict(self.transformer, opt)}
+        return {"weights": weights, **({"opt": get_optimizer_state_dict(self.transformer, opt)} if with_opt else {})}
 
     def load_sharded_state(self, opt: torch.optim.Optimizer, state: dict[str, Any]) -> None:
         """After `dcp.load` filled `sharded_state`'s dict: the weight sets are already in place; AdamW's state goes
         into `opt`."""
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-        set_optimizer_state_dict(self.transformer, opt, state["opt"])
+        if "opt" in state:
+            set_optimizer_state_dict(self.transformer, opt, state["opt"])
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:

@@ -328,6 +328,14 @@ def memory_plan(cfg: RLConfig, gpus: int = 1, gpu_gib: float = 80.0) -> MemoryPl
                     copy_rule.pop(k, None)
             copy_report = plan_quantization(net, get_recipe(precision).with_(**copy_rule))
         kept = {d.name for d in copy_report.layers if not d.quantized} if copy_report is not None else set()
+        # explore_precision=auto's timing probe at start: one linear per distinct quantized shape at the policy's
+        # dtype and its candidates' copies, fed the rollouts' rows (explore.choice.probe_explore_timings)
+        probe = 0.0
+        if copy_report is not None and cfg.explore_precision == "auto":
+            tokens = getattr(model, "tokens_per_sample", None) or 4096
+            rows = min(32768, roll_bs * tokens)
+            shapes = {(d.in_features, d.out_features) for d in copy_report.layers if d.quantized}
+            probe = sum(k * n * (b + 2) + rows * (k + n) * b for k, n in shapes)  # weight, 8-bit copies, in/out
         lora = lora_all = lora_hp = 0
         for n, m in net.named_modules():
             if any(n.endswith(t) for t in targets) and hasattr(m, "in_features"):
@@ -400,7 +408,14 @@ def memory_plan(cfg: RLConfig, gpus: int = 1, gpu_gib: float = 80.0) -> MemoryPl
         if cfg.merge_lora and not full and not sharded:
             rows.append(PlanRow("merged policy copy", lora_all * b / GIB, "always",
                                 "the LoRA layers merged, for full-precision rollouts"))  # fmt: skip
-        # (the copies are built on the base's own storage, ExploreCopy(borrow=True): no second whole copy at start)
+        # (the copies are built on the base's own storage, ExploreCopy(borrow=True): no second whole copy at start,
+        # but Transformer Engine's layers take a deep copy over)
+        if copy is not None and cfg.explore_precision == "te_nvfp4":
+            rows.append(PlanRow("explore copy, being built", max(0.0, params * b - copy_gib) / GIB, "start",
+                                "te_nvfp4: the whole transformer copied before TE's layers take it over"))  # fmt: skip
+        if probe:
+            rows.append(PlanRow("auto's timing probe", probe / GIB, "start",
+                                "one layer per quantized shape, at the rollouts' token rows"))  # fmt: skip
         if copy is not None or (cfg.merge_lora and not full and not sharded):
             rows.append(PlanRow("refresh, one block's weights", (sizes[0] if sizes else params) * (4 if full else b)
                                 / GIB, "refresh", "the copies refresh a block at a time: its merged (or gathered) "

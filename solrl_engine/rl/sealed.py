@@ -255,11 +255,13 @@ def _manifest(path: Path) -> dict[str, Any]:
         raise Damaged(f"{MANIFEST} is unreadable ({e})") from None
 
 
-def read_verified(path: Path) -> tuple[dict[str, Any], dict[str, bytes]]:
-    """The manifest and every file it lists, read and checked: Damaged naming what differs."""
+def read_verified(path: Path, names: tuple[str, ...] | None = None) -> tuple[dict[str, Any], dict[str, bytes]]:
+    """The manifest and every file it lists (or only `names`), read and checked: Damaged naming what differs."""
     m = _manifest(path)
     blobs, problems = {}, []
     for name, want in m["files"].items():
+        if names is not None and name not in names:
+            continue
         try:
             data: bytes | None = (path / name).read_bytes()
         except FileNotFoundError:

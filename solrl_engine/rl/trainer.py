@@ -36,8 +36,8 @@ from solrl_engine.models.base import Conditioning
 from solrl_engine.rl import checkpoint, memplan, rundir
 from solrl_engine.rl.adapters import OLD, TRAIN, LoraAdapters
 from solrl_engine.rl.checkpoint import EXPORT_DIRS
-from solrl_engine.rl.config import FAMILY_TABLE, ConfigError, RLConfig, autocast_for
-from solrl_engine.rl.distributed import Dist
+from solrl_engine.rl.config import FAMILY_TABLE, ConfigError, RLConfig
+from solrl_engine.rl.distributed import Dist, local
 from solrl_engine.rl.export import save_trained
 from solrl_engine.rl.full import REF, FullWeights, TrainedWeights
 from solrl_engine.rl.guards import NonFiniteError, ProxyGuard, check_finite, check_resume_config
@@ -121,6 +121,8 @@ class Trainer:
         # full fine-tuning swaps the policy's weight sets (rl/full.py): its own rollouts are never captured
         # (sharding=fsdp: its forwards gather weights block by block, which a captured graph cannot hold)
         self.rollouts.sampler.eager_policy = cfg.train_mode == "full" or sharded
+        # sharded full fine-tuning gathers FP32 weights block by block: no cached BF16 casts of them (hw.autocast_for)
+        self.rollouts.autocast_cache = not (sharded and not lora)
         if cfg.gradient_checkpointing:
             self.model.transformer.enable_gradient_checkpointing()
         if lora or not sharded:  # (sharded full fine-tuning has an old set to follow once sharded, below)
@@ -197,7 +199,7 @@ class Trainer:
     # --- rollouts ----------------------------------------------------------------------------------
 
     def _autocast(self) -> Any:
-        return autocast_for(self.device, self.dtype)
+        return self.rollouts.autocast()
 
     def _sample(
         self, cond: Conditioning, seeds: list[int], steps: int, transformer: Any = None, tag: str = OLD
@@ -356,7 +358,7 @@ class Trainer:
         return {
             "iteration": self.iteration,
             # a sharded full fine-tuning run's weight sets and AdamW state: torch.distributed.checkpoint's files
-            **({"sharded": "dcp"} if self.adapters.collective_io else
+            **({"sharded": "dcp", "sharded_opt": bool(self.opt.state)} if self.adapters.collective_io else
                {"adapters": self.adapters.state_dict(), "opt": self.opt.state_dict()}),
             "prompts": self.prompt_sampler.state(),
             "seed_rng": self.seed_rng.getstate(),
@@ -381,9 +383,10 @@ class Trainer:
         if st.get("sharded") == "dcp":  # every rank reads its shards (any rank count: DCP reshards)
             import torch.distributed.checkpoint as dcp
 
-            sd = self.adapters.sharded_state(self.opt)
+            sd = self.adapters.sharded_state(self.opt, with_opt=st.get("sharded_opt", True))
             with _one_process_dcp(self.dist):
-                dcp.load(sd, storage_reader=checkpoint.dcp_reader(path), no_dist=self.dist.world == 1)
+                dcp.load(sd, storage_reader=checkpoint.dcp_reader(path), planner=checkpoint.dcp_planner(),
+                         no_dist=self.dist.world == 1)  # fmt: skip
             self.adapters.load_sharded_state(self.opt, sd)
         else:
             self.adapters.load_state_dict(st["adapters"])
@@ -412,7 +415,10 @@ class Trainer:
 
     def _checkpoint(self, main: bool) -> None:
         """Write a checkpoint and the exported adapters; never from a poisoned (non-finite) state."""
-        if not all(bool(torch.isfinite(p).all()) for p in self.adapters.params(TRAIN) + self.adapters.ema):
+        bad = not all(bool(torch.isfinite(local(p)).all()) for p in self.adapters.params(TRAIN) + self.adapters.ema)
+        if self.dist.sharded:  # each rank sees its shards only: all agree before any collective below
+            bad = bool(self.dist.sum_(torch.tensor([float(bad)], device=self.device)).item())
+        if bad:
             last = checkpoint.latest(self.out / "checkpoints")
             kept = f"the last good checkpoint, {last}, stays" if last else "no checkpoint of this run was written yet"
             raise NonFiniteError("the adapters", f"refusing to checkpoint them; {kept} (lr is {self.cfg.lr})")
@@ -420,7 +426,7 @@ class Trainer:
         if self.adapters.collective_io:  # sharded full fine-tuning: every rank writes its shards, rank 0 the rest
             import torch.distributed.checkpoint as dcp
 
-            shards = self.adapters.sharded_state(self.opt)
+            shards = self.adapters.sharded_state(self.opt, with_opt=bool(self.opt.state))
 
             def write(tmp: Path) -> None:
                 with _one_process_dcp(self.dist):

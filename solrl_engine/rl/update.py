@@ -19,9 +19,9 @@ from solrl_engine.hw import training_attention
 from solrl_engine.models.base import Conditioning, FlowModel
 from solrl_engine.rl.adapters import OLD, TRAIN
 from solrl_engine.rl.config import RLConfig
-from solrl_engine.rl.distributed import Dist
+from solrl_engine.rl.distributed import Dist, local
 from solrl_engine.rl.full import TrainedWeights
-from solrl_engine.rl.guards import NonFiniteError, nonfinite_detail, raise_collective
+from solrl_engine.rl.guards import nonfinite_detail, raise_collective
 from solrl_engine.rl.loss import nft_loss
 from solrl_engine.sampling import seeded_noise
 
@@ -152,8 +152,10 @@ def _nft_update(model: FlowModel, adapters: TrainedWeights, opt: torch.optim.Opt
         raise_collective(problem, dist, device)  # once per group: ranks' loops differ in length
         params = adapters.params(TRAIN)
         dist.sum_grads_(params)
-        if not all(bool(torch.isfinite(p.grad).all()) for p in params if p.grad is not None):
-            raise NonFiniteError("the gradients", "after accumulation over the batch")
+        finite = all(bool(torch.isfinite(local(p.grad)).all()) for p in params if p.grad is not None)
+        # sharded: each rank checks its own shards of the gradients, and all agree (one collective)
+        raise_collective(None if finite else ("the gradients", "after accumulation over the batch"),
+                         dist if dist.sharded else None, device)  # fmt: skip
         gn = float(torch.nn.utils.clip_grad_norm_(params, c.grad_clip))
         opt.step()
         opt.zero_grad(set_to_none=True)

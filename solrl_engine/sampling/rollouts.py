@@ -69,6 +69,7 @@ class Rollouts:
         self.device, self.dtype = p.device, p.dtype
         self.cfg_guidance = model_guidance(spec, settings.guidance_scale) if spec.guidance == "cfg" else 1.0
         self._uncond: Conditioning | None = None
+        self.autocast_cache = True  # False: no cached BF16 casts of trainable weights (sharded full fine-tuning)
         # compiled: on GPU + one CUDA graph per batch shape, on CPU through inductor (no graphs); both read
         # the weights in place, so updates need no re-capture or recompile
         cuda = self.device.type == "cuda"
@@ -91,18 +92,19 @@ class Rollouts:
 
     @property
     def forward_rows(self) -> int | None:
-        """Token rows one batched forward of the denoiser's linear layers sees while exploring: the batch
-        (doubled under classifier-free guidance) x the model's image tokens per sample (`tokens_per_sample`),
-        None where the model does not say. explore_precision=auto times its candidates at this size: at a
-        tenth of it, launch overhead hid the GEMMs and FP8 timed slower than BF16 on an H200."""
+        """Token rows one batched forward of the denoiser's linear layers sees while exploring: the rollout batch
+        x the model's image tokens per sample (`tokens_per_sample`; guidance's two passes run in turn, not
+        batched), None where the model or the batch size does not say. An upper bound where a rank has fewer
+        seeds than a batch. explore_precision=auto times its candidates at this size: at a tenth of it, launch
+        overhead hid the GEMMs and FP8 timed slower than BF16 on an H200."""
         tokens = getattr(self.model, "tokens_per_sample", None)
-        if not tokens:
+        if not tokens or not self.settings.batch_size:
             return None
-        return int(tokens) * self.settings.batch_size * (2 if self.cfg_guidance != 1.0 else 1)
+        return int(tokens) * self.settings.batch_size
 
     def autocast(self) -> Any:
-        """The rollouts' autocast (hw.autocast_for this device and policy dtype)."""
-        return autocast_for(self.device, self.dtype)
+        """The rollouts' autocast (hw.autocast_for this device and policy dtype; `autocast_cache`)."""
+        return autocast_for(self.device, self.dtype, cache=self.autocast_cache)
 
     # --- sampling -----------------------------------------------------------------------------------
 
