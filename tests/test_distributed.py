@@ -30,6 +30,8 @@ def _args(small_model: str, out: Path, dtype: torch.dtype, mode: str = "lora") -
         sets += ["train_mode=full", "lr=1e-3"]
     if mode in ("fsdp", "full-fsdp"):  # FSDP2-sharded over the ranks (rl/sharding.py); one process: same paths
         sets += ["sharding=fsdp"]
+    if mode == "full-fsdp":  # with gradient checkpointing: each block's forward recomputed (and gathered) in backward
+        sets += ["gradient_checkpointing=true"]
     if mode == "full-hsdp":  # HSDP: groups of one rank ("nodes" of one GPU), replicated across the two
         sets += ["sharding=hsdp", "shard_group_size=1"]
     args = ["train", str(ROOT / "configs/tiny.py:tiny_sol_rl_shapes"), "--output", str(out)]
