@@ -41,8 +41,8 @@ class FullWeights(PolicySets):
     kind = "full"
 
     def __init__(self, transformer: nn.Module, sharded: bool = False) -> None:
-        """`sharded` (sharding=fsdp): nothing is made now; rl/sharding.py upcasts the base to FP32 block by block as
-        it shards it, and `shard` makes every set as this rank's shards, so no rank ever holds one whole."""
+        """`sharded` (sharding=fsdp or hsdp): nothing is made now; rl/sharding.py upcasts the base to FP32 block by
+        block as it shards it, and `shard` makes every set as this rank's shards, so no rank ever holds one whole."""
         self.transformer = transformer
         named = list(transformer.named_parameters())
         if not named:
