@@ -25,6 +25,7 @@ on resume) is solrl_engine.rl.rundir.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -32,7 +33,8 @@ import pickle  # only to refuse: _DCPMetadataUnpickler unpickles nothing outside
 import shutil
 import sys
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -126,12 +128,23 @@ def save(root: str | Path, iteration: int, state: dict[str, Any], keep: int = 2,
     return final
 
 
+@contextlib.contextmanager
+def _one_process_dcp(dist: Any) -> Iterator[None]:
+    """torch.distributed.checkpoint in one process (no process group, on purpose): without its warning."""
+    with warnings.catch_warnings():
+        if dist.world == 1:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 def save_sharded(root: str | Path, iteration: int, state: dict[str, Any], keep: int, dist: Any,
-                 shards: Callable[[Path], None]) -> None:  # fmt: skip
-    """A checkpoint whose large tensors every rank writes itself: `shards(tmp)` runs on every rank into the
-    checkpoint's temporary directory (torch.distributed.checkpoint's files, each rank its shards), then rank 0
-    writes `state` beside them and seals the whole directory, manifest over every file, as `save` does: the
-    same trust (checksums, fsync, verify before resume, fall back). Every rank calls it."""
+                 shards: dict[str, Any]) -> None:  # fmt: skip
+    """A checkpoint whose large tensors every rank writes itself: `shards` (DTensors: each rank's part) go through
+    torch.distributed.checkpoint into the checkpoint's temporary directory, then rank 0 writes `state` beside
+    them and seals the whole directory, manifest over every file, as `save` does: the same trust (checksums,
+    fsync, verify before resume, fall back). Every rank calls it; `state` matters on rank 0 only."""
+    import torch.distributed.checkpoint as dcp
+
     root = Path(root)
     tmp = root / f".tmp_iter_{iteration:06d}"
     if dist.main:
@@ -139,11 +152,22 @@ def save_sharded(root: str | Path, iteration: int, state: dict[str, Any], keep: 
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    shards(tmp)
+    with _one_process_dcp(dist):
+        dcp.save(shards, checkpoint_id=str(tmp), no_dist=dist.world == 1)
     dist.barrier()
     if dist.main:
         save(root, iteration, state, keep, prepared=True)
     dist.barrier()
+
+
+def load_shards(path: str | Path, shards: dict[str, Any], dist: Any) -> None:
+    """Fill `shards` (as `save_sharded` took them: each rank's part, loaded in place) from checkpoint `path`,
+    resharded to this run's ranks. The index and the shard files are read without unpickling anything beyond
+    their own types (`dcp_reader`, `dcp_planner`); `pick` has hashed every file before."""
+    import torch.distributed.checkpoint as dcp
+
+    with _one_process_dcp(dist):
+        dcp.load(shards, storage_reader=dcp_reader(path), planner=dcp_planner(), no_dist=dist.world == 1)
 
 
 # what torch.distributed.checkpoint's `.metadata` (a pickle) may name: its own metadata classes, tensor sizes,

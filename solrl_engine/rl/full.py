@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from solrl_engine.rl.adapters import OLD, TRAIN, LazyWeights, LoraAdapters, PolicySets
+from solrl_engine.rl.distributed import local
 
 REF, EMA = "ref", "ema"
 
@@ -83,7 +84,7 @@ class FullWeights(PolicySets):
         if [n for n, _ in named] != self._names:
             raise RuntimeError("sharding changed the transformer's parameter names")
         self._params = [p for _, p in named]
-        live = [_local(p) for p in self._params]
+        live = [local(p.data) for p in self._params]  # a sharded one's shard: the storage FSDP2 gathers from
         self._sets = {TRAIN: live, OLD: [t.clone() for t in live],
                       REF: [t.to(d, copy=True) for t, d in zip(live, self._ref_dtypes, strict=True)]}  # fmt: skip
         self.ema = [t.clone() for t in live]
@@ -224,13 +225,6 @@ class FullWeights(PolicySets):
 
         if "opt" in state:
             set_optimizer_state_dict(self.transformer, opt, state["opt"])
-
-
-def _local(p: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a sharded (DTensor) parameter, the storage FSDP2 gathers from; else its data."""
-    from torch.distributed.tensor import DTensor
-
-    return p.to_local() if isinstance(p, DTensor) else p.data
 
 
 def _whole(p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:

@@ -20,8 +20,6 @@ import logging
 import os
 import random
 import time
-import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -50,15 +48,6 @@ from solrl_engine.rl.tracking import Tracker
 from solrl_engine.rl.update import NFTSettings, UpdateBatch, nft_update
 
 log = logging.getLogger("solrl_engine.rl")
-
-
-@contextlib.contextmanager
-def _one_process_dcp(dist: Dist) -> Iterator[None]:
-    """torch.distributed.checkpoint in one process (no process group, on purpose): without its warning."""
-    with warnings.catch_warnings():
-        if dist.world == 1:
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
 
 
 class PromptSampler:
@@ -381,12 +370,8 @@ class Trainer:
         check_resume_config(then_cfg, self.cfg)
         self.iteration = st["iteration"]
         if st.get("sharded") == "dcp":  # every rank reads its shards (any rank count: DCP reshards)
-            import torch.distributed.checkpoint as dcp
-
             sd = self.adapters.sharded_state(self.opt, with_opt=st.get("sharded_opt", True))
-            with _one_process_dcp(self.dist):
-                dcp.load(sd, storage_reader=checkpoint.dcp_reader(path), planner=checkpoint.dcp_planner(),
-                         no_dist=self.dist.world == 1)  # fmt: skip
+            checkpoint.load_shards(path, sd, self.dist)
             self.adapters.load_sharded_state(self.opt, sd)
         else:
             self.adapters.load_state_dict(st["adapters"])
@@ -424,27 +409,22 @@ class Trainer:
             raise NonFiniteError("the adapters", f"refusing to checkpoint them; {kept} (lr is {self.cfg.lr})")
         root = self.out / "checkpoints"
         if self.adapters.collective_io:  # sharded full fine-tuning: every rank writes its shards, rank 0 the rest
-            import torch.distributed.checkpoint as dcp
-
             shards = self.adapters.sharded_state(self.opt, with_opt=bool(self.opt.state))
-
-            def write(tmp: Path) -> None:
-                with _one_process_dcp(self.dist):
-                    dcp.save(shards, checkpoint_id=str(tmp), no_dist=self.dist.world == 1)
-
             checkpoint.save_sharded(root, self.iteration, self._state() if main else {}, self.cfg.keep_checkpoints,
-                                    self.dist, write)  # fmt: skip
-            self.export()  # gathers on every rank, rank 0 writes
+                                    self.dist, shards)  # fmt: skip
         elif main:
             checkpoint.save(root, self.iteration, self._state(), self.cfg.keep_checkpoints)
-            self.export()
+        self.export()
         self.dist.barrier()
 
     def export(self) -> None:
         """The trained weights and their EMA as the stock pipeline loads them: diffusers LoRA directories
-        OUT/lora and OUT/lora_ema, or (train_mode=full) whole transformers OUT/transformer, OUT/transformer_ema."""
+        OUT/lora and OUT/lora_ema, or (train_mode=full) whole transformers OUT/transformer, OUT/transformer_ema.
+        Every rank may call it: rank 0 writes, and the others take part only where saving gathers (collective_io)."""
+        if not (self.dist.main or self.adapters.collective_io):
+            return
         pipeline, (trained, ema, _) = self.rollouts.spec.pipeline, EXPORT_DIRS[self.cfg.train_mode]
-        write = self.dist.main  # where saving gathers (adapters.collective_io) every rank calls this
+        write = self.dist.main
         save_trained(self.adapters, self.out / trained, pipeline, write=write)
         save_trained(self.adapters, self.out / ema, pipeline, ema=True, write=write)
 
@@ -486,7 +466,7 @@ class Trainer:
                     log.warning("%s: cut back to iteration %d, the checkpoint's: dropped %s", metrics_path,
                                 self.iteration, cut)  # fmt: skip
                 write_atomic(metrics_path, "".join(json.dumps(h) + "\n" for h in history))
-            if damaged and (main or self.adapters.collective_io):
+            if damaged:
                 self.export()
             log.info("resumed from %s at iteration %d", ck, self.iteration)
         elif main:
@@ -527,7 +507,7 @@ class Trainer:
         trained, ema, _ = EXPORT_DIRS[c.train_mode]
         missing = not (self.out / trained).exists()  # e.g. resumed at the end: still exported
         self.dist.barrier()
-        if missing and (main or self.adapters.collective_io):
+        if missing:
             self.export()
         if self.dist.sharded:  # a late signal may have reached some ranks only: they agree before the picture
             self.signals.requested(self.dist, self.device)
