@@ -30,7 +30,7 @@ from solrl_engine.kernels.capability import (
 )
 from solrl_engine.nn import QuantLinear, QuantReport, quantize_model, requantize_
 from solrl_engine.nn.flops import amdahl_bound
-from solrl_engine.nn.quantize import BORROWED, _peft_weight, borrow, is_lora_layer
+from solrl_engine.nn.quantize import BORROWED, _peft_weight, borrow, is_lora_layer, own_
 from solrl_engine.quant.fp8 import fake_quantize_rowwise
 from solrl_engine.quant.recipe import QuantRecipe, get_recipe
 
@@ -71,9 +71,7 @@ def _merge_lora_into_copy(model: nn.Module) -> None:
         if is_lora_layer(m):
             base = m.base_layer
             merged = _peft_weight(name, m)
-            if getattr(base.weight, BORROWED, False):  # a borrowing copy: the policy's storage is never written
-                base.weight.data = torch.empty_like(base.weight)
-                delattr(base.weight, BORROWED)
+            own_(base.weight)  # a borrowing copy: the policy's storage is never written
             base.weight.data.copy_(merged)
             parent, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, leaf, base)
@@ -260,7 +258,7 @@ class ExploreCopy:
         """Write the updated "old" policy into the copy; returns the number of layers rewritten.
 
         Every LoRA-merged weight must land somewhere: quantized layers are re-quantized, layers kept
-        in high precision get the merged weight copied in, all checked before anything is written. A
+        in high precision get the merged weight copied in. A
         LoRA layer the copy lacks or bypasses, or a layer of the copy with no source beside one (QKV
         projections fused on the copy), is an error, not a silent skip. The weights come a block at a time (each
         block checked before it is written), so the refresh never holds a second copy of the whole policy.

@@ -359,6 +359,13 @@ def borrow(p: torch.Tensor, storage: torch.Tensor) -> None:
     setattr(p, BORROWED, True)
 
 
+def own_(p: torch.Tensor) -> None:
+    """Before writing into parameter `p`: if it is borrowed, give it storage of its own (copy on write)."""
+    if getattr(p, BORROWED, False):
+        p.data = torch.empty_like(p)
+        delattr(p, BORROWED)
+
+
 def _plain_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """Parameters and buffers outside the QuantLinear layers (the parts kept in high precision)."""
     inside = {n for n, m in model.named_modules() if isinstance(m, QuantLinear)}
@@ -427,8 +434,6 @@ def requantize_(
         layers[name].set_weight_(w, b)
     for dst, val in plain:
         if dst.data_ptr() != val.data_ptr():
-            if getattr(dst, BORROWED, False):  # copy on write: the storage belongs to the model it came from
-                dst.data = torch.empty_like(dst)
-                delattr(dst, BORROWED)
+            own_(dst)  # copy on write: a borrowed storage belongs to the model it came from
             dst.copy_(val.detach())
     return len(weights)
