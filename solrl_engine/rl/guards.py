@@ -33,10 +33,13 @@ class NonFiniteError(RuntimeError):
 def nonfinite_detail(x: torch.Tensor, prompts: list[str], seeds: list[int]) -> str | None:
     """None when every row of x is finite, else which samples are not (rows: prompt-major samples)."""
     bad = ~torch.isfinite(x.detach().float().reshape(len(prompts), -1)).all(dim=1)
-    if not bool(bad.any()):
-        return None
-    i = int(bad.nonzero()[0])
-    return f"{int(bad.sum())} of {len(prompts)} samples, first: prompt {prompts[i]!r}, seed {seeds[i]}"
+    return nonfinite_rows(bad.tolist(), prompts, seeds) if bool(bad.any()) else None
+
+
+def nonfinite_rows(bad: list[bool], prompts: list[str], seeds: list[int]) -> str:
+    """Which samples are not finite, given each row's verdict (read back from the device once, by the caller)."""
+    i = bad.index(True)
+    return f"{sum(bad)} of {len(prompts)} samples, first: prompt {prompts[i]!r}, seed {seeds[i]}"
 
 
 def check_finite(stage: str, x: torch.Tensor, prompts: list[str], seeds: list[int], dist: Any = None) -> None:

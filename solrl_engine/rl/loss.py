@@ -27,8 +27,9 @@ def nft_loss(
     beta: float = 1.0,
     kl_beta: float = 1e-4,
     adv_clip: float = 5.0,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Loss (scalar, differentiable through v_theta) and its parts. t is [B] flow time in (0, 1]."""
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Loss (scalar, differentiable through v_theta) and its parts (detached 0-dim tensors on the loss's device:
+    reading them is the caller's host sync, once per optimizer step in the update). t is [B] flow time in (0, 1]."""
     tb = t.view(-1, *([1] * (x0.dim() - 1))).to(x0.dtype)
     v_old = v_old.detach()
     r = ((advantages.clamp(-adv_clip, adv_clip) / adv_clip) / 2 + 0.5).clamp(0, 1)
@@ -44,4 +45,4 @@ def nft_loss(
     policy = (adv_clip * (r * pos / beta + (1 - r) * neg / beta)).mean()
     kl = _per_sample((v_theta - v_ref.detach()) ** 2).mean() if v_ref is not None else torch.zeros((), device=x0.device)
     loss = policy + kl_beta * kl
-    return loss, {"policy_loss": policy.item(), "kl": kl.item(), "loss": loss.item()}
+    return loss, {"policy_loss": policy.detach(), "kl": kl.detach(), "loss": loss.detach()}

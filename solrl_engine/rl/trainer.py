@@ -45,7 +45,7 @@ from solrl_engine.rl.runtime import build_rollouts, explorer_for
 from solrl_engine.rl.sealed import write_atomic
 from solrl_engine.rl.sharding import shard_policy, sharded_bytes
 from solrl_engine.rl.tracking import Tracker
-from solrl_engine.rl.update import NFTSettings, UpdateBatch, nft_update
+from solrl_engine.rl.update import NFTSettings, UpdateBatch, fixed_predictions, nft_update
 
 log = logging.getLogger("solrl_engine.rl")
 
@@ -271,7 +271,10 @@ class Trainer:
         adv = group_advantages(g_rewards, c.adv_clip, prompts=all_prompts)[mine].flatten()
         batch = UpdateBatch(x0, sel_cond, adv, self.rollouts.training_sigmas(), self.gen, len(all_prompts) * c.k,
                             mine.start * c.k, self.iteration, sel)  # fmt: skip
-        stats = nft_update(self.model, self.adapters, self.opt, batch, self.nft, dist, self._autocast)
+        # the old and reference policies' predictions first, in large no-grad batches as the rollouts run them
+        old_copy = self.policy_copy.transformer if self.policy_copy is not None else None
+        predict = fixed_predictions(self.rollouts, self.adapters, old_copy)
+        stats = nft_update(self.model, self.adapters, self.opt, batch, self.nft, dist, self._autocast, predict)
 
         # 5. refresh the explore copy (and the merged policy copy) with the new "old" policy, in place
         self._refresh_copies()

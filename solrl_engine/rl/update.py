@@ -4,6 +4,12 @@ Stage 4 of the trainer's step (solrl_engine/rl/trainer.py), kept apart so the tr
 method: `nft_update` re-noises each selected sample at a random share of the rollout's flow times,
 compares the trained adapter's velocity with the "old" sampling adapter's (and the reference's for
 the KL term), accumulates gradients and steps the optimizer, then moves the EMA and "old" adapters.
+
+Why in two passes: the "old" and reference policies do not change during the update, so what the loss needs of
+them (its fixed predictions, `NFTSettings.fixed`) is computed first, without gradients, at the rollouts' batch
+and through their compiled path (`fixed_predictions`), and the gradient micro-batches run the trained policy
+alone. Why no host sync in the gradient loop: the loss parts and the non-finite checks stay on the device and
+are read once per optimizer step, so a GPU never waits for the host between micro-batches.
 """
 
 from __future__ import annotations
@@ -20,10 +26,15 @@ from solrl_engine.models.base import Conditioning, FlowModel
 from solrl_engine.rl.adapters import OLD, TRAIN
 from solrl_engine.rl.config import RLConfig
 from solrl_engine.rl.distributed import Dist, local
-from solrl_engine.rl.full import TrainedWeights
-from solrl_engine.rl.guards import nonfinite_detail, raise_collective
+from solrl_engine.rl.full import REF, TrainedWeights
+from solrl_engine.rl.guards import nonfinite_rows, raise_collective
 from solrl_engine.rl.loss import nft_loss
 from solrl_engine.sampling import seeded_noise
+from solrl_engine.sampling.rollouts import Rollouts
+
+# (which policy, x, t, cond) -> that policy's velocity at those rows, without gradients: how the update gets a
+# fixed prediction (`which` is OLD or REF)
+Predict = Callable[[str, torch.Tensor, torch.Tensor, Conditioning], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -42,6 +53,12 @@ class NFTSettings:
     ema_decay_max: float
     old_decay_rate: float
     old_decay_max: float
+
+    @property
+    def fixed(self) -> tuple[str, ...]:
+        """The predictions the loss needs from policies fixed during the update: the "old" policy's velocity, and
+        the reference's while the KL term weighs anything."""
+        return (OLD, REF) if self.kl_beta > 0 else (OLD,)
 
     @classmethod
     def from_config(cls, cfg: RLConfig) -> NFTSettings:
@@ -67,9 +84,41 @@ class UpdateBatch:
     sel: Any = None
 
 
+def fixed_predictions(rollouts: Rollouts, adapters: TrainedWeights, old_copy: torch.nn.Module | None = None
+                      ) -> Predict:  # fmt: skip
+    """The trainer's fixed predictions: the "old" policy as its rollouts sample it (the merged copy `old_copy` when
+    there is one, else the policy with its old adapter or weights active) and the reference (LoRA: adapters off;
+    full fine-tuning: the base weights swapped in), through the rollouts' compiled (GPU: graph-captured) path at
+    their batch size (Rollouts.predict)."""
+
+    def predict(which: str, x: torch.Tensor, t: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        if which == OLD and old_copy is not None:
+            return rollouts.predict(x, t, cond, transformer=old_copy, tag="old-merged")
+        with adapters.using(which):
+            return rollouts.predict(x, t, cond, tag=which)
+
+    return predict
+
+
+def eager_predictions(model: FlowModel, adapters: TrainedWeights,
+                      autocast: Callable[[], contextlib.AbstractContextManager], batch_size: int | None = None
+                      ) -> Predict:  # fmt: skip
+    """Fixed predictions of the policy itself, eagerly, its adapter switched (`batch_size` rows a forward; None:
+    all at once): for callers without rollouts (a benchmark of the update alone) and as the tests' reference."""
+
+    @torch.no_grad()
+    def predict(which: str, x: torch.Tensor, t: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        bs = batch_size or len(x)
+        with autocast(), adapters.using(which):
+            return torch.cat([model.velocity(x[i : i + bs], t[i : i + bs], cond[i : i + bs])
+                              for i in range(0, len(x), bs)])  # fmt: skip
+
+    return predict
+
+
 def nft_update(model: FlowModel, adapters: TrainedWeights, opt: torch.optim.Optimizer, batch: UpdateBatch,
-               c: NFTSettings, dist: Dist, autocast: Callable[[], contextlib.AbstractContextManager]
-               ) -> dict[str, float]:  # fmt: skip
+               c: NFTSettings, dist: Dist, autocast: Callable[[], contextlib.AbstractContextManager],
+               predict: Predict | None = None) -> dict[str, float]:  # fmt: skip
     """`updates_per_iter` optimizer steps over the selected samples x the chosen rollout timesteps
     (the official DiffusionNFT's gradient steps per epoch): the global batch is split at random
     into that many groups, each one step with gradients accumulated over its samples.
@@ -78,15 +127,17 @@ def nft_update(model: FlowModel, adapters: TrainedWeights, opt: torch.optim.Opti
     row0 .. row0 + len(x0) are this rank's), and each sample's loss is weighed by 1 / (its group's
     global size x timesteps), so the summed gradients equal a one-process run's. `sigmas` are the
     rollout's flow times at the full step budget, `iteration` the number of iterations done
-    before this one, `sel` (a Selection) names prompts and seeds in non-finite errors. Attention runs
-    on the kernels hw.training_attention allows (not cuDNN's, which failed FLUX.1's update on an H200)."""
+    before this one, `sel` (a Selection) names prompts and seeds in non-finite errors. `predict` makes the fixed
+    predictions (default: `eager_predictions` at the training micro-batch). Attention runs on the kernels
+    hw.training_attention allows (not cuDNN's, which failed FLUX.1's update on an H200)."""
+    predict = predict or eager_predictions(model, adapters, autocast, c.train_batch_size)
     with training_attention():
-        return _nft_update(model, adapters, opt, batch, c, dist, autocast)
+        return _nft_update(model, adapters, opt, batch, c, dist, autocast, predict)
 
 
 def _nft_update(model: FlowModel, adapters: TrainedWeights, opt: torch.optim.Optimizer, batch: UpdateBatch,
-                c: NFTSettings, dist: Dist, autocast: Callable[[], contextlib.AbstractContextManager]
-                ) -> dict[str, float]:  # fmt: skip
+                c: NFTSettings, dist: Dist, autocast: Callable[[], contextlib.AbstractContextManager],
+                predict: Predict) -> dict[str, float]:  # fmt: skip
     x0, cond, adv, gen, sel = batch.x0, batch.cond, batch.adv, batch.gen, batch.sel
     b_global, row0, iteration = batch.b_global, batch.row0, batch.iteration
     sig, device = batch.sigmas, x0.device  # the rollout times, t in (0, 1]
@@ -98,70 +149,83 @@ def _nft_update(model: FlowModel, adapters: TrainedWeights, opt: torch.optim.Opt
     groups = [torch.arange(b_global)]
     if c.updates_per_iter > 1:
         groups = list(torch.randperm(b_global, generator=gen).tensor_split(c.updates_per_iter))
-    totals = torch.zeros(3, dtype=torch.float64)
-    gn = 0.0
+    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss, policy loss, KL: read once, at the end
+    gn: torch.Tensor | float = 0.0
+    tbs = c.train_batch_size
 
-    def micro(ix: torch.Tensor, j: int) -> tuple[torch.Tensor, dict[str, float], torch.Tensor, torch.Tensor]:
-        """One micro-batch (rows `ix` of this rank, timestep slot `j`): (loss, its parts, velocity, t)."""
-        xb, cb, ab = x0[ix.to(x0.device)], cond[ix.to(x0.device)], adv[ix.to(adv.device)]
-        t = sig[perms[ix, j]].to(device)
-        noise = seeded_noise(noise_seeds[ix, j].tolist(), tuple(xb.shape[1:]), device, xb.dtype)
+    def slot(rows: torch.Tensor, j: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """Timestep slot `j` of this rank's `rows`: their re-noised x_t, flow times t, and the fixed predictions
+        at them, in batches as large as the predictor takes."""
+        rd = rows.to(device)
+        xb = x0[rd]
+        t = sig[perms[rows, j]].to(device)
+        noise = seeded_noise(noise_seeds[rows, j].tolist(), tuple(xb.shape[1:]), device, xb.dtype)
         tb = t.view(-1, *([1] * (xb.dim() - 1))).to(xb.dtype)
         xt = (1 - tb) * xb + tb * noise
-        with torch.no_grad(), autocast():
-            with adapters.using(OLD):
-                v_old = model.velocity(xt, t, cb).float()
-            with adapters.using("ref"):
-                v_ref = model.velocity(xt, t, cb).float() if c.kl_beta > 0 else None
-        with autocast():
-            v = model.velocity(xt, t, cb).float()
-        loss, st = nft_loss(v, v_old, v_ref, xb.float(), xt.float(), t, ab, c.beta, c.kl_beta, c.adv_clip)
-        return loss, st, v, t
+        return xt, t, {name: predict(name, xt, t, cond[rd]) for name in c.fixed}
 
     for g, members in enumerate(groups):
         mine = members[(members >= row0) & (members < row0 + b)] - row0  # this rank's rows of the group
         weight = 1.0 / (len(members) * n_t)
         opt.zero_grad(set_to_none=True)
-        problem = None  # the first non-finite velocity or loss on this rank: (stage, detail)
-        runs = n_t * -(-len(mine) // c.train_batch_size)  # this rank's micro-batches in the group
-        # a sharded policy's forwards and backwards are collectives: agreed before the first, every rank runs the
-        # busiest rank's count, padded with micro-batches that weigh nothing
-        pad = dist.most(runs, device) - runs if dist.sharded else 0
+        rows, real = mine, len(mine)
+        if dist.sharded:  # the policy's forwards and backwards are collectives: every rank makes as many, in the
+            # same order, as the busiest rank's rows need; rows past `real` repeat row 0 and weigh nothing
+            rows = torch.cat([mine, torch.zeros(dist.most(real, device) - real, dtype=mine.dtype)])
+        checks: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (slot, rows, bad rows, bad loss)
         for j in range(n_t):
-            for s in range(0, len(mine), c.train_batch_size):
-                ix = mine[s : s + c.train_batch_size]
-                loss, st, v, t = micro(ix, j)
-                if problem is None and sel is not None:
-                    names = ([sel.flat_prompts[i] for i in ix], [sel.flat_seeds[i] for i in ix])
-                    bad = nonfinite_detail(v, *names)
-                    problem = None if bad is None else (f"the velocities at t={t.tolist()}", bad)
-                if problem is None and not torch.isfinite(loss):
-                    problem = ("the loss", f"samples {ix.tolist()} of a rank's batch")
-                if problem is not None:
-                    if dist.sharded:  # the backward gathers weights too: every rank runs as many
-                        (loss * 0.0).backward()
-                    continue  # the iteration's update is skipped (or the run stops) below
-                (loss * (len(ix) * weight)).backward()
-                parts = torch.tensor([st["loss"], st["policy_loss"], st["kl"]], dtype=torch.float64)
-                totals += parts * (len(ix) * weight / len(groups))
-        for _ in range(pad):
-            loss = micro(torch.zeros(1, dtype=torch.long), 0)[0]
-            (loss * 0.0).backward()  # adds exact zeros to the gradients (a non-finite one skips the step)
-            if problem is None and not torch.isfinite(loss):
-                problem = ("the loss", "a padding micro-batch (row 0 of a rank's batch)")
-        raise_collective(problem, dist, device)  # once per group: ranks' loops differ in length
+            xt, t, fixed = slot(rows, j)
+            for s in range(0, len(rows), tbs):
+                n = min(tbs, real - s)  # this micro-batch's rows that count
+                ixd = rows[s : s + tbs].to(device)
+                with autocast():
+                    v = model.velocity(xt[s : s + tbs], t[s : s + tbs], cond[ixd]).float()
+                if n <= 0:  # padding only: the backward's collectives, adding exact zeros to the gradients
+                    (v.sum() * 0.0).backward()
+                    continue
+                sl, ix = slice(s, s + n), rows[s : s + n]
+                ref = fixed[REF][sl].float() if REF in fixed else None
+                loss, st = nft_loss(v[:n], fixed[OLD][sl].float(), ref, x0[ixd[:n]].float(), xt[sl].float(), t[sl],
+                                    adv[ix.to(adv.device)], c.beta, c.kl_beta, c.adv_clip)  # fmt: skip
+                (loss * (n * weight)).backward()
+                totals += torch.stack([st["loss"], st["policy_loss"], st["kl"]]).double() * (n * weight / len(groups))
+                checks.append((j, ix, ~torch.isfinite(v[:n].detach()).flatten(1).all(dim=1), ~torch.isfinite(loss)))
         params = adapters.params(TRAIN)
         dist.sum_grads_(params)
-        finite = all(bool(torch.isfinite(local(p.grad)).all()) for p in params if p.grad is not None)
-        # sharded: each rank checks its own shards of the gradients, and all agree (one collective)
-        raise_collective(None if finite else ("the gradients", "after accumulation over the batch"),
+        grads = [local(p.grad) for p in params if p.grad is not None]
+        # each gradient's largest magnitude: NaN or Inf exactly where the gradient holds one (it cannot overflow)
+        grad_bad = (~torch.isfinite(torch.stack(torch._foreach_norm(grads, float("inf")))).any() if grads
+                    else torch.zeros((), dtype=torch.bool, device=device))  # fmt: skip
+        # the group's one host sync: every micro-batch's non-finite rows and loss, and the gradients
+        flags = torch.cat([torch.cat([r, ls.view(1)]) for _, _, r, ls in checks] + [grad_bad.view(1)]).tolist()
+        raise_collective(_first_problem(checks, flags, sig, perms, sel), dist, device)  # once per group
+        # sharded: each rank checked its own shards of the gradients, and all agree (one collective)
+        raise_collective(("the gradients", "after accumulation over the batch") if flags[-1] else None,
                          dist if dist.sharded else None, device)  # fmt: skip
-        gn = float(torch.nn.utils.clip_grad_norm_(params, c.grad_clip))
+        gn = torch.nn.utils.clip_grad_norm_(params, c.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         # the optimizer-step count after this step (= iterations when updates_per_iter is 1)
         adapters.update_ema(iteration * len(groups) + g + 1, c.ema_decay_max)
-    totals = dist.sum_(totals.to(device)).cpu()
+    totals = dist.sum_(totals).cpu()
     d = adapters.update_old((iteration + 1) * len(groups), c.old_decay_rate, c.old_decay_max)
     loss, policy, kl = totals.tolist()
-    return {"loss": loss, "policy_loss": policy, "kl": kl, "grad_norm": gn, "old_decay": d}
+    return {"loss": loss, "policy_loss": policy, "kl": kl, "grad_norm": float(gn), "old_decay": d}
+
+
+def _first_problem(checks: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]], flags: list[bool],
+                   sig: torch.Tensor, perms: torch.Tensor, sel: Any) -> tuple[str, str] | None:  # fmt: skip
+    """The first non-finite velocity or loss of a group's micro-batches, in the order they ran, as
+    (stage, detail) naming prompts and seeds (when `sel`, a Selection, says them); `flags` are the checks read
+    back: each micro-batch's bad rows, then its bad loss."""
+    at = 0
+    for j, ix, rows, _ in checks:
+        bad, loss_bad = flags[at : at + len(rows)], flags[at + len(rows)]
+        at += len(rows) + 1
+        if any(bad) and sel is not None:
+            names = ([sel.flat_prompts[i] for i in ix.tolist()], [sel.flat_seeds[i] for i in ix.tolist()])
+            t = sig[perms[ix, j]].tolist()
+            return f"the velocities at t={t}", nonfinite_rows(bad, *names)
+        if loss_bad:
+            return "the loss", f"samples {ix.tolist()} of a rank's batch"
+    return None

@@ -219,6 +219,100 @@ class GraphedSampler:
             outs.append(g.out.clone())
         return torch.cat(outs)
 
+    @torch.no_grad()
+    def predict(
+        self,
+        x: torch.Tensor,
+        t: torch.Tensor,
+        cond: Conditioning,
+        batch_size: int | None = None,
+        transformer: nn.Module | None = None,
+        tag: str = "",
+    ) -> torch.Tensor:
+        """The denoiser's velocity at rows (x[i], t[i], cond[i]), `batch_size` rows a call, through the path its
+        rollouts take: on a GPU the compiled module in one CUDA graph per (rows, shapes, module, `tag`, autocast),
+        on a CPU with `cpu_compile` through inductor (each new shape's first call timed into `stats`), else
+        eagerly. For predictions fixed for a whole update (the "old" and reference policies' velocities), which
+        need no gradient and can run at the rollouts' batch instead of the training micro-batch."""
+        if len(x) != len(t) or len(x) != len(cond):
+            raise ValueError(f"predict: {len(x)} rows of x, {len(t)} flow times, {len(cond)} conditionings")
+        device, bs = x.device, batch_size or len(x)
+        policy = transformer is None or transformer is self.model.transformer
+        mod_eager = transformer if transformer is not None else self.model.transformer
+        eager = (not self.enabled or (self.eager_policy and policy) or id(mod_eager) in self._eager
+                 or device.type not in ("cuda", "cpu") or (device.type == "cpu" and not self.cpu_compile))  # fmt: skip
+        if eager:
+            return torch.cat([self.model.velocity(x[i : i + bs], t[i : i + bs], cond[i : i + bs], transformer)
+                              for i in range(0, len(x), bs)])  # fmt: skip
+        mod = self._module(transformer)
+        dev = device.type
+        amp = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
+        outs = []
+        for i in range(0, len(x), bs):
+            xc, tc, c = x[i : i + bs], t[i : i + bs].to(device=device, dtype=torch.float32), cond[i : i + bs]
+            key = repr(("predict", len(xc), xc.dtype, [(tuple(a.shape), a.dtype) for a in c.tensors()],
+                        id(mod_eager), tag, amp))  # fmt: skip
+            if dev == "cpu":  # inductor: a warm-up call of each new shape compiles, kept out of the phase times
+                if key not in self._warm:
+                    t0 = time.perf_counter()
+                    try:
+                        self.model.velocity(xc, tc, c, transformer=mod)
+                    except Exception as e:  # noqa: BLE001 - any inductor/dynamo failure: this module runs eagerly
+                        log.warning("torch.compile failed on the CPU (%s: %s); predicting with this denoiser eagerly",
+                                    type(e).__name__, str(e).splitlines()[0] if str(e) else "")  # fmt: skip
+                        self._eager.add(id(mod_eager))
+                        return torch.cat(outs + [self.predict(x[i:], t[i:], cond[i:], bs, transformer, tag)])
+                    self._warm.add(key)
+                    self.stats.compiles += 1
+                    self.stats.compile_s.append(time.perf_counter() - t0)
+                outs.append(self.model.velocity(xc, tc, c, transformer=mod))
+                continue
+            g = self._graphs.get(key) or self._capture_predict(key, xc, tc, c, mod, amp)
+            g.x.copy_(xc)
+            g.sig.copy_(tc)
+            for dst, src in zip(g.cond.tensors(), c.tensors(), strict=True):
+                dst.copy_(src)
+            g.graph.replay()
+            self.stats.replays += 1
+            outs.append(g.out.clone())  # graphs share a pool: another replay may reuse this memory
+        return torch.cat(outs)
+
+    def _capture_predict(self, key: str, x: torch.Tensor, t: torch.Tensor, cond: Conditioning, mod: Any,
+                         amp: tuple[bool, torch.dtype]) -> _Graph:  # fmt: skip
+        """One velocity call over static copies of its inputs, captured (`_record`)."""
+        run, sx, st, sc = self._predict_region(x, t, cond, mod, amp)
+        graph, out = self._record(run)
+        g = _Graph(graph, sx, sc, out, st, None)
+        self._graphs[key] = g
+        log.info("prediction graph (batch %d): compile + warm-up %.1f s, capture %.2f s", len(x),
+                 self.stats.compile_s[-1], self.stats.capture_s[-1])  # fmt: skip
+        return g
+
+    def _predict_region(self, x: torch.Tensor, t: torch.Tensor, cond: Conditioning, mod: Any,
+                        amp: tuple[bool, torch.dtype]
+                        ) -> tuple[Callable[[], torch.Tensor], torch.Tensor, torch.Tensor, Conditioning]:  # fmt: skip
+        """What a prediction's capture records: one velocity call over static copies of its inputs (returned with
+        them: they must outlive the graph); `rehearse_predict` checks it without a GPU."""
+        sx, st, sc = x.clone(), t.clone(), cond.map(torch.clone)
+        dev = x.device.type
+        use_amp = amp[0] and torch.amp.is_autocast_available(dev)
+
+        def run() -> torch.Tensor:
+            # autocast's weight-cast cache must be off under capture (cached casts would go stale)
+            ctx = torch.autocast(dev, dtype=amp[1], cache_enabled=False) if use_amp else contextlib.nullcontext()
+            with ctx:
+                return self.model.velocity(sx, st, sc, transformer=mod)
+
+        return run, sx, st, sc
+
+    def rehearse_predict(self, x: torch.Tensor, t: torch.Tensor, cond: Conditioning,
+                         transformer: nn.Module | None = None) -> list[Violation]:  # fmt: skip
+        """A prediction's capture rehearsed on x's device (the meta device: shapes only) under CaptureGuard: every
+        op a CUDA graph could not hold, with its line of code; empty when the capture is safe."""
+        amp = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
+        run = self._predict_region(x, t, cond, self._module(transformer), amp)[0]
+        return rehearse_capture(run, x.device)
+
     def _sample_cpu(
         self,
         cond: Conditioning,
@@ -335,9 +429,20 @@ class GraphedSampler:
         uncond: Conditioning | None,
         amp: tuple[bool, torch.dtype],
     ) -> _Graph:
-        t0 = time.perf_counter()
         run, sx, sc, sig, su = self._region(x, cond, steps, shift, solver, transformer, guidance_scale, uncond, amp)
+        graph, out = self._record(run)
+        g = _Graph(graph, sx, sc, out, sig, su)
+        self._graphs[key] = g
+        log.info("sampling graph (batch %d, %d steps): compile + warm-up %.1f s, capture %.2f s", len(x), steps,
+                 self.stats.compile_s[-1], self.stats.capture_s[-1])  # fmt: skip
+        if len(self.stats.census.graphs) and self.stats.captures == 1:
+            log.info("compiled denoiser: %s", self.stats.census.summary())
+        return g
 
+    def _record(self, run: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Warm `run` up on a side stream (compile, autotune, cuBLAS workspaces), then capture it into one CUDA
+        graph in the sampler's pool; both timed into `stats`. The graph and its output tensor."""
+        t0 = time.perf_counter()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up: compile, autotune and cuBLAS workspaces outside capture
@@ -354,12 +459,6 @@ class GraphedSampler:
         with torch.cuda.graph(graph, pool=self._pool):
             out = run()
         torch.cuda.synchronize()
-        g = _Graph(graph, sx, sc, out, sig, su)
-        self._graphs[key] = g
         self.stats.captures += 1
         self.stats.capture_s.append(time.perf_counter() - t1)
-        log.info("sampling graph (batch %d, %d steps): compile + warm-up %.1f s, capture %.2f s", len(x), steps,
-                 self.stats.compile_s[-1], self.stats.capture_s[-1])  # fmt: skip
-        if len(self.stats.census.graphs) and self.stats.captures == 1:
-            log.info("compiled denoiser: %s", self.stats.census.summary())
-        return g
+        return graph, out

@@ -146,6 +146,15 @@ class Rollouts:
                 uncond=self.uncond(),
             )
 
+    def predict(self, x: torch.Tensor, t: torch.Tensor, cond: Conditioning, transformer: nn.Module | None = None,
+                tag: str = "") -> torch.Tensor:  # fmt: skip
+        """Velocities at rows (x[i], t[i], cond[i]) of the policy (its active adapter, named by `tag`) or another
+        copy of the denoiser, under the rollouts' autocast, at their batch size and through their sampler's
+        compiled (GPU: graph-captured) path; no gradient. In the denoiser's output dtype."""
+        with self.autocast():
+            return self.sampler.predict(x, t, cond, batch_size=self.settings.batch_size, transformer=transformer,
+                                        tag=tag)  # fmt: skip
+
     def training_sigmas(self) -> torch.Tensor:
         """The rollout's flow times t in (0, 1] at the full step budget: where the loss is taken."""
         return model_sigmas(self.model, self.settings.full_steps, self.settings.shift)[:-1]
