@@ -29,7 +29,8 @@ from solrl_engine.sampling.capture import HOST_SYNC_OPS
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESET = {"tiny": "configs/tiny.py:tiny_sol_rl_shapes", "sd3": "configs/sd3.py:sd3_sol_rl_clipscore",
-          "flux": "configs/flux1.py:flux1_sol_rl_clipscore", "sana": "configs/sana.py:sana_sol_rl_clipscore"}  # fmt: skip
+          "flux": "configs/flux1.py:flux1_sol_rl_clipscore",
+          "sana": "configs/sana.py:sana_sol_rl_clipscore"}  # fmt: skip
 # 4 prompts x K = 2: 8 samples, 3 of 4 rollout times each (timestep_fraction 0.75), micro-batches of 2; the
 # rollouts' batch is 8, so each slot's fixed predictions are one forward of 8 rows
 COMMON = ["n=4", "k=2", "prompts_per_iter=4", "preview_steps=1", "full_steps=4", "timestep_fraction=0.75",
