@@ -92,9 +92,9 @@ def run_explorer(threads: int) -> dict:
     import torch
 
     from solrl_engine.data import load_prompts
+    from solrl_engine.explore import Explorer  # the README's import path, in both trees
     from solrl_engine.models import load_model
     from solrl_engine.rewards import load_reward
-    from solrl_engine.rollout import Explorer  # the README's import path, in both trees
 
     torch.set_num_threads(threads)
     model = load_model("tiny", None, "cpu", torch.float32)

@@ -187,17 +187,3 @@ def compare_gif(path: Any, cmp: Comparison, max_pairs: int = 4, seeds_per_prompt
     pick = [i * step for i in spread(len(b.prompts) // step, max_pairs)]
     pairs = torch.stack([torch.stack([b.images[i], t.images[i]]) for i in pick]).flatten(0, 1)
     return write_gif(path, pairs, ncol=2)
-
-
-# names that moved, and where to: asking this module for one says so (an ImportError, which `from ... import`
-# passes on with its message, where an AttributeError would be replaced by a bare "cannot import name")
-_MOVED = {
-    "compare_adapters": "solrl_engine.rl.heldout.compare_adapters",
-    "write_compare": "solrl_engine.rl.heldout.write_compare",
-}
-
-
-def __getattr__(name: str) -> object:
-    if name in _MOVED:
-        raise ImportError(f"solrl_engine.evaluation.{name} moved: use {_MOVED[name]}")
-    raise AttributeError(f"module 'solrl_engine.evaluation' has no attribute {name!r}")

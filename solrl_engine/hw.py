@@ -159,18 +159,3 @@ def training_attention() -> contextlib.AbstractContextManager:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
-
-
-# names that moved, and where to: asking this module for one says so (an ImportError, which `from ... import`
-# passes on with its message, where an AttributeError would be replaced by a bare "cannot import name")
-_MOVED = {
-    name: f"solrl_engine.explore.choice.{name}"
-    for name in ("EXPLORE_CANDIDATES", "POLICY", "ExploreChoice", "explore_candidates", "choose_explore_precision",
-                 "explore_layer_shapes", "probe_explore_timings", "resolve_explore_precision")
-} | {"NVFP4_OPTIONS": "solrl_engine.quant.recipe.NVFP4_OPTIONS"}
-
-
-def __getattr__(name: str) -> object:
-    if name in _MOVED:
-        raise ImportError(f"solrl_engine.hw.{name} moved: use {_MOVED[name]}")
-    raise AttributeError(f"module 'solrl_engine.hw' has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""The drop-in rollout backend (solrl_engine.rollout.Explorer) on tiny pipelines of the real classes:
+"""The drop-in rollout backend (solrl_engine.explore.Explorer) on tiny pipelines of the real classes:
 it selects what our trainer selects, its noise regenerates through the stock pipeline the image our
 trainer regenerates, sync_ makes the explore copy equal a fresh one of the updated policy, and the
 caller's pipeline is never changed."""
@@ -13,9 +13,9 @@ import torch
 from cpu_branches import BRANCHES, force_cpu_bf16
 from tiny_pipelines import SIZES, build_clip_reward, build_flux, build_sana, build_sd3
 
+from solrl_engine.explore import Explorer
 from solrl_engine.rl.config import load_config
 from solrl_engine.rl.trainer import Trainer
-from solrl_engine.rollout import Explorer
 
 BUILDERS = {"sd3": build_sd3, "flux": build_flux, "sana": build_sana}
 PRESET = {"sd3": "configs/sd3.py:sd3_sol_rl_clipscore", "flux": "configs/flux1.py:flux1_sol_rl_clipscore",

@@ -17,6 +17,8 @@ from solrl_engine.rl.config import ConfigError, RLConfig
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = str(ROOT / "configs/tiny.py:tiny_sol_rl_shapes")
 MIB = 2**20
+# the update sized as before auto: these plans test their parts, not the sizing (tests/test_sizing.py)
+SIZED = {"train_batch_size": 16, "gradient_checkpointing": False}
 
 
 def test_peak_counter_counts_new_storages_once_and_frees_them():
@@ -62,8 +64,8 @@ def test_plan_parts_follow_the_model_and_the_mode():
 
     real = load_tiny().transformer
     params = sum(p.numel() for p in real.parameters())
-    lora = memplan.memory_plan(RLConfig(name="t", model="tiny", policy_dtype="bfloat16"))
-    full = memplan.memory_plan(RLConfig(name="t", model="tiny", policy_dtype="bfloat16", train_mode="full"))
+    lora = memplan.memory_plan(RLConfig(name="t", model="tiny", policy_dtype="bfloat16", **SIZED))
+    full = memplan.memory_plan(RLConfig(name="t", model="tiny", policy_dtype="bfloat16", train_mode="full", **SIZED))
     assert lora.transformer_params_b * 1e9 == params
     rows = {r.part: r for r in full.rows}
     assert rows["transformer (base)"].gib == pytest.approx(2 * params / 2**30)  # the BF16 reference
@@ -73,13 +75,14 @@ def test_plan_parts_follow_the_model_and_the_mode():
     assert lrows["trained weights"].gib < rows["trained weights"].gib / 5
     assert full.peak_gib > lora.peak_gib
     # checkpointing cuts the update's activations, and the plan says by how much
-    ck = memplan.memory_plan(RLConfig(name="t", model="tiny", gradient_checkpointing=True))
+    ck = memplan.memory_plan(RLConfig(name="t", model="tiny", train_batch_size=16, gradient_checkpointing=True))
     assert {r.part: r for r in ck.rows}["update activations"].gib < lrows["update activations"].gib
     assert lora.fits and lora.advice() == []
 
 
 def test_a_plan_that_cannot_fit_says_what_to_change():
-    plan = memplan.memory_plan(RLConfig(name="t", model="tiny", train_mode="full"), gpus=8, gpu_gib=0.02)
+    plan = memplan.memory_plan(RLConfig(name="t", model="tiny", train_mode="full", train_batch_size=16,
+                                        gradient_checkpointing=False), gpus=8, gpu_gib=0.02)  # fmt: skip
     assert not plan.fits
     tips = plan.advice()
     assert any("gradient_checkpointing=true" in t for t in tips)
@@ -89,6 +92,10 @@ def test_a_plan_that_cannot_fit_says_what_to_change():
     assert any(t.startswith("--set sharding=fsdp under torchrun (every weight") for t in tips)
     text = plan.render()
     assert "DOES NOT FIT" in text and "8 GPUs of 0.02 GiB" in text
+    # sized automatically, nothing fits either: the plan shows the smallest update and says so
+    auto = memplan.memory_plan(RLConfig(name="t", model="tiny", train_mode="full"), gpus=8, gpu_gib=0.02)
+    assert not auto.fits and auto.train_batch_size == 1
+    assert "update sizes: nothing fits (a micro-batch of one sample does not fit the update" in auto.render()
 
 
 def test_a_sharded_lora_plan_splits_the_base_weights_and_keeps_no_merged_copy():
@@ -98,7 +105,7 @@ def test_a_sharded_lora_plan_splits_the_base_weights_and_keeps_no_merged_copy():
     from solrl_engine.models.tiny.model import load_tiny
 
     params = sum(p.numel() for p in load_tiny().transformer.parameters())
-    cfg = {"name": "t", "model": "tiny", "policy_dtype": "bfloat16"}
+    cfg = {"name": "t", "model": "tiny", "policy_dtype": "bfloat16", **SIZED}
     plain = memplan.memory_plan(RLConfig(**cfg), gpus=4)
     shard = memplan.memory_plan(RLConfig(**cfg, sharding="fsdp"), gpus=4)
     rows, prow = {r.part: r for r in shard.rows}, {r.part: r for r in plain.rows}
@@ -123,7 +130,7 @@ def test_a_sharded_full_fine_tuning_plan_divides_every_trained_tensor():
     from solrl_engine.models.tiny.model import load_tiny
 
     params = sum(p.numel() for p in load_tiny().transformer.parameters())
-    cfg = {"name": "t", "model": "tiny", "policy_dtype": "bfloat16", "train_mode": "full"}
+    cfg = {"name": "t", "model": "tiny", "policy_dtype": "bfloat16", "train_mode": "full", **SIZED}
     plain = memplan.memory_plan(RLConfig(**cfg), gpus=4)
     shard = memplan.memory_plan(RLConfig(**cfg, sharding="fsdp"), gpus=4)
     rows, prow = {r.part: r for r in shard.rows}, {r.part: r for r in plain.rows}
@@ -148,8 +155,11 @@ def test_the_trainer_refuses_a_plan_that_cannot_fit_before_any_weight_loads(monk
     loads: list[str] = []
     monkeypatch.setattr(trainer_mod, "build_rollouts", lambda cfg: loads.append(cfg.name) or 1 / 0)
     cfg = RLConfig(name="t", model="tiny", output=str(tmp_path / "run"))
+    with pytest.raises(ConfigError, match="does not fit the update in 90% of 0.01 GiB.*memory_check=false"):
+        trainer_mod.Trainer(cfg, progress=False)  # auto sizes: not even one sample fits
+    assert loads == [] and not (tmp_path / "run").exists()
     with pytest.raises(ConfigError, match="memory plan does not fit this GPU.*memory_check=false") as e:
-        trainer_mod.Trainer(cfg, progress=False)
+        trainer_mod.Trainer(RLConfig(name="t", model="tiny", output=str(tmp_path / "run"), **SIZED), progress=False)
     assert "DOES NOT FIT" in str(e.value) and loads == [] and not (tmp_path / "run").exists()
     with pytest.raises(ZeroDivisionError):  # memory_check=false: past the check, on to loading the model
         trainer_mod.Trainer(RLConfig(name="t", model="tiny", memory_check=False), progress=False)
@@ -169,13 +179,19 @@ def test_solrl_plan_exits_3_when_it_does_not_fit_and_writes_json(tmp_path, capsy
 def test_published_flux_plan_from_its_config_alone():
     """FLUX.1-dev from its published config, nothing downloaded: 11.9B parameters, and at 1024 px two samples per
     update micro-batch fit an 80 GB GPU only with gradient checkpointing."""
-    cfg = RLConfig(name="flux", model="flux", resolution=1024, train_batch_size=2, rollout_batch_size=4)
+    cfg = RLConfig(name="flux", model="flux", resolution=1024, train_batch_size=2, rollout_batch_size=4,
+                   gradient_checkpointing=False)  # fmt: skip
     plan = memplan.memory_plan(cfg, gpu_gib=80)
     assert plan.transformer_params_b == pytest.approx(11.9, abs=0.01)
     assert "FLUX.1-dev" in plan.transformer_source
     assert not plan.fits and any("gradient_checkpointing=true" in t for t in plan.advice())
     ck = memplan.memory_plan(RLConfig(**{**cfg.__dict__, "gradient_checkpointing": True}), gpu_gib=80)
     assert ck.fits
+    # gradient_checkpointing=auto recomputes only as many of its 57 blocks as two samples need, and fits
+    auto = memplan.memory_plan(RLConfig(**{**cfg.__dict__, "gradient_checkpointing": "auto"}), gpu_gib=80)
+    act = {r.part: r for r in auto.rows}["update activations"]
+    assert auto.fits and auto.blocks == 57 and "blocks recomputed" in act.note, act.note
+    assert {r.part: r for r in ck.rows}["update activations"].gib < act.gib
 
 
 def test_explore_precisions_the_plan_maps_and_a_local_config_from_another_diffusers(tmp_path):

@@ -149,17 +149,3 @@ def get_recipe(recipe: str | QuantRecipe) -> QuantRecipe:
     if isinstance(recipe, str) and recipe in RECIPES:
         return RECIPES[recipe]
     raise ValueError(f"unknown recipe {recipe!r}; choose one of {sorted(RECIPES)} or pass a QuantRecipe.")
-
-
-# names that moved, and where to: asking this module for one says so (an ImportError, which `from ... import`
-# passes on with its message, where an AttributeError would be replaced by a bare "cannot import name")
-_MOVED = {
-    "auto_explore_recipe": "solrl_engine.explore.choice.hardware_plan(device) (or, by compute capability, "
-                           "solrl_engine.kernels.capability.fastest_format)",
-}
-
-
-def __getattr__(name: str) -> object:
-    if name in _MOVED:
-        raise ImportError(f"solrl_engine.quant.recipe.{name} moved: use {_MOVED[name]}")
-    raise AttributeError(f"module 'solrl_engine.quant.recipe' has no attribute {name!r}")

@@ -429,16 +429,3 @@ def _main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(_main(sys.argv[1:]))
-
-
-# names that moved, and where to: asking this module for one says so (an ImportError, which `from ... import`
-# passes on with its message, where an AttributeError would be replaced by a bare "cannot import name")
-_MOVED = {
-    "prepare_output": "solrl_engine.rl.rundir (hold, check_start, move_aside: the run directory's lock and start)",
-}
-
-
-def __getattr__(name: str) -> object:
-    if name in _MOVED:
-        raise ImportError(f"solrl_engine.rl.checkpoint.{name} moved: use {_MOVED[name]}")
-    raise AttributeError(f"module 'solrl_engine.rl.checkpoint' has no attribute {name!r}")

@@ -129,7 +129,9 @@ class RLConfig:
     rollout_batch_size: int = 96
     decode_batch_size: int = 8  # images per VAE decode call (memory at 1024 px)
     offload_text_encoders: bool = True  # move the text encoders to CPU after the prompts are encoded
-    gradient_checkpointing: bool = False  # trade compute for activation memory in the trained transformer
+    # the update's recompute (gradient checkpointing): true recomputes every repeated block in the backward, a number
+    # N the first N of them, false none; auto: on a GPU as few as the device needs (rl/sizing.py), on a CPU none
+    gradient_checkpointing: bool | int | str = "auto"
     memory_check: bool = True  # on a GPU, refuse at start a run whose memory plan (rl/memplan.py) cannot fit
     # policy update (DiffusionNFT)
     train_mode: str = "lora"  # lora: adapters on the frozen base; full: every transformer weight (rl/full.py)
@@ -146,7 +148,9 @@ class RLConfig:
     lr: float = 3e-4
     weight_decay: float = 1e-4
     grad_clip: float = 1.0
-    train_batch_size: int = 16
+    # the update's micro-batch (samples per forward and backward; gradients accumulate, so it changes memory and
+    # speed, not the result); auto: on a GPU the largest that fits without recompute (rl/sizing.py), on a CPU 16
+    train_batch_size: int | str = "auto"
     # optimizer steps per iteration, each on a random 1/updates_per_iter of the selected samples (the
     # official DiffusionNFT's gradient_step_per_epoch); the "old" adapter moves once per iteration
     updates_per_iter: int = 1
@@ -270,7 +274,6 @@ class RLConfig:
             "eval_every",
             "save_every",
             "rollout_batch_size",
-            "train_batch_size",
             "lora_rank",
             "keep_checkpoints",
             "eval_seeds",
@@ -279,6 +282,14 @@ class RLConfig:
         ):
             if getattr(self, key) < 1:
                 raise bad(key, "must be >= 1")
+        if self.train_batch_size != "auto" and (isinstance(self.train_batch_size, bool)
+                                                or not isinstance(self.train_batch_size, int)
+                                                or self.train_batch_size < 1):  # fmt: skip
+            raise bad("train_batch_size", "must be a number of samples >= 1, or auto (sized from the GPU's memory)")
+        gc = self.gradient_checkpointing
+        if gc != "auto" and not isinstance(gc, bool) and (not isinstance(gc, int) or gc < 0):
+            raise bad("gradient_checkpointing", "true (recompute every block), false, a number of blocks to recompute, "
+                                                "or auto (as few as the GPU's memory needs)")  # fmt: skip
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise bad("device", "use auto, cpu, cuda or cuda:N")
         if self.nonfinite_policy not in ("skip", "abort"):
@@ -340,9 +351,18 @@ def _parse_value(raw: str, tp: object, key: str) -> object:
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if origin in (types.UnionType, typing.Union):
-        if raw.lower() in ("none", "null"):
+        if raw.lower() in ("none", "null") and type(None) in args:
             return None
-        return _parse_value(raw, next(a for a in args if a is not type(None)), key)
+        kinds = [a for a in args if a is not type(None)]
+        if int in kinds and raw.strip().lstrip("-").isdigit():  # a number (int | bool: "1" is one, not true)
+            return int(raw)
+        error: ConfigError | None = None
+        for kind in kinds:  # in order: a word that bool or int refuses is the str a union may hold ("auto")
+            try:
+                return _parse_value(raw, kind, key)
+            except ConfigError as e:
+                error = e
+        raise error  # type: ignore[misc]  (every kind refused it)
     if tp is bool:
         if raw.lower() in ("1", "true", "yes", "on"):
             return True

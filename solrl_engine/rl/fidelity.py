@@ -356,16 +356,3 @@ def write_report(result: dict[str, Any], path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2))
     return path
-
-
-# names that moved, and where to: asking this module for one says so (an ImportError, which `from ... import`
-# passes on with its message, where an AttributeError would be replaced by a bare "cannot import name")
-_MOVED = {
-    "linear_flops": "the Rollouts method: rollouts.linear_flops(transformer) (solrl_engine.sampling.rollouts)",
-}
-
-
-def __getattr__(name: str) -> object:
-    if name in _MOVED:
-        raise ImportError(f"solrl_engine.rl.fidelity.{name} moved: use {_MOVED[name]}")
-    raise AttributeError(f"module 'solrl_engine.rl.fidelity' has no attribute {name!r}")

@@ -36,13 +36,13 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from solrl_engine.rl.config import FAMILY_TABLE, RLConfig
+from solrl_engine.rl.config import FAMILY_TABLE, ConfigError, RLConfig
+from solrl_engine.rl.sizing import AUTO, HEADROOM, UpdateSizes, defaults, recompute_count, size_update
 
 log = logging.getLogger("solrl_engine.rl")
 GIB = 2**30
 # "refresh": the copies following the updated policy; "start": each rank's whole base before it is sharded
 PHASES = ("update", "rollout", "encode", "refresh", "start")
-HEADROOM = 0.9  # of a GPU's memory the plan may fill: the CUDA context, allocator fragmentation and kernels' workspaces
 
 
 @dataclass
@@ -72,6 +72,8 @@ class MemoryPlan:
     lora_peak_gib: float | None = None  # a full fine-tuning plan's peak as LoRA instead
     sharding: str = "none"  # the config's: fsdp / hsdp shard a LoRA run's base weights (full: every weight)
     sharded_peak_gib: float | None = None  # an unsharded plan's peak with sharding=fsdp on these GPUs
+    blocks: int = 0  # the transformer's repeated blocks (what gradient_checkpointing recomputes, one by one)
+    update_sizes: str = ""  # how train_batch_size and gradient_checkpointing were resolved (rl/sizing.py)
 
     def total(self, when: str) -> float:
         return sum(r.gib for r in self.rows if r.when == "always") + sum(r.gib for r in self.rows if r.when == when)
@@ -138,7 +140,8 @@ class MemoryPlan:
                 f"{self.transformer_params_b:.2f}B parameters ({self.transformer_source}); per GPU, "
                 f"{self.gpus} GPU{'s' if self.gpus > 1 else ''} of {self.gpu_gib:g} GiB")  # fmt: skip
         width = max([28] + [len(r.part) for r in self.rows])
-        lines = [head, f"  {'part':{width}s} {'GiB':>8s}  when      note"]
+        lines = [head] + ([f"  update sizes: {self.update_sizes}"] if self.update_sizes else [])
+        lines.append(f"  {'part':{width}s} {'GiB':>8s}  when      note")
         for r in self.rows:
             lines.append(f"  {r.part:{width}s} {r.gib:8.2f}  {r.when:8s}  {r.note}")
         for w in PHASES:
@@ -303,8 +306,15 @@ def memory_plan(cfg: RLConfig, gpus: int = 1, gpu_gib: float = 80.0) -> MemoryPl
     from solrl_engine.models import model_spec
     from solrl_engine.nn import plan_quantization
     from solrl_engine.quant.recipe import NVFP4_OPTIONS, get_recipe
-
     cfg = cfg.validate()
+    resolved = None
+    if AUTO in (cfg.train_batch_size, cfg.gradient_checkpointing):  # sized for these GPUs first (a plan of its own)
+        try:
+            resolved = resolve_update_sizes(cfg, gpus, gpu_gib)
+        except ConfigError as e:  # nothing fits: the plan of the smallest update shows what to change
+            resolved = UpdateSizes(1, True, 0, f"nothing fits ({str(e).split(': ', 1)[1].split(' (')[0]}): shown at "
+                                               "one sample with every block recomputed")  # fmt: skip
+        cfg = resolved.apply(cfg)
     spec = model_spec(cfg.model)
     dtype = torch.float32 if cfg.policy_dtype == "float32" else torch.bfloat16  # auto: BF16 on every GPU
     b = torch.tensor([], dtype=dtype).element_size()
@@ -344,8 +354,8 @@ def memory_plan(cfg: RLConfig, gpus: int = 1, gpu_gib: float = 80.0) -> MemoryPl
                 lora_hp += m.in_features * m.out_features if n in kept else 0
         from solrl_engine.sampling.compile import repeated_blocks
 
-        sizes = sorted((sum(p.numel() for p in blk.parameters()) for blk in repeated_blocks(net, spec.repeated_blocks)),
-                       reverse=True)  # fmt: skip
+        sizes_b = [sum(p.numel() for p in blk.parameters()) for blk in repeated_blocks(net, spec.repeated_blocks)]
+        sizes = sorted(sizes_b, reverse=True)
         gathered = sum(sizes[:2])  # a sharded policy's blocks gathered at a time: this one and the next (prefetch)
         act_plain = _measure(model, train_bs, train=True, checkpointing=False, cond=conds[train_bs])
         act_ckpt = _measure(model, train_bs, train=True, checkpointing=True, cond=conds[train_bs])
@@ -424,9 +434,11 @@ def memory_plan(cfg: RLConfig, gpus: int = 1, gpu_gib: float = 80.0) -> MemoryPl
             rows.append(PlanRow("base before sharding", params * b * (1 - 1 / shards) / GIB, "start",
                                 "each rank loads the whole base, then shards it"
                                 + (" block by block, each upcast to FP32 just before" if full else "")))  # fmt: skip
-        ckpt = cfg.gradient_checkpointing
-        rows.append(PlanRow("update activations", (act_ckpt if ckpt else act_plain) / GIB, "update",
-                            f"train_batch_size {train_bs}" + (", gradient checkpointing" if ckpt else "")))  # fmt: skip
+        k = recompute_count(cfg.gradient_checkpointing, len(sizes_b))
+        act = act_plain - (k / len(sizes_b) * (act_plain - act_ckpt) if sizes_b else 0.0)
+        how = "" if not k else (", gradient checkpointing" if k == len(sizes_b) else f", {k} of {len(sizes_b)} "
+                                                                                      "blocks recomputed")
+        rows.append(PlanRow("update activations", act / GIB, "update", f"train_batch_size {train_bs}{how}"))
         rows.append(PlanRow("rollout activations", act_roll / GIB, "rollout", f"rollout_batch_size {roll_bs}"))
         text = sum(spec.text_encoder_params_b.values()) * 1e9 * b / GIB
         if text:
@@ -447,8 +459,35 @@ def memory_plan(cfg: RLConfig, gpus: int = 1, gpu_gib: float = 80.0) -> MemoryPl
     could_shard = not sharded and gpus > 1 and not FAMILY_TABLE[cfg.family].compiled
     shard_peak = plan_for(cfg.train_mode, True).peak_gib if could_shard else None
     return plan_for(cfg.train_mode, sharded, train_batch_size=train_bs, rollout_batch_size=roll_bs,
-                    lora_peak_gib=lora_peak, sharded_peak_gib=shard_peak,
-                    update_activations_gib={"gradient_checkpointing": act_ckpt / GIB, "without": act_plain / GIB})
+                    lora_peak_gib=lora_peak, sharded_peak_gib=shard_peak, blocks=len(sizes_b),
+                    update_activations_gib={"gradient_checkpointing": act_ckpt / GIB, "without": act_plain / GIB},
+                    update_sizes="" if resolved is None else resolved.reason)  # fmt: skip
+
+
+def resolve_update_sizes(cfg: RLConfig, world: int, gpu_gib: float | None) -> UpdateSizes:
+    """`cfg`'s train_batch_size and gradient_checkpointing on `world` GPUs of `gpu_gib` GiB (None: a CPU), auto
+    sized from the plan of one sample (rl/sizing.py says how). A ConfigError, before any weight loads, where not
+    even one sample with every block recomputed fits; a plan that cannot be made keeps the defaults, warned."""
+    if AUTO not in (cfg.train_batch_size, cfg.gradient_checkpointing):
+        return UpdateSizes(cfg.train_batch_size, cfg.gradient_checkpointing, 0, "set in the config")
+    if gpu_gib is None:
+        return defaults(cfg, "no GPU memory to size against (a CPU): the defaults")
+    try:  # one sample, no recompute: the plan measures one sample's activations both ways
+        plan = memory_plan(UpdateSizes(1, False, 0, "").apply(cfg), world, gpu_gib)
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - advice, not a gate: a plan that cannot be made keeps the defaults
+        log.warning("train_batch_size / gradient_checkpointing auto: no memory plan (%s: %s); using the defaults",
+                    type(e).__name__, str(e)[:200])  # fmt: skip
+        return defaults(cfg, "no memory plan could be made: the defaults")
+    plain, ckpt = plan.update_activations_gib["without"], plan.update_activations_gib["gradient_checkpointing"]
+    try:
+        return size_update(cfg, world, gpu_gib, plan.total("update") - plain, plain, ckpt, plan.blocks, plan.advice())
+    except ConfigError as e:
+        if cfg.memory_check:
+            raise
+        log.warning("%s; memory_check=false: starting with the defaults", e)
+        return defaults(cfg, "nothing fits, memory_check=false: the defaults")
 
 
 def check_fits(cfg: RLConfig, world: int) -> None:

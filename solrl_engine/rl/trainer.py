@@ -31,10 +31,10 @@ from solrl_engine.explore.choice import POLICY, ExploreChoice
 from solrl_engine.explore.copy import ExploreCopy
 from solrl_engine.explore.plan import ExploreSpec
 from solrl_engine.models.base import Conditioning
-from solrl_engine.rl import checkpoint, memplan, rundir
+from solrl_engine.rl import checkpoint, memplan, rundir, sizing
 from solrl_engine.rl.adapters import OLD, TRAIN, LoraAdapters
 from solrl_engine.rl.checkpoint import EXPORT_DIRS
-from solrl_engine.rl.config import FAMILY_TABLE, ConfigError, RLConfig
+from solrl_engine.rl.config import FAMILY_TABLE, ConfigError, RLConfig, resolve_runtime
 from solrl_engine.rl.distributed import Dist, local
 from solrl_engine.rl.export import save_trained
 from solrl_engine.rl.full import REF, FullWeights, TrainedWeights
@@ -93,7 +93,14 @@ class Trainer:
                 "ranks: make it a multiple of the number of processes (it is the global number of prompts)"
             )
         self.progress = progress and self.dist.main
-        memplan.check_fits(cfg, self.dist.world)  # on a GPU, before any weight loads
+        # the update's micro-batch and recompute from this device's memory (auto), then the whole plan checked: on a
+        # GPU, before any weight loads; config.json and checkpoints record the resolved values
+        gib = memplan.device_memory_gib(resolve_runtime(cfg)[0])
+        self.sizes = memplan.resolve_update_sizes(cfg, self.dist.world, gib)
+        self.cfg = cfg = self.sizes.apply(cfg)
+        log.info("update sizes: train_batch_size %s, gradient_checkpointing %s (%s)", cfg.train_batch_size,
+                 cfg.gradient_checkpointing, self.sizes.reason)  # fmt: skip
+        memplan.check_fits(cfg, self.dist.world)
         self.rollouts = build_rollouts(cfg)
         self.model, self.device, self.dtype = self.rollouts.model, self.rollouts.device, self.rollouts.dtype
         # like-for-like: with merge_lora, full-precision rollouts run the "old" LoRA merged into a copy of the
@@ -112,8 +119,7 @@ class Trainer:
         self.rollouts.sampler.eager_policy = cfg.train_mode == "full" or sharded
         # sharded full fine-tuning gathers FP32 weights block by block: no cached BF16 casts of them (hw.autocast_for)
         self.rollouts.autocast_cache = not (sharded and not lora)
-        if cfg.gradient_checkpointing:
-            self.model.transformer.enable_gradient_checkpointing()
+        sizing.recompute_blocks(self.model.transformer, self.rollouts.spec.repeated_blocks, cfg.gradient_checkpointing)
         if lora or not sharded:  # (sharded full fine-tuning has an old set to follow once sharded, below)
             self._follow_explore()
         if sharded:  # after the explore copy is built from (and attached to) the whole base weights
@@ -371,6 +377,11 @@ class Trainer:
         if then_cfg.get("explore_precision") == "auto" and self.cfg.explore_precision == st.get("explore_precision"):
             then_cfg["explore_precision"] = self.cfg.explore_precision  # auto's recorded choice, now set explicitly
         check_resume_config(then_cfg, self.cfg)
+        changed = {k: (then_cfg[k], getattr(self.cfg, k)) for k in ("train_batch_size", "gradient_checkpointing")
+                   if k in then_cfg and then_cfg[k] != getattr(self.cfg, k)}  # fmt: skip
+        if changed:  # re-resolved for this device: memory and speed change, not the result
+            now, then = (", ".join(f"{k}={v[i]}" for k, v in changed.items()) for i in (1, 0))
+            log.info("resuming with %s (the checkpoint ran with %s)", now, then)
         self.iteration = st["iteration"]
         if st.get("sharded") == "dcp":  # every rank reads its shards (any rank count: DCP reshards)
             sd = self.adapters.sharded_state(self.opt, with_opt=st.get("sharded_opt", True))
