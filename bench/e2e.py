@@ -77,6 +77,16 @@ def run_family(cfg: RLConfig, warmup: int) -> dict[str, object]:
     res["time_rollout_s"] = res["time_explore_s"] + res["time_regen_s"]
     res["reward_mean"] = statistics.mean(r["reward_mean"] for r in timed)
     res["policy_dtype"] = str(trainer.dtype).removeprefix("torch.")
+    # the update's sizes as resolved for this device (auto: from its memory), and each phase's sample-steps: the
+    # units of the update's cost in forward-equivalents (gpu_session's trainer stage)
+    c, rule = trainer.cfg, FAMILY_TABLE[cfg.family]
+    res["update_sizes"] = {"train_batch_size": c.train_batch_size, "gradient_checkpointing": c.gradient_checkpointing,
+                           "reason": trainer.sizes.reason}  # fmt: skip
+    res["sample_steps"] = {
+        "explore": c.prompts_per_iter * c.n * (c.preview_steps if rule.preview else c.full_steps),
+        "regenerate": c.prompts_per_iter * c.k * c.full_steps if rule.regenerate else 0,
+        "trained": c.prompts_per_iter * c.k * max(1, int(c.full_steps * c.timestep_fraction)),
+    }
     res["explore_recipe"] = trainer.explorer.recipe_label  # "policy (<dtype>)" where the policy explores
     # like-for-like: whether full-precision rollouts ran the "old" LoRA merged into a copy (as the quantized
     # copy has it) or as PEFT's unmerged branches; what the quantized layers ran; the copy's speedup bound

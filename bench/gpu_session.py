@@ -87,9 +87,6 @@ SMOKE_BUDGET = 1800.0
 # --- Sol-RL's headline: real trainer iterations -------------------------------------------------------
 
 TRAINER_FAMILIES = ("sol_rl", "naive_scaling", "compile")  # in this order: the headline pair first
-# a trainer stage's update: its train batch and gradient checkpointing, so the stage fits an 80 GB GPU beside the
-# rollouts' CUDA-graph pools and the explore copy (SANA's preset trains 16 without; 31.8 GB was seen at 8, eager)
-TRAINER_TRAIN = {"sana-1.6b": (8, True), "flux-dev": (4, True), "sd35-large": (2, True)}
 
 
 def trainer_stage(alias: str, device: torch.device, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -99,22 +96,24 @@ def trainer_stage(alias: str, device: torch.device, cfg: dict[str, Any]) -> dict
     result is written as it finishes, so a stage cut off keeps the families that ran. Smoke: the bundled model."""
     smoke = cfg["smoke"]
     model = "tiny" if smoke else alias
-    tb, ckpt = TRAINER_TRAIN.get(alias, (8, True))
     argv = ["--model", model, "--iterations", "1", "--warmup", "1", "--prompts", "1"]
     rollout_batch = cfg["batch"].get(alias, ROLLOUT_BATCH[alias])
+    # the update's micro-batch and recompute: sized by the trainer from the GPU's memory (train_batch_size and
+    # gradient_checkpointing auto); smoke (a CPU, where auto recomputes nothing) recomputes, to rehearse that path
     argv += (["--n", "4", "--k", "2", "--rollout-batch", "4", "--train-batch", "2"] if smoke else
-             ["--rollout-batch", str(rollout_batch), "--train-batch", str(tb)])  # fmt: skip
+             ["--rollout-batch", str(rollout_batch)])  # fmt: skip
     args = e2e.build_parser().parse_args(argv)
-    out: dict[str, Any] = {"model": model, "argv": argv, "gradient_checkpointing": ckpt, "families": {}}
+    out: dict[str, Any] = {"model": model, "argv": argv, "families": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for fam in TRAINER_FAMILIES:
-            c = dataclasses.replace(e2e.family_config(fam, args, f"{tmp}/{fam}"), gradient_checkpointing=ckpt)
+            c = e2e.family_config(fam, args, f"{tmp}/{fam}")
+            c = dataclasses.replace(c, gradient_checkpointing=True) if smoke else c
             out["families"][fam] = {"running": True}
             try:
                 res = e2e.run_family(c, warmup=1)
                 res["settings"] = {k: getattr(c, k) for k in (
                     "n", "k", "prompts_per_iter", "preview_steps", "full_steps", "rollout_batch_size",
-                    "train_batch_size", "timestep_fraction", "gradient_checkpointing")}  # fmt: skip
+                    "timestep_fraction")} | {k: v for k, v in res["update_sizes"].items() if k != "reason"}  # fmt: skip
                 out["families"][fam] = res
             except Exception as e:  # one family failing keeps the others
                 out["families"][fam] = _error(e)
@@ -133,6 +132,20 @@ def _ratios(out: dict[str, Any]) -> None:
         return
     out["sol_rl_vs"] = {base: {k: fams[base][k] / sol[k] for k in ("time_rollout_s", "time_total_s")}
                         for base in ("naive_scaling", "compile") if "time_rollout_s" in fams.get(base, {})}  # fmt: skip
+    out["update_forward_equivalents"] = update_forward_equivalents(fams)
+
+
+def update_forward_equivalents(fams: dict[str, Any]) -> dict[str, float]:
+    """Each family's update seconds per trained sample-step over the `compile` family's explore seconds per
+    sample-step (a compiled, graph-captured forward at the rollout batch: the unit), from one trainer stage; the
+    arithmetic of an update without fixed predictions' recompute is about 3 (old and reference forwards batched,
+    the policy's forward, a backward of input gradients), the issue's goal 4."""
+    unit = fams.get("compile", {})
+    if "time_explore_s" not in unit or not unit.get("sample_steps", {}).get("explore"):
+        return {}
+    per_step = unit["time_explore_s"] / unit["sample_steps"]["explore"]
+    return {fam: m["time_train_s"] / m["sample_steps"]["trained"] / per_step for fam, m in fams.items()
+            if "time_train_s" in m and m.get("sample_steps", {}).get("trained")}  # fmt: skip
 
 
 def trainer_prediction(rec: dict[str, Any], fams: dict[str, Any], alias: str | None) -> dict[str, Any]:

@@ -45,6 +45,13 @@ def trainer_lines(key: str, s: dict[str, Any]) -> list[str]:
                      f"({m['explore_recipe']}){vs}")  # fmt: skip
     for base, r in s.get("sol_rl_vs", {}).items():
         lines.append(f"  sol_rl vs {base}: rollout {r['time_rollout_s']:.2f}x, iteration {r['time_total_s']:.2f}x")
+    fe = s.get("update_forward_equivalents") or {}
+    if fe:
+        sizes = (s.get("families", {}).get("sol_rl") or {}).get("update_sizes") or {}
+        lines.append("  update per trained sample-step, in compiled forwards at rollout batch: "
+                     + ", ".join(f"{k} {v:.1f}" for k, v in fe.items())
+                     + (f" (micro-batch {sizes.get('train_batch_size')}, recompute "
+                        f"{sizes.get('gradient_checkpointing')})" if sizes else ""))  # fmt: skip
     sol = s.get("families", {}).get("sol_rl", {})
     if str(sol.get("explore_recipe", "")).startswith("policy"):  # the headline without its quantized copy
         why = sol.get("explore_choice_reason")

@@ -239,3 +239,15 @@ def test_the_summary_says_when_sol_rl_explored_with_the_policy(session):
     assert any(line.startswith("  NOTE: sol_rl explored with the policy") for line in summary.trainer_lines("t", stage))
     stage["families"]["sol_rl"]["explore_recipe"] = "fp8"
     assert not any("NOTE" in line for line in summary.trainer_lines("t", stage))
+
+
+def test_update_forward_equivalents_use_the_compiled_explore_as_the_unit(session):
+    """The update's cost per trained sample-step over the compile family's explore seconds per sample-step, from
+    one trainer stage (the H200's 2026-11-26 stage read 11.2 this way)."""
+    steps = {"explore": 960, "regenerate": 0, "trained": 144}
+    fams = {"compile": {"time_explore_s": 6.0, "time_train_s": 10.8, "sample_steps": steps},
+            "sol_rl": {"time_explore_s": 2.0, "time_train_s": 3.6, "sample_steps": {**steps, "explore": 576}},
+            "naive_scaling": {"error": "RuntimeError: out of memory"}}
+    fe = session.update_forward_equivalents(fams)
+    assert fe == {"compile": pytest.approx(12.0), "sol_rl": pytest.approx(4.0)}  # 75 ms and 25 ms over 6.25 ms
+    assert session.update_forward_equivalents({"sol_rl": fams["sol_rl"]}) == {}  # no compile family: no unit

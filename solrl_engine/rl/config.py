@@ -126,6 +126,10 @@ class RLConfig:
     compile_mode: str | None = None
     compile_regional: bool | None = None
     compile_cache_dir: str | None = None
+    # the update's forward and backward through the policy's repeated blocks compiled (regional, LoRA inside;
+    # rl/update.py): None on with CUDA, off on a CPU (a cold compile of a block's forward and backward costs tens of
+    # seconds on a few cores); true compiles there too. LoRA runs that are not sharded (the others stay eager)
+    compiled_update: bool | None = None
     rollout_batch_size: int = 96
     decode_batch_size: int = 8  # images per VAE decode call (memory at 1024 px)
     offload_text_encoders: bool = True  # move the text encoders to CPU after the prompts are encoded
@@ -326,6 +330,10 @@ class RLConfig:
             raise bad("family", "the compile family samples the policy through captured graphs; a sharded policy "
                                 "gathers its weights block by block inside each forward, so it samples eagerly: "
                                 f"use sol_rl or naive_scaling with sharding={self.sharding}")
+        if self.compiled_update and (self.train_mode != "lora" or self.sharding != "none"):
+            raise bad("compiled_update", "the compiled update is built for LoRA runs that are not sharded (a sharded "
+                                         "block gathers its weights in hooks, full fine-tuning swaps weight sets): "
+                                         "leave it unset (those runs update eagerly)")  # fmt: skip
         if self.policy_dtype not in ("auto", "bfloat16", "float32"):
             raise bad("policy_dtype", "use auto, bfloat16 or float32")
         return self

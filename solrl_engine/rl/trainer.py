@@ -30,6 +30,7 @@ from solrl_engine.data import load_prompts
 from solrl_engine.explore.choice import POLICY, ExploreChoice
 from solrl_engine.explore.copy import ExploreCopy
 from solrl_engine.explore.plan import ExploreSpec
+from solrl_engine.hw import cpu_compile_available
 from solrl_engine.models.base import Conditioning
 from solrl_engine.rl import checkpoint, memplan, rundir, sizing
 from solrl_engine.rl.adapters import OLD, TRAIN, LoraAdapters
@@ -46,6 +47,7 @@ from solrl_engine.rl.sealed import write_atomic
 from solrl_engine.rl.sharding import shard_policy, sharded_bytes
 from solrl_engine.rl.tracking import Tracker
 from solrl_engine.rl.update import NFTSettings, UpdateBatch, fixed_predictions, nft_update
+from solrl_engine.sampling.compile import Census, CompiledBlocks, census_backend, repeated_blocks
 
 log = logging.getLogger("solrl_engine.rl")
 
@@ -120,6 +122,7 @@ class Trainer:
         # sharded full fine-tuning gathers FP32 weights block by block: no cached BF16 casts of them (hw.autocast_for)
         self.rollouts.autocast_cache = not (sharded and not lora)
         sizing.recompute_blocks(self.model.transformer, self.rollouts.spec.repeated_blocks, cfg.gradient_checkpointing)
+        self.compiled_update = self._compiled_update()
         if lora or not sharded:  # (sharded full fine-tuning has an old set to follow once sharded, below)
             self._follow_explore()
         if sharded:  # after the explore copy is built from (and attached to) the whole base weights
@@ -164,6 +167,24 @@ class Trainer:
             p.data = p.data.float()  # LoRA and its optimizer state in FP32; the base stays in policy dtype
         adapters.ema = [e.float() for e in adapters.ema]
         return adapters
+
+    def _compiled_update(self) -> CompiledBlocks | None:
+        """The policy's repeated blocks compiled for the update's gradient micro-batches (compiled_update; None: on
+        with CUDA for LoRA runs that are not sharded), else None: the update runs eagerly."""
+        cfg, on_gpu = self.cfg, self.device.type == "cuda"
+        eligible = cfg.train_mode == "lora" and cfg.sharding == "none"
+        if not (cfg.compiled_update if cfg.compiled_update is not None else on_gpu and eligible):
+            return None
+        if not on_gpu and not (ok := cpu_compile_available())[0]:
+            log.warning("compiled_update: %s; the update runs eagerly", ok[1])
+            return None
+        blocks = repeated_blocks(self.model.transformer, self.rollouts.spec.repeated_blocks)
+        if not blocks:
+            return None
+        self.update_census = Census()
+        log.info("compiled update: %d repeated blocks (%s), forward and backward", len(blocks),
+                 ", ".join(sorted({type(b).__name__ for b in blocks})))  # fmt: skip
+        return CompiledBlocks(blocks, census_backend(self.update_census, cfg.compile_mode))
 
     def _explore_as(self, choice: ExploreChoice | None) -> None:
         """Plan the explore pass (auto: timed, rank 0's answer; `choice`: a checkpoint's instead) and build
@@ -280,7 +301,8 @@ class Trainer:
         # the old and reference policies' predictions first, in large no-grad batches as the rollouts run them
         old_copy = self.policy_copy.transformer if self.policy_copy is not None else None
         predict = fixed_predictions(self.rollouts, self.adapters, old_copy)
-        stats = nft_update(self.model, self.adapters, self.opt, batch, self.nft, dist, self._autocast, predict)
+        blocks = self.compiled_update.active if self.compiled_update is not None else None  # compiled, or eager
+        stats = nft_update(self.model, self.adapters, self.opt, batch, self.nft, dist, self._autocast, predict, blocks)
 
         # 5. refresh the explore copy (and the merged policy copy) with the new "old" policy, in place
         self._refresh_copies()

@@ -118,7 +118,8 @@ def eager_predictions(model: FlowModel, adapters: TrainedWeights,
 
 def nft_update(model: FlowModel, adapters: TrainedWeights, opt: torch.optim.Optimizer, batch: UpdateBatch,
                c: NFTSettings, dist: Dist, autocast: Callable[[], contextlib.AbstractContextManager],
-               predict: Predict | None = None) -> dict[str, float]:  # fmt: skip
+               predict: Predict | None = None, compiled: Callable[[], contextlib.AbstractContextManager] | None = None
+               ) -> dict[str, float]:  # fmt: skip
     """`updates_per_iter` optimizer steps over the selected samples x the chosen rollout timesteps
     (the official DiffusionNFT's gradient steps per epoch): the global batch is split at random
     into that many groups, each one step with gradients accumulated over its samples.
@@ -128,16 +129,20 @@ def nft_update(model: FlowModel, adapters: TrainedWeights, opt: torch.optim.Opti
     global size x timesteps), so the summed gradients equal a one-process run's. `sigmas` are the
     rollout's flow times at the full step budget, `iteration` the number of iterations done
     before this one, `sel` (a Selection) names prompts and seeds in non-finite errors. `predict` makes the fixed
-    predictions (default: `eager_predictions` at the training micro-batch). Attention runs on the kernels
-    hw.training_attention allows (not cuDNN's, which failed FLUX.1's update on an H200)."""
+    predictions (default: `eager_predictions` at the training micro-batch); `compiled` switches the policy's
+    compiled blocks in for the gradient micro-batches, forward and backward (sampling.compile.CompiledBlocks.active;
+    None: eager). Attention runs on the kernels hw.training_attention allows (not cuDNN's, which failed FLUX.1's
+    update on an H200)."""
     predict = predict or eager_predictions(model, adapters, autocast, c.train_batch_size)
     with training_attention():
-        return _nft_update(model, adapters, opt, batch, c, dist, autocast, predict)
+        return _nft_update(model, adapters, opt, batch, c, dist, autocast, predict,
+                           compiled or contextlib.nullcontext)  # fmt: skip
 
 
 def _nft_update(model: FlowModel, adapters: TrainedWeights, opt: torch.optim.Optimizer, batch: UpdateBatch,
                 c: NFTSettings, dist: Dist, autocast: Callable[[], contextlib.AbstractContextManager],
-                predict: Predict) -> dict[str, float]:  # fmt: skip
+                predict: Predict, compiled: Callable[[], contextlib.AbstractContextManager]
+                ) -> dict[str, float]:  # fmt: skip
     x0, cond, adv, gen, sel = batch.x0, batch.cond, batch.adv, batch.gen, batch.sel
     b_global, row0, iteration = batch.b_global, batch.row0, batch.iteration
     sig, device = batch.sigmas, x0.device  # the rollout times, t in (0, 1]
@@ -174,22 +179,25 @@ def _nft_update(model: FlowModel, adapters: TrainedWeights, opt: torch.optim.Opt
             rows = torch.cat([mine, torch.zeros(dist.most(real, device) - real, dtype=mine.dtype)])
         checks: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (slot, rows, bad rows, bad loss)
         for j in range(n_t):
-            xt, t, fixed = slot(rows, j)
-            for s in range(0, len(rows), tbs):
-                n = min(tbs, real - s)  # this micro-batch's rows that count
-                ixd = rows[s : s + tbs].to(device)
-                with autocast():
-                    v = model.velocity(xt[s : s + tbs], t[s : s + tbs], cond[ixd]).float()
-                if n <= 0:  # padding only: the backward's collectives, adding exact zeros to the gradients
-                    (v.sum() * 0.0).backward()
-                    continue
-                sl, ix = slice(s, s + n), rows[s : s + n]
-                ref = fixed[REF][sl].float() if REF in fixed else None
-                loss, st = nft_loss(v[:n], fixed[OLD][sl].float(), ref, x0[ixd[:n]].float(), xt[sl].float(), t[sl],
-                                    adv[ix.to(adv.device)], c.beta, c.kl_beta, c.adv_clip)  # fmt: skip
-                (loss * (n * weight)).backward()
-                totals += torch.stack([st["loss"], st["policy_loss"], st["kl"]]).double() * (n * weight / len(groups))
-                checks.append((j, ix, ~torch.isfinite(v[:n].detach()).flatten(1).all(dim=1), ~torch.isfinite(loss)))
+            xt, t, fixed = slot(rows, j)  # (its no-grad predictions switch compiled forms of their own in and out)
+            with compiled():  # the backward too: a recomputed (checkpointed) block runs its forward again
+                for s in range(0, len(rows), tbs):
+                    n = min(tbs, real - s)  # this micro-batch's rows that count
+                    ixd = rows[s : s + tbs].to(device)
+                    with autocast():
+                        v = model.velocity(xt[s : s + tbs], t[s : s + tbs], cond[ixd]).float()
+                    if n <= 0:  # padding only: the backward's collectives, adding exact zeros to the gradients
+                        (v.sum() * 0.0).backward()
+                        continue
+                    sl, ix = slice(s, s + n), rows[s : s + n]
+                    ref = fixed[REF][sl].float() if REF in fixed else None
+                    loss, st = nft_loss(v[:n], fixed[OLD][sl].float(), ref, x0[ixd[:n]].float(), xt[sl].float(),
+                                        t[sl], adv[ix.to(adv.device)], c.beta, c.kl_beta, c.adv_clip)  # fmt: skip
+                    (loss * (n * weight)).backward()
+                    parts = torch.stack([st["loss"], st["policy_loss"], st["kl"]]).double()
+                    totals += parts * (n * weight / len(groups))
+                    bad_rows = ~torch.isfinite(v[:n].detach()).flatten(1).all(dim=1)
+                    checks.append((j, ix, bad_rows, ~torch.isfinite(loss)))
         params = adapters.params(TRAIN)
         dist.sum_grads_(params)
         grads = [local(p.grad) for p in params if p.grad is not None]

@@ -18,10 +18,11 @@ many GEMMs are traced scaled GEMMs (quantize fused), opaque quantized ops, or BF
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -191,25 +192,43 @@ def compile_regions(transformer: nn.Module, backend: Callable[..., Any], names: 
     return len(blocks)
 
 
-class RegionalWhileCalled:
-    """A module that trains (the policy sampling with an adapter active, e.g. for evaluation), its repeated
-    blocks compiled for the duration of each call only: the compiled forms are switched in for the call
-    and out after it, so the training step's forward and backward never run them. The dynamo cache
-    belongs to the block's code, so switching costs nothing and recompiles nothing."""
+class CompiledBlocks:
+    """A module's repeated blocks compiled (regional), the compiled forms switched in only inside `active()`, so
+    the module stays eager everywhere else. One per use: the sampler's calls of a module that trains (no gradient)
+    and the update's forward and backward of the policy (rl/update.py) each hold their own, and each compiles a
+    block class once per batch shape and grad mode; the dynamo cache belongs to the block's code, so switching
+    costs nothing and recompiles nothing."""
 
-    def __init__(self, module: nn.Module, blocks: Sequence[nn.Module], backend: Callable[..., Any]) -> None:
+    def __init__(self, blocks: Sequence[nn.Module], backend: Callable[..., Any]) -> None:
         raise_recompile_limit()
-        self.module = module
         self._impls = [(b, torch.compile(b._call_impl, backend=backend, dynamic=False)) for b in blocks]
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __len__(self) -> int:
+        return len(self._impls)
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
         for b, impl in self._impls:
             b._compiled_call_impl = impl
         try:
-            return self.module(*args, **kwargs)
+            yield
         finally:
             for b, _ in self._impls:
                 b._compiled_call_impl = None
+
+
+class RegionalWhileCalled:
+    """A module that trains (the policy sampling with an adapter active, e.g. for evaluation), its repeated
+    blocks compiled for the duration of each call only (CompiledBlocks): the training step's forward and
+    backward never run these forms."""
+
+    def __init__(self, module: nn.Module, blocks: Sequence[nn.Module], backend: Callable[..., Any]) -> None:
+        self.module = module
+        self._blocks = CompiledBlocks(blocks, backend)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with self._blocks.active():
+            return self.module(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.module, name)
