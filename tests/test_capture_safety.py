@@ -100,3 +100,21 @@ def test_the_samplers_captured_loop_reads_only_device_tensors(fmt, monkeypatch):
     for solver in ("euler", "dpm2"):
         found = sampler.rehearse(_meta(cond), [0, 1], steps=3, solver=solver, dtype=torch.bfloat16, transformer=net)
         assert found == [], f"{fmt} {solver}: " + "; ".join(map(str, found))
+
+
+@pytest.mark.parametrize("fmt", ["policy", "fp8"])
+def test_the_update_predictions_captured_call_reads_only_device_tensors(fmt, monkeypatch):
+    """GraphedSampler.predict's captured region (one velocity call at rows of their own flow times): the update's
+    fixed predictions, graph-captured on a GPU."""
+    monkeypatch.setenv("SOLRL_SIMULATE_SM", "90")
+    model = load_tiny()
+    cond = model.encode_prompts(["a red circle", "a blue square", "a green triangle"])
+    net = None if fmt == "policy" else ExploreCopy(model.transformer, fmt).transformer.to(META)
+    model.transformer.to(META)
+    sampler = GraphedSampler(model, compile=False)
+    x = torch.randn(3, *model.latent_shape, device=META, dtype=torch.bfloat16)
+    t = torch.rand(3, device=META)
+    found = sampler.rehearse_predict(x, t, _meta(cond), transformer=net)
+    assert found == [], "; ".join(map(str, found))
+    bad = sampler.rehearse_predict(x, torch.rand(3), _meta(cond), transformer=net)  # flow times left on the host
+    assert bad and bad[0].kind in ("host tensor", "host-to-device copy")

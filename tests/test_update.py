@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cpu_branches import BRANCHES, force_cpu_bf16
+from cpu_branches import force_cpu_bf16
 from tiny_pipelines import SIZES, build_clip_reward, build_flux, build_sana, build_sd3
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -136,8 +136,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
-@pytest.mark.parametrize("branch", BRANCHES)
-@pytest.mark.parametrize("name", ["tiny", "sd3", "flux", "sana"])
+# FP32 on every class; BF16 (two trainers a case) on the bundled model and SANA, whose loss moved the most
+CASES = [(n, "fp32") for n in ("tiny", "sd3", "flux", "sana")] + [("tiny", "bf16"), ("sana", "bf16")]
+
+
+@pytest.mark.parametrize(("name", "branch"), CASES)
 def test_the_prepass_update_equals_the_inline_one(name, branch, pipes, tmp_path, monkeypatch):
     """FP32: the loss, its parts and the gradient within 1e-5 relative of the inline update's (the gradient as a
     whole vector: ||got - want|| / ||want||). BF16: the pre-pass reads the old policy from the merged BF16 copy the

@@ -230,17 +230,19 @@ class GraphedSampler:
         tag: str = "",
     ) -> torch.Tensor:
         """The denoiser's velocity at rows (x[i], t[i], cond[i]), `batch_size` rows a call, through the path its
-        rollouts take: on a GPU the compiled module in one CUDA graph per (rows, shapes, module, `tag`, autocast),
-        on a CPU with `cpu_compile` through inductor (each new shape's first call timed into `stats`), else
-        eagerly. For predictions fixed for a whole update (the "old" and reference policies' velocities), which
-        need no gradient and can run at the rollouts' batch instead of the training micro-batch."""
+        rollouts take on a GPU: the compiled module in one CUDA graph per (rows, shapes, module, `tag`, autocast).
+        Eagerly on a CPU, even with `cpu_compile`: inductor would compile each new shape (these rows are not the
+        rollouts' batches), tens of seconds on a few cores, more than a short run's predictions save. For
+        predictions fixed for a whole update
+        (the "old" and reference policies' velocities), which need no gradient and can run at the rollouts' batch
+        instead of the training micro-batch."""
         if len(x) != len(t) or len(x) != len(cond):
             raise ValueError(f"predict: {len(x)} rows of x, {len(t)} flow times, {len(cond)} conditionings")
         device, bs = x.device, batch_size or len(x)
         policy = transformer is None or transformer is self.model.transformer
         mod_eager = transformer if transformer is not None else self.model.transformer
         eager = (not self.enabled or (self.eager_policy and policy) or id(mod_eager) in self._eager
-                 or device.type not in ("cuda", "cpu") or (device.type == "cpu" and not self.cpu_compile))  # fmt: skip
+                 or device.type != "cuda")  # fmt: skip
         if eager:
             return torch.cat([self.model.velocity(x[i : i + bs], t[i : i + bs], cond[i : i + bs], transformer)
                               for i in range(0, len(x), bs)])  # fmt: skip
@@ -252,21 +254,6 @@ class GraphedSampler:
             xc, tc, c = x[i : i + bs], t[i : i + bs].to(device=device, dtype=torch.float32), cond[i : i + bs]
             key = repr(("predict", len(xc), xc.dtype, [(tuple(a.shape), a.dtype) for a in c.tensors()],
                         id(mod_eager), tag, amp))  # fmt: skip
-            if dev == "cpu":  # inductor: a warm-up call of each new shape compiles, kept out of the phase times
-                if key not in self._warm:
-                    t0 = time.perf_counter()
-                    try:
-                        self.model.velocity(xc, tc, c, transformer=mod)
-                    except Exception as e:  # noqa: BLE001 - any inductor/dynamo failure: this module runs eagerly
-                        log.warning("torch.compile failed on the CPU (%s: %s); predicting with this denoiser eagerly",
-                                    type(e).__name__, str(e).splitlines()[0] if str(e) else "")  # fmt: skip
-                        self._eager.add(id(mod_eager))
-                        return torch.cat(outs + [self.predict(x[i:], t[i:], cond[i:], bs, transformer, tag)])
-                    self._warm.add(key)
-                    self.stats.compiles += 1
-                    self.stats.compile_s.append(time.perf_counter() - t0)
-                outs.append(self.model.velocity(xc, tc, c, transformer=mod))
-                continue
             g = self._graphs.get(key) or self._capture_predict(key, xc, tc, c, mod, amp)
             g.x.copy_(xc)
             g.sig.copy_(tc)
