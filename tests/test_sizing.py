@@ -52,7 +52,7 @@ def test_rows_per_slot_is_a_ranks_share_of_one_group():
 
 def _one_sample(cfg, world: int = 1) -> tuple[float, float, float, int]:
     """(update memory besides activations, one sample's activations plain / all recomputed, blocks) of the plan."""
-    plan = memory_plan(sizing.UpdateSizes(1, False, 0, "").apply(cfg), world, 1000.0)
+    plan = memory_plan(sizing.UpdateSizes(1, False, "").apply(cfg), world, 1000.0)
     plain, ckpt = plan.update_activations_gib["without"], plan.update_activations_gib["gradient_checkpointing"]
     return plan.total("update") - plain, plain, ckpt, plan.blocks
 

@@ -37,7 +37,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from solrl_engine.rl.config import FAMILY_TABLE, ConfigError, RLConfig
-from solrl_engine.rl.sizing import AUTO, HEADROOM, UpdateSizes, defaults, recompute_count, size_update
+from solrl_engine.rl.sizing import AUTO, HEADROOM, NothingFits, UpdateSizes, defaults, recompute_count, size_update
 
 log = logging.getLogger("solrl_engine.rl")
 GIB = 2**30
@@ -311,9 +311,9 @@ def memory_plan(cfg: RLConfig, gpus: int = 1, gpu_gib: float = 80.0) -> MemoryPl
     if AUTO in (cfg.train_batch_size, cfg.gradient_checkpointing):  # sized for these GPUs first (a plan of its own)
         try:
             resolved = resolve_update_sizes(cfg, gpus, gpu_gib)
-        except ConfigError as e:  # nothing fits: the plan of the smallest update shows what to change
-            resolved = UpdateSizes(1, True, 0, f"nothing fits ({str(e).split(': ', 1)[1].split(' (')[0]}): shown at "
-                                               "one sample with every block recomputed")  # fmt: skip
+        except NothingFits as e:  # the plan of the smallest update shows what to change
+            resolved = UpdateSizes(1, True, f"nothing fits ({e.short}): shown at one sample with every block "
+                                            "recomputed")  # fmt: skip
         cfg = resolved.apply(cfg)
     spec = model_spec(cfg.model)
     dtype = torch.float32 if cfg.policy_dtype == "float32" else torch.bfloat16  # auto: BF16 on every GPU
@@ -469,11 +469,11 @@ def resolve_update_sizes(cfg: RLConfig, world: int, gpu_gib: float | None) -> Up
     sized from the plan of one sample (rl/sizing.py says how). A ConfigError, before any weight loads, where not
     even one sample with every block recomputed fits; a plan that cannot be made keeps the defaults, warned."""
     if AUTO not in (cfg.train_batch_size, cfg.gradient_checkpointing):
-        return UpdateSizes(cfg.train_batch_size, cfg.gradient_checkpointing, 0, "set in the config")
+        return UpdateSizes(cfg.train_batch_size, cfg.gradient_checkpointing, "set in the config")
     if gpu_gib is None:
         return defaults(cfg, "no GPU memory to size against (a CPU): the defaults")
     try:  # one sample, no recompute: the plan measures one sample's activations both ways
-        plan = memory_plan(UpdateSizes(1, False, 0, "").apply(cfg), world, gpu_gib)
+        plan = memory_plan(UpdateSizes(1, False, "").apply(cfg), world, gpu_gib)
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 - advice, not a gate: a plan that cannot be made keeps the defaults

@@ -33,14 +33,21 @@ DEFAULT_TRAIN_BATCH = 16  # auto where nothing sizes it: a CPU, or a plan that c
 AUTO = "auto"
 
 
+class NothingFits(ConfigError):
+    """No micro-batch and recompute fit the update; `short` says so in a line (what `solrl plan` shows)."""
+
+    def __init__(self, short: str, message: str) -> None:
+        super().__init__(message)
+        self.short = short
+
+
 @dataclass(frozen=True)
 class UpdateSizes:
-    """A run's resolved update sizes: the micro-batch, the repeated blocks recomputed in the backward (`recompute` of
-    `blocks`; blocks 0 where no plan counted them), and why."""
+    """A run's resolved update sizes: the micro-batch, the repeated blocks recomputed in the backward (true: all;
+    false: none; N: the first N), and why."""
 
     train_batch_size: int
     recompute: int | bool
-    blocks: int
     reason: str
 
     def apply(self, cfg: RLConfig) -> RLConfig:
@@ -88,7 +95,7 @@ def choose(fixed: float, plain: float, recomputed: float, blocks: int, budget: f
 def defaults(cfg: RLConfig, why: str) -> UpdateSizes:
     """The config's sizes with auto as the documented defaults (16, no recompute): a CPU, or no plan."""
     tb, gc = cfg.train_batch_size, cfg.gradient_checkpointing
-    return UpdateSizes(DEFAULT_TRAIN_BATCH if tb == AUTO else tb, False if gc == AUTO else gc, 0, why)
+    return UpdateSizes(DEFAULT_TRAIN_BATCH if tb == AUTO else tb, False if gc == AUTO else gc, why)
 
 
 def size_update(cfg: RLConfig, world: int, gpu_gib: float, fixed: float, plain: float, recomputed: float,
@@ -105,18 +112,18 @@ def size_update(cfg: RLConfig, world: int, gpu_gib: float, fixed: float, plain: 
     if got is None:
         what = f"train_batch_size={tb}" if tb != AUTO else "a micro-batch of one sample"
         also = "" if gc == AUTO or given_k == blocks else f" with gradient_checkpointing={gc}"
-        raise ConfigError(
-            f"config {cfg.name!r}: {what}{also} does not fit the update in {HEADROOM:.0%} of {where}, even "
-            f"{'with every block recomputed' if gc == AUTO else 'so'} (the update needs {fixed:.3g} GiB besides its "
-            f"activations, one sample {plain:.3g} GiB of them, {recomputed:.3g} GiB recomputed): "
-            + "; ".join([*advice[:3], "or set memory_check=false to start anyway"]))  # fmt: skip
+        short = (f"{what}{also} does not fit the update in {HEADROOM:.0%} of {where}, even "
+                 f"{'with every block recomputed' if gc == AUTO else 'so'}")  # fmt: skip
+        raise NothingFits(short, f"config {cfg.name!r}: {short} (the update needs {fixed:.3g} GiB besides its "
+                                 f"activations, one sample {plain:.3g} GiB of them, {recomputed:.3g} GiB recomputed): "
+                                 + "; ".join([*advice[:3], "or set memory_check=false to start anyway"]))  # fmt: skip
     b, k = got
     value: int | bool = k == blocks if k in (0, blocks) else k
     act = b * (plain - k * (plain - recomputed) / blocks if blocks else plain)
     reason = (f"{'auto' if tb == AUTO else 'set'} micro-batch {b} of {rows} rows a slot, "
               f"{'auto' if gc == AUTO else 'set'} recompute of {k} of {blocks} blocks: update peak "
               f"{fixed + act:.3g} GiB of {budget:.3g} ({HEADROOM:.0%} of {where})")  # fmt: skip
-    return UpdateSizes(b, value, blocks, reason)
+    return UpdateSizes(b, value, reason)
 
 
 def recompute_blocks(transformer: nn.Module, names: Sequence[str], value: int | bool) -> int:

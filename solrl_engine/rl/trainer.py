@@ -122,6 +122,7 @@ class Trainer:
         # sharded full fine-tuning gathers FP32 weights block by block: no cached BF16 casts of them (hw.autocast_for)
         self.rollouts.autocast_cache = not (sharded and not lora)
         sizing.recompute_blocks(self.model.transformer, self.rollouts.spec.repeated_blocks, cfg.gradient_checkpointing)
+        self.update_census: Census | None = None  # the compiled update's graphs (compiled_update)
         self.compiled_update = self._compiled_update()
         if lora or not sharded:  # (sharded full fine-tuning has an old set to follow once sharded, below)
             self._follow_explore()

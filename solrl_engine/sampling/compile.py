@@ -203,9 +203,6 @@ class CompiledBlocks:
         raise_recompile_limit()
         self._impls = [(b, torch.compile(b._call_impl, backend=backend, dynamic=False)) for b in blocks]
 
-    def __len__(self) -> int:
-        return len(self._impls)
-
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
         for b, impl in self._impls:

@@ -93,6 +93,14 @@ class _Compiled:
         return getattr(self._compiled, name)
 
 
+def _capture_autocast(dev: str, amp: tuple[bool, torch.dtype]) -> contextlib.AbstractContextManager:
+    """The caller's autocast (`amp`: enabled, dtype) for a captured region, with its weight-cast cache off (cached
+    casts would go stale between replays); none where `dev` has no autocast (the meta device of a rehearsal)."""
+    if amp[0] and torch.amp.is_autocast_available(dev):
+        return torch.autocast(dev, dtype=amp[1], cache_enabled=False)
+    return contextlib.nullcontext()
+
+
 class GraphedSampler:
     """`sample` with each (batch, steps, solver, ...) shape captured once and replayed after.
 
@@ -241,14 +249,11 @@ class GraphedSampler:
         device, bs = x.device, batch_size or len(x)
         policy = transformer is None or transformer is self.model.transformer
         mod_eager = transformer if transformer is not None else self.model.transformer
-        eager = (not self.enabled or (self.eager_policy and policy) or id(mod_eager) in self._eager
-                 or device.type != "cuda")  # fmt: skip
-        if eager:
+        if not self.enabled or (self.eager_policy and policy) or device.type != "cuda":
             return torch.cat([self.model.velocity(x[i : i + bs], t[i : i + bs], cond[i : i + bs], transformer)
                               for i in range(0, len(x), bs)])  # fmt: skip
         mod = self._module(transformer)
-        dev = device.type
-        amp = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
+        amp = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
         outs = []
         for i in range(0, len(x), bs):
             xc, tc, c = x[i : i + bs], t[i : i + bs].to(device=device, dtype=torch.float32), cond[i : i + bs]
@@ -281,13 +286,9 @@ class GraphedSampler:
         """What a prediction's capture records: one velocity call over static copies of its inputs (returned with
         them: they must outlive the graph); `rehearse_predict` checks it without a GPU."""
         sx, st, sc = x.clone(), t.clone(), cond.map(torch.clone)
-        dev = x.device.type
-        use_amp = amp[0] and torch.amp.is_autocast_available(dev)
 
         def run() -> torch.Tensor:
-            # autocast's weight-cast cache must be off under capture (cached casts would go stale)
-            ctx = torch.autocast(dev, dtype=amp[1], cache_enabled=False) if use_amp else contextlib.nullcontext()
-            with ctx:
+            with _capture_autocast(x.device.type, amp):
                 return self.model.velocity(sx, st, sc, transformer=mod)
 
         return run, sx, st, sc
@@ -371,13 +372,9 @@ class GraphedSampler:
         sig, host = schedule_pair(self.model, steps, shift, x.device)
         sx, sc = x.clone(), cond.map(torch.clone)
         su = None if uncond is None else uncond.map(torch.clone)
-        dev = x.device.type
-        use_amp = amp[0] and torch.amp.is_autocast_available(dev)
 
         def run() -> torch.Tensor:
-            # autocast's weight-cast cache must be off under capture (cached casts would go stale)
-            ctx = torch.autocast(dev, dtype=amp[1], cache_enabled=False) if use_amp else contextlib.nullcontext()
-            with ctx:
+            with _capture_autocast(x.device.type, amp):
                 return _solve(self.model, sx, sc, sig, host, solver, guidance_scale, su, mod)
 
         return run, sx, sc, sig, su
