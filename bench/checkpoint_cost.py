@@ -1,5 +1,5 @@
 """What a trustworthy checkpoint costs: safetensors + JSON + a SHA-256 manifest + fsync of every file
-and directory (solrl_engine.rl.checkpoint), against the same write without fsync and against the
+and directory (solrl_engine.store.checkpoint), against the same write without fsync and against the
 pickled `torch.save` of earlier versions; plus verifying it (what --resume and `solrl verify` do),
 loading it, and exporting one adapter directory with its manifest.
 
@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from solrl_engine.rl import checkpoint
+from solrl_engine.store import checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -160,7 +160,7 @@ def _eval(args: argparse.Namespace) -> int:
         evaluate_rollouts,
     )
     from solrl_engine.rl.runtime import build_rollouts
-    from solrl_engine.rl.sealed import write_atomic
+    from solrl_engine.store.sealed import write_atomic
 
     for flag, value, what in (("--seeds", args.seeds, "seeds per prompt"),
                               ("--max-prompts", args.max_prompts, "how many prompts to evaluate")):  # fmt: skip
@@ -237,9 +237,9 @@ def _train(args: argparse.Namespace) -> int:
     import logging
     import os
 
-    from solrl_engine.rl import rundir
     from solrl_engine.rl.guards import NonFiniteError
     from solrl_engine.rl.trainer import Trainer
+    from solrl_engine.store import rundir
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     _output_given(args.output)
@@ -297,8 +297,8 @@ def _stopped_at_once(e: BaseException, out: Path) -> int:
     """Ctrl-C or SIGTERM / SIGHUP during start-up, or a second Ctrl-C during the run: one line, its code."""
     import signal
 
-    from solrl_engine.rl import rundir
-    from solrl_engine.rl.checkpoint import latest
+    from solrl_engine.store import rundir
+    from solrl_engine.store.checkpoint import latest
 
     signum = e.signum if isinstance(e, rundir.Stopped) else signal.SIGINT
     name = signal.Signals(signum).name
@@ -351,7 +351,7 @@ def _plan(args: argparse.Namespace) -> int:
     plan = _checked(lambda: memory_plan(cfg, gpus=args.gpus, gpu_gib=args.gpu_memory))
     print(plan.render())
     if args.json:
-        from solrl_engine.rl.sealed import write_atomic
+        from solrl_engine.store.sealed import write_atomic
 
         write_atomic(Path(args.json), json.dumps(plan.to_dict(), indent=2))
         print(f"wrote {args.json}")
@@ -360,7 +360,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _verify(args: argparse.Namespace) -> int:
     """Check every checkpoint and exported adapter of a run directory against its manifest."""
-    from solrl_engine.rl.checkpoint import verify_run
+    from solrl_engine.store.checkpoint import verify_run
 
     out = Path(args.output)
     if not out.is_dir():

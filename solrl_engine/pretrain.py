@@ -3,7 +3,7 @@
 Logit-normal t, velocity target (noise - x0), prompt dropout for optional guidance, AdamW with
 warm-up and cosine decay, an EMA of the weights (the EMA is what ships). Checkpoints
 (OUT/checkpoints/iter_<step>: safetensors + JSON + a checksum manifest, never a pickle; see
-solrl_engine.rl.checkpoint) are written atomically every `save_every` steps and `resume=True`
+solrl_engine.store.checkpoint) are written atomically every `save_every` steps and `resume=True`
 continues from the newest one that verifies, so a crash loses at most that many steps. An old
 OUT/checkpoint.pt still resumes when it holds only tensors and plain values. Writes a loss curve
 PNG, sample grids and a metrics file as it goes.
@@ -26,7 +26,7 @@ from solrl_engine.data import shapes as world
 from solrl_engine.evaluation import evaluate, generate
 from solrl_engine.models.tiny.model import TinyConfig, TinyT2I
 from solrl_engine.rewards import load_reward
-from solrl_engine.rl import checkpoint
+from solrl_engine.store import checkpoint
 from solrl_engine.viz import image_grid, line_plot
 
 

@@ -17,9 +17,9 @@ from safetensors.torch import load_file
 from test_trust import _argv, _records, _same_records
 
 from solrl_engine.cli import main
-from solrl_engine.rl import checkpoint
-from solrl_engine.rl.checkpoint import MANIFEST, STATE, TENSORS, CheckpointError
 from solrl_engine.rl.export import WEIGHT_NAME
+from solrl_engine.store import checkpoint
+from solrl_engine.store.checkpoint import MANIFEST, STATE, TENSORS, CheckpointError
 
 ITERS = 4  # the run keeps iter_000003 and iter_000004 (keep_checkpoints=2)
 
@@ -131,7 +131,7 @@ def test_a_planted_pickle_never_runs(small_model, finished, tmp_path, capsys):
     _plant(_ck(out, 4), marker)  # beside a manifest: never read, the manifest says what the checkpoint is
     _plant(_ck(out, 9), marker)  # an old-format "newest checkpoint": refused, naming how to convert it
     before = _mtimes(out)
-    with pytest.raises(SystemExit, match=r"refused.*python -m solrl_engine.rl.checkpoint convert .*iter_000009"):
+    with pytest.raises(SystemExit, match=r"refused.*python -m solrl_engine.store.checkpoint convert .*iter_000009"):
         main(_argv(small_model, out, "--resume", iterations=5))
     assert _mtimes(out) == before and not marker.exists()
     assert main(["verify", str(out)]) == 1

@@ -158,7 +158,7 @@ def _check_sharded_checkpoint(ck: Path, ranks: int, tmp: Path) -> None:
 
     from safetensors import safe_open
 
-    from solrl_engine.rl import checkpoint
+    from solrl_engine.store import checkpoint
 
     shards = sorted(p.name for p in ck.glob("*.distcp"))
     assert len(shards) == ranks and (ck / ".metadata").is_file(), sorted(p.name for p in ck.iterdir())

@@ -180,7 +180,7 @@ def test_a_full_run_trains_exports_a_loadable_transformer_and_resumes_exactly(tm
         for n, p in tr.model.transformer.named_parameters():
             torch.testing.assert_close(loaded.get_parameter(n), p.detach(), rtol=0, atol=0)
     # `solrl verify` checks the full exports with the checkpoints
-    from solrl_engine.rl.checkpoint import verify_run
+    from solrl_engine.store.checkpoint import verify_run
 
     verdicts = {Path(v.path).name: v.status for v in verify_run(out)}
     best = {"transformer_best"} if summary["transformer_best"] else set()  # only when an evaluation beat the base

@@ -8,7 +8,7 @@ import pytest
 
 from solrl_engine.models.tiny import TinyConfig, load_tiny
 from solrl_engine.pretrain import PretrainConfig, pretrain_tiny
-from solrl_engine.rl import checkpoint
+from solrl_engine.store import checkpoint
 
 SMALL = TinyConfig(num_layers=1, heads=2, head_dim=16, text_dim=32, text_layers=1)
 

@@ -24,9 +24,9 @@ from test_trust import ROOT, SPEC, _argv, _records, _same_records, _trainer
 
 from solrl_engine.cli import main
 from solrl_engine.rl import ConfigError, load_config
-from solrl_engine.rl.checkpoint import MANIFEST
 from solrl_engine.rl.export import WEIGHT_NAME
 from solrl_engine.rl.guards import NonFiniteError
+from solrl_engine.store.checkpoint import MANIFEST
 
 ITERS = 4  # the finished run keeps checkpoints iter_000003 and iter_000004
 
@@ -186,7 +186,7 @@ def test_a_torn_metrics_line_is_cut_back_to_the_checkpoint_on_resume(small_model
 
 
 def test_files_the_run_rewrites_are_replaced_atomically(small_model, finished, tmp_path, monkeypatch):
-    from solrl_engine.rl import sealed
+    from solrl_engine.store import sealed
 
     p = tmp_path / "summary.json"
     p.write_text('{"old": 1}')
@@ -258,7 +258,7 @@ def test_solrl_eval_and_the_library_refuse_a_damaged_adapter(small_model, finish
 
 
 def test_resume_rewrites_a_damaged_exported_adapter(small_model, finished, tmp_path, caplog):
-    from solrl_engine.rl.checkpoint import verify
+    from solrl_engine.store.checkpoint import verify
 
     out = _copy(finished, tmp_path)
     _flip(out / "lora_ema" / WEIGHT_NAME)

@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from solrl_engine.rl.tracking import Tracker
+from solrl_engine.store.tracking import Tracker
 from solrl_engine.viz import write_gif
 
 

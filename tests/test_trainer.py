@@ -274,8 +274,8 @@ def test_best_heldout_adapter_is_kept_and_a_degrading_policy_is_reported(small_m
     below it is reported with what to change; a fall inside the noise is not."""
     from safetensors.torch import load_file
 
-    from solrl_engine.rl.checkpoint import BEST_INFO, BEST_LORA
     from solrl_engine.rl.export import WEIGHT_NAME, save_lora
+    from solrl_engine.store.checkpoint import BEST_INFO, BEST_LORA
 
     tr = Trainer(_cfg(small_model, tmp_path, iterations=6), progress=False)
     best = tmp_path / BEST_LORA
@@ -319,7 +319,7 @@ def test_best_heldout_adapter_is_kept_and_a_degrading_policy_is_reported(small_m
 def test_resume_drops_a_best_adapter_written_after_its_checkpoint(small_model, tmp_path):
     """A run stopped between an evaluation that wrote lora_best and the next checkpoint resumes with the
     checkpoint's idea of the best: a lora_best from the lost iterations is removed, a matching one kept."""
-    from solrl_engine.rl.checkpoint import BEST_INFO, BEST_LORA
+    from solrl_engine.store.checkpoint import BEST_INFO, BEST_LORA
 
     Trainer(_cfg(small_model, tmp_path, iterations=2, eval_every=1, save_every=1), progress=False).run()
     summary = json.loads((tmp_path / "summary.json").read_text())

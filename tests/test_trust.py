@@ -143,7 +143,7 @@ def test_unwritable_or_full_output_fails_before_training(small_model, tmp_path, 
         main(_argv(small_model, blocker / "run"))
     import shutil
 
-    from solrl_engine.rl import checkpoint
+    from solrl_engine.store import checkpoint
 
     real = shutil.disk_usage
     monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda p: real(p)._replace(free=10 * 2**20))

@@ -306,7 +306,7 @@ class RLConfig:
             raise bad("eval_train_prompt_count", "must be >= 0 (0: no training-prompt curve)")
         if self.proxy_window < 1:
             raise bad("proxy_window", "must be >= 1")
-        from solrl_engine.rl.tracking import TRACKERS
+        from solrl_engine.store.tracking import TRACKERS
 
         if any(b not in TRACKERS for b in self.log_with):
             raise bad("log_with", f"choose trackers from {TRACKERS} (comma-separated), or leave it empty")

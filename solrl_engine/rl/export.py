@@ -26,7 +26,7 @@ from typing import Any
 from solrl_engine.models import pipeline_class as resolve_pipeline_class
 from solrl_engine.rl.adapters import TRAIN, LoraAdapters
 from solrl_engine.rl.full import FullWeights, TrainedWeights
-from solrl_engine.rl.sealed import MANIFEST, check_dir, commit, default_mode, seal
+from solrl_engine.store.sealed import MANIFEST, check_dir, commit, default_mode, seal
 
 WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 

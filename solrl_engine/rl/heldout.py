@@ -29,11 +29,11 @@ from solrl_engine.evaluation import (
     mean_stderr,
     spread,
 )
-from solrl_engine.rl import checkpoint
 from solrl_engine.rl.adapters import TRAIN
 from solrl_engine.rl.export import save_trained
 from solrl_engine.rl.full import TrainedWeights
 from solrl_engine.sampling.rollouts import Rollouts
+from solrl_engine.store import checkpoint
 from solrl_engine.viz import line_plot
 
 log = logging.getLogger("solrl_engine.rl")

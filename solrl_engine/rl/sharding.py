@@ -12,7 +12,7 @@ of ranks (with the same `sharding`: a sharded policy samples with its LoRA unmer
 Full fine-tuning shards every weight instead (no parameter is left out): FSDP2 reduce-scatters the gradients,
 summed (the divide factor 1 and a plain SUM), so each rank steps AdamW on its shard, and rl/full.py keeps its
 old, reference and EMA sets as this rank's shards. Its checkpoints are `torch.distributed.checkpoint` files, each
-rank writing its shards, sealed with rank 0's state in one manifest (rl/checkpoint.py `save_sharded`); DCP
+rank writing its shards, sealed with rank 0's state in one manifest (store/checkpoint.py `save_sharded`); DCP
 reshards on load, so they resume on any rank count. Exports gather each weight whole on every rank for rank 0.
 
 What it asks of the rest: every forward of the policy is a collective, so every rank runs the same number

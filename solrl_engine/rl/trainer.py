@@ -32,9 +32,8 @@ from solrl_engine.explore.copy import ExploreCopy
 from solrl_engine.explore.plan import ExploreSpec
 from solrl_engine.hw import cpu_compile_available
 from solrl_engine.models.base import Conditioning
-from solrl_engine.rl import checkpoint, memplan, rundir, sizing
+from solrl_engine.rl import memplan, sizing
 from solrl_engine.rl.adapters import OLD, TRAIN, LoraAdapters
-from solrl_engine.rl.checkpoint import EXPORT_DIRS
 from solrl_engine.rl.config import FAMILY_TABLE, ConfigError, RLConfig, resolve_runtime
 from solrl_engine.rl.distributed import Dist, local
 from solrl_engine.rl.export import save_trained
@@ -43,11 +42,13 @@ from solrl_engine.rl.guards import NonFiniteError, ProxyGuard, check_finite, che
 from solrl_engine.rl.heldout import HeldOut
 from solrl_engine.rl.ranking import group_advantages, kendall, spearman
 from solrl_engine.rl.runtime import build_rollouts, explorer_for
-from solrl_engine.rl.sealed import write_atomic
 from solrl_engine.rl.sharding import shard_policy, sharded_bytes
-from solrl_engine.rl.tracking import Tracker
 from solrl_engine.rl.update import NFTSettings, UpdateBatch, fixed_predictions, nft_update
 from solrl_engine.sampling.compile import Census, CompiledBlocks, census_backend, repeated_blocks
+from solrl_engine.store import checkpoint, rundir
+from solrl_engine.store.checkpoint import EXPORT_DIRS
+from solrl_engine.store.sealed import write_atomic
+from solrl_engine.store.tracking import Tracker
 
 log = logging.getLogger("solrl_engine.rl")
 

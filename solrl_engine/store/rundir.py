@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from solrl_engine.rl.checkpoint import (
+from solrl_engine.store.checkpoint import (
     BEST_DIRS,
     EXPORTS,
     MIN_FREE_BYTES,
@@ -48,7 +48,7 @@ from solrl_engine.rl.checkpoint import (
     pick,
     verify,
 )
-from solrl_engine.rl.sealed import fsync_dir
+from solrl_engine.store.sealed import fsync_dir
 
 log = logging.getLogger("solrl_engine.rl")
 

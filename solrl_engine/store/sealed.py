@@ -5,7 +5,7 @@ every file and the directory are fsynced before it is renamed into place, and th
 it is whole or absent after a crash or a power loss, and `check_dir` can tell a damaged copy (a
 missing, truncated or altered file) from a good one. `encode` splits a state into named tensors
 (for safetensors) and a JSON tree, `decode` puts it back: loading never unpickles anything.
-solrl_engine.rl.checkpoint builds checkpoints on it, solrl_engine.rl.export the LoRA directories;
+solrl_engine.store.checkpoint builds checkpoints on it, solrl_engine.rl.export the LoRA directories;
 docs/checkpoints.md describes both.
 """
 
@@ -237,7 +237,7 @@ def _check(name: str, size: int | None, sha256: Callable[[], str], want: dict[st
 
 
 # the one dot-file a sealed directory may hold: torch.distributed.checkpoint's index of its shard files (a sharded
-# run's checkpoint, rl/checkpoint.py save_sharded)
+# run's checkpoint, store/checkpoint.py save_sharded)
 DCP_METADATA = ".metadata"
 
 

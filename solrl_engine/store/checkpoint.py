@@ -15,12 +15,12 @@ every byte it reads against the manifest. `pick` gives the newest checkpoint tha
 about each damaged one it passes over; when checkpoints exist but none verifies it raises
 CheckpointError before anything is written. Old checkpoints (`state.pt` + `COMPLETE`) are read with
 `torch.load(weights_only=True)`; one holding more than tensors and plain values is refused with the
-command that converts it (`python -m solrl_engine.rl.checkpoint convert DIR`). The storage under it
-(sealed directories, the tensors + JSON encoding) is solrl_engine.rl.sealed; docs/checkpoints.md has
+command that converts it (`python -m solrl_engine.store.checkpoint convert DIR`). The storage under it
+(sealed directories, the tensors + JSON encoding) is solrl_engine.store.sealed; docs/checkpoints.md has
 the layout, the guarantees and their measured cost.
 
 The run directory around the checkpoints (its lock, what a start checks, --overwrite, logs cut back
-on resume) is solrl_engine.rl.rundir.
+on resume) is solrl_engine.store.rundir.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from solrl_engine.rl.sealed import (  # noqa: F401 - MANIFEST, encode, decode, FORMAT: part of this module's API
+from solrl_engine.store.sealed import (  # noqa: F401 - MANIFEST, encode, decode, FORMAT: part of this module's API
     DCP_METADATA,
     FORMAT,
     MANIFEST,
@@ -60,7 +60,7 @@ log = logging.getLogger("solrl_engine.rl")
 
 TENSORS, STATE = "tensors.safetensors", "state.json"
 LEGACY, LEGACY_DONE = "state.pt", "COMPLETE"  # checkpoints of earlier versions
-CONVERT = "python -m solrl_engine.rl.checkpoint convert"
+CONVERT = "python -m solrl_engine.store.checkpoint convert"
 
 
 class CheckpointError(ValueError):
