@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import sys
 from collections.abc import Sequence
@@ -73,6 +74,9 @@ def _parse_seeds(spec: str) -> list[int]:
                 seeds.append(int(part))
     except ValueError:
         raise SystemExit(f"--seeds {spec!r}: write a range like 0-15, a list like 1,5,9, or both") from None
+    if not seeds or any(s < 0 for s in seeds):
+        raise SystemExit(f"--seeds {spec!r} names no seed (a range runs upwards, e.g. 1-5) or a negative one: "
+                         "seeds are whole numbers >= 0")  # fmt: skip
     return seeds
 
 
@@ -160,13 +164,16 @@ def _eval(args: argparse.Namespace) -> int:
         evaluate_rollouts,
     )
     from solrl_engine.rl.runtime import build_rollouts
-    from solrl_engine.store.sealed import write_atomic
+    from solrl_engine.store.safe import json_text, write_atomic
+    from solrl_engine.viz import save_image
 
     for flag, value, what in (("--seeds", args.seeds, "seeds per prompt"),
                               ("--max-prompts", args.max_prompts, "how many prompts to evaluate")):  # fmt: skip
         if value < 1:
             raise SystemExit(f"error: {flag} {value}: must be >= 1 ({what})")
     _output_given(args.output)
+    out = Path(args.output)
+    _own_output(out)
     cfg = _load_cfg(args)
     if args.compare_base and not args.lora:
         raise SystemExit("error: --compare-base compares an adapter with the base model: give it with --lora "
@@ -177,7 +184,6 @@ def _eval(args: argparse.Namespace) -> int:
     if args.lora:
         _checked(lambda: load_lora_into(ro.model.transformer, args.lora))
     res = evaluate_rollouts(ro, prompts, args.seeds)
-    out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     summary = {"config": cfg.name, "model": cfg.model, "lora": args.lora, "prompts": len(prompts),
                "seeds_per_prompt": args.seeds, **res.summary()}  # fmt: skip
@@ -185,24 +191,42 @@ def _eval(args: argparse.Namespace) -> int:
     if cmp is not None:
         summary.update(base_reward_mean=base.mean, base_reward_stderr=base.stderr, paired_gain=cmp.gain[0],
                        paired_gain_stderr=cmp.gain[1])  # fmt: skip
-    write_atomic(out / "eval.json", json.dumps(summary, indent=2))
-    with (out / "samples.jsonl").open("w") as f:
-        for i, (p, s, r) in enumerate(zip(res.prompts, res.seeds, res.rewards.tolist(), strict=True)):
-            rec = {"prompt": p, "seed": s, "reward": r}
-            if base is not None:
-                rec["base_reward"] = base.rewards[i].item()
-            f.write(json.dumps(rec) + "\n")
+    write_atomic(out / "eval.json", json_text(summary))  # strict JSON: a NaN reward is written as null
+    lines = []
+    for i, (p, s, r) in enumerate(zip(res.prompts, res.seeds, res.rewards.tolist(), strict=True)):
+        rec = {"prompt": p, "seed": s, "reward": r}
+        if base is not None:
+            rec["base_reward"] = base.rewards[i].item()
+        lines.append(json_text(rec, indent=None) + "\n")
+    write_atomic(out / "samples.jsonl", "".join(lines))
     head = f"{cfg.name}{' + ' + args.lora if args.lora else ''}: {cfg.reward} {res.mean:.3f} +- {res.stderr:.3f}"
-    eval_grid(res, args.seeds, head).save(out / "grid.png")
+    save_image(eval_grid(res, args.seeds, head), out / "grid.png")
     print("  ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in res.summary().items()))
     print(f"wrote {out / 'eval.json'}, {out / 'samples.jsonl'} and {out / 'grid.png'}")
     if cmp is not None:
         g, se = cmp.gain
         head = f"{cfg.name}: base vs {args.lora}, paired gain {g:+.3f} +- {se:.3f} ({len(res.rewards)} images)"
-        compare_figure(cmp, head, ("base", "with LoRA"), seeds_per_prompt=args.seeds).save(out / COMPARE_PNG)
+        save_image(compare_figure(cmp, head, ("base", "with LoRA"), seeds_per_prompt=args.seeds), out / COMPARE_PNG)
         compare_gif(out / COMPARE_GIF, cmp, seeds_per_prompt=args.seeds)  # videos: the pairs as they play
         print(cmp.line(out / COMPARE_PNG, what=args.lora))
+    bad = [f"{p!r} seed {s}" for p, s, r in zip(res.prompts, res.seeds, res.rewards.tolist(), strict=True)
+           if not math.isfinite(r)]  # fmt: skip
+    if bad:  # never a NaN mean with exit 0
+        print(f"error: {len(bad)} of {len(res.rewards)} rewards are not finite (NaN or inf; written as null in "
+              f"{out / 'samples.jsonl'}), first {', '.join(bad[:3])}: the adapter or the reward is broken (a run "
+              "that diverged? check its metrics.jsonl), so this evaluation means nothing", file=sys.stderr)  # fmt: skip
+        return 1
     return 0
+
+
+def _own_output(out: Path) -> None:
+    """`solrl eval` writes only into a folder of its own: a training run's directory (its marker, lock or
+    checkpoints) is refused before anything loads, with the folder to use instead."""
+    from solrl_engine.store import rundir
+
+    if out.is_dir() and (rundir.is_run(out) or (out / rundir.LOCK).exists()):
+        raise SystemExit(f"error: --output {out} is a training run's directory; `solrl eval` does not write into "
+                         f"one (its compare.png and files are the run's): pass --output {out / 'eval'}")  # fmt: skip
 
 
 def _output_given(output: str | None) -> None:
@@ -261,23 +285,36 @@ def _train(args: argparse.Namespace) -> int:
         except (KeyboardInterrupt, rundir.Stopped) as e:
             return _stopped_at_once(e, out)
         except (NonFiniteError, ValueError, OSError) as e:
+            if trainer is not None and (out / "checkpoints").is_dir():  # training began: say how to go on
+                again = _resume_command(args, out)
+                raise SystemExit(f"error: {e}\nonce that is fixed, continue with: {again}") from None
             raise SystemExit(f"error: {e}") from None
     print(json.dumps(summary, indent=2))
-    if summary.get("stopped_by"):  # the last line says so, and how to go on; the exit code says which signal
-        import shlex
+    if summary.get("stopped_by") and summary["iterations"] >= cfg.iterations:  # the signal came as it finished
+        print(f"{summary['stopped_by']} arrived during the last iteration: the run finished all {cfg.iterations} "
+              "iterations and is complete (nothing to resume)")  # fmt: skip
+    elif summary.get("stopped_by"):  # the last line says so, and how to go on; the exit code says which signal
         import signal
 
-        sets = [a for s in args.set or [] for a in ("--set", s)]
-        again = shlex.join(["solrl", "train", args.config, *sets, "--output", str(out), "--resume"])
+        again = _resume_command(args, out)
         where = " (under the same torchrun line)" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
         print(f"stopped by {summary['stopped_by']} at iteration {summary['iterations']} of {cfg.iterations}, with a "
               f"checkpoint; continue with{where}: {again}")  # fmt: skip
         return rundir.EXIT_CODES[signal.Signals[summary["stopped_by"]]]
     if summary.get("compare_png") and summary.get("heldout_gain_final") is not None:  # the line a run ends with
-        print(f"before/after: {summary['compare_png']} (base vs EMA adapter, same prompts and seeds); held-out "
+        what = "EMA adapter" if cfg.train_mode == "lora" else "EMA weights"
+        print(f"before/after: {summary['compare_png']} (base vs {what}, same prompts and seeds); held-out "
               f"reward {summary['heldout_reward_start']:.3f} -> {summary['heldout_reward_final']:.3f}, paired gain "
               f"{summary['heldout_gain_final']:+.3f} +- {summary['heldout_gain_stderr_final']:.3f}")  # fmt: skip
     return 0
+
+
+def _resume_command(args: argparse.Namespace, out: Path) -> str:
+    """The command that resumes this run where it stopped."""
+    import shlex
+
+    sets = [a for s in args.set or [] for a in ("--set", s)]
+    return shlex.join(["solrl", "train", args.config, *sets, "--output", str(out), "--resume"])
 
 
 def _start_banner(cfg, trainer) -> None:  # noqa: ANN001 - RLConfig and Trainer, imported lazily
@@ -346,14 +383,14 @@ def _plan(args: argparse.Namespace) -> int:
     from solrl_engine.rl.memplan import memory_plan
 
     cfg = _load_cfg(args)
-    if args.gpus < 1 or args.gpu_memory <= 0:
+    if args.gpus < 1 or not 0 < args.gpu_memory < 1e6:  # (inf and nan are not a GPU's memory either)
         raise SystemExit("--gpus must be >= 1 and --gpu-memory a size in GiB > 0 (e.g. 80 for an H100)")
     plan = _checked(lambda: memory_plan(cfg, gpus=args.gpus, gpu_gib=args.gpu_memory))
     print(plan.render())
     if args.json:
-        from solrl_engine.store.sealed import write_atomic
+        from solrl_engine.store.safe import write_atomic
 
-        write_atomic(Path(args.json), json.dumps(plan.to_dict(), indent=2))
+        _checked(lambda: write_atomic(Path(args.json), json.dumps(plan.to_dict(), indent=2)))
         print(f"wrote {args.json}")
     return 0 if plan.fits else 3
 

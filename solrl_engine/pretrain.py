@@ -27,7 +27,7 @@ from solrl_engine.evaluation import evaluate, generate
 from solrl_engine.models.tiny.model import TinyConfig, TinyT2I
 from solrl_engine.rewards import load_reward
 from solrl_engine.store import checkpoint
-from solrl_engine.viz import image_grid, line_plot
+from solrl_engine.viz import image_grid, line_plot, save_image
 
 
 @dataclass
@@ -77,7 +77,7 @@ def _sample_grid(model: TinyT2I, path: Path, header: str) -> None:
     prompts = world.prompts("heldout")[:8] + world.prompts("train")[::97][:8]
     images = generate(model, prompts, list(range(len(prompts))), steps=10)
     rewards = load_reward("shapes")(images, prompts)
-    image_grid(images, [f"{r:.2f}" for r in rewards.tolist()], ncol=8, header=header).save(path)
+    save_image(image_grid(images, [f"{r:.2f}" for r in rewards.tolist()], ncol=8, header=header), path)
 
 
 def pretrain_tiny(

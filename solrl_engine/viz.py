@@ -9,8 +9,19 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from solrl_engine.store.safe import replacing
+
 if TYPE_CHECKING:
     from PIL.Image import Image
+
+
+def save_image(img: Image, path: str | Path) -> Path:
+    """Write a PIL image (a grid, a before/after figure) to `path` the way every run file is written:
+    whole or not at all, never through a link left there."""
+    path = Path(path)
+    with replacing(path) as tmp:
+        img.save(tmp)
+    return path
 
 
 def image_grid(
@@ -87,10 +98,9 @@ def line_plot(
         ax.legend()
     fig.tight_layout()
     path = Path(path)
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp)
+    with replacing(path) as tmp:  # a new temporary file renamed over it: a link there is never written through
+        fig.savefig(tmp)
     plt.close(fig)
-    tmp.replace(path)
     return path
 
 
@@ -209,7 +219,6 @@ def write_gif(path: str | Path, videos: torch.Tensor, ncol: int = 4, fps: int = 
             grid[:, r * h * scale : (r + 1) * h * scale, c * w * scale : (c + 1) * w * scale] = up
         frames.append(PILImage.fromarray((grid.permute(1, 2, 0).numpy() * 255).round().astype("uint8")))
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    frames[0].save(tmp, format="GIF", save_all=True, append_images=frames[1:], duration=int(1000 / fps), loop=0)
-    tmp.replace(path)
+    with replacing(path) as tmp:
+        frames[0].save(tmp, format="GIF", save_all=True, append_images=frames[1:], duration=int(1000 / fps), loop=0)
     return path

@@ -54,6 +54,38 @@ def _check_args(n: int, k: int, preview_steps: int, solver: str, guidance_scale:
                          "(nvfp4, fp8, auto) or leave attention out")  # fmt: skip
 
 
+def _prompt_list(prompts: Any) -> list[str]:
+    """The prompts as a list of strings, or one line saying what is wrong (a bare string would be split into
+    its characters)."""
+    if isinstance(prompts, str):
+        raise ValueError(f"Explorer.select: prompts is one string ({prompts[:40]!r}); pass a list of prompts, "
+                         "e.g. [prompt]")  # fmt: skip
+    try:
+        out = list(prompts)
+    except TypeError:
+        raise ValueError(f"Explorer.select: prompts is a {type(prompts).__name__}; pass a list of strings") from None
+    if not out:
+        raise ValueError("Explorer.select: prompts is empty; pass at least one prompt")
+    if not all(isinstance(p, str) for p in out):
+        kind = next(type(p).__name__ for p in out if not isinstance(p, str))
+        raise ValueError(f"Explorer.select: prompts holds a value of type {kind}; every prompt is a string")
+    return out
+
+
+def _seed_rows(seeds: Any, prompts: int, n: int) -> list[list[int]]:
+    """The given seeds as `prompts` rows of `n` ints, or one line saying what is wrong."""
+    want = f"give {n} seeds for each of the {prompts} prompts (a list of {prompts} lists of {n} ints)"
+    try:
+        rows = [list(row) for row in seeds]
+        if len(rows) != prompts or any(len(r) != n for r in rows):
+            raise ValueError
+        if any(isinstance(x, bool) or int(x) != x or not 0 <= int(x) < 2**63 for r in rows for x in r):
+            raise ValueError
+    except (TypeError, ValueError):
+        raise ValueError(f"Explorer.select: seeds do not fit: {want}, each a whole number >= 0") from None
+    return [[int(x) for x in r] for r in rows]
+
+
 @dataclass
 class Regenerated:
     """The caller's pipeline run on the selected seeds' noise: images [P*K, 3, H, W], rewards [P, K]."""
@@ -82,6 +114,7 @@ class Selection:
     index: torch.Tensor
     explorer: Explorer | None = None
     samples: torch.Tensor | None = None  # the selected previews' final latents, when asked for
+    nonfinite: str | None = None  # select(nonfinite="defer"): which rewards were NaN or inf (nothing was ranked)
 
     @property
     def flat_prompts(self) -> list[str]:
@@ -99,6 +132,9 @@ class Selection:
         ex = self.explorer
         if ex is None:
             raise ValueError("this Selection has no explorer to take the resolution and reward from")
+        for name, v in (("steps", steps), ("batch_size", batch_size)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"Selection.regenerate: {name} = {v!r}: must be a whole number >= 1")
         kw: dict[str, Any] = {"num_inference_steps": steps, "output_type": "pt", "height": ex.resolution,
                               "width": getattr(ex.model, "width", None) or ex.resolution,
                               "guidance_scale": ex.pipeline_guidance}  # fmt: skip
@@ -120,7 +156,14 @@ class Selection:
     def fidelity(self, bf16_rewards: torch.Tensor) -> dict[str, Any]:
         """How faithfully the proxy ranked the selected seeds against the caller's full-precision
         rewards [P, K]: mean Spearman and Kendall over prompts (and per prompt)."""
-        full = torch.as_tensor(bf16_rewards).float().cpu().view_as(self.proxy_rewards)
+        full = torch.as_tensor(bf16_rewards).float().cpu()
+        if full.numel() != self.proxy_rewards.numel():
+            raise ValueError(f"Selection.fidelity: bf16_rewards has shape {tuple(full.shape)}; give one reward per "
+                             f"selected seed, [P, K] = {tuple(self.proxy_rewards.shape)} (Regenerated.rewards)")
+        if not bool(torch.isfinite(full).all()):
+            raise ValueError("Selection.fidelity: bf16_rewards holds NaN or inf: a rank correlation of those means "
+                             "nothing; check the reward of the regenerated images")  # fmt: skip
+        full = full.view_as(self.proxy_rewards)
         sp, kd = spearman(self.proxy_rewards.cpu(), full), kendall(self.proxy_rewards.cpu(), full)
         return {"spearman": sp.mean().item(), "kendall": kd.mean().item(), "per_prompt_spearman": sp.tolist(),
                 "per_prompt_kendall": kd.tolist()}  # fmt: skip
@@ -227,21 +270,36 @@ class Explorer:
         seeds: Sequence[Sequence[int]] | None = None,
         cond: Conditioning | None = None,
         keep_samples: bool = False,
+        nonfinite: str = "raise",
     ) -> Selection:
         """Explore N seeds per prompt (given, or drawn from the explorer's seeded generator), score
         the previews, keep the most contrastive K. `keep_samples` keeps the selected previews'
-        latents (for training on the quantized samples themselves, as naive_quant does)."""
-        prompts = list(prompts)
-        seeds = [list(map(int, s)) for s in seeds] if seeds is not None else self.draw_seeds(prompts)
-        if len(seeds) != len(prompts) or any(len(s) != self.n for s in seeds):
-            raise ValueError(f"give {self.n} seeds for each of the {len(prompts)} prompts")
+        latents (for training on the quantized samples themselves, as naive_quant does). Non-finite
+        preview rewards are never ranked: ValueError naming the prompts and seeds, or with
+        `nonfinite="defer"` (a trainer with its own policy) the Selection keeps them unranked and says so
+        in `nonfinite`."""
+        prompts = _prompt_list(prompts)
+        seeds = _seed_rows(seeds, len(prompts), self.n) if seeds is not None else self.draw_seeds(prompts)
+        if nonfinite not in ("raise", "defer"):
+            raise ValueError(f"Explorer.select: nonfinite = {nonfinite!r}: choose raise or defer")
         cond = self.rollouts.encode(prompts) if cond is None else cond
         flat = [s for row in seeds for s in row]
         x = self.rollouts.sample(cond.repeat_interleave(self.n), flat, self.steps, self.transformer, self.tag)
         self._record_fast_path()
         scored = self.rollouts.score(x, [p for p in prompts for _ in range(self.n)])
         r = scored.rewards.view(len(prompts), self.n)
-        idx = select_contrastive(r, self.k)
+        bad = ~torch.isfinite(r)
+        unranked = None
+        if bool(bad.any()):
+            rows = [(prompts[i], seeds[i][j]) for i, j in bad.nonzero().tolist()]
+            unranked = (f"{len(rows)} of {r.numel()} preview rewards are NaN or inf (first: prompt {rows[0][0]!r} "
+                        f"seed {rows[0][1]}{'' if len(rows) == 1 else f'; prompt {rows[1][0]!r} seed {rows[1][1]}'})")
+            if nonfinite == "raise":
+                raise ValueError(f"Explorer.select: {unranked}; nothing was ranked: the reward or the explore copy "
+                                 "gives non-finite values (check the reward on these images)")  # fmt: skip
+            idx = torch.arange(self.k, device=r.device).expand(len(prompts), self.k).clone()  # the caller decides
+        else:
+            idx = select_contrastive(r, self.k)
         ranks = torch.sort(r, dim=1, descending=True, stable=True).indices.argsort(dim=1).gather(1, idx)
         sel = [[row[i] for i in ix] for row, ix in zip(seeds, idx.tolist(), strict=True)]
         lat = seeded_noise([s for row in sel for s in row], tuple(self.model.latent_shape))
@@ -251,7 +309,7 @@ class Explorer:
             rows = torch.arange(len(prompts), device=idx.device)[:, None]
             samples = x.view(len(prompts), self.n, *x.shape[1:])[rows, idx].flatten(0, 1)
         self.last_components = {k: v.view(len(prompts), self.n) for k, v in scored.components.items()}
-        return Selection(prompts, sel, r.gather(1, idx), ranks, noise, seeds, r, idx, self, samples)
+        return Selection(prompts, sel, r.gather(1, idx), ranks, noise, seeds, r, idx, self, samples, unranked)
 
     def _record_fast_path(self) -> None:
         """Read back which implementation each quantized layer ran (`self.fast_path`); the first

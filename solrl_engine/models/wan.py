@@ -66,6 +66,13 @@ class WanModel(PipelineFlowModel):
                  max_sequence_length: int | None = None, **kwargs: Any) -> None:  # fmt: skip
         """`frames` (4k + 1) and `width` (None: 81 and 832, Wan2.1's 480p default; `resolution` is the height);
         `max_sequence_length`: the UMT5 tokens (None: 512, what `pipe(prompt)` uses)."""
+        if getattr(pipe, "transformer_2", None) is not None:  # Wan2.2-A14B: two experts switched at boundary_ratio
+            raise ValueError(
+                "this Wan pipeline has two experts (transformer_2, boundary_ratio: the Wan2.2-A14B layout), and the "
+                "engine samples and trains one transformer: it would sample with the first expert only, which is not "
+                "the model. Two-expert Wan is not supported yet; use a one-transformer Wan (Wan2.1-T2V-1.3B/14B, "
+                "Wan2.2-TI2V-5B)"
+            )
         self.frames = frames or self.DEFAULT_FRAMES
         self.width = width
         self.max_sequence_length = max_sequence_length or self.TEXT_TOKENS

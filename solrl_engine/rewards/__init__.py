@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -46,9 +47,15 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
             weight = float(w) if w.strip() else 1.0
         except ValueError:
             raise ValueError(f"reward {spec!r}: weight {w!r} of {name} is not a number (write name:weight)") from None
+        if not math.isfinite(weight):
+            raise ValueError(f"reward {spec!r}: weight {w.strip()!r} of {name} is not a finite number: every update "
+                             "would be skipped (write name:weight with a number, e.g. shapes:1.0)")  # fmt: skip
         out.append((name, weight))
     if len({n for n, _ in out}) != len(out):
         raise ValueError(f"reward {spec!r} names a reward twice")
+    if all(w == 0 for _, w in out):
+        raise ValueError(f"reward {spec!r}: every weight is 0, so every sample scores the same and nothing is "
+                         "learned; give at least one reward a non-zero weight (negative weights are penalties)")
     return out
 
 
@@ -172,6 +179,13 @@ class WeightedReward:
         self.last_components = comps
         assert total is not None
         return total
+
+    def check_prompts(self, prompts: list[str]) -> None:
+        """Each reward that can reject a prompt (a `check_prompts` of its own: the shapes grammar) checks
+        all of them before a run writes anything, so a bad line is not met hours in."""
+        for _name, _w, fn in self.parts:
+            if (check := getattr(fn, "check_prompts", None)) is not None:
+                check(list(prompts))
 
     def __repr__(self) -> str:
         return " + ".join(f"{w:g} * {n}" for n, w, _ in self.parts)

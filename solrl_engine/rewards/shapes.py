@@ -139,3 +139,8 @@ class ShapesReward:
 
     def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         return score(images, prompts)  # type: ignore[return-value]
+
+    def check_prompts(self, prompts: list[str]) -> None:
+        """Every prompt inside the grammar (PromptError naming the first that is not), without scoring."""
+        for p in dict.fromkeys(prompts):
+            world.parse(p)

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import torch
 
-from solrl_engine.explore.plan import EXPLORE_PRECISIONS, ExploreSettings
+from solrl_engine.explore.plan import EXPLORE_PRECISIONS, NVFP4_PRECISIONS, ExploreSettings
 from solrl_engine.explore.ranking import nk_problem
 from solrl_engine.hw import autocast_for, pick_device, policy_dtype
+from solrl_engine.quant.recipe import NVFP4_OPTIONS
 from solrl_engine.sampling.sampler import SOLVERS
 
 __all__ = ["EXPLORE_PRECISIONS", "FAMILY_TABLE", "ConfigError", "RLConfig", "autocast_for", "load_config",
@@ -236,6 +237,22 @@ class RLConfig:
                 raise bad(f.name, "must be a finite number")
         if self.lr <= 0:
             raise bad("lr", "the learning rate must be > 0, e.g. 3e-4")
+        for key in ("ema_decay_max", "old_decay_max"):  # decays: 1 would freeze the copy, above 1 diverge
+            if not 0 <= getattr(self, key) < 1:
+                raise bad(key, "a decay: must be in [0, 1)")
+        if not 0 <= self.old_decay_rate <= 1:
+            raise bad("old_decay_rate", "how fast the old policy's decay grows per iteration: must be in [0, 1]")
+        if isinstance(self.lora_alpha, bool) or self.lora_alpha <= 0:
+            raise bad("lora_alpha", "must be > 0 (the adapter's scale is lora_alpha / lora_rank; e.g. 2 x lora_rank)")
+        if not self.name or self.name in (".", "..") or "/" in self.name or "\\" in self.name or "\0" in self.name:
+            raise bad("name", "names the run and its default directory runs/<name>: use letters, digits, - and _, "
+                              "no / or .. (choose the directory with --output)")  # fmt: skip
+        from solrl_engine.rewards import parse_reward_spec
+
+        try:
+            parse_reward_spec(self.reward)
+        except ValueError as e:
+            raise ConfigError(f"config {self.name!r}: {e}") from None
         for key in ("weight_decay", "kl_beta"):
             if getattr(self, key) < 0:
                 raise bad(key, "must be >= 0 (0: off)")
@@ -407,7 +424,45 @@ def apply_overrides(cfg: RLConfig, overrides: list[str]) -> RLConfig:
         if key not in names:
             raise unknown_key_error(key)
         changes[key] = _parse_value(raw, hints[key], key)
-    return dataclasses.replace(cfg, **changes)
+    return dataclasses.replace(cfg, **changes, **_preset_nvfp4_options(cfg, changes), **_preset_width(cfg, changes))
+
+
+def _preset_width(cfg: RLConfig, changes: dict[str, object]) -> dict[str, object]:
+    """`--set resolution=R` on a video preset that fixes `width` (832 for Wan's 480p): the clip is R x R (the
+    model's rule for an unset width), rather than R x 832 with the preset's width kept; set `width` too for
+    another shape."""
+    if "resolution" not in changes or "width" in changes or cfg.width is None:
+        return {}
+    import logging
+
+    logging.getLogger("solrl_engine.rl").info(
+        "resolution=%s: the preset's width=%s is dropped; the width follows resolution by the model's own rule (the "
+        "same as the height, or its default width at its default height): set width too for another shape",
+        changes["resolution"], cfg.width)  # fmt: skip
+    return {"width": None}
+
+
+def _preset_nvfp4_options(cfg: RLConfig, changes: dict[str, object]) -> dict[str, object]:
+    """A preset's NVFP4 options (explore_rht, explore_four_over_six, ...) that an override of explore_precision
+    to a format they do not apply to (fp8, int8, bf16) would make invalid: back to their defaults, said in the
+    log, so `--set explore_precision=fp8` works on a preset that tunes NVFP4. Options the user set stay (and are
+    refused with the reason)."""
+    precision = changes.get("explore_precision")
+    if precision is None or precision in NVFP4_PRECISIONS:
+        return {}
+    defaults = {f.name: f.default for f in fields(RLConfig)}
+    reset = {}
+    for name in NVFP4_OPTIONS:
+        key = ExploreSettings.key(name)
+        if key not in changes and getattr(cfg, key) != defaults[key]:
+            reset[key] = defaults[key]
+    if reset:
+        import logging
+
+        logging.getLogger("solrl_engine.rl").info(
+            "explore_precision=%s: the preset's %s apply to NVFP4 only and are set back to their defaults", precision,
+            ", ".join(f"{k}={getattr(cfg, k)!r}" for k in reset))  # fmt: skip
+    return reset
 
 
 def load_config(spec: str, overrides: list[str] | None = None) -> RLConfig:

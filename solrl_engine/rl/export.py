@@ -19,14 +19,14 @@ line; `verify_adapter` is the same check for code that loads with diffusers itse
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 from solrl_engine.models import pipeline_class as resolve_pipeline_class
 from solrl_engine.rl.adapters import TRAIN, LoraAdapters
 from solrl_engine.rl.full import FullWeights, TrainedWeights
-from solrl_engine.store.sealed import MANIFEST, check_dir, commit, default_mode, seal
+from solrl_engine.store.safe import default_mode, fresh_dir
+from solrl_engine.store.sealed import MANIFEST, check_dir, commit, seal
 
 WEIGHT_NAME = "pytorch_lora_weights.safetensors"
 
@@ -48,8 +48,7 @@ def save_lora(
     from peft import get_peft_model_state_dict
 
     directory = Path(directory)
-    tmp = directory.with_name(f".tmp_{directory.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = fresh_dir(directory.with_name(f".tmp_{directory.name}"))  # a link left there is removed, not followed
     ctx = adapters.ema_weights() if ema else adapters.using(TRAIN)
     with ctx:
         state = get_peft_model_state_dict(adapters.transformer, adapter_name=TRAIN)
@@ -90,8 +89,7 @@ def save_full(
     if not write:
         return directory
     tmp = directory.with_name(f".tmp_{directory.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    fresh_dir(tmp)
     save_file(state, str(tmp / FULL_WEIGHT_NAME), metadata={"format": "pt"})
     weights.transformer.save_config(tmp)
     for name, text in (extra or {}).items():

@@ -34,7 +34,7 @@ from solrl_engine.rl.export import save_trained
 from solrl_engine.rl.full import TrainedWeights
 from solrl_engine.sampling.rollouts import Rollouts
 from solrl_engine.store import checkpoint
-from solrl_engine.viz import line_plot
+from solrl_engine.viz import line_plot, save_image
 
 log = logging.getLogger("solrl_engine.rl")
 
@@ -72,10 +72,7 @@ def write_compare(out_dir: Any, ro: Rollouts, adapters: TrainedWeights, prompts:
     head = f"{header}  |  these {len(cmp.base.rewards)}: {cmp.base.mean:.3f} -> {cmp.trained.mean:.3f} ({g:+.3f})"
     fig = compare_figure(cmp, head, ("base", "trained (EMA)"), max_pairs)
     gif = compare_gif(Path(out_dir) / COMPARE_GIF, cmp)  # videos: the pairs as they play (images: None)
-    path = Path(out_dir) / COMPARE_PNG
-    tmp = path.with_suffix(".tmp.png")
-    fig.save(tmp)
-    tmp.replace(path)
+    path = save_image(fig, Path(out_dir) / COMPARE_PNG)
     if tracker is not None:
         tracker.image("eval/compare", fig, step)
         if gif is not None:
@@ -132,7 +129,7 @@ class HeldOut:
             head = (f"iter {iteration}: held-out reward {mean:.3f} +- {sem:.3f}, "
                     f"gain {gain:+.3f} +- {gain_sem:.3f} (EMA adapter, {n} images, same seeds)")  # fmt: skip
             grid = eval_grid(res, self.seeds, head)  # rank 0's share starts with the held-out prompts
-            grid.save(self.out / f"eval_{iteration:05d}.png")
+            save_image(grid, self.out / f"eval_{iteration:05d}.png")
             if tracker is not None:
                 tracker.image("eval/grid", grid, iteration)
         self.evals.append((iteration, mean, sem))

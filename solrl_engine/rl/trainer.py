@@ -47,7 +47,7 @@ from solrl_engine.rl.update import NFTSettings, UpdateBatch, fixed_predictions, 
 from solrl_engine.sampling.compile import Census, CompiledBlocks, census_backend, repeated_blocks
 from solrl_engine.store import checkpoint, rundir
 from solrl_engine.store.checkpoint import EXPORT_DIRS
-from solrl_engine.store.sealed import write_atomic
+from solrl_engine.store.safe import open_append, write_atomic
 from solrl_engine.store.tracking import Tracker
 
 log = logging.getLogger("solrl_engine.rl")
@@ -95,6 +95,10 @@ class Trainer:
                 f"config {cfg.name!r}: prompts_per_iter = {cfg.prompts_per_iter} does not split over {self.dist.world} "
                 "ranks: make it a multiple of the number of processes (it is the global number of prompts)"
             )
+        if cfg.sharding != "none" and self.dist.world == 1:
+            log.warning("sharding=%s in one process: there is nothing to shard over (start it under torchrun, e.g. "
+                        "`torchrun --nproc_per_node 8 --no-python solrl train ...`); every weight stays whole here",
+                        cfg.sharding)  # fmt: skip
         self.progress = progress and self.dist.main
         # the update's micro-batch and recompute from this device's memory (auto), then the whole plan checked: on a
         # GPU, before any weight loads; config.json and checkpoints record the resolved values
@@ -115,7 +119,10 @@ class Trainer:
         self.policy_copy = ExploreCopy(self.model.transformer, POLICY, borrow=True) if merged else None
         self._explore_as(None)  # the explore pass planned (auto: timed, rank 0's answer) and its copy built
         self.reward = self.rollouts.reward
-        self.reward(torch.zeros(1, 3, 8, 8), self.train_prompts[:1])  # fail early on prompts the reward rejects
+        # fail early: every training and held-out prompt the reward could reject, and the reward itself on one image
+        if (check := getattr(self.reward, "check_prompts", None)) is not None:
+            check(self.train_prompts + self.eval_prompts + self.eval_train_prompts)
+        self.reward(torch.zeros(1, 3, 8, 8), self.train_prompts[:1])
         self.adapters = self._trained_weights()  # LoRA adapters, or every weight (train_mode=full)
         # full fine-tuning swaps the policy's weight sets (rl/full.py): its own rollouts are never captured
         # (sharding=fsdp: its forwards gather weights block by block, which a captured graph cannot hold)
@@ -270,7 +277,7 @@ class Trainer:
         # 1. explore: N seeds per prompt, quantized previews (sol_rl, naive_quant) or the BF16 policy,
         # 2. and select the top K/2 and bottom K/2 seeds by (proxy) reward: the public Explorer's path
         with self.adapters.using(OLD):  # the policy explores with its "old" adapter when it explores
-            sel = self.explorer.select(prompts, seeds, cond=cond, keep_samples=not rule.regenerate)
+            sel = self.explorer.select(prompts, seeds, cond=cond, keep_samples=not rule.regenerate, nonfinite="defer")
         r_all, idx, proxy = sel.all_rewards, sel.index, sel.proxy_rewards
         flat_all = [p for p in prompts for _ in range(c.n)]
         check_finite("explore rewards", r_all.flatten(), flat_all, [x for row in seeds for x in row], dist)
@@ -436,6 +443,12 @@ class Trainer:
             self._set_fallback(True)
         self._refresh_copies()
 
+    def _checkpoint_bytes(self) -> int:
+        """About the size of one checkpoint: the trained weights, their EMA and old copies and AdamW's two
+        moments, in FP32."""
+        trained = sum(p.numel() for p in self.adapters.params(TRAIN))
+        return 5 * 4 * trained + 2**20
+
     def _checkpoint(self, main: bool) -> None:
         """Write a checkpoint and the exported adapters; never from a poisoned (non-finite) state."""
         bad = not all(bool(torch.isfinite(local(p)).all()) for p in self.adapters.params(TRAIN) + self.adapters.ema)
@@ -495,11 +508,12 @@ class Trainer:
         ck = checkpoint.resume_point(self.out / "checkpoints", self.dist) if mode == "resume" else None
         if ck is not None:
             self._restore(checkpoint.load(ck), ck)
-            history, cut = rundir.read_log(metrics_path, self.iteration)  # later records and a torn line go
+            history, cut = rundir.read_log(metrics_path, self.iteration, keep_aside=main)  # later records go
             self.dist.barrier()  # every rank has read it before rank 0 rewrites it
             damaged = rundir.damaged_exports(self.out)  # exports are made from the checkpoint's state
             self.dist.barrier()  # every rank has looked before rank 0 writes them again
             if main:
+                rundir.mark(self.out)  # a run made before the marker gets it
                 if cut:
                     log.warning("%s: cut back to iteration %d, the checkpoint's: dropped %s", metrics_path,
                                 self.iteration, cut)  # fmt: skip
@@ -508,8 +522,10 @@ class Trainer:
                 self.export()
             log.info("resumed from %s at iteration %d", ck, self.iteration)
         elif main:
+            rundir.check_room(self.out, 2 * self._checkpoint_bytes())  # before the first write, not hours in
             if mode == "overwrite":
                 rundir.move_aside(self.out)
+            rundir.mark(self.out)
             write_atomic(metrics_path, "")
             write_atomic(self.out / "config.json", json.dumps(dataclasses.asdict(c), indent=2))
         if main and self.explore is not None:  # why each layer of the explore copy was or was not quantized
@@ -528,7 +544,7 @@ class Trainer:
                 m.update(self.heldout.last())
             history.append(m)
             if main:
-                with metrics_path.open("a") as f:
+                with os.fdopen(open_append(metrics_path), "a") as f:  # a link there is refused, never followed
                     f.write(json.dumps(m) + "\n")
                 self.tracker.log(m, self.iteration)
                 self.heldout.plot(history, c.name, c.reward)

@@ -26,6 +26,7 @@ on resume) is solrl_engine.store.rundir.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -41,6 +42,7 @@ from typing import Any
 
 import torch
 
+from solrl_engine.store.safe import MAX_JSON, fresh_dir, is_regular, open_regular
 from solrl_engine.store.sealed import (  # noqa: F401 - MANIFEST, encode, decode, FORMAT: part of this module's API
     DCP_METADATA,
     FORMAT,
@@ -92,14 +94,42 @@ def _complete(p: Path) -> bool:
     return (p / MANIFEST).exists() or (p / LEGACY_DONE).exists()
 
 
+class DiskFull(OSError):
+    """The disk filled while a checkpoint was written: the partial one is removed, the message says how much
+    it needed; the last complete checkpoint stays."""
+
+
+def state_bytes(state: dict[str, Any]) -> int:
+    """About how many bytes `state` takes as a checkpoint (its tensors; the JSON is small)."""
+    tensors, _ = encode(state)
+    return sum(t.numel() * t.element_size() for t in tensors.values()) + 2**20
+
+
 def write(final: Path, state: dict[str, Any], meta: dict[str, Any] | None = None, prepared: bool = False) -> Path:
     """Write `state` as a checkpoint directory at `final`, atomically and durably. `prepared`: its temporary
-    directory already holds other files (save_sharded's shards), sealed with the rest."""
-    tensors, tree = encode(state)
+    directory already holds other files (save_sharded's shards), sealed with the rest. A full disk removes the
+    partial directory and raises DiskFull naming what was needed."""
     tmp = final.with_name(f".tmp_{final.name}")
-    if not prepared:
+    try:
+        return _write(final, tmp, state, meta, prepared)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        partial = sum(p.stat().st_size for p in tmp.iterdir() if p.is_file()) if tmp.is_dir() else 0
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        need = max(state_bytes(state), partial)
+        free = shutil.disk_usage(final.parent).free
+        full = DiskFull(f"the disk of {final.parent} is full ({e.strerror}) while writing checkpoint {final.name}: it "
+                        f"needs about {need / 2**20:.0f} MiB, {free / 2**20:.0f} MiB are free; the partial checkpoint "
+                        "was removed and the last complete one stays")  # fmt: skip
+        full.errno = e.errno
+        raise full from None
+
+
+def _write(final: Path, tmp: Path, state: dict[str, Any], meta: dict[str, Any] | None, prepared: bool) -> Path:
+    tensors, tree = encode(state)
+    if not prepared:
+        fresh_dir(tmp)
     known = {
         STATE: write_synced(tmp / STATE, json.dumps(tree).encode()),
         TENSORS: write_tensors(tmp / TENSORS, tensors),
@@ -149,8 +179,7 @@ def save_sharded(root: str | Path, iteration: int, state: dict[str, Any], keep: 
     tmp = root / f".tmp_iter_{iteration:06d}"
     if dist.main:
         root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        fresh_dir(tmp)
     dist.barrier()
     with _one_process_dcp(dist):
         dcp.save(shards, checkpoint_id=str(tmp), no_dist=dist.world == 1)
@@ -208,6 +237,25 @@ def dcp_planner() -> Any:
     return Planner()
 
 
+class IndexRefused(ValueError):
+    """A DCP index that names something other than its own types and its checkpoint's shard files."""
+
+
+def read_dcp_index(path: Path, name: str = DCP_METADATA) -> Any:
+    """Checkpoint `path`'s DCP index, unpickling only the index's own types, its storage entries checked to
+    name plain files of the checkpoint (a `relative_path` that climbs out is refused, never opened)."""
+    try:
+        with os.fdopen(open_regular(path / name, MAX_JSON), "rb") as f:
+            meta = _DCPMetadataUnpickler(f).load()
+        for info in (getattr(meta, "storage_data", None) or {}).values():
+            rel = getattr(info, "relative_path", None)
+            if not isinstance(rel, str) or Path(rel).name != rel or rel.startswith(".") or not is_regular(path / rel):
+                raise IndexRefused(f"it names {rel!r}, not a shard file of the checkpoint")
+    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, OSError, ValueError, TypeError) as e:
+        raise IndexRefused(str(e)) from None
+    return meta
+
+
 def dcp_reader(path: str | Path) -> Any:
     """A torch.distributed.checkpoint reader of checkpoint `path` that keeps the promise above: DCP reads its
     `.metadata` with a plain `pickle.load`, which could run code; this one unpickles only the index's own types
@@ -221,9 +269,8 @@ def dcp_reader(path: str | Path) -> Any:
             rank = kwargs.get("rank")
             name = DCP_METADATA if rank is None else f"__{rank}{DCP_METADATA}"
             try:
-                with open(Path(self.path) / name, "rb") as f:
-                    meta = _DCPMetadataUnpickler(f).load()
-            except (pickle.UnpicklingError, EOFError, AttributeError, ImportError) as e:
+                meta = read_dcp_index(Path(self.path), name)
+            except IndexRefused as e:
                 raise CheckpointError(f"checkpoint {path}: {name} is refused ({e}); restore the run directory from "
                                       "a copy, or start over with --overwrite") from None  # fmt: skip
             if getattr(meta, "storage_meta", None) is None:
@@ -313,8 +360,15 @@ def verify(path: str | Path, kind: str = "checkpoint") -> Verdict:
     key, sig = str(path.resolve()), _signature(path)
     if key in _checked and _checked[key][0] == sig and sig:
         return _checked[key][1]
-    if (path / MANIFEST).exists():
+    if path.is_symlink():
+        v = Verdict(path, "damaged", "a symbolic link, not a checkpoint the run wrote (never followed)")
+    elif (path / MANIFEST).exists():
         ok, detail = check_dir(path)
+        if ok and (path / DCP_METADATA).exists():  # a sharded checkpoint: its index must name its own files
+            try:
+                read_dcp_index(path)
+            except IndexRefused as e:
+                ok, detail = False, f"{DCP_METADATA} is refused ({e})"
         v = Verdict(path, "ok" if ok else "damaged", detail)
     elif kind == "checkpoint" and (path / LEGACY).exists() and (path / LEGACY_DONE).exists():
         v = _verify_legacy(path / LEGACY, path)

@@ -29,6 +29,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import sys
 import threading
 import time
@@ -41,19 +42,25 @@ import torch
 from solrl_engine.store.checkpoint import (
     BEST_DIRS,
     EXPORTS,
+    LEGACY,
+    LEGACY_DONE,
+    MANIFEST,
     MIN_FREE_BYTES,
     RUN_DIRS,
     RUN_FILES,
     CheckpointError,
+    checkpoints,
     pick,
     verify,
 )
-from solrl_engine.store.sealed import fsync_dir
+from solrl_engine.store.safe import MAX_LOG, Unsafe, fsync_dir, is_regular, read_regular, write_atomic
 
 log = logging.getLogger("solrl_engine.rl")
 
 LOCK = ".solrl.lock"
 REPLACED = "replaced-"
+MARKER = ".solrl-run"  # written at a run's start: what --overwrite and --auto-resume recognise as a run of ours
+CORRUPT_LOG = "{name}.corrupt-{time}"  # a log with a corrupt line, kept as it was before the resume rewrote it
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 EXIT_CODES = {int(s): 128 + int(s) for s in STOP_SIGNALS}  # 130, 143, 129
 
@@ -114,7 +121,7 @@ class RunLock:
             self.out.mkdir(parents=True, exist_ok=True)
             self.created = missing
             while True:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+                fd = self._open()
                 if not self._lock(fd):
                     holder = _holder(os.pread(fd, 4096, 0).decode(errors="replace"))
                     os.close(fd)
@@ -128,7 +135,7 @@ class RunLock:
                 except FileNotFoundError:
                     pass
                 os.close(fd)  # its run ended and removed the file between our open and our lock: open it anew
-        except RunDirBusy:
+        except (RunDirBusy, Unsafe):
             self._remove_created()
             raise
         except OSError as e:
@@ -146,6 +153,22 @@ class RunLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(me).encode(), 0)
         return self
+
+    def _open(self) -> int:
+        """The lock file, opened without following a link or blocking on a FIFO, and only if it is a regular
+        file: a planted .solrl.lock is refused before anything is written through it."""
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            if e.errno not in (errno.ELOOP, errno.ENXIO):
+                raise
+            fd = None
+        if fd is None or not stat.S_ISREG(os.fstat(fd).st_mode):
+            if fd is not None:
+                os.close(fd)
+            raise Unsafe(f"{self.path} is not a regular file (a symbolic link, a FIFO or a device): nothing was "
+                         "written through it. Remove it (no run of ours leaves one) and start again")  # fmt: skip
+        return fd
 
     def _lock(self, fd: int) -> bool:
         """True once `fd` holds the lock, False when another process holds it. A file system that has no
@@ -210,8 +233,37 @@ def run_entries(out: Path) -> list[str]:
     if not out.is_dir():
         return []
     named = [n for n in (*RUN_FILES, *RUN_DIRS) if (out / n).exists()]
-    leftovers = [p.name for pat in ("eval_*.png", ".tmp_*", ".old_*", "*.tmp.png", "*.tmp") for p in out.glob(pat)]
+    patterns = ("eval_*.png", ".tmp_*", ".old_*", "*.tmp.png", "*.tmp", "*.corrupt-*", MARKER)
+    leftovers = [p.name for pat in patterns for p in out.glob(pat)]
     return sorted(set(named + leftovers))
+
+
+def mark(out: str | Path) -> None:
+    """Mark OUT as a run of this engine (kept through resumes; --overwrite moves it aside with the rest)."""
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    write_atomic(Path(out) / MARKER, json.dumps({"engine": "solrl-engine", "marked": stamp}))
+
+
+def is_run(out: str | Path) -> bool:
+    """True when OUT is a run of ours: its marker, or (runs made before the marker) a sealed or old-format
+    checkpoint under checkpoints/."""
+    out = Path(out)
+    if is_regular(out / MARKER):
+        return True
+    return any(is_regular(p / MANIFEST) or (is_regular(p / LEGACY) and is_regular(p / LEGACY_DONE))
+               for p in checkpoints(out / "checkpoints"))  # fmt: skip
+
+
+def looks_like(out: Path) -> str:
+    """What a directory that is not a run of ours looks like, for the refusal."""
+    names = sorted(p.name for p in out.iterdir())
+    if "model_index.json" in names:
+        return "a diffusers pipeline: it holds model_index.json"
+    if "config.json" in names and any(n.endswith((".safetensors", ".bin")) for n in names):
+        return "a model directory: it holds config.json and weights"
+    shown = ", ".join(names[:4]) + ("..." if len(names) > 4 else "")
+    return f"it holds {shown} but no {MARKER} and no checkpoint of a run (a run of an earlier version that never " \
+           "checkpointed: move its files aside yourself)"
 
 
 def check_start(out: str | Path, mode: str) -> str:
@@ -222,6 +274,11 @@ def check_start(out: str | Path, mode: str) -> str:
     out = Path(out)
     ckpts = out / "checkpoints"
     existing = [n for n in run_entries(out) if not n.startswith(".")]
+    if existing and mode != "resume" and not is_run(out):  # never move what the engine did not write
+        raise FileExistsError(
+            f"{out} is not a run directory of solrl-engine ({looks_like(out)}); nothing was moved or written. "
+            "Choose another --output: a new or empty directory, or a run's own"
+        )
     if mode == "auto":
         mode = "resume" if pick(ckpts, warn=False) is not None else ("overwrite" if existing else "new")
     if mode == "resume":
@@ -251,6 +308,18 @@ def check_start(out: str | Path, mode: str) -> str:
         raise OSError(f"only {free / 2**20:.0f} MiB free on the disk of {out}: checkpoints need room; free space"
                       f"{hint} or choose another --output (the run has not started)")  # fmt: skip
     return mode
+
+
+def check_room(out: str | Path, need: int) -> None:
+    """Before the first write: room on OUT's disk for the run's checkpoints (`need` bytes: one being written
+    beside the last), else OSError naming both sizes."""
+    out = Path(out)
+    where = next(p for p in (out, *out.parents) if p.exists())
+    free = shutil.disk_usage(where).free
+    if free < need:
+        raise OSError(f"only {free / 2**20:.0f} MiB free on the disk of {out}, and this run's checkpoints need about "
+                      f"{need / 2**20:.0f} MiB (one written beside the last): free space or choose another --output "
+                      "(nothing was written)")  # fmt: skip
 
 
 def move_aside(out: str | Path) -> Path | None:
@@ -293,35 +362,46 @@ def damaged_exports(out: str | Path) -> bool:
 # --- appended logs ----------------------------------------------------------------------------------------
 
 
-def read_log(path: str | Path, iteration: int) -> tuple[list[dict[str, Any]], str | None]:
+def read_log(path: str | Path, iteration: int, keep_aside: bool = True) -> tuple[list[dict[str, Any]], str | None]:
     """The records of a JSON-lines log (each with an "iter") up to `iteration`, and what was dropped
     beyond them (None: nothing): records of later iterations, written after the checkpoint a run resumes
-    from (they run again), and lines that do not parse, a write cut short by a crash or a full disk."""
+    from (they run again), and a last line that does not parse (a write cut short by a crash or a full
+    disk). A line that does not parse with whole records after it is corruption, not a torn write: with
+    `keep_aside` the file as it was is kept beside it (CORRUPT_LOG), so nothing is lost when it is rewritten."""
     path = Path(path)
-    if not path.exists():
+    if not path.exists() and not path.is_symlink():
         return [], None
-    data = path.read_bytes()
+    data = read_regular(path, MAX_LOG)
     keep: list[dict[str, Any]] = []
-    later, torn = 0, []
-    for n, line in enumerate(data.split(b"\n"), 1):
-        if not line.strip():
-            continue
+    later, bad = 0, []
+    lines = [(n, line) for n, line in enumerate(data.split(b"\n"), 1) if line.strip()]
+    for n, line in lines:
         try:
             rec = json.loads(line)
             it = int(rec["iter"])
         except (ValueError, KeyError, TypeError):
-            torn.append(n)
+            bad.append(n)
             continue
         if it <= iteration:
             keep.append(rec)
         else:
             later += 1
+    torn = [n for n in bad if n == lines[-1][0]]  # only the last line can be a write cut short
+    corrupt = [n for n in bad if n not in torn]
     why = []
     if later:
         why.append(f"{later} record(s) of iterations after {iteration}, written after the checkpoint (they run again)")
     if torn:
-        why.append(f"a torn line (line {torn[0]}{f' and {len(torn) - 1} more' if len(torn) > 1 else ''}: a write cut "
-                   "short by a crash or a full disk)")  # fmt: skip
+        why.append(f"a torn last line (line {torn[0]}: a write cut short by a crash or a full disk)")
+    if corrupt:
+        where = f"line {corrupt[0]}{f' and {len(corrupt) - 1} more' if len(corrupt) > 1 else ''}"
+        kept = ""
+        if keep_aside:
+            aside = path.with_name(CORRUPT_LOG.format(name=path.name, time=time.strftime("%Y%m%d-%H%M%S")))
+            write_atomic(aside, data)
+            kept = f"; the file as it was is kept as {aside}"
+        why.append(f"CORRUPT {where} (records follow it, so it is not a torn write: the file was altered or the "
+                   f"disk is failing){kept}")  # fmt: skip
     if data and not data.endswith(b"\n") and not torn:
         why.append("a last line without its newline")
     return keep, "; ".join(why) or None

@@ -11,11 +11,11 @@ docs/checkpoints.md describes both.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
 import shutil
+import stat
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -23,7 +23,10 @@ from typing import Any
 
 import torch
 
+from solrl_engine.store.safe import MAX_JSON, Unsafe, fsync_dir, is_regular, open_regular, read_regular, write_new
+
 MANIFEST = "MANIFEST.json"
+NOT_REGULAR = "{} is not a regular file (a link, a FIFO or a device: never read)"
 FORMAT = 2
 
 
@@ -92,60 +95,11 @@ def _hashable(k: Any) -> Any:
     return tuple(_hashable(x) for x in k) if isinstance(k, list | tuple) else k
 
 
-def fsync_dir(path: Path) -> None:
-    """Make a directory's entries (new names, renames) durable; file systems that cannot are let be."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError as e:
-        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF, errno.EACCES):
-            raise
-    finally:
-        os.close(fd)
-
-
 def write_synced(path: Path, data: bytes) -> dict[str, Any]:
-    """Write `data` to `path` and fsync it; returns its manifest entry."""
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    """Create `path` in a directory being written (never an existing file or link) with `data`, fsynced;
+    returns its manifest entry."""
+    write_new(path, data)
     return _entry(data)
-
-
-def write_atomic(path: str | Path, text: str | bytes) -> Path:
-    """Replace `path` whole: written beside it under a temporary name, fsynced, renamed over it, the
-    directory fsynced. A crash or a full disk mid-write leaves the old file as it was, never half of
-    the new one (summary.json, config.json, a rewritten metrics.jsonl, eval.json)."""
-    path = Path(path)
-    tmp = path.with_name(f".tmp_{path.name}")
-    try:
-        write_synced(tmp, text.encode() if isinstance(text, str) else text)
-        os.chmod(tmp, default_mode())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
-    return path
-
-
-def default_mode() -> int:
-    """The mode `open()` gives a new file under the process's umask (0o644 under the usual 022): what a
-    file written through a temporary file (mkstemp's 0o600) is given back, so every file of a run
-    directory is as readable as the rest."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return 0o666 & ~int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    mask = os.umask(0o022)  # elsewhere: read by setting it (and back at once)
-    os.umask(mask)
-    return 0o666 & ~mask
 
 
 def _entry(data: bytes) -> dict[str, Any]:
@@ -154,7 +108,7 @@ def _entry(data: bytes) -> dict[str, Any]:
 
 def _hash_file(path: Path) -> dict[str, Any]:
     h, size = hashlib.sha256(), 0
-    with open(path, "rb") as f:
+    with os.fdopen(open_regular(path), "rb") as f:
         while chunk := f.read(16 * 2**20):
             h.update(chunk)
             size += len(chunk)
@@ -167,13 +121,13 @@ def seal(directory: Path, meta: dict[str, Any], known: dict[str, dict[str, Any]]
     known = known or {}
     files = {}
     for p in sorted(directory.iterdir()):
-        if p.name == MANIFEST or not p.is_file():
+        if p.name == MANIFEST or not stat.S_ISREG(os.lstat(p).st_mode):
             continue
         if p.name in known:
             files[p.name] = known[p.name]
         else:
             files[p.name] = _hash_file(p)
-            with open(p, "rb") as f:
+            with os.fdopen(open_regular(p), "rb") as f:
                 os.fsync(f.fileno())
     body = {"format": FORMAT, **meta, "files": files}
     write_synced(directory / MANIFEST, json.dumps(body, indent=1).encode())
@@ -212,7 +166,8 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, Any
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # the format pads its header to 8 bytes with spaces
     h, size = hashlib.sha256(), 0
-    with open(path, "wb") as f:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    with os.fdopen(fd, "wb") as f:
         for i, chunk in enumerate([len(head).to_bytes(8, "little"), head, *tensors.values()]):
             if i > 1:
                 chunk = chunk.reshape(-1).view(torch.uint8).numpy()  # type: ignore[union-attr]
@@ -242,17 +197,35 @@ DCP_METADATA = ".metadata"
 
 
 def _manifest(path: Path) -> dict[str, Any]:
+    """The manifest of sealed directory `path`, its shape checked: Damaged naming what is wrong."""
     try:
-        m = json.loads((path / MANIFEST).read_text())
-        files = m.get("files")
-        if not isinstance(files, dict) or any(Path(n).name != n or (n.startswith(".") and n != DCP_METADATA)
-                                              for n in files):  # fmt: skip
+        m = json.loads(read_regular(path / MANIFEST, MAX_JSON))
+        files = m.get("files") if isinstance(m, dict) else None
+        if not isinstance(files, dict) or any(Path(n).name != n or n in (".", "..") or
+                                              (n.startswith(".") and n != DCP_METADATA) for n in files):  # fmt: skip
             raise ValueError("no list of plain file names")
+        for n, e in files.items():
+            if not (isinstance(e, dict) and type(e.get("size")) is int and e["size"] >= 0
+                    and isinstance(e.get("sha256"), str)):  # fmt: skip
+                raise ValueError(f"the entry of {n} is not a size and a SHA-256")
         return m
     except FileNotFoundError:
         raise Damaged(f"{MANIFEST} is missing") from None
     except (OSError, ValueError, AttributeError) as e:
         raise Damaged(f"{MANIFEST} is unreadable ({e})") from None
+
+
+def _read_file(path: Path, want: dict[str, Any]) -> tuple[bytes | None, str | None]:
+    """(bytes, None), or (None, what is wrong) for one listed file: missing, not a regular file, or longer
+    than the manifest says (read no further than that)."""
+    try:
+        return read_regular(path, want["size"]), None
+    except FileNotFoundError:
+        return None, f"{path.name} is missing"
+    except Unsafe:
+        if is_regular(path):
+            return None, f"{path.name} is longer than the manifest's {want['size']} bytes"
+        return None, NOT_REGULAR.format(path.name)
 
 
 def read_verified(path: Path, names: tuple[str, ...] | None = None) -> tuple[dict[str, Any], dict[str, bytes]]:
@@ -262,14 +235,12 @@ def read_verified(path: Path, names: tuple[str, ...] | None = None) -> tuple[dic
     for name, want in m["files"].items():
         if names is not None and name not in names:
             continue
-        try:
-            data: bytes | None = (path / name).read_bytes()
-        except FileNotFoundError:
-            data = None
-        size = None if data is None else len(data)
-        if (p := _check(name, size, lambda d=data: hashlib.sha256(d).hexdigest(), want)) is not None:
-            problems.append(p)
-        elif data is not None:
+        data, wrong = _read_file(path / name, want)
+        if wrong is None and (p := _check(name, len(data), lambda d=data: hashlib.sha256(d).hexdigest(), want)):
+            wrong = p
+        if wrong is not None:
+            problems.append(wrong)
+        else:
             blobs[name] = data
     if problems:
         raise Damaged("; ".join(problems))
@@ -286,7 +257,14 @@ def check_dir(path: Path) -> tuple[bool, str]:
     problems, total = [], 0
     for name, want in m["files"].items():
         f = path / name
-        size = f.stat().st_size if f.is_file() else None
+        try:
+            st = os.lstat(f)
+        except FileNotFoundError:
+            st = None
+        if st is not None and not stat.S_ISREG(st.st_mode):
+            problems.append(NOT_REGULAR.format(name))
+            continue
+        size = None if st is None else st.st_size
         if (p := _check(name, size, lambda f=f: _hash_file(f)["sha256"], want)) is not None:
             problems.append(p)
         total += size or 0
