@@ -391,3 +391,32 @@ def test_cli_values_that_used_to_pass_or_trace_back(argv, match):
 def test_plan_json_into_a_missing_folder_is_one_line(tmp_path):
     with pytest.raises(SystemExit, match=r"^error: .*No such file"):
         main(["plan", SPEC, "--json", str(tmp_path / "nope" / "plan.json")])
+
+
+def test_a_stop_signal_during_the_last_iteration_completes_the_run(small_model, tmp_path, monkeypatch, capsys):
+    import signal
+
+    from solrl_engine.rl.trainer import Trainer
+
+    step = Trainer.step
+
+    def hup_in_the_last(self: Trainer) -> dict:
+        if self.iteration == self.cfg.iterations - 1:
+            os.kill(os.getpid(), signal.SIGHUP)  # handled at once, in this (the main) thread
+        return step(self)
+
+    monkeypatch.setattr(Trainer, "step", hup_in_the_last)
+    assert main(_argv(small_model, tmp_path / "run", iterations=2, save_every=2, eval_every=2)) == 0
+    out = capsys.readouterr().out
+    assert "SIGHUP arrived during the last iteration" in out and "--resume" not in out
+
+
+def test_sharding_without_torchrun_says_nothing_is_sharded(small_model, tmp_path, caplog):
+    from test_trust import _sets
+
+    from solrl_engine.rl.trainer import Trainer
+
+    cfg = load_config(SPEC, [*_sets(small_model), "sharding=fsdp", f"output={tmp_path / 'run'}"])
+    with caplog.at_level("WARNING", logger="solrl_engine.rl"):
+        Trainer(cfg, progress=False)
+    assert "sharding=fsdp in one process: there is nothing to shard over" in caplog.text
