@@ -69,7 +69,8 @@ def test_a_first_calls_one_time_cost_is_not_taken_for_its_speed(monkeypatch):
 
     monkeypatch.setattr(QuantLinear, "forward", forward)
     monkeypatch.setattr(choice, "_PROBE_CACHE", {})
-    t = choice.probe_explore_timings({(512, 256): 2}, {}, torch.float32, rows=256, reps=2, candidates=["int8"])
+    # (the fastest of 5 calls: other work on a loaded machine, a parallel test run's, only ever adds time)
+    t = choice.probe_explore_timings({(512, 256): 2}, {}, torch.float32, rows=256, reps=5, candidates=["int8"])
     assert t["int8"] < t["policy"] < 200.0, t
     ch = choice.choose_explore_precision(t, candidates=["int8"])
     assert ch.precision == "int8", ch.reason

@@ -304,9 +304,11 @@ def test_the_explorer_checks_its_inputs_in_one_line(explorer):
 # --- 5. every start validated before the first write -----------------------------------------------------
 
 
-@pytest.mark.parametrize("setting, key", [("ema_decay_max=1.5", "ema_decay_max"), ("old_decay_max=-0.1", "old_decay_max"),
-                                          ("old_decay_rate=2", "old_decay_rate"), ("lora_alpha=0", "lora_alpha"),
-                                          ("name=../../escape", "name"), ("name=a/b", "name")])  # fmt: skip
+@pytest.mark.parametrize("setting, key", [
+    ("ema_decay_max=1.5", "ema_decay_max"), ("old_decay_max=-0.1", "old_decay_max"),
+    ("old_decay_rate=2", "old_decay_rate"),
+    ("lora_alpha=0", "lora_alpha"), ("name=../../escape", "name"), ("name=a/b", "name"),
+])  # fmt: skip
 def test_values_out_of_range_are_refused_naming_the_key(setting, key):
     with pytest.raises(ConfigError, match=rf"{key} = .*: "):
         load_config(SPEC, [setting])

@@ -186,7 +186,7 @@ def test_a_torn_metrics_line_is_cut_back_to_the_checkpoint_on_resume(small_model
 
 
 def test_files_the_run_rewrites_are_replaced_atomically(small_model, finished, tmp_path, monkeypatch):
-    from solrl_engine.store import sealed
+    from solrl_engine.store import safe
 
     p = tmp_path / "summary.json"
     p.write_text('{"old": 1}')
@@ -195,9 +195,9 @@ def test_files_the_run_rewrites_are_replaced_atomically(small_model, finished, t
         raise OSError(28, "No space left on device")
 
     with monkeypatch.context() as m:
-        m.setattr(sealed.os, "fsync", full_disk)
+        m.setattr(safe.os, "fsync", full_disk)
         with pytest.raises(OSError, match="No space"):
-            sealed.write_atomic(p, '{"new": 2}')
+            safe.write_atomic(p, '{"new": 2}')
     assert p.read_text() == '{"old": 1}' and sorted(os.listdir(tmp_path)) == ["summary.json"]  # old file whole
     # the run and `solrl eval` write their JSON files that way: by a rename into place
     renamed: list[str] = []

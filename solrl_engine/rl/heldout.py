@@ -34,6 +34,7 @@ from solrl_engine.rl.export import save_trained
 from solrl_engine.rl.full import TrainedWeights
 from solrl_engine.sampling.rollouts import Rollouts
 from solrl_engine.store import checkpoint
+from solrl_engine.store.safe import read_regular
 from solrl_engine.viz import line_plot, save_image
 
 log = logging.getLogger("solrl_engine.rl")
@@ -187,12 +188,12 @@ class HeldOut:
         if not self.dist.main or not best_dir.exists():
             return
         try:  # missing or torn (a crash while it was written): unknown, so the directory goes
-            on_disk = json.loads((best_dir / checkpoint.BEST_INFO).read_text()).get("iteration")
-        except (OSError, ValueError):
+            on_disk = json.loads(read_regular(best_dir / checkpoint.BEST_INFO)).get("iteration")
+        except (OSError, ValueError, AttributeError):
             on_disk = None
         if self.best is None or on_disk != self.best[0]:
             log.info("removing %s (iteration %s): it was written after the resumed checkpoint", best_dir, on_disk)
-            shutil.rmtree(best_dir)
+            best_dir.unlink() if best_dir.is_symlink() else shutil.rmtree(best_dir)  # a link: removed, not followed
 
     def last(self) -> dict[str, Any]:
         """The last evaluation's numbers for the iteration's metrics record."""
