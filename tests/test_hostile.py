@@ -422,3 +422,20 @@ def test_sharding_without_torchrun_says_nothing_is_sharded(small_model, tmp_path
     with caplog.at_level("WARNING", logger="solrl_engine.rl"):
         Trainer(cfg, progress=False)
     assert "sharding=fsdp in one process: there is nothing to shard over" in caplog.text
+
+
+def test_a_disk_that_fills_mid_run_ends_in_one_line_with_the_resume_command(small_model, tmp_path, monkeypatch):
+    real, calls = checkpoint.write_tensors, []
+
+    def fills_on_the_second(path: Path, tensors: dict) -> dict:
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, tensors)
+
+    monkeypatch.setattr(checkpoint, "write_tensors", fills_on_the_second)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit, match=r"(?s)error: the disk of .* is full .*iter_000002: it needs about \d+ MiB.*"
+                                         r"continue with: solrl train .*--resume"):  # fmt: skip
+        main(_argv(small_model, out, iterations=3, save_every=1, eval_every=3))
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["iter_000001"]
