@@ -47,7 +47,7 @@ from solrl_engine.rl.update import NFTSettings, UpdateBatch, fixed_predictions, 
 from solrl_engine.sampling.compile import Census, CompiledBlocks, census_backend, repeated_blocks
 from solrl_engine.store import checkpoint, rundir
 from solrl_engine.store.checkpoint import EXPORT_DIRS
-from solrl_engine.store.safe import open_append, write_atomic
+from solrl_engine.store.safe import json_text, open_append, write_atomic
 from solrl_engine.store.tracking import Tracker
 
 log = logging.getLogger("solrl_engine.rl")
@@ -592,6 +592,6 @@ class Trainer:
             "stopped_by": stopped,  # the signal that stopped the run (None: it ran to the end)
         }
         if main:
-            write_atomic(self.out / "summary.json", json.dumps(summary, indent=2))
+            write_atomic(self.out / "summary.json", json_text(summary))  # strict JSON: a NaN is null
         self.dist.barrier()
         return summary

@@ -9,11 +9,14 @@ how to go on. docs/checkpoints.md ("Starting, stopping and resuming") describes 
   killed run is free: the next start takes it over and names the run that left it. The lock file
   is removed when its run ends (the inode is checked after locking, so a start racing with that
   removal never holds a lock on a file that is gone).
+  The lock file must be a regular file: a planted link or FIFO is refused before anything is written.
 - Validate, then move: `check_start` only reads (an existing run, a checkpoint to resume, room on
-  the disk); the trainer loads the model, reward and prompts; only then does --overwrite move the
-  old run's files into OUT/replaced-<time>/ (renames: nothing is deleted, nothing copied).
+  the disk, and that OUT is a run of ours: its MARKER, or for older runs a checkpoint); the trainer
+  loads the model, reward and prompts; only then does --overwrite move the old run's files into
+  OUT/replaced-<time>/ (renames: nothing is deleted, nothing copied).
 - Logs: `read_log` keeps the metrics.jsonl records up to the resumed iteration and drops later ones
-  and lines that do not parse (a torn write); the trainer rewrites the file atomically.
+  and a torn last line; a bad line with records after it is corruption, and the file as it was is
+  kept beside it (CORRUPT_LOG); the trainer rewrites the file atomically.
 - Signals: SIGINT, SIGTERM and SIGHUP stop a run after its iteration with a checkpoint; the CLI
   exits with 128 + the signal's number (EXIT_CODES), as a shell reports a process it killed.
 """
@@ -29,7 +32,6 @@ import os
 import shutil
 import signal
 import socket
-import stat
 import sys
 import threading
 import time
@@ -53,7 +55,7 @@ from solrl_engine.store.checkpoint import (
     pick,
     verify,
 )
-from solrl_engine.store.safe import MAX_LOG, Unsafe, fsync_dir, is_regular, read_regular, write_atomic
+from solrl_engine.store.safe import MAX_LOG, Unsafe, fsync_dir, is_regular, open_file, read_regular, write_atomic
 
 log = logging.getLogger("solrl_engine.rl")
 
@@ -158,17 +160,10 @@ class RunLock:
         """The lock file, opened without following a link or blocking on a FIFO, and only if it is a regular
         file: a planted .solrl.lock is refused before anything is written through it."""
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
-        except OSError as e:
-            if e.errno not in (errno.ELOOP, errno.ENXIO):
-                raise
-            fd = None
-        if fd is None or not stat.S_ISREG(os.fstat(fd).st_mode):
-            if fd is not None:
-                os.close(fd)
+            return open_file(self.path, os.O_RDWR | os.O_CREAT, 0o644)[0]
+        except Unsafe:
             raise Unsafe(f"{self.path} is not a regular file (a symbolic link, a FIFO or a device): nothing was "
-                         "written through it. Remove it (no run of ours leaves one) and start again")  # fmt: skip
-        return fd
+                         "written through it. Remove it (no run of ours leaves one) and start again") from None
 
     def _lock(self, fd: int) -> bool:
         """True once `fd` holds the lock, False when another process holds it. A file system that has no

@@ -52,12 +52,11 @@ def _refuse(path: Path, what: str) -> Unsafe:
                   "file the run wrote (restore the directory from a copy), or remove it")  # fmt: skip
 
 
-def open_regular(path: str | Path, limit: int | None = None) -> int:
-    """A read-only descriptor of `path`, refused (Unsafe) unless it is a regular file, not a link, at most
-    `limit` bytes. Opening never blocks (a FIFO is refused, not waited on)."""
-    path = Path(path)
+def open_file(path: Path, flags: int, mode: int = 0o666) -> tuple[int, os.stat_result]:
+    """`path` opened with `flags` plus no-follow, non-blocking and close-on-exec, and its stat; Unsafe (the
+    descriptor closed) unless it is a regular file."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise _refuse(path, "a symbolic link") from None
@@ -68,6 +67,14 @@ def open_regular(path: str | Path, limit: int | None = None) -> int:
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
         raise _refuse(path, _kind(st.st_mode))
+    return fd, st
+
+
+def open_regular(path: str | Path, limit: int | None = None) -> int:
+    """A read-only descriptor of `path`, refused (Unsafe) unless it is a regular file, not a link, at most
+    `limit` bytes. Opening never blocks (a FIFO is refused, not waited on)."""
+    path = Path(path)
+    fd, st = open_file(path, os.O_RDONLY)
     if limit is not None and st.st_size > limit:
         os.close(fd)
         raise Unsafe(f"{path} holds {_size(st.st_size)}, more than such a file can ({_size(limit)}): it was not "
@@ -91,17 +98,6 @@ def is_regular(path: str | Path) -> bool:
         return stat.S_ISREG(os.lstat(path).st_mode)
     except OSError:
         return False
-
-
-def inside(root: str | Path, path: str | Path) -> Path:
-    """`path` (relative names are taken under `root`), refused (Unsafe) when it resolves outside `root`
-    (a `..`, an absolute path, a link that leads out)."""
-    root = Path(root)
-    full = root / path
-    real_root, real = os.path.realpath(root), os.path.realpath(full)
-    if real != real_root and not real.startswith(real_root.rstrip(os.sep) + os.sep):
-        raise Unsafe(f"{path} leads out of {root} (to {real}): the engine reads and writes only inside it")
-    return full
 
 
 def default_mode() -> int:
@@ -201,19 +197,7 @@ def write_new(path: str | Path, data: bytes) -> None:
 def open_append(path: str | Path) -> int:
     """A descriptor appending to regular file `path` (created when missing), refused when it is a link or
     anything but a regular file."""
-    path = Path(path)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-                     default_mode())  # fmt: skip
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise _refuse(path, "a symbolic link") from None
-        raise
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise _refuse(path, _kind(st.st_mode))
-    return fd
+    return open_file(Path(path), os.O_WRONLY | os.O_APPEND | os.O_CREAT, default_mode())[0]
 
 
 def fresh_dir(path: str | Path) -> Path:
