@@ -445,9 +445,9 @@ class Trainer:
 
     def _checkpoint_bytes(self) -> int:
         """About the size of one checkpoint: the trained weights, their EMA and old copies and AdamW's two
-        moments, in FP32."""
-        trained = sum(p.numel() for p in self.adapters.params(TRAIN))
-        return 5 * 4 * trained + 2**20
+        moments, in FP32 (sharded full fine-tuning: every rank's shards)."""
+        trained = sum(local(p).numel() for p in self.adapters.params(TRAIN))
+        return 5 * 4 * trained * (self.dist.world if self.adapters.collective_io else 1) + 2**20
 
     def _checkpoint(self, main: bool) -> None:
         """Write a checkpoint and the exported adapters; never from a poisoned (non-finite) state."""
@@ -490,6 +490,8 @@ class Trainer:
             try:
                 lock.enter_context(rundir.hold(self.out))
                 verdict = ("start", rundir.check_start(self.out, mode))
+                # room for this run's checkpoints (a new run: two of them) before the first write, not hours in
+                rundir.check_room(self.out, (1 if verdict[1] == "resume" else 2) * self._checkpoint_bytes())
             except Exception as e:  # raised on every rank below, so none waits for a collective that never comes
                 verdict = ("refused", e)
         verdict = self.dist.broadcast_object(verdict)
@@ -522,7 +524,6 @@ class Trainer:
                 self.export()
             log.info("resumed from %s at iteration %d", ck, self.iteration)
         elif main:
-            rundir.check_room(self.out, 2 * self._checkpoint_bytes())  # before the first write, not hours in
             if mode == "overwrite":
                 rundir.move_aside(self.out)
             rundir.mark(self.out)
