@@ -118,6 +118,8 @@ def _sample(args: argparse.Namespace) -> int:
     if (args.prompt is None) == (args.split is None):
         raise SystemExit("give exactly one of --prompt TEXT or --split PROMPT_SET (heldout, sample/test, a file)")
     seeds = _parse_seeds(args.seeds)
+    for flag, path in (("--out", args.out), ("--json", args.json)):
+        _file_destination(flag, path)  # before anything is sampled, not after
     split = args.split if args.split is None or "/" in args.split or ":" in args.split else f"shapes/{args.split}"
     base = [args.prompt] if args.prompt else _checked(lambda: load_prompts(split))[: args.max_prompts]
     prompts = [p for p in base for _ in seeds]
@@ -227,6 +229,19 @@ def _own_output(out: Path) -> None:
     if out.is_dir() and (rundir.is_run(out) or (out / rundir.LOCK).exists()):
         raise SystemExit(f"error: --output {out} is a training run's directory; `solrl eval` does not write into "
                          f"one (its compare.png and files are the run's): pass --output {out / 'eval'}")  # fmt: skip
+
+
+def _file_destination(flag: str, path: str | None) -> None:
+    """A file the command will write (`--out`, `--json`, `--output`): its folder must exist, checked before
+    any work, so a typo does not cost the run's result."""
+    if path is None:
+        return
+    folder = Path(path).parent
+    if not folder.is_dir():
+        raise SystemExit(f"error: {flag} {path}: the folder {folder} does not exist; create it or choose another "
+                         "path (nothing was run)")  # fmt: skip
+    if Path(path).is_dir():
+        raise SystemExit(f"error: {flag} {path} is a directory; name a file in it (nothing was run)")
 
 
 def _output_given(output: str | None) -> None:
@@ -353,6 +368,7 @@ def _stopped_at_once(e: BaseException, out: Path) -> int:
 def _fidelity(args: argparse.Namespace) -> int:
     from solrl_engine.rl.fidelity import fidelity, search, write_report
 
+    _file_destination("--output", args.output)
     cfg = _load_cfg(args)
     if args.search:
         res = _checked(lambda: search(cfg, target=args.target, prompts=args.prompts, n=args.n, k=args.k,
@@ -382,6 +398,7 @@ def _fidelity(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     from solrl_engine.rl.memplan import memory_plan
 
+    _file_destination("--json", args.json)
     cfg = _load_cfg(args)
     if args.gpus < 1 or not 0 < args.gpu_memory < 1e6:  # (inf and nan are not a GPU's memory either)
         raise SystemExit("--gpus must be >= 1 and --gpu-memory a size in GiB > 0 (e.g. 80 for an H100)")

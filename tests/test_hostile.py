@@ -390,9 +390,11 @@ def test_cli_values_that_used_to_pass_or_trace_back(argv, match):
         main(argv)
 
 
-def test_plan_json_into_a_missing_folder_is_one_line(tmp_path):
-    with pytest.raises(SystemExit, match=r"^error: .*No such file"):
-        main(["plan", SPEC, "--json", str(tmp_path / "nope" / "plan.json")])
+@pytest.mark.parametrize("command", [["plan", SPEC, "--json"], ["sample", "--prompt", "a red circle", "--out"],
+                                     ["sample", "--prompt", "a red circle", "--json"], ["fidelity", SPEC, "--output"]])
+def test_a_file_into_a_missing_folder_is_refused_before_any_work(tmp_path, command):
+    with pytest.raises(SystemExit, match=r"^error: .*nope/out.json: the folder .* does not exist.*nothing was run"):
+        main([*command, str(tmp_path / "nope" / "out.json")])
 
 
 def test_a_stop_signal_during_the_last_iteration_completes_the_run(small_model, tmp_path, monkeypatch, capsys):
