@@ -279,6 +279,7 @@ def _train(args: argparse.Namespace) -> int:
     from solrl_engine.rl.guards import NonFiniteError
     from solrl_engine.rl.trainer import Trainer
     from solrl_engine.store import rundir
+    from solrl_engine.store.checkpoint import DiskFull
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     _output_given(args.output)
@@ -300,7 +301,7 @@ def _train(args: argparse.Namespace) -> int:
         except (KeyboardInterrupt, rundir.Stopped) as e:
             return _stopped_at_once(e, out)
         except (NonFiniteError, ValueError, OSError) as e:
-            if trainer is not None and (out / "checkpoints").is_dir():  # training began: say how to go on
+            if isinstance(e, DiskFull):  # a run that checkpointed before: say how to go on once space is freed
                 again = _resume_command(args, out)
                 raise SystemExit(f"error: {e}\nonce that is fixed, continue with: {again}") from None
             raise SystemExit(f"error: {e}") from None
