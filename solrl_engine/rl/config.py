@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import importlib.util
 import inspect
+import logging
 import math
 import types
 import typing
@@ -23,6 +24,8 @@ from solrl_engine.explore.ranking import nk_problem
 from solrl_engine.hw import autocast_for, pick_device, policy_dtype
 from solrl_engine.quant.recipe import NVFP4_OPTIONS
 from solrl_engine.sampling.sampler import SOLVERS
+
+log = logging.getLogger("solrl_engine.rl")
 
 __all__ = ["EXPLORE_PRECISIONS", "FAMILY_TABLE", "ConfigError", "RLConfig", "autocast_for", "load_config",
            "resolve_policy_dtype", "resolve_runtime"]
@@ -433,9 +436,7 @@ def _preset_width(cfg: RLConfig, changes: dict[str, object]) -> dict[str, object
     another shape."""
     if "resolution" not in changes or "width" in changes or cfg.width is None:
         return {}
-    import logging
-
-    logging.getLogger("solrl_engine.rl").info(
+    log.info(
         "resolution=%s: the preset's width=%s is dropped; the width follows resolution by the model's own rule (the "
         "same as the height, or its default width at its default height): set width too for another shape",
         changes["resolution"], cfg.width)  # fmt: skip
@@ -457,9 +458,7 @@ def _preset_nvfp4_options(cfg: RLConfig, changes: dict[str, object]) -> dict[str
         if key not in changes and getattr(cfg, key) != defaults[key]:
             reset[key] = defaults[key]
     if reset:
-        import logging
-
-        logging.getLogger("solrl_engine.rl").info(
+        log.info(
             "explore_precision=%s: the preset's %s apply to NVFP4 only and are set back to their defaults", precision,
             ", ".join(f"{k}={getattr(cfg, k)!r}" for k in reset))  # fmt: skip
     return reset

@@ -99,25 +99,20 @@ class DiskFull(OSError):
     it needed; the last complete checkpoint stays."""
 
 
-def state_bytes(state: dict[str, Any]) -> int:
-    """About how many bytes `state` takes as a checkpoint (its tensors; the JSON is small)."""
-    tensors, _ = encode(state)
-    return sum(t.numel() * t.element_size() for t in tensors.values()) + 2**20
-
-
 def write(final: Path, state: dict[str, Any], meta: dict[str, Any] | None = None, prepared: bool = False) -> Path:
     """Write `state` as a checkpoint directory at `final`, atomically and durably. `prepared`: its temporary
     directory already holds other files (save_sharded's shards), sealed with the rest. A full disk removes the
     partial directory and raises DiskFull naming what was needed."""
     tmp = final.with_name(f".tmp_{final.name}")
+    tensors, tree = encode(state)
     try:
-        return _write(final, tmp, state, meta, prepared)
+        return _write(final, tmp, tensors, tree, meta, prepared)
     except OSError as e:
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
         partial = sum(p.stat().st_size for p in tmp.iterdir() if p.is_file()) if tmp.is_dir() else 0
         shutil.rmtree(tmp, ignore_errors=True)
-        need = max(state_bytes(state), partial)
+        need = max(sum(t.numel() * t.element_size() for t in tensors.values()) + 2**20, partial)  # (+ the JSON)
         free = shutil.disk_usage(final.parent).free
         full = DiskFull(f"the disk of {final.parent} is full ({e.strerror}) while writing checkpoint {final.name}: it "
                         f"needs about {need / 2**20:.0f} MiB, {free / 2**20:.0f} MiB are free; the partial checkpoint "
@@ -126,8 +121,8 @@ def write(final: Path, state: dict[str, Any], meta: dict[str, Any] | None = None
         raise full from None
 
 
-def _write(final: Path, tmp: Path, state: dict[str, Any], meta: dict[str, Any] | None, prepared: bool) -> Path:
-    tensors, tree = encode(state)
+def _write(final: Path, tmp: Path, tensors: dict[str, torch.Tensor], tree: Any, meta: dict[str, Any] | None,
+           prepared: bool) -> Path:  # fmt: skip
     if not prepared:
         fresh_dir(tmp)
     known = {

@@ -121,7 +121,7 @@ def seal(directory: Path, meta: dict[str, Any], known: dict[str, dict[str, Any]]
     known = known or {}
     files = {}
     for p in sorted(directory.iterdir()):
-        if p.name == MANIFEST or not stat.S_ISREG(os.lstat(p).st_mode):
+        if p.name == MANIFEST or not is_regular(p):
             continue
         if p.name in known:
             files[p.name] = known[p.name]
