@@ -81,7 +81,7 @@ def run_family(cfg: RLConfig, warmup: int) -> dict[str, object]:
     # units of the update's cost in forward-equivalents (gpu_session's trainer stage)
     c, rule = trainer.cfg, FAMILY_TABLE[cfg.family]
     res["update_sizes"] = {"train_batch_size": c.train_batch_size, "gradient_checkpointing": c.gradient_checkpointing,
-                           "reason": trainer.sizes.reason}  # fmt: skip
+                           "reason": trainer.plan.sizes.reason}  # fmt: skip
     res["sample_steps"] = {
         "explore": c.prompts_per_iter * c.n * (c.preview_steps if rule.preview else c.full_steps),
         "regenerate": c.prompts_per_iter * c.k * c.full_steps if rule.regenerate else 0,

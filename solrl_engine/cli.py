@@ -397,18 +397,27 @@ def _fidelity(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from solrl_engine.rl.memplan import memory_plan
+    from solrl_engine.rl.runtime import Target, resolve
 
     _file_destination("--json", args.json)
     cfg = _load_cfg(args)
     if args.gpus < 1 or not 0 < args.gpu_memory < 1e6:  # (inf and nan are not a GPU's memory either)
         raise SystemExit("--gpus must be >= 1 and --gpu-memory a size in GiB > 0 (e.g. 80 for an H100)")
-    plan = _checked(lambda: memory_plan(cfg, gpus=args.gpus, gpu_gib=args.gpu_memory))
+    sm = None
+    if args.sm is not None:
+        if not (args.sm.isdigit() and 2 <= len(args.sm) <= 3 and int(args.sm) >= 50):
+            raise SystemExit(f"--sm {args.sm!r}: a compute capability as nvidia-smi's digits, e.g. 90 (H100/H200), "
+                             "100 (B200), 80 (A100), 89 (L40S)")  # fmt: skip
+        sm = (int(args.sm[:-1]), int(args.sm[-1]))
+    run = _checked(lambda: resolve(cfg, Target.gpu(args.gpu_memory, args.gpus, sm), show=True))
+    plan = run.memory
+    print("\n".join(run.lines()))
     print(plan.render())
     if args.json:
         from solrl_engine.store.safe import write_atomic
 
-        _checked(lambda: write_atomic(Path(args.json), json.dumps(plan.to_dict(), indent=2)))
+        rec = {**plan.to_dict(), "run": {k: v for k, v in run.to_dict().items() if k != "memory"}}
+        _checked(lambda: write_atomic(Path(args.json), json.dumps(rec, indent=2)))
         print(f"wrote {args.json}")
     return 0 if plan.fits else 3
 
@@ -537,6 +546,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--gpus", type=int, default=1,
                     help="GPUs per job (each holds everything unless --set sharding=fsdp)")
     pl.add_argument("--gpu-memory", type=float, default=80.0, metavar="GIB", help="memory per GPU in GiB (80)")
+    pl.add_argument("--sm", default=None, metavar="CC",
+                    help="the GPU's compute capability (90: H100/H200, 100: B200, 80: A100): explore_precision=auto "
+                         "is planned over the formats its tensor cores run (default: every GPU format)")  # fmt: skip
     pl.add_argument("--json", default=None, metavar="FILE", help="also write the plan as JSON")
     pl.set_defaults(func=_plan)
 

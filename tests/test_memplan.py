@@ -153,7 +153,7 @@ def test_the_trainer_refuses_a_plan_that_cannot_fit_before_any_weight_loads(monk
 
     monkeypatch.setattr(memplan, "device_memory_gib", lambda device: 0.01)  # as a 10 MiB GPU would report
     loads: list[str] = []
-    monkeypatch.setattr(trainer_mod, "build_rollouts", lambda cfg: loads.append(cfg.name) or 1 / 0)
+    monkeypatch.setattr(trainer_mod, "build_rollouts", lambda cfg, *run: loads.append(cfg.name) or 1 / 0)
     cfg = RLConfig(name="t", model="tiny", output=str(tmp_path / "run"))
     with pytest.raises(ConfigError, match="does not fit the update in 90% of 0.01 GiB.*memory_check=false"):
         trainer_mod.Trainer(cfg, progress=False)  # auto sizes: not even one sample fits
@@ -194,7 +194,7 @@ def test_explore_precisions_the_plan_maps_and_a_local_config_from_another_diffus
     local pipeline's transformer/config.json is read, keys its class does not take dropped (as from_config
     drops them); and the merged policy copy is counted for LoRA with merge_lora, whatever explores."""
     te = memplan.memory_plan(RLConfig(name="t", model="tiny", explore_precision="te_nvfp4"))
-    assert "te_nvfp4: planned as NVFP4" in {r.part: r for r in te.rows}["explore copy"].note
+    assert "te_nvfp4, stored as nvfp4" in {r.part: r for r in te.rows}["explore copy"].note
     from solrl_engine.models.sana import SanaModel
 
     small = {**SanaModel.FULL_CONFIG, "num_layers": 1, "num_attention_heads": 2, "attention_head_dim": 16,

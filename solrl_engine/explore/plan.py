@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from solrl_engine.explore.choice import POLICY, ExploreChoice, resolve_explore_precision
+from solrl_engine.explore.choice import EXPLORE_CANDIDATES, POLICY, ExploreChoice, resolve_explore_precision
+from solrl_engine.kernels import TENSOR_CORES, formats_with_tensor_cores
 from solrl_engine.models import ModelSpec
 from solrl_engine.quant.recipe import NVFP4_OPTIONS, RECIPES, RHT_SIZES, get_recipe
 
@@ -42,6 +43,11 @@ class ExploreSettings:
     four_over_six: bool = False
     lowrank: int = 0
     attention: str = "bf16"  # "fp8": the copy's attention on FP8 q, k, v (ExploreCopy.set_attention)
+
+    @property
+    def timed_at_start(self) -> bool:
+        """Whether the precision is resolved by timing the model's layers at start (auto: its probe's memory)."""
+        return self.precision == "auto"
 
     @staticmethod
     def key(name: str) -> str:
@@ -109,11 +115,23 @@ class ExploreSpec:
     timings_ms: Mapping[str, float] = field(default_factory=dict)
     dropped: tuple[str, ...] = ()
     attention: str = "bf16"  # the copy's attention (ExploreSettings.attention)
+    timed_at_start: bool = False  # foreseen (`foresee`): one of auto's answers, which its probe at start picks
 
     @property
     def quantized(self) -> bool:
         """Whether a quantized copy explores (else the policy itself does)."""
         return self.precision != POLICY
+
+    @property
+    def storage(self) -> str:
+        """The recipe whose tensors the copy stores (Transformer Engine's NVFP4 layers store NVFP4)."""
+        return "nvfp4" if self.precision == "te_nvfp4" else self.precision
+
+    @property
+    def built_from_whole_copy(self) -> bool:
+        """Whether building the copy first copies the whole transformer (Transformer Engine's layers take a deep
+        copy over; ours are built on the base's own storage)."""
+        return self.precision == "te_nvfp4"
 
 
 def plan(
@@ -141,17 +159,45 @@ def plan(
                                            measure=measure, rows=rows)  # fmt: skip
         if agree is not None:  # timings differ between ranks; the explore copy must not
             choice = agree(choice)
+    return _spec(settings, model, choice)
+
+
+def _spec(settings: ExploreSettings, model: ModelSpec, choice: ExploreChoice, quiet: bool = False,
+          timed_at_start: bool = False) -> ExploreSpec:  # fmt: skip
+    """The spec of a resolved choice: the family's rule for its format, the NVFP4 options dropped (warned unless
+    `quiet`) when the precision used is not NVFP4."""
     rule = explore_rule(settings, model, choice.precision)
-    log.info("explore precision %s: %s", choice.precision, choice.reason)
+    if not quiet:
+        log.info("explore precision %s: %s", choice.precision, choice.reason)
     dropped = tuple(k for k in NVFP4_OPTIONS if k in rule)
     if choice.precision != POLICY and dropped and get_recipe(choice.precision).format != "nvfp4":
-        log.warning("explore_precision=auto chose %s on this device: %s apply to NVFP4 only and are not used",
-                    choice.precision, ", ".join(ExploreSettings.key(k) for k in dropped))  # fmt: skip
+        if not quiet:
+            log.warning("explore_precision=auto chose %s on this device: %s apply to NVFP4 only and are not used",
+                        choice.precision, ", ".join(ExploreSettings.key(k) for k in dropped))  # fmt: skip
         for k in dropped:
             rule.pop(k)
     else:
         dropped = ()
-    if choice.precision == POLICY and settings.attention != "bf16":
+    if choice.precision == POLICY and settings.attention != "bf16" and not quiet:
         log.warning("explore_precision=auto chose the policy on this device (%s): explore_attention=%s needs an "
                     "explore copy and is not used", choice.reason, settings.attention)  # fmt: skip
-    return ExploreSpec(choice.precision, rule, choice.reason, dict(choice.timings_ms), dropped, settings.attention)
+    return ExploreSpec(choice.precision, rule, choice.reason, dict(choice.timings_ms), dropped, settings.attention,
+                       timed_at_start)
+
+
+def foresee(settings: ExploreSettings, model: ModelSpec, capability: tuple[int, int] | None,
+            gpu: bool = True) -> tuple[ExploreSpec, ...]:  # fmt: skip
+    """Every spec the explore pass can resolve to at start, known before any model loads (a run's plan, `solrl
+    plan`, the memory plan): a set precision, as `plan` passes it through; auto, each format its timing may
+    choose on a device of `capability` (those its tensor cores run; on a GPU whose capability is not known, every
+    GPU format; on a CPU every candidate), and the policy itself (auto's answer when none is faster). A memory
+    plan takes the largest; the start's timing picks one of them."""
+    if not settings.timed_at_start:
+        return (_spec(settings, model, resolve_explore_precision(settings.precision, "cpu", torch.float32), True),)
+    if capability is not None:
+        cands = formats_with_tensor_cores(capability)
+    else:
+        cands = tuple(TENSOR_CORES) if gpu else EXPLORE_CANDIDATES
+    where = f"sm_{capability[0]}{capability[1]}" if capability else "a GPU of any architecture" if gpu else "a CPU"
+    why = f"auto on {where}: timed at start among {', '.join(cands) or 'no quantized format'} and the policy"
+    return tuple(_spec(settings, model, ExploreChoice(p, why), True, True) for p in (*cands, POLICY))

@@ -29,15 +29,19 @@ import inspect
 import json
 import logging
 import weakref
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from solrl_engine.rl.config import FAMILY_TABLE, ConfigError, RLConfig
 from solrl_engine.rl.sizing import AUTO, HEADROOM, NothingFits, UpdateSizes, defaults, recompute_count, size_update
+
+if TYPE_CHECKING:
+    from solrl_engine.explore.plan import ExploreSpec
 
 log = logging.getLogger("solrl_engine.rl")
 GIB = 2**30
@@ -297,24 +301,27 @@ def _measure(model: Any, batch: int, train: bool, checkpointing: bool, cond: Any
     return float(tracker.peak)
 
 
-def memory_plan(cfg: RLConfig, gpus: int = 1, gpu_gib: float = 80.0) -> MemoryPlan:
-    """The per-GPU memory plan of `cfg` on `gpus` GPUs of `gpu_gib` GiB each (see the module docstring)."""
+def memory_plan(cfg: RLConfig, gpus: int = 1, gpu_gib: float = 80.0, explore: Sequence[ExploreSpec] | None = None,
+                sizes: UpdateSizes | None = None) -> MemoryPlan:  # fmt: skip
+    """The per-GPU memory plan of `cfg` on `gpus` GPUs of `gpu_gib` GiB each (see the module docstring). `explore`:
+    the specs its explore pass can resolve to at start (explore.plan.foresee; the largest copy is planned), by
+    default those of a GPU whose architecture is not known; `sizes`: the update's sizes as resolved (else auto
+    ones are resolved here)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from solrl_engine.explore.choice import POLICY
-    from solrl_engine.explore.plan import explore_rule
+    from solrl_engine.explore.plan import foresee
     from solrl_engine.models import model_spec
     from solrl_engine.nn import plan_quantization
-    from solrl_engine.quant.recipe import NVFP4_OPTIONS, get_recipe
+    from solrl_engine.quant.recipe import get_recipe
     cfg = cfg.validate()
-    resolved = None
-    if AUTO in (cfg.train_batch_size, cfg.gradient_checkpointing):  # sized for these GPUs first (a plan of its own)
+    resolved = sizes
+    if resolved is None and AUTO in (cfg.train_batch_size, cfg.gradient_checkpointing):  # sized for these GPUs
         try:
             resolved = resolve_update_sizes(cfg, gpus, gpu_gib)
         except NothingFits as e:  # the plan of the smallest update shows what to change
             resolved = UpdateSizes(1, True, f"nothing fits ({e.short}): shown at one sample with every block "
                                             "recomputed")  # fmt: skip
-        cfg = resolved.apply(cfg)
+    cfg = resolved.apply(cfg) if resolved is not None else cfg
     spec = model_spec(cfg.model)
     dtype = torch.float32 if cfg.policy_dtype == "float32" else torch.bfloat16  # auto: BF16 on every GPU
     b = torch.tensor([], dtype=dtype).element_size()
@@ -324,34 +331,36 @@ def memory_plan(cfg: RLConfig, gpus: int = 1, gpu_gib: float = 80.0) -> MemoryPl
     # the prompts' (stand-in) conditioning is real, made first: an encoder may read values (a mask's length)
     with torch.no_grad():  # (a text encoder's graph is not the update's)
         conds = {bs: model.encode_prompts(["a"] * bs) for bs in {train_bs, roll_bs}}
-    # what the explore copy is planned as: auto as FP8 (the larger of the 8- and 4-bit copies), TE's as NVFP4
-    precision = {"auto": "fp8", "te_nvfp4": "nvfp4"}.get(cfg.explore_precision, cfg.explore_precision)
+    settings = cfg.explore_settings()
+    quantized = [] if not FAMILY_TABLE[cfg.family].quantized_explore else [
+        e for e in (foresee(settings, spec, None) if explore is None else explore) if e.quantized]  # fmt: skip
     with fake:
         net = model.transformer
         params = sum(p.numel() for p in net.parameters())
         targets = spec.lora_targets if cfg.lora_targets is None else cfg.lora_targets
-        copy_report = None
-        if FAMILY_TABLE[cfg.family].quantized_explore and precision != POLICY:
-            copy_rule = explore_rule(cfg.explore_settings(), spec, precision)
-            if get_recipe(precision).format != "nvfp4":  # as explore.plan drops them where auto picks 8 bits
-                for k in NVFP4_OPTIONS:
-                    copy_rule.pop(k, None)
-            copy_report = plan_quantization(net, get_recipe(precision).with_(**copy_rule))
-        kept = {d.name for d in copy_report.layers if not d.quantized} if copy_report is not None else set()
+        # each copy the explore pass may end with, planned as `quantize_model` would; the largest is counted
+        reports = [(e, plan_quantization(net, get_recipe(e.storage).with_(**e.rule))) for e in quantized]
         # explore_precision=auto's timing probe at start: one linear per distinct quantized shape at the policy's
         # dtype and its candidates' copies, fed the rollouts' rows (explore.choice.probe_explore_timings)
         probe = 0.0
-        if copy_report is not None and cfg.explore_precision == "auto":
+        if any(e.timed_at_start for e, _ in reports):
             tokens = getattr(model, "tokens_per_sample", None) or 4096
             rows = min(32768, roll_bs * tokens)
-            shapes = {(d.in_features, d.out_features) for d in copy_report.layers if d.quantized}
+            shapes = {(d.in_features, d.out_features) for _, r in reports for d in r.layers if d.quantized}
             probe = sum(k * n * (b + 2) + rows * (k + n) * b for k, n in shapes)  # weight, 8-bit copies, in/out
-        lora = lora_all = lora_hp = 0
+        lora = lora_all = 0
+        target_sizes: dict[str, int] = {}  # the LoRA layers' weights, by name
         for n, m in net.named_modules():
             if any(n.endswith(t) for t in targets) and hasattr(m, "in_features"):
                 lora += cfg.lora_rank * (m.in_features + m.out_features)
                 lora_all += m.in_features * m.out_features
-                lora_hp += m.in_features * m.out_features if n in kept else 0
+                target_sizes[n] = m.in_features * m.out_features
+        # per copy: (spec, its stored bytes, the weights it leaves unquantized, layers quantized, the LoRA layers'
+        # weights it keeps unquantized: a LoRA copy holds its own merged ones)
+        copies = [(e, r.weight_bytes()[1], params - sum(d.in_features * d.out_features for d in r.layers
+                                                        if d.quantized),
+                   len(r.quantized), sum(target_sizes.get(d.name, 0) for d in r.layers if not d.quantized))
+                  for e, r in reports]  # fmt: skip
         from solrl_engine.sampling.compile import repeated_blocks
 
         sizes_b = [sum(p.numel() for p in blk.parameters()) for blk in repeated_blocks(net, spec.repeated_blocks)]
@@ -360,12 +369,17 @@ def memory_plan(cfg: RLConfig, gpus: int = 1, gpu_gib: float = 80.0) -> MemoryPl
         act_plain = _measure(model, train_bs, train=True, checkpointing=False, cond=conds[train_bs])
         act_ckpt = _measure(model, train_bs, train=True, checkpointing=True, cond=conds[train_bs])
         act_roll = _measure(model, roll_bs, train=False, checkpointing=False, cond=conds[roll_bs])
-    copy = None
-    if copy_report is not None:
-        q = sum(d.in_features * d.out_features for d in copy_report.layers if d.quantized)
-        how = {"auto": "auto: planned as FP8, the larger 8-bit copy", "te_nvfp4": "te_nvfp4: planned as NVFP4"}
-        copy = (copy_report.weight_bytes()[1], params - q, len(copy_report.quantized),
-                how.get(cfg.explore_precision, precision))  # fmt: skip
+    def copy_of(full: bool, sharded: bool) -> tuple[ExploreSpec, float, int, str] | None:
+        """The largest explore copy the run may end with: (its spec, its bytes, layers quantized, how)."""
+        if not copies:
+            return None
+        # LoRA: the copy shares the frozen base's tensors (sharded: it keeps its own, whole, built before sharding)
+        e, stored, unquantized, n_q, lora_hp = max(
+            copies, key=lambda c: c[1] + (c[2] if full or sharded else c[4]) * b)  # fmt: skip
+        how = e.precision if len(copies) == 1 else (f"auto: planned as {e.precision}, the largest "
+                                                    f"of {', '.join(c[0].precision for c in copies)}")  # fmt: skip
+        how += f", stored as {e.storage}" if e.storage != e.precision else ""
+        return e, stored + (unquantized if full or sharded else lora_hp) * b, n_q, how
 
     # the ranks each sharded tensor is split over: all of them (fsdp), or a group (hsdp: shard_group_size, else a
     # node's GPUs, taken as up to 8)
@@ -405,22 +419,19 @@ def memory_plan(cfg: RLConfig, gpus: int = 1, gpu_gib: float = 80.0) -> MemoryPl
         elif gpus > 1:
             rows.append(PlanRow("gradient reduce-scatter", 4 * (sizes[0] if sizes else 0) / GIB, "update",
                                 "the largest block's FP32 gradients whole, before FSDP2 scatters them"))  # fmt: skip
-        copy_gib = 0.0
+        copy_gib, copy = 0.0, copy_of(full, sharded)
         if sharded and shards > 1:
             rows.append(PlanRow("gathered blocks", gathered * (4 if full else b) / GIB, "always",
                                 "the largest two repeated blocks whole (one computing, the next gathered)"))
         if copy is not None:
-            stored, unquantized, n_q, how = copy
-            # LoRA: the copy shares the frozen base's tensors (sharded: it keeps its own, whole, built before sharding)
-            own_hp = unquantized * b if full or sharded else lora_hp * b
-            copy_gib = stored + own_hp
+            copy_spec, copy_gib, n_q, how = copy
             rows.append(PlanRow("explore copy", copy_gib / GIB, "always", f"{n_q} layers quantized ({how})"))
         if cfg.merge_lora and not full and not sharded:
             rows.append(PlanRow("merged policy copy", lora_all * b / GIB, "always",
                                 "the LoRA layers merged, for full-precision rollouts"))  # fmt: skip
         # (the copies are built on the base's own storage, ExploreCopy(borrow=True): no second whole copy at start,
         # but Transformer Engine's layers take a deep copy over)
-        if copy is not None and cfg.explore_precision == "te_nvfp4":
+        if copy is not None and copy_spec.built_from_whole_copy:
             rows.append(PlanRow("explore copy, being built", max(0.0, params * b - copy_gib) / GIB, "start",
                                 "te_nvfp4: the whole transformer copied before TE's layers take it over"))  # fmt: skip
         if probe:
@@ -488,28 +499,6 @@ def resolve_update_sizes(cfg: RLConfig, world: int, gpu_gib: float | None) -> Up
             raise
         log.warning("%s; memory_check=false: starting with the defaults", e)
         return defaults(cfg, "nothing fits, memory_check=false: the defaults")
-
-
-def check_fits(cfg: RLConfig, world: int) -> None:
-    """The trainer's start-time check: on a GPU, refuse a run whose plan cannot fit this device (ConfigError with
-    the plan and what to change; memory_check=false starts anyway). A CPU run is not checked, and a plan that
-    cannot be made (an architecture it cannot build on fake tensors) is a warning, not a refusal."""
-    from solrl_engine.rl.config import ConfigError, resolve_runtime
-
-    if not cfg.memory_check:
-        return
-    gib = device_memory_gib(resolve_runtime(cfg)[0])
-    if gib is None:
-        return
-    try:
-        plan = memory_plan(cfg, gpus=world, gpu_gib=gib)
-    except Exception as e:  # advice, not a gate: a plan that fails must not stop a run that would fit
-        log.warning("memory plan not made (%s: %s); starting without it", type(e).__name__, str(e)[:200])
-        return
-    if not plan.fits:
-        raise ConfigError(f"config {cfg.name!r}: its memory plan does not fit this GPU ({gib:.0f} GiB); change "
-                          "what it suggests, or set memory_check=false to start anyway\n" + plan.render())
-    log.info("memory plan: peak %.1f GiB (%s) of %.0f GiB", plan.peak_gib, plan.peak_phase, gib)
 
 
 def device_memory_gib(device: torch.device) -> float | None:

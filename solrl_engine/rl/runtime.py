@@ -1,8 +1,12 @@
-"""From a training config to the objects the layers below take: the rollouts (device, policy dtype, model,
-reward, how to sample) and the explore pass (its settings -> `explore.plan` -> an Explorer over the copy).
+"""From a training config to the objects the layers below take. First `resolve(cfg, target) -> RunPlan`: the
+run resolved once, before any weight loads, for the machine it runs on (or one `solrl plan` is told about): the
+policy dtype, the update's sizes and settings, the rollouts' settings, the explore pass as it can resolve at start,
+and the memory plan. Then the rollouts (model, reward, how to sample) and the explore pass (its settings ->
+`explore.plan` -> an Explorer over the copy).
 
 Why here: RLConfig is read in rl/ only. Everything under it (sampling.Rollouts, explore.plan, the Explorer)
-takes plain values, so another trainer reaches them exactly as ours does.
+takes plain values, so another trainer reaches them exactly as ours does; the trainer, `solrl plan` and the GPU
+session read one RunPlan instead of re-deriving its parts.
 """
 
 from __future__ import annotations
@@ -10,19 +14,145 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from solrl_engine.explore.choice import ExploreChoice
 from solrl_engine.explore.copy import ExploreCopy
 from solrl_engine.explore.explorer import Explorer
-from solrl_engine.explore.plan import ExploreSpec, plan
+from solrl_engine.explore.plan import ExploreSpec, foresee, plan
+from solrl_engine.kernels import device_capability
 from solrl_engine.models import load_model, model_spec
 from solrl_engine.rewards import check_reward, load_reward, parse_reward_args
-from solrl_engine.rl.config import FAMILY_TABLE, RLConfig, resolve_policy_dtype, resolve_runtime
+from solrl_engine.rl import memplan
+from solrl_engine.rl.config import FAMILY_TABLE, ConfigError, RLConfig, resolve_policy_dtype, resolve_runtime
+from solrl_engine.rl.memplan import MemoryPlan
+from solrl_engine.rl.sizing import NothingFits, UpdateSizes
+from solrl_engine.rl.update import NFTSettings
 from solrl_engine.sampling.rollouts import Rollouts, RolloutSettings, model_guidance
 
 log = logging.getLogger("solrl_engine.rl")
 Agree = Callable[[ExploreChoice], ExploreChoice]  # every rank takes one answer (Dist.broadcast_object)
+
+
+@dataclass(frozen=True)
+class Target:
+    """The machine a run is resolved for: `device` (a CUDA device for a GPU, also one `solrl plan` is told about
+    from a machine without it), its memory in GiB (None: a CPU, nothing to size against), its compute capability
+    (None: not known; auto's explore is then planned over every GPU format) and the ranks of the job."""
+
+    device: torch.device
+    gpu_gib: float | None = None
+    capability: tuple[int, int] | None = None
+    world: int = 1
+
+    @classmethod
+    def here(cls, cfg: RLConfig, world: int = 1) -> Target:
+        """This machine as the config's `device` picks it (a CUDA device that is not there is a ConfigError)."""
+        device = resolve_runtime(cfg)[0]
+        return cls(device, memplan.device_memory_gib(device), device_capability(device), world)
+
+    @classmethod
+    def gpu(cls, gib: float, world: int = 1, capability: tuple[int, int] | None = None) -> Target:
+        """A GPU of `gib` GiB (and `capability`, where known), `world` of them, not necessarily this machine's."""
+        return cls(torch.device("cuda"), gib, capability, world)
+
+    def describe(self) -> str:
+        """As a plan names it: "4 x 80 GiB GPUs (sm_90)", "this CPU"."""
+        if self.gpu_gib is None:
+            return "this CPU" if self.device.type == "cpu" else f"{self.device} (memory not known)"
+        sm = f" (sm_{self.capability[0]}{self.capability[1]})" if self.capability else ""
+        return f"{self.world} x {self.gpu_gib:g} GiB GPU{'s' if self.world > 1 else ''}{sm}"
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """A run resolved once, before any weight loads, for one Target. `cfg` is the config with its auto sizes
+    replaced by their values (what config.json and checkpoints record); `explore` every spec the explore pass can
+    resolve to at start (one for a set precision; auto's candidates and the policy; empty where the family
+    explores with the policy: its timing at start picks one, Trainer.explore_spec); `memory` the memory plan
+    (None on a CPU, or where none could be made or none was asked for)."""
+
+    cfg: RLConfig
+    target: Target
+    dtype: torch.dtype
+    dtype_reason: str
+    sizes: UpdateSizes
+    rollouts: RolloutSettings
+    update: NFTSettings
+    explore: tuple[ExploreSpec, ...]
+    memory: MemoryPlan | None
+
+    def check(self) -> None:
+        """Refuse, before any weight loads, a run whose memory plan does not fit its GPU (ConfigError with the plan
+        and what to change); memory_check=false starts anyway, as does a run without a plan."""
+        if self.memory is None or not self.cfg.memory_check:
+            return
+        if not self.memory.fits:
+            raise ConfigError(f"config {self.cfg.name!r}: its memory plan does not fit this GPU "
+                              f"({self.target.gpu_gib:.0f} GiB); change what it suggests, or set memory_check=false "
+                              "to start anyway\n" + self.memory.render())  # fmt: skip
+        log.info("memory plan: peak %.1f GiB (%s) of %.0f GiB", self.memory.peak_gib, self.memory.peak_phase,
+                 self.target.gpu_gib)  # fmt: skip
+
+    def lines(self) -> list[str]:
+        """What was resolved, a line each (`solrl plan` prints them above the memory plan)."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        if not self.explore:
+            explore = f"the policy itself ({self.cfg.family} explores with it)"
+        elif len(self.explore) == 1:
+            explore = f"{self.explore[0].precision} ({self.explore[0].reason})"
+        else:
+            explore = f"one of {', '.join(e.precision for e in self.explore)} ({self.explore[0].reason})"
+        return [f"run plan for {self.cfg.name} on {self.target.describe()}",
+                f"  policy dtype: {dtype} ({self.dtype_reason})",
+                f"  update sizes: train_batch_size {self.sizes.train_batch_size}, gradient_checkpointing "
+                f"{self.sizes.recompute} ({self.sizes.reason})",
+                f"  explore: {explore}"]  # fmt: skip
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as JSON values (`solrl plan --json`, the GPU session's records)."""
+        t = self.target
+        return {"config": self.cfg.name, "device": str(t.device), "gpu_gib": t.gpu_gib, "world": t.world,
+                "capability": list(t.capability) if t.capability else None,
+                "policy_dtype": str(self.dtype).removeprefix("torch."), "policy_dtype_reason": self.dtype_reason,
+                "update_sizes": {"train_batch_size": self.sizes.train_batch_size,
+                                 "gradient_checkpointing": self.sizes.recompute, "reason": self.sizes.reason},
+                "explore": [{"precision": e.precision, "reason": e.reason} for e in self.explore],
+                "memory": self.memory.to_dict() if self.memory is not None else None}  # fmt: skip
+
+
+def resolve(cfg: RLConfig, target: Target | None = None, show: bool = False) -> RunPlan:
+    """`cfg` resolved once for `target` (default: this machine, one rank), before any weight loads: the update's
+    sizes (auto: from the GPU's memory plan; rl/sizing.py), the explore pass as it can resolve at start
+    (explore.plan.foresee), and on a GPU the memory plan of what it resolved while memory_check is on (a plan that
+    cannot be made is a warning, not a refusal). Raises ConfigError where not even the smallest update fits.
+    `show`: a plan to look at (`solrl plan`): the memory plan is always made (its failure raised), and where nothing
+    fits it shows the smallest update (one sample, every block recomputed) instead of refusing."""
+    cfg = cfg.validate()
+    target = target if target is not None else Target.here(cfg)
+    dtype, why = resolve_policy_dtype(cfg, target.device)
+    try:
+        sizes = memplan.resolve_update_sizes(cfg, target.world, target.gpu_gib)
+    except NothingFits as e:
+        if not show:
+            raise
+        sizes = UpdateSizes(1, True, f"nothing fits ({e.short}): shown at one sample with every block recomputed")
+    cfg = sizes.apply(cfg)
+    gpu = target.device.type == "cuda"
+    explore = (foresee(cfg.explore_settings(), model_spec(cfg.model), target.capability, gpu=gpu)
+               if FAMILY_TABLE[cfg.family].quantized_explore else ())  # fmt: skip
+    mem = None
+    if target.gpu_gib is not None and (show or cfg.memory_check):
+        try:
+            mem = memplan.memory_plan(cfg, target.world, target.gpu_gib, explore=explore, sizes=sizes)
+        except Exception as e:  # noqa: BLE001 - advice, not a gate: a plan that fails must not stop a run that fits
+            if show:
+                raise
+            log.warning("memory plan not made (%s: %s); starting without it", type(e).__name__, str(e)[:200])
+    return RunPlan(cfg, target, dtype, why, sizes, rollout_settings(cfg), NFTSettings.from_config(cfg), explore, mem)
 
 
 def rollout_settings(cfg: RLConfig) -> RolloutSettings:
@@ -34,14 +164,18 @@ def rollout_settings(cfg: RLConfig) -> RolloutSettings:
                            compile_cache_dir=cfg.compile_cache_dir, reward_name=cfg.reward)  # fmt: skip
 
 
-def build_rollouts(cfg: RLConfig) -> Rollouts:
-    """The config's model (on its device, in its policy dtype, frozen) and reward, behind one Rollouts. A
-    missing reward weight fails before any model loads."""
+def build_rollouts(cfg: RLConfig, run: RunPlan | None = None) -> Rollouts:
+    """The config's model (on its device, in its policy dtype, frozen) and reward, behind one Rollouts: as `run`
+    resolved them (the trainer's plan), else resolved here. A missing reward weight fails before any model loads."""
     spec = model_spec(cfg.model)
     reward_args = parse_reward_args(cfg.reward_args)
     check_reward(cfg.reward, reward_args)
-    device, dtype = resolve_runtime(cfg)
-    log.info("policy dtype %s: %s", str(dtype).removeprefix("torch."), resolve_policy_dtype(cfg, device)[1])
+    if run is None:
+        device = resolve_runtime(cfg)[0]
+        dtype, why = resolve_policy_dtype(cfg, device)
+    else:
+        device, dtype, why = run.target.device, run.dtype, run.dtype_reason
+    log.info("policy dtype %s: %s", str(dtype).removeprefix("torch."), why)
     model = load_model(
         cfg.model,
         cfg.model_path,
@@ -56,7 +190,7 @@ def build_rollouts(cfg: RLConfig) -> Rollouts:
     model.requires_grad_(False)
     reward = load_reward(cfg.reward, reward_args)
     reward.frames, reward.frame_agg = cfg.reward_frames, cfg.reward_frame_agg  # what an image reward sees of a clip
-    return Rollouts(model, spec, reward, rollout_settings(cfg))
+    return Rollouts(model, spec, reward, rollout_settings(cfg) if run is None else run.rollouts)
 
 
 def plan_explore(cfg: RLConfig, ro: Rollouts, agree: Agree | None = None, choice: ExploreChoice | None = None,

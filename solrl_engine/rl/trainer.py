@@ -32,18 +32,18 @@ from solrl_engine.explore.copy import ExploreCopy
 from solrl_engine.explore.plan import ExploreSpec
 from solrl_engine.hw import cpu_compile_available
 from solrl_engine.models.base import Conditioning
-from solrl_engine.rl import memplan, sizing
+from solrl_engine.rl import sizing
 from solrl_engine.rl.adapters import OLD, TRAIN, LoraAdapters
-from solrl_engine.rl.config import FAMILY_TABLE, ConfigError, RLConfig, resolve_runtime
+from solrl_engine.rl.config import FAMILY_TABLE, ConfigError, RLConfig
 from solrl_engine.rl.distributed import Dist, local
 from solrl_engine.rl.export import save_trained
 from solrl_engine.rl.full import REF, FullWeights, TrainedWeights
 from solrl_engine.rl.guards import NonFiniteError, ProxyGuard, check_finite, check_resume_config
 from solrl_engine.rl.heldout import HeldOut
 from solrl_engine.rl.ranking import group_advantages, kendall, spearman
-from solrl_engine.rl.runtime import build_rollouts, explorer_for
+from solrl_engine.rl.runtime import Target, build_rollouts, explorer_for, resolve
 from solrl_engine.rl.sharding import shard_policy, sharded_bytes
-from solrl_engine.rl.update import NFTSettings, UpdateBatch, fixed_predictions, nft_update
+from solrl_engine.rl.update import UpdateBatch, fixed_predictions, nft_update
 from solrl_engine.sampling.compile import Census, CompiledBlocks, census_backend, repeated_blocks
 from solrl_engine.store import checkpoint, rundir
 from solrl_engine.store.checkpoint import EXPORT_DIRS
@@ -100,15 +100,15 @@ class Trainer:
                         "`torchrun --nproc_per_node 8 --no-python solrl train ...`); every weight stays whole here",
                         cfg.sharding)  # fmt: skip
         self.progress = progress and self.dist.main
-        # the update's micro-batch and recompute from this device's memory (auto), then the whole plan checked: on a
-        # GPU, before any weight loads; config.json and checkpoints record the resolved values
-        gib = memplan.device_memory_gib(resolve_runtime(cfg)[0])
-        self.sizes = memplan.resolve_update_sizes(cfg, self.dist.world, gib)
-        self.cfg = cfg = self.sizes.apply(cfg)
+        # the run resolved once for this machine before any weight loads (rl/runtime.resolve): the update's micro-batch
+        # and recompute from this device's memory (auto), the explore pass as it can resolve, the memory plan checked;
+        # config.json and checkpoints record the resolved values
+        self.plan = resolve(cfg, Target.here(cfg, self.dist.world))
+        self.cfg = cfg = self.plan.cfg
         log.info("update sizes: train_batch_size %s, gradient_checkpointing %s (%s)", cfg.train_batch_size,
-                 cfg.gradient_checkpointing, self.sizes.reason)  # fmt: skip
-        memplan.check_fits(cfg, self.dist.world)
-        self.rollouts = build_rollouts(cfg)
+                 cfg.gradient_checkpointing, self.plan.sizes.reason)  # fmt: skip
+        self.plan.check()
+        self.rollouts = build_rollouts(cfg, self.plan)
         self.model, self.device, self.dtype = self.rollouts.model, self.rollouts.device, self.rollouts.dtype
         # like-for-like: with merge_lora, full-precision rollouts run the "old" LoRA merged into a copy of the
         # policy at its own precision, as the quantized copy has it (not PEFT's unmerged branches)
@@ -149,7 +149,7 @@ class Trainer:
             log.info("sharding=%s: %d blocks over %s; this rank holds %.1f of %.1f MiB of %s weights", cfg.sharding,
                      blocks, over, local / 2**20, full / 2**20, "base" if lora else "trained")  # fmt: skip
         self.opt = torch.optim.AdamW(self.adapters.params(TRAIN), lr=cfg.lr, weight_decay=cfg.weight_decay)
-        self.nft = NFTSettings.from_config(cfg)  # what the update reads of the config
+        self.nft = self.plan.update  # what the update reads of the config
         self.prompt_sampler = PromptSampler(self.train_prompts, cfg.seed)
         self.seed_rng = random.Random(cfg.seed + 1)
         self.gen = torch.Generator().manual_seed(cfg.seed + 2)
