@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from solrl_engine.models.base import Conditioning
-from solrl_engine.rl.adapters import TRAIN, LoraAdapters
+from solrl_engine.rl.adapters import OLD, TRAIN, LoraAdapters
 from solrl_engine.rl.ranking import group_advantages
 from solrl_engine.sampling.sampler import _solve, sample, schedule_pair
 
@@ -118,6 +118,52 @@ def test_ema_decay_uses_the_update_count_after_the_update():
     d = 2 / 11  # min((1 + 1) / (10 + 1), 0.9)
     for e, s, p in zip(ad.ema, start, ad.params(TRAIN), strict=True):
         torch.testing.assert_close(e, d * s + (1 - d) * p.detach())
+
+
+def test_an_adapter_switch_is_one_assignment_and_computes_what_peft_switching_does(monkeypatch):
+    """`use` walks no layer and no parameter (PEFT's set_adapter flips every adapter's requires_grad in each layer):
+    the trained, old and reference (no adapter) outputs equal PEFT's own switching; after PEFT switched the layers
+    itself, the next `use` shares the switch again; only the trained adapter ever takes gradients."""
+    from diffusers import SD3Transformer2DModel
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    torch.manual_seed(0)
+    net = SD3Transformer2DModel(sample_size=8, patch_size=2, in_channels=4, out_channels=4, num_layers=2,
+                                attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16,
+                                caption_projection_dim=16, pooled_projection_dim=16, pos_embed_max_size=8)  # fmt: skip
+    ad = LoraAdapters(net, 2, 4, ("attn.to_q", "attn.to_k", "ff.net.2"))
+    with torch.no_grad():  # two distinct non-zero adapters (B starts at zero)
+        for name in (TRAIN, OLD):
+            for p in ad.params(name):
+                p.add_(torch.randn_like(p) * 0.3)
+    x, ctx, pooled = torch.randn(1, 4, 8, 8), torch.randn(1, 3, 16), torch.randn(1, 16)
+
+    def out() -> torch.Tensor:
+        with torch.no_grad():
+            return net(hidden_states=x, encoder_hidden_states=ctx, pooled_projections=pooled,
+                       timestep=torch.tensor([0.5])).sample  # fmt: skip
+
+    peft = {}
+    for which in (TRAIN, OLD, "ref"):  # PEFT's own switching, through the model (walks every layer)
+        if which == "ref":
+            net.disable_adapters()
+        else:
+            net.enable_adapters()
+            net.set_adapter(which)
+        peft[which] = out()
+    assert not torch.equal(peft[TRAIN], peft[OLD]) and not torch.equal(peft[OLD], peft["ref"])
+    ad.use(TRAIN)  # PEFT switched the layers itself above: shared again here
+    flips, sets = [], []
+    monkeypatch.setattr(torch.Tensor, "requires_grad_", lambda self, *a: flips.append(1) or self)
+    monkeypatch.setattr(BaseTunerLayer, "set_adapter", lambda *a, **k: sets.append(1))
+    for which in (OLD, "ref", TRAIN, OLD, "ref"):
+        ad.use(which)
+        torch.testing.assert_close(out(), peft[which], rtol=0, atol=0)
+    with ad.using(OLD):
+        torch.testing.assert_close(out(), peft[OLD], rtol=0, atol=0)
+    torch.testing.assert_close(out(), peft[TRAIN], rtol=0, atol=0)  # `using` returns to the trained adapter
+    assert flips == [] and sets == []
+    assert all(p.requires_grad for p in ad.params(TRAIN)) and not any(p.requires_grad for p in ad.params(OLD))
 
 
 def test_advantages_group_rows_of_the_same_prompt():

@@ -105,7 +105,12 @@ class LoraAdapters(PolicySets):
             for a, b in zip(self.params(OLD), self.params(TRAIN), strict=True):
                 a.copy_(b)
         self.ema = [p.detach().clone() for p in self.params(TRAIN)]
-        self.use(TRAIN)
+        # one list every LoRA layer reads as its active adapters: a switch is one assignment, not a walk over the
+        # layers (PEFT's set_adapter visits each and flips every adapter's requires_grad; ours never change: the
+        # trained adapter always takes gradients, "old" never does)
+        self._active: list[str] = [TRAIN]
+        self._first = next(iter(self.layers.values()))
+        self._share_switch()
 
     def params(self, adapter: str) -> list[nn.Parameter]:
         """The LoRA A and B matrices of `adapter`, in a fixed order."""
@@ -114,17 +119,24 @@ class LoraAdapters(PolicySets):
             out += [m.lora_A[adapter].weight, m.lora_B[adapter].weight]
         return out
 
-    def use(self, which: str) -> None:
-        """Activate "default", "old" or "ref" (adapters off). Only "default" ever takes gradients."""
-        if which == "ref":
-            self.transformer.disable_adapters()
-        else:
-            self.transformer.enable_adapters()
-            self.transformer.set_adapter(which)
+    def _share_switch(self) -> None:
+        """Point every LoRA layer at the one active-adapter list (a walk, once, or after PEFT switched them itself)
+        and set which adapter takes gradients."""
+        self.transformer.enable_adapters()  # (PEFT's own: clears any layer's "disabled" flag)
+        for m in self.layers.values():
+            m._active_adapter = self._active  # what PEFT's active_adapters reads; PEFT's set_adapter replaces it
         for p in self.params(TRAIN):
             p.requires_grad_(True)
         for p in self.params(OLD):
             p.requires_grad_(False)
+
+    def use(self, which: str) -> None:
+        """Activate "default", "old" or "ref" (no adapter: the base alone). Only "default" ever takes gradients.
+        One assignment to the list every layer reads; where PEFT's own set_adapter / disable_adapters replaced it,
+        the list is shared again first."""
+        if self._first._active_adapter is not self._active or self._first.disable_adapters:
+            self._share_switch()
+        self._active[:] = [] if which == "ref" else [which]
 
     def _trained(self) -> list[torch.Tensor]:
         return self.params(TRAIN)
