@@ -12,7 +12,9 @@ strongest baseline) and `naive_scaling` (eager BF16), all measured in the same r
 
 Full-size models have random weights and stand-in text encoder / VAE (model_path="random" of the
 family adapters in solrl_engine/models/):
-the timings are of the denoiser, the LoRA update and the explore copy, which is what Sol-RL changes.
+the timings are of the denoiser, the LoRA update and the explore copy, which is what Sol-RL changes. `--vae` builds
+the published VAE (random weights) and `--reward` / `--reward-args` name a reward, so decoding and scoring are timed
+as in a user's run (the GPU session's trainer stage: a PickScore of the published size).
 Writes <out>/<date>-<device>-e2e-<model>.json. Phase times exclude the sampler's one-off compilation
 (CPU: inductor) and graph capture (GPU), reported apart as time_compile_s.
 """
@@ -49,7 +51,8 @@ def family_config(family: str, args: argparse.Namespace, out: str) -> RLConfig:
         base = load_config(spec, [f"paper_scale={str(args.paper_scale).lower()}"])
     else:
         # the family's published architecture with random weights (solrl_engine/models/<family>.py)
-        base = RLConfig(family=family, model=ARCH_ALIASES[args.model], model_path="random")
+        path = "random+vae" if args.vae else "random"
+        base = RLConfig(family=family, model=ARCH_ALIASES[args.model], model_path=path)
     over = {
         "family": family,
         "name": f"bench-{family}",
@@ -59,10 +62,12 @@ def family_config(family: str, args: argparse.Namespace, out: str) -> RLConfig:
         "output": out,
         "compiled_sampler": family in ("compile", "sol_rl"),
     }
-    for key in ("n", "k", "prompts_per_iter", "rollout_batch_size", "train_batch_size", "explore_precision"):
+    for key in ("n", "k", "prompts_per_iter", "rollout_batch_size", "train_batch_size", "explore_precision", "reward"):
         v = getattr(args, key)
         if v is not None:
             over[key] = v
+    if args.reward_args:
+        over["reward_args"] = tuple(a for a in args.reward_args.split(",") if a)
     if FAMILY_TABLE[family].all_rollouts:  # diffusionnft trains on every rollout: N = K
         over["n"] = over.get("k", base.k)
     return dataclasses.replace(base, **over)
@@ -87,6 +92,10 @@ def run_family(cfg: RLConfig, warmup: int) -> dict[str, object]:
         "regenerate": c.prompts_per_iter * c.k * c.full_steps if rule.regenerate else 0,
         "trained": c.prompts_per_iter * c.k * max(1, int(c.full_steps * c.timestep_fraction)),
     }
+    vae = getattr(getattr(trainer.model, "pipe", None), "vae", None)
+    res["decode"] = type(vae).__name__ if vae is not None else "stand-in (or the bundled model's own)"
+    res["reward"] = repr(trainer.reward)  # e.g. "1 * pickscore", and each part as built (its device and dtype)
+    res["reward_parts"] = [repr(fn) for *_, fn in getattr(trainer.reward, "parts", [])]
     res["explore_recipe"] = trainer.explorer.recipe_label  # "policy (<dtype>)" where the policy explores
     # like-for-like: whether full-precision rollouts ran the "old" LoRA merged into a copy (as the quantized
     # copy has it) or as PEFT's unmerged branches; what the quantized layers ran; the copy's speedup bound
@@ -131,6 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--rollout-batch", dest="rollout_batch_size", type=int)
     ap.add_argument("--train-batch", dest="train_batch_size", type=int)
     ap.add_argument("--explore-precision", dest="explore_precision")
+    ap.add_argument("--vae", action="store_true",
+                    help="full-size models: the family's published VAE with random weights (model_path=random+vae), "
+                         "so the decode a run makes is timed; default: a stand-in decode")  # fmt: skip
+    ap.add_argument("--reward", default=None, help="the reward (default: the config's)")
+    ap.add_argument("--reward-args", default=None, help="reward_args, comma-separated (e.g. pickscore.model=DIR)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     return ap
 

@@ -64,6 +64,8 @@ from session_forwards import COMPILE_ALLOWANCE, device_from_ceilings, model_stag
 from session_train import TRAIN_ALLOWANCE  # noqa: E402
 
 ROOT = HERE.parent
+sys.path.insert(0, str(ROOT / "tests"))  # the reward of published size is built as the tests build tiny ones
+import tiny_clip  # noqa: E402
 
 # the device calls (docs/gpu-session.md): the headline and the cheapest paper family first, then the rest; the
 # third (video: Wan2.1 at 480 x 832 and 81 frames, where attention is a large share) when device time is left
@@ -91,9 +93,11 @@ TRAINER_FAMILIES = ("sol_rl", "naive_scaling", "compile")  # in this order: the 
 
 def trainer_stage(alias: str, device: torch.device, cfg: dict[str, Any]) -> dict[str, Any]:
     """One iteration of the real trainer (bench/e2e.py's run_family: solrl_engine.rl.Trainer) of `sol_rl`,
-    `naive_scaling` and `compile`, in that order, on the model (random weights, stand-in text encoder and VAE):
-    1 prompt, N = 96, K = 24, its rollout batch, after one warm-up iteration (compile, capture). Each family's
-    result is written as it finishes, so a stage cut off keeps the families that ran. Smoke: the bundled model."""
+    `naive_scaling` and `compile`, in that order, on the model (random weights, stand-in text encoder; the published
+    VAE with random weights; PickScore of its published architecture and size, CLIP ViT-H/14 with random weights,
+    built here: each image decoded and scored as in a user's run): 1 prompt, N = 96, K = 24, its rollout batch, after
+    one warm-up iteration (compile, capture). Each family's result is written as it finishes, so a stage cut off
+    keeps the families that ran. Smoke: the bundled model and its decode, a tiny CLIP of the same class."""
     smoke = cfg["smoke"]
     model = "tiny" if smoke else alias
     argv = ["--model", model, "--iterations", "1", "--warmup", "1", "--prompts", "1"]
@@ -102,9 +106,16 @@ def trainer_stage(alias: str, device: torch.device, cfg: dict[str, Any]) -> dict
     # gradient_checkpointing auto); smoke (a CPU, where auto recomputes nothing) recomputes, to rehearse that path
     argv += (["--n", "4", "--k", "2", "--rollout-batch", "4", "--train-batch", "2"] if smoke else
              ["--rollout-batch", str(rollout_batch)])  # fmt: skip
-    args = e2e.build_parser().parse_args(argv)
-    out: dict[str, Any] = {"model": model, "argv": argv, "families": {}}
+    out: dict[str, Any] = {"model": model, "families": {}}
     with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        clip = tiny_clip.build_clip_reward(Path(tmp) / "pickscore", published=None if smoke else tiny_clip.VIT_H_14,
+                                           device=str(device))  # fmt: skip
+        out["reward_build_s"] = time.perf_counter() - t0
+        argv += ["--reward", "pickscore", "--reward-args", f"pickscore.model={clip},pickscore.processor={clip}"]
+        argv += [] if smoke else ["--vae"]
+        out["argv"] = argv
+        args = e2e.build_parser().parse_args(argv)
         for fam in TRAINER_FAMILIES:
             c = e2e.family_config(fam, args, f"{tmp}/{fam}")
             c = dataclasses.replace(c, gradient_checkpointing=True) if smoke else c

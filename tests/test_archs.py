@@ -63,3 +63,19 @@ def test_unknown_model_is_a_clear_error():
         model_spec("sdxl")
     with pytest.raises(ValueError, match="available"):
         load_model("sdxl")
+
+
+@pytest.mark.parametrize("name", ["flux", "sana"])
+def test_random_vae_is_the_published_class_at_its_published_size_and_decodes_at_full_resolution(name):
+    """model_path="random+vae": the family's published VAE (class and config; its parameter count is the model
+    spec's published size) decodes through the real path: images at the model's resolution, not the stand-in's
+    32 x 32. A family that declares no published VAE says so and names the stand-in mode."""
+    torch.manual_seed(0)
+    m = load_model(name, "random+vae", dtype=torch.float32, resolution=RES[name], arch=TINY[name])
+    vae = m.pipe.vae
+    assert type(vae).__name__ == m.RANDOM_VAE_CONFIG[0]
+    assert sum(p.numel() for p in vae.parameters()) / 1e9 == pytest.approx(model_spec(name).vae_params_b, rel=0.01)
+    img = m.decode(torch.randn(1, *m.latent_shape))
+    assert img.shape == (1, 3, RES[name], RES[name]) and 0 <= img.min() and img.max() <= 1
+    with pytest.raises(ValueError, match="declares no published VAE.*model_path='random'"):
+        load_model("qwenimage", "random+vae", dtype=torch.float32, resolution=RES["qwenimage"], arch=TINY["qwenimage"])

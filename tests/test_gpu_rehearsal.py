@@ -142,11 +142,12 @@ def test_call_1_measures_sol_rl_against_both_baselines_first(rehearse):
         m = s["families"][fam]
         assert m["time_total_s"] >= m["time_rollout_s"] > 0 and m["time_train_s"] > 0
         assert len(m["raw"]) == 2 and m["settings"]["gradient_checkpointing"]  # the warm-up and the timed one
+        assert m["reward"] == "1 * pickscore" and m["reward_parts"][0].startswith("PickScore(")  # the stage's CLIP
     for base in ("naive_scaling", "compile"):
         r = s["sol_rl_vs"][base]["time_rollout_s"]
         assert r == pytest.approx(s["families"][base]["time_rollout_s"] / s["families"]["sol_rl"]["time_rollout_s"])
     # smoke's trainer runs the bundled model, its forwards a tiny SANA: nothing to predict from
-    assert "skipped" in s["predicted_from_forwards"]
+    assert "skipped" in s["predicted_from_forwards"] and s["reward_build_s"] > 0
     assert "sol_rl vs naive_scaling: rollout" in log and "sol_rl vs compile: rollout" in log
 
 

@@ -356,3 +356,26 @@ def test_bad_inputs_are_clear_errors(clip_dir):
         reward((torch.rand(3, 3, 32, 32) * 255).to(torch.uint8), PROMPTS)
     with pytest.raises(ValueError, match="3 images but 2 prompts"):
         reward(_images(), PROMPTS[:2])
+
+
+def test_a_reward_of_published_layout_builds_saves_in_fp16_and_scores(tmp_path):
+    """build_clip_reward(published=...): the GPU session's PickScore of CLIP ViT-H/14's size goes through this path
+    (its towers' sizes, the full vocabulary beside the stand-in tokenizer, FP16 on disk); here at a small size."""
+    from tiny_clip import VIT_H_14
+
+    small = {**VIT_H_14, "image_size": 28, "projection_dim": 16,
+             "text": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2),
+             "vision": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                            patch_size=14)}  # fmt: skip
+    path = build_clip_reward(tmp_path / "clip", published=small)
+    saved = json.loads((path / "config.json").read_text())
+    assert saved["text_config"]["vocab_size"] == VIT_H_14["vocab_size"] and saved["vision_config"]["patch_size"] == 14
+    reward = load_reward("pickscore", parse_reward_args([f"pickscore.model={path}", f"pickscore.processor={path}"]))
+    scores = reward(_images(2, 40), ["a red circle", "a blue square"])
+    assert scores.shape == (2,) and torch.isfinite(scores).all()
+    from transformers import CLIPModel
+
+    p = VIT_H_14
+    with torch.device("meta"):  # the published layout: ViT-H-14's 986M weights (open_clip's count)
+        full = CLIPModel(clip_config(p["vocab_size"], p["image_size"], 2, p["projection_dim"], p["text"], p["vision"]))
+    assert 0.98e9 < sum(w.numel() for w in full.parameters()) < 0.99e9

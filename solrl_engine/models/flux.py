@@ -34,6 +34,11 @@ class FluxModel(PackedLatentFlowModel):
         num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
         axes_dims_rope=(16, 56, 56),
     )  # fmt: skip  (FLUX.1-dev)
+    RANDOM_VAE_CONFIG = ("AutoencoderKL", dict(
+        in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512), layers_per_block=2,
+        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4, norm_num_groups=32,
+        act_fn="silu", use_quant_conv=False, use_post_quant_conv=False, force_upcast=True, scaling_factor=0.3611,
+        shift_factor=0.1159))  # fmt: skip  (FLUX.1-dev's vae/config.json)
 
     @staticmethod
     def default_scheduler() -> Any:

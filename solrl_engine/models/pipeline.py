@@ -9,7 +9,9 @@ transformer's inputs, the latent layout and the VAE's scaling.
 
 `path="random"` builds the family's published transformer with random weights and stand-in text
 encoder and VAE (deterministic random conditioning per prompt, a fixed projection to 32x32 RGB), for
-speed benchmarks, which time the denoiser: that is where rollouts spend their time.
+speed benchmarks, which time the denoiser: that is where rollouts spend their time. `path="random+vae"` adds the
+family's published VAE (its class and config, `RANDOM_VAE_CONFIG`) with random weights, so a benchmark also times
+the decode a user's run makes (Sol-RL decodes every preview it scores).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from solrl_engine.models.base import Conditioning, input_dtype
 log = logging.getLogger("solrl_engine.models")
 
 RANDOM = "random"
+RANDOM_VAE = "random+vae"  # and the published VAE, random weights
 
 
 def check_model_path(path: str | Path, what: str = "model_path") -> None:
@@ -76,6 +79,8 @@ class PipelineFlowModel(nn.Module):
     TRANSFORMER_CLASS: ClassVar[str] = ""
     PIPELINE_CLASS: ClassVar[str] = ""
     TEXT_TOKENS: ClassVar[int] = 77
+    # the published VAE as (its diffusers class, its config): what "random+vae" builds with random weights
+    RANDOM_VAE_CONFIG: ClassVar[tuple[str, dict[str, Any]] | None] = None
     DEFAULT_RESOLUTION: ClassVar[int] = 1024
 
     def __init__(
@@ -126,9 +131,10 @@ class PipelineFlowModel(nn.Module):
         """From a local pipeline directory or hub id (weights loaded directly in `dtype`), or "random"."""
         if path is None:
             raise ValueError(f"{cls.__name__}: set model_path to a pipeline directory or a hub id")
-        if str(path) == RANDOM:  # `arch` overrides the published config (tests build small ones)
+        if str(path) in (RANDOM, RANDOM_VAE):  # `arch` overrides the published config (tests build small ones)
             # `transformer`: one built beforehand (the memory plan's, on fake tensors)
-            pipe = _RandomPipeline(cls, dtype, options.pop("arch", None), options.pop("transformer", None))
+            pipe = _RandomPipeline(cls, dtype, options.pop("arch", None), options.pop("transformer", None),
+                                   vae=str(path) == RANDOM_VAE)  # fmt: skip
             return cls(pipe, device=device, dtype=dtype, **options)
         check_model_path(path)
         import diffusers
@@ -219,7 +225,7 @@ class PipelineFlowModel(nn.Module):
     def decode(self, x: torch.Tensor) -> torch.Tensor:
         """Latents -> images [B, 3, H, W] (a video model: videos [B, F, 3, H, W]) in [0, 1], `decode_batch_size` at
         a time (VAE memory at 1024 px)."""
-        if self.random:
+        if self.random and self.pipe.vae is None:
             return self._standin_decode(x)
         out = []
         for i in range(0, x.shape[0], self.decode_batch_size):
@@ -311,27 +317,41 @@ def build_transformer(cls: type[PipelineFlowModel], dtype: torch.dtype, arch: di
                       ) -> nn.Module:  # fmt: skip
     """The family's published transformer (`arch` overrides its config) with random weights, built in `dtype`
     directly: no FP32 copy of a 12B model (under FakeTensorMode, no memory at all)."""
+    return _build(cls.TRANSFORMER_CLASS, {**cls.FULL_CONFIG, **(arch or {})}, dtype)
+
+
+def build_vae(cls: type[PipelineFlowModel], dtype: torch.dtype) -> nn.Module:
+    """The family's published VAE (RANDOM_VAE_CONFIG) with random weights, in `dtype`, in eval mode."""
+    if cls.RANDOM_VAE_CONFIG is None:
+        raise ValueError(f"model_path={RANDOM_VAE!r}: {cls.MODEL} declares no published VAE to build (its "
+                         f"RANDOM_VAE_CONFIG); use model_path={RANDOM!r} (a stand-in decode)")  # fmt: skip
+    name, config = cls.RANDOM_VAE_CONFIG
+    return _build(name, config, dtype).eval().requires_grad_(False)
+
+
+def _build(class_name: str, config: dict[str, Any], dtype: torch.dtype) -> nn.Module:
     import diffusers
 
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        return getattr(diffusers, cls.TRANSFORMER_CLASS)(**{**cls.FULL_CONFIG, **(arch or {})})
+        return getattr(diffusers, class_name)(**config)
     finally:
         torch.set_default_dtype(default)
 
 
 class _RandomPipeline:
     """The parts of a pipeline a benchmark needs: the published transformer with random weights and
-    the family's default scheduler (no text encoders, no VAE: see the module docstring)."""
+    the family's default scheduler (no text encoders; the published VAE only when asked: see the module
+    docstring)."""
 
     random = True
 
     def __init__(self, cls: type[PipelineFlowModel], dtype: torch.dtype, arch: dict[str, Any] | None = None,
-                 transformer: nn.Module | None = None) -> None:  # fmt: skip
+                 transformer: nn.Module | None = None, vae: bool = False) -> None:  # fmt: skip
         self.transformer = transformer if transformer is not None else build_transformer(cls, dtype, arch)
         self.scheduler = cls.default_scheduler()  # type: ignore[attr-defined]
-        self.vae = None
+        self.vae = build_vae(cls, dtype) if vae else None
         # the published VAE's spatial factor for this architecture (a family with several VAEs says which)
         factor = getattr(cls, "random_vae_factor", None)
         self.vae_scale_factor = factor(arch or {}) if factor else cls.RANDOM_VAE_FACTOR  # type: ignore[attr-defined]

@@ -37,6 +37,17 @@ class SanaModel(PipelineFlowModel):
         num_cross_attention_heads=20, cross_attention_head_dim=112, cross_attention_dim=2240, caption_channels=2304,
         mlp_ratio=2.5, sample_size=32, patch_size=1, norm_elementwise_affine=False, norm_eps=1e-6,
     )  # fmt: skip  (SANA-1.6B)
+    RANDOM_VAE_CONFIG = ("AutoencoderDC", dict(
+        in_channels=3, latent_channels=32, attention_head_dim=32,
+        encoder_block_out_channels=(128, 256, 512, 512, 1024, 1024),
+        decoder_block_out_channels=(128, 256, 512, 512, 1024, 1024),
+        encoder_block_types=("ResBlock",) * 3 + ("EfficientViTBlock",) * 3,
+        decoder_block_types=("ResBlock",) * 3 + ("EfficientViTBlock",) * 3,
+        encoder_layers_per_block=(2, 2, 2, 3, 3, 3), decoder_layers_per_block=(3, 3, 3, 3, 3, 3),
+        encoder_qkv_multiscales=((), (), (), (5,), (5,), (5,)), decoder_qkv_multiscales=((), (), (), (5,), (5,), (5,)),
+        downsample_block_type="conv", upsample_block_type="interpolate", decoder_norm_types="rms_norm",
+        decoder_act_fns="silu", scaling_factor=0.41407,
+    ))  # fmt: skip  (mit-han-lab/dc-ae-f32c32-sana-1.0-diffusers, SANA's VAE)
 
     @staticmethod
     def default_scheduler() -> Any:

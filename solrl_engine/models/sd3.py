@@ -33,6 +33,11 @@ class SD3Model(PipelineFlowModel):
         num_attention_heads=38, joint_attention_dim=4096, caption_projection_dim=2432, pooled_projection_dim=2048,
         pos_embed_max_size=192, qk_norm="rms_norm",
     )  # fmt: skip  (SD3.5-Large)
+    RANDOM_VAE_CONFIG = ("AutoencoderKL", dict(
+        in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512), layers_per_block=2,
+        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4, norm_num_groups=32,
+        act_fn="silu", use_quant_conv=False, use_post_quant_conv=False, force_upcast=True, scaling_factor=1.5305,
+        shift_factor=0.0609))  # fmt: skip  (SD3.5-Large's vae/config.json)
 
     @staticmethod
     def default_scheduler() -> Any:
