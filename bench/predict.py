@@ -52,17 +52,24 @@ OUT_JSON = RESULTS / "2026-11-25-speed-model.json"
 ROLLOUT_BATCH = {"sana-1.6b": 48, "flux-dev": 24, "sd35-large": 8, "wan2.1-1.3b": 4, "wan2.1-14b": 2}
 IMAGE_FAMILIES = ("sana-1.6b", "flux-dev", "sd35-large")  # the default run; Wan (480p, 81 frames) on request
 # the paper's setting: 48 prompts per iteration over 8 GPUs, N = 96 -> K = 24, 6 preview / 10 full steps; the
-# train batch and timestep fraction here are the fallbacks: each family's paper preset gives its own
-# (`family_training`: SD3.5-L 2 / 0.6, FLUX 12 / 0.4, SANA 16 / 0.6, as the trainer runs them)
+# train batch and timestep fraction here are the fallbacks: each family's paper preset gives its timestep fraction
+# and UPDATE_80GB its train batch (`family_training`: SD3.5-L 2 / 0.6, FLUX 12 / 0.4, SANA 16 / 0.6)
 PAPER = dict(prompts_per_gpu=6, n=96, k=24, preview_steps=6, full_steps=10, timestep_fraction=0.6, train_batch=16)
+# the update's (micro-batch, recompute) per paper preset on one 80 GB GPU: estimates the presets fixed before they
+# left both at auto (a run now sizes its own from the GPU's memory plan); the speed model and the GPU session's
+# forwards stage time the update at these
+UPDATE_80GB = {"sd3": (2, False), "flux": (12, True), "sana": (16, False), "qwenimage": (1, True),
+               **dict.fromkeys(("wan2.1-1.3b", "wan2.1-14b", "wan2.2-5b"), (1, True))}  # fmt: skip
 
 
 def family_training(fam: str) -> tuple[int, float]:
-    """(train batch, timestep fraction) of a family's paper preset (solrl_engine/rl/presets.py), else PAPER's."""
+    """(train batch, timestep fraction) of a family's paper preset (solrl_engine/rl/presets.py) at UPDATE_80GB's
+    micro-batch, else PAPER's."""
     from solrl_engine.rl import presets
 
-    p = presets.PAPER.get(fam) or presets.PAPER.get(ARCH_ALIASES.get(fam, fam), {})
-    return p.get("train_batch_size", PAPER["train_batch"]), p.get("timestep_fraction", PAPER["timestep_fraction"])
+    key = fam if fam in presets.PAPER else ARCH_ALIASES.get(fam, fam)
+    p = presets.PAPER.get(key, {})
+    return UPDATE_80GB.get(key, (PAPER["train_batch"],))[0], p.get("timestep_fraction", PAPER["timestep_fraction"])
 # bytes per element of a weight / activation in each precision (NVFP4: 4 bits + one E4M3 scale per 16)
 ELEM_BYTES = {"bf16": 2.0, "fp8": 1.0, "int8": 1.0, "nvfp4": 0.5 + 1 / 16}
 # forward-equivalents of one training sample-timestep of nft_update: the old and reference adapters'

@@ -45,14 +45,15 @@ def paper_preset(alias: str) -> str:
 
 
 def train_settings(alias: str, smoke: bool, batch: dict[str, int]) -> dict[str, Any]:
-    """The family's update as its paper preset runs it (solrl_engine/rl/presets.py): train batch, gradient
-    checkpointing (also on for CHECKPOINT_FOR_MEMORY, to fit 80 GB), timestep fraction, LoRA rank / alpha /
-    targets. `batch` overrides the train batch."""
+    """The family's update as its paper preset runs it (solrl_engine/rl/presets.py) at predict.UPDATE_80GB's
+    sizes: train batch, gradient checkpointing (also on for CHECKPOINT_FOR_MEMORY, to fit 80 GB), timestep
+    fraction, LoRA rank / alpha / targets. `batch` overrides the train batch."""
     fam = ARCH_ALIASES.get(alias, alias)
     p = presets.PAPER[paper_preset(alias)]
+    train_batch, checkpointing = predict.UPDATE_80GB[paper_preset(alias)]
     return {
-        "batch": TINY_BATCH if smoke else batch.get(alias, p["train_batch_size"]),
-        "checkpointing": bool(p["gradient_checkpointing"]) or alias in CHECKPOINT_FOR_MEMORY,
+        "batch": TINY_BATCH if smoke else batch.get(alias, train_batch),
+        "checkpointing": checkpointing or alias in CHECKPOINT_FOR_MEMORY,
         "timestep_fraction": p["timestep_fraction"],
         "lora_rank": presets.COMMON["lora_rank"], "lora_alpha": presets.COMMON["lora_alpha"],
         "lora_targets": list(p.get("lora_targets") or model_spec(fam).lora_targets),

@@ -73,13 +73,13 @@ def test_every_preset_validates_with_the_papers_settings(model):
             assert {k: getattr(cfg, k) for k in PER_MODEL[model]} == PER_MODEL[model], name
             assert cfg.n == (24 if family == "diffusionnft" else 96)
             assert cfg.compiled_sampler is None  # auto: compiled + graph-captured with CUDA, eager on a CPU
-            assert cfg.rollout_batch_size >= 1 and cfg.train_batch_size >= 1
+            assert cfg.rollout_batch_size >= 1  # the update's sizes from the GPU at start
+            assert (cfg.train_batch_size, cfg.gradient_checkpointing) == ("auto", "auto")
 
 
-def test_flux_trains_the_papers_lora_targets_with_gradient_checkpointing():
+def test_flux_trains_the_papers_lora_targets():
     flux = load_config(f"{ROOT}/configs/flux1.py:flux1_sol_rl_pickscore")
     assert flux.lora_targets == ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0")
-    assert flux.gradient_checkpointing
     sd3 = load_config(f"{ROOT}/configs/sd3.py:sd3_sol_rl_pickscore")
     assert sd3.lora_targets is None and sd3.guidance_scale is None and sd3.shift is None  # the model's own
 
@@ -126,7 +126,7 @@ def test_the_wan_presets_take_each_models_published_settings():
             cfg = load_config(f"{ROOT / 'configs' / 'wan.py'}:{prefix}_{family}_clipscore")
             assert cfg.model == "wan" and {k: getattr(cfg, k) for k in want} == want, (key, family)
             assert (cfg.solver, cfg.guidance_scale, cfg.full_steps, cfg.preview_steps) == ("unipc", 5.0, 50, 30)
-            assert cfg.model_path.startswith("Wan-AI/") and cfg.gradient_checkpointing
+            assert cfg.model_path.startswith("Wan-AI/") and cfg.gradient_checkpointing == "auto"
     with pytest.raises(ConfigError, match="frames = 80: Wan takes 4k \\+ 1 frames"):
         load_config(f"{ROOT / 'configs' / 'wan.py'}:wan13b_sol_rl_clipscore", ["frames=80"])
     with pytest.raises(ConfigError, match="frames = 9: applies to video models"):
@@ -140,5 +140,5 @@ def test_the_qwen_image_presets_take_the_model_cards_settings():
     for family in FAMILIES:
         cfg = load_config(f"{ROOT / 'configs' / 'qwenimage.py'}:qwenimage_{family}_pickscore")
         assert cfg.model == "qwenimage" and {k: getattr(cfg, k) for k in QWEN} == QWEN, family
-        assert cfg.preview_steps == 30 and cfg.gradient_checkpointing
+        assert cfg.preview_steps == 30 and cfg.gradient_checkpointing == "auto"
         assert cfg.n == (24 if family == "diffusionnft" else 96) and cfg.k == 24 and cfg.lora_targets is None

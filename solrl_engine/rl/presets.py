@@ -61,19 +61,15 @@ COMMON: dict[str, Any] = dict(
 # 3.5 where the official value is 1.0 (pass guidance_scale=1.0 to match), and the official SANA sampler
 # uses the unshifted linspace(1, 0, steps + 1) schedule (shift=1.0) on its Linear-FFN SANA.
 #
-# Batch sizes for one 80 GB GPU (the official ones are per GPU of 8 B200s, 180 GB: rollouts 24,
-# updates SD3.5 4, FLUX 12 with gradient checkpointing, SANA 16). Both are micro-batches (the update
-# accumulates gradients into one optimizer step), so they change memory and speed, never the result.
-# Estimates, not measurements (no real weights have run yet): weights on the GPU are SD3.5-L 20 GiB,
-# FLUX 28 GiB, SANA 6 GiB (the memory table in docs/real-models-and-rewards.md) plus a reward model
-# of 1-4 GB. Rollouts are inference without CFG, a few hundred MB of activations per image at these
-# sizes: 24 for all (the official size, already compute-bound at 1024-4096 image tokens). The update keeps every block's
-# activations for backward: about 13-15 GB per 1024 px SD3.5-L sample (38 joint blocks of width 2432
-# over 4096 + 333 tokens), so 2 (4 would need about 55 GB beside the weights); FLUX keeps the
-# official gradient checkpointing (about 0.6 GB per 512 px sample) and its 12; SANA-1.6B at 1024 px
-# (1024 tokens after the 32x autoencoder, 20 blocks of width 2240) needs about 2 GB per sample, so the
-# official 16. VAE decodes at 1024 px take a few GB per image: 4 at a time for SD3.5 and SANA, 8 for
-# FLUX at 512 px.
+# Batch sizes (the official ones are per GPU of 8 B200s, 180 GB: rollouts 24, updates SD3.5 4, FLUX 12 with
+# gradient checkpointing, SANA 16). All are micro-batches (the update accumulates gradients into one optimizer
+# step), so they change memory and speed, never the result. The update's micro-batch and recompute are left at
+# auto: sized at start from the GPU's memory plan (rl/sizing.py), the largest micro-batch that fits without
+# recompute, so an H200 runs larger ones than an H100 (the fixed 80 GB estimates the presets used to set, e.g.
+# FLUX 12 with every block recomputed, are the GPU session's forwards-stage settings, bench/session_train.py).
+# Rollouts are inference without CFG, a few hundred MB of activations per image: 24 for all (the official size,
+# already compute-bound at 1024-4096 image tokens). VAE decodes at 1024 px take a few GB per image: 4 at a time
+# for SD3.5 and SANA, 8 for FLUX at 512 px (estimates: no real weights have run yet).
 PAPER: dict[str, dict[str, Any]] = {
     "sd3": dict(
         model="sd3",
@@ -83,8 +79,6 @@ PAPER: dict[str, dict[str, Any]] = {
         timestep_fraction=0.6,
         grad_clip=0.002,
         rollout_batch_size=24,
-        train_batch_size=2,
-        gradient_checkpointing=False,
         decode_batch_size=4,
     ),
     "flux": dict(
@@ -96,8 +90,6 @@ PAPER: dict[str, dict[str, Any]] = {
         grad_clip=1.0,
         lora_targets=("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"),
         rollout_batch_size=24,
-        train_batch_size=12,
-        gradient_checkpointing=True,
         decode_batch_size=8,
     ),
     "sana": dict(
@@ -108,8 +100,6 @@ PAPER: dict[str, dict[str, Any]] = {
         timestep_fraction=0.6,
         grad_clip=1.0,
         rollout_batch_size=24,
-        train_batch_size=16,
-        gradient_checkpointing=False,
         decode_batch_size=4,
     ),
 }
@@ -122,11 +112,11 @@ PAPER: dict[str, dict[str, Any]] = {
 # preview runs 30 of the 50 steps (the paper's 6 of 10). One iteration is then thousands of clip-forwards: on one
 # GPU lower prompts_per_iter and the steps (e.g. --set full_steps=20 --set preview_steps=12); docs/video.md prices
 # it. Batches for one 80 GB GPU (estimates, no real weights have run): a 480p 81-frame clip is 32,760 tokens, so
-# rollouts 4 at a time (1.3B; 2 for 5B and 14B), the update 1 sample with gradient checkpointing, the VAE one
-# clip at a time. Wan2.1-14B's weights alone are 28 GB in BF16: with its explore copy and rollouts it wants an
-# H200 or sharding across GPUs.
+# rollouts 4 at a time (1.3B; 2 for 5B and 14B), the VAE one clip at a time; the update is sized at start (auto:
+# one sample with as many blocks recomputed as its memory needs, rl/sizing.py). Wan2.1-14B's weights alone are
+# 28 GB in BF16: with its explore copy and rollouts it wants an H200 or sharding across GPUs.
 _WAN = dict(model="wan", solver="unipc", guidance_scale=5.0, full_steps=50, preview_steps=30, timestep_fraction=0.6,
-            grad_clip=1.0, train_batch_size=1, gradient_checkpointing=True, decode_batch_size=1)  # fmt: skip
+            grad_clip=1.0, decode_batch_size=1)  # fmt: skip
 PAPER["wan2.1-1.3b"] = dict(_WAN, model_path="Wan-AI/Wan2.1-T2V-1.3B-Diffusers", resolution=480, width=832, frames=81,
                             shift=3.0, rollout_batch_size=4)  # fmt: skip
 PAPER["wan2.1-14b"] = dict(_WAN, model_path="Wan-AI/Wan2.1-T2V-14B-Diffusers", resolution=480, width=832, frames=81,
@@ -146,11 +136,10 @@ PAPER["wan2.2-5b"] = dict(_WAN, model_path="Wan-AI/Wan2.2-TI2V-5B-Diffusers", re
 # prompts x (96 x 30 preview + 24 x 50 regeneration steps) x 2), so on one GPU lower prompts_per_iter and the
 # steps. Batches for one 80 GB GPU are estimates (no real weights have run): the BF16 transformer alone is 38 GiB
 # and its NVFP4 explore copy 7 GiB more (13.6B of the 20.4B parameters at 4.5 bits), so rollouts 4 at a time, the
-# update 1 sample with gradient checkpointing, the VAE one image at a time; an H200 leaves room for more.
+# VAE one image at a time; the update is sized at start from the GPU (auto); an H200 leaves room for more.
 PAPER["qwenimage"] = dict(model="qwenimage", solver="euler", guidance_scale=4.0, shift=None, full_steps=50,
                           preview_steps=30, resolution=1328, timestep_fraction=0.6, grad_clip=1.0,
-                          rollout_batch_size=4, train_batch_size=1, gradient_checkpointing=True,
-                          decode_batch_size=1)  # fmt: skip
+                          rollout_batch_size=4, decode_batch_size=1)  # fmt: skip
 
 MODEL_NAMES = {"sd3": "SD3.5-Large", "flux": "FLUX.1-dev", "sana": "SANA-1.6B", "wan2.1-1.3b": "Wan2.1-T2V-1.3B",
                "wan2.1-14b": "Wan2.1-T2V-14B", "wan2.2-5b": "Wan2.2-TI2V-5B", "qwenimage": "Qwen-Image"}  # fmt: skip
