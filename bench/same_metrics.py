@@ -1,5 +1,5 @@
-"""Behaviour pinned across a refactor: the tiny sol_rl, compile and naive_quant presets, 3 iterations each
-through the real trainer (evaluation, best adapter, checkpoint and export included); every metric that is
+"""Behaviour pinned across a refactor: the tiny sol_rl, compile, naive_quant and diffusionnft presets, 3 iterations
+each through the real trainer (evaluation, best adapter, checkpoint and export included); every metric that is
 not a time, and the sha256 of the trained adapters (trained, old, EMA) and of the explore copy's tensors.
 Also `solrl fidelity` at explore_precision=auto (the hardware plan's precision) and the public Explorer
 (select, sync_, select). Two such files written by two trees on the same machine must be equal, bit for bit.
@@ -24,11 +24,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-PRESETS = ("sol_rl", "compile", "naive_quant")  # the trainer's families; also "fidelity" and "explorer" below
+PRESETS = ("sol_rl", "compile", "naive_quant", "diffusionnft")  # the trainer's families; "fidelity", "explorer"
 EXTRA = ("fidelity", "explorer")
 SETS = ["iterations=3", "n=8", "k=4", "prompts_per_iter=2", "rollout_batch_size=16", "train_batch_size=8",
         "eval_every=3", "save_every=3", "eval_prompt_count=4", "eval_seeds=1", "eval_train_prompt_count=2",
         "explore_precision=nvfp4", "device=cpu"]  # fmt: skip
+PRESET_SETS = {"diffusionnft": ["n=4"]}  # it trains on every rollout: N = K
 
 
 def _kept(d: dict, out: Path) -> dict:
@@ -58,7 +59,7 @@ def run_preset(family: str, root: Path, tmp: Path, threads: int) -> dict:
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     out = tmp / family
-    sets = SETS + [f"output={out}", f"compile_cache_dir={tmp / 'inductor'}"]
+    sets = SETS + PRESET_SETS.get(family, []) + [f"output={out}", f"compile_cache_dir={tmp / 'inductor'}"]
     cfg = load_config(f"{root / 'configs' / 'tiny.py'}:tiny_{family}_shapes", sets)
     tr = Trainer(cfg, progress=False)
     summary = tr.run()
@@ -170,8 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, help="write the record of the engine this Python imports here")
     ap.add_argument("--compare", nargs=2, type=Path, metavar=("BEFORE", "AFTER"))
-    ap.add_argument("--presets", default=",".join(PRESETS + EXTRA), help="any of sol_rl, compile, naive_quant, "
-                    "fidelity, explorer (default: all)")  # fmt: skip
+    ap.add_argument("--presets", default=",".join(PRESETS + EXTRA),
+                    help="any of sol_rl, compile, naive_quant, diffusionnft, fidelity, explorer (default: all)")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads: the same in both runs")
     args = ap.parse_args(argv)
     if args.compare:

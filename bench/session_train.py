@@ -26,7 +26,8 @@ from solrl_engine.nn import requantize_
 from solrl_engine.rl import presets
 from solrl_engine.rl.adapters import OLD, TRAIN, LoraAdapters
 from solrl_engine.rl.distributed import Dist
-from solrl_engine.rl.update import NFTSettings, UpdateBatch, nft_update
+from solrl_engine.rl.objectives.nft import NFTSettings, nft_update
+from solrl_engine.rl.update import UpdateBatch
 
 # the training phase (LoRA attached, each copy's refresh, one nft_update warm-up + 2 timed): seconds it needs
 # left of the stage to start (an estimate: a few update batches of SD3.5-L / FLUX take a few seconds each)

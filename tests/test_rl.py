@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from solrl_engine.rl import ConfigError, RLConfig, apply_overrides, load_config
-from solrl_engine.rl.loss import nft_loss
+from solrl_engine.rl.objectives.nft import nft_loss
 from solrl_engine.rl.ranking import group_advantages, kendall, overlap, select_contrastive, spearman
 
 

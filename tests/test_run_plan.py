@@ -105,7 +105,7 @@ def test_the_trainer_reads_its_plan_and_ends_with_a_foreseen_explore(small_model
                    n=4, k=2, prompts_per_iter=2, preview_steps=2, full_steps=3, iterations=1, eval_prompt_count=2,
                    eval_seeds=1, rollout_batch_size=8, output=str(tmp_path / "run"))  # fmt: skip
     tr = Trainer(cfg, progress=False)
-    assert tr.cfg is tr.plan.cfg and tr.nft is tr.plan.update and tr.rollouts.settings is tr.plan.rollouts
+    assert tr.cfg is tr.plan.cfg and tr.update_settings is tr.plan.update and tr.rollouts.settings is tr.plan.rollouts
     assert tr.cfg.train_batch_size == 16 and tr.explore_spec.precision == "fp8"
     assert tr.explore_spec.precision in _precisions(tr.plan)
 

@@ -21,9 +21,9 @@ from solrl_engine.rl.adapters import OLD, TRAIN
 from solrl_engine.rl.config import load_config
 from solrl_engine.rl.distributed import Dist
 from solrl_engine.rl.full import REF
-from solrl_engine.rl.loss import nft_loss
+from solrl_engine.rl.objectives.nft import nft_loss, nft_update
 from solrl_engine.rl.trainer import Trainer
-from solrl_engine.rl.update import UpdateBatch, fixed_predictions, nft_update
+from solrl_engine.rl.update import UpdateBatch, fixed_predictions
 from solrl_engine.sampling import seeded_noise
 from solrl_engine.sampling.capture import HOST_SYNC_OPS
 
@@ -70,7 +70,7 @@ class Record(torch.optim.Optimizer):
 def inline_update(tr: Trainer, batch: UpdateBatch) -> tuple[list[float], torch.Tensor]:
     """The oracle: one optimizer group as the update ran before its pre-pass, the same draws from `batch.gen`;
     ([loss, policy loss, KL], the accumulated gradient)."""
-    model, adapters, c, gen = tr.model, tr.adapters, tr.nft, batch.gen
+    model, adapters, c, gen = tr.model, tr.adapters, tr.update_settings, batch.gen
     x0, b = batch.x0, len(batch.x0)
     n_t = max(1, int(c.full_steps * c.timestep_fraction))
     perms = torch.stack([torch.randperm(c.full_steps, generator=gen)[:n_t] for _ in range(b)])
@@ -128,7 +128,7 @@ def _run(tr: Trainer, state: dict, batch: UpdateBatch, prepass: bool) -> tuple[l
         return inline_update(tr, batch)
     opt = Record(tr.adapters.params(TRAIN))
     predict = fixed_predictions(tr.rollouts, tr.adapters, tr.policy_copy.transformer)
-    st = nft_update(tr.model, tr.adapters, opt, batch, tr.nft, Dist(), tr._autocast, predict)
+    st = nft_update(tr.model, tr.adapters, opt, batch, tr.update_settings, Dist(), tr._autocast, predict)
     return [st["loss"], st["policy_loss"], st["kl"]], opt.grads[0]
 
 
@@ -151,7 +151,7 @@ def test_the_prepass_update_equals_the_inline_one(name, branch, pipes, tmp_path,
     at most 1.3e-4 relative (SANA): held to a quarter of a BF16 step (2**-10)."""
     dtype = force_cpu_bf16(monkeypatch, branch == "bf16")
     tr = _trainer(name, pipes, tmp_path)
-    assert tr.dtype == dtype and tr.policy_copy is not None and tr.nft.fixed == (OLD, REF)
+    assert tr.dtype == dtype and tr.policy_copy is not None and tr.update_settings.fixed == (OLD, REF)
     state, batch = _setup(tr)
     calls: list[tuple[str, int]] = []  # (which module, rows) of every forward the pre-pass update makes
     def rows(args: tuple, kwargs: dict) -> int:
@@ -202,12 +202,12 @@ def test_no_host_sync_between_micro_batches(small_model, tmp_path):
     state, batch = _setup(tr)
     counts = {}
     for tbs in (1, 2, 8):
-        tr.nft = dataclasses.replace(tr.nft, train_batch_size=tbs)
+        tr.update_settings = dataclasses.replace(tr.update_settings, train_batch_size=tbs)
         tr.adapters.load_state_dict(state)
         opt = torch.optim.AdamW(tr.adapters.params(TRAIN), lr=1e-3)
         b = dataclasses.replace(batch, gen=torch.Generator().manual_seed(5))
         with SyncCount() as sc:
-            nft_update(tr.model, tr.adapters, opt, b, tr.nft, Dist(), tr._autocast,
+            nft_update(tr.model, tr.adapters, opt, b, tr.update_settings, Dist(), tr._autocast,
                        fixed_predictions(tr.rollouts, tr.adapters, tr.policy_copy.transformer))  # fmt: skip
         counts[tbs] = sc.count
     assert counts[1] == counts[2] == counts[8], counts

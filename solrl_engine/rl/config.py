@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib
 import importlib.util
 import inspect
 import logging
@@ -16,6 +17,7 @@ import types
 import typing
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -62,6 +64,28 @@ TRAIN_MODES = ("lora", "full")  # what the update trains: LoRA adapters, or ever
 SHARDING = ("none", "fsdp", "hsdp")
 
 
+@dataclass(frozen=True)
+class ObjectiveSpec:
+    """A registered objective (rl/objectives/): its name (the config's `objective`), a line saying what it is, and
+    its handler as "module:attr", imported on first use (the config checks names without the update code)."""
+
+    name: str
+    summary: str
+    handler: str
+
+    def load(self) -> Any:
+        mod, attr = self.handler.split(":")
+        return getattr(importlib.import_module(mod), attr)
+
+
+# the objectives a run can train with, one handler each (rl/objectives/<name>.py)
+OBJECTIVES: dict[str, ObjectiveSpec] = {
+    "nft": ObjectiveSpec("nft", "DiffusionNFT (Zheng et al. 2025): the trained and old policies' implicit positive "
+                                "and negative policies, weighted by the reward; the paper's and Sol-RL's loss",
+                         "solrl_engine.rl.objectives.nft:OBJECTIVE"),  # fmt: skip
+}
+
+
 class ConfigError(ValueError):
     """A configuration that cannot run; the message says which key and how to fix it."""
 
@@ -72,6 +96,9 @@ class RLConfig:
 
     name: str = "run"
     family: str = "sol_rl"
+    # the loss the selected samples train with (rl/objectives/: nft, DiffusionNFT); "family" above is the rollout
+    # recipe (which precision explores, what is selected and regenerated), the objective what the update optimizes
+    objective: str = "nft"
     # the model: a family of solrl_engine.models.MODELS (tiny, sd3, flux, sana); model_path is a local
     # pipeline directory or a hub id (None: the family's default weights); resolution in pixels
     # (None: the family's default, the paper's: SD3.5-L 1024, FLUX 512, SANA 1024)
@@ -214,6 +241,9 @@ class RLConfig:
 
         if self.family not in FAMILIES:
             raise bad("family", f"unknown family; choose one of {FAMILIES}")
+        if self.objective not in OBJECTIVES:
+            raise bad("objective", f"unknown objective; choose one of {tuple(OBJECTIVES)} (family={self.family!r} "
+                                   "says how rollouts are made; the objective, what the update optimizes)")
         from solrl_engine.models import MODELS
 
         if self.model not in MODELS:

@@ -29,8 +29,8 @@ from solrl_engine.rewards import check_reward, load_reward, parse_reward_args
 from solrl_engine.rl import memplan
 from solrl_engine.rl.config import FAMILY_TABLE, ConfigError, RLConfig, resolve_policy_dtype, resolve_runtime
 from solrl_engine.rl.memplan import MemoryPlan
+from solrl_engine.rl.objectives import settings_of
 from solrl_engine.rl.sizing import NothingFits, UpdateSizes
-from solrl_engine.rl.update import NFTSettings
 from solrl_engine.sampling.rollouts import Rollouts, RolloutSettings, model_guidance
 
 log = logging.getLogger("solrl_engine.rl")
@@ -81,7 +81,7 @@ class RunPlan:
     dtype_reason: str
     sizes: UpdateSizes
     rollouts: RolloutSettings
-    update: NFTSettings
+    update: Any  # the objective's settings (rl/objectives/: what its update reads of the config)
     explore: tuple[ExploreSpec, ...]
     memory: MemoryPlan | None
 
@@ -152,7 +152,7 @@ def resolve(cfg: RLConfig, target: Target | None = None, show: bool = False) -> 
             if show:
                 raise
             log.warning("memory plan not made (%s: %s); starting without it", type(e).__name__, str(e)[:200])
-    return RunPlan(cfg, target, dtype, why, sizes, rollout_settings(cfg), NFTSettings.from_config(cfg), explore, mem)
+    return RunPlan(cfg, target, dtype, why, sizes, rollout_settings(cfg), settings_of(cfg), explore, mem)
 
 
 def rollout_settings(cfg: RLConfig) -> RolloutSettings:

@@ -40,10 +40,11 @@ from solrl_engine.rl.export import save_trained
 from solrl_engine.rl.full import REF, FullWeights, TrainedWeights
 from solrl_engine.rl.guards import NonFiniteError, ProxyGuard, check_finite, check_resume_config
 from solrl_engine.rl.heldout import HeldOut
+from solrl_engine.rl.objectives import objective
 from solrl_engine.rl.ranking import group_advantages, kendall, spearman
 from solrl_engine.rl.runtime import Target, build_rollouts, explorer_for, resolve
 from solrl_engine.rl.sharding import shard_policy, sharded_bytes
-from solrl_engine.rl.update import UpdateBatch, fixed_predictions, nft_update
+from solrl_engine.rl.update import UpdateBatch, fixed_predictions
 from solrl_engine.sampling.compile import Census, CompiledBlocks, census_backend, repeated_blocks
 from solrl_engine.store import checkpoint, rundir
 from solrl_engine.store.checkpoint import EXPORT_DIRS
@@ -149,7 +150,8 @@ class Trainer:
             log.info("sharding=%s: %d blocks over %s; this rank holds %.1f of %.1f MiB of %s weights", cfg.sharding,
                      blocks, over, local / 2**20, full / 2**20, "base" if lora else "trained")  # fmt: skip
         self.opt = torch.optim.AdamW(self.adapters.params(TRAIN), lr=cfg.lr, weight_decay=cfg.weight_decay)
-        self.nft = self.plan.update  # what the update reads of the config
+        self.objective = objective(cfg.objective)  # the loss the update optimizes (rl/objectives/)
+        self.update_settings = self.plan.update  # what its update reads of the config
         self.prompt_sampler = PromptSampler(self.train_prompts, cfg.seed)
         self.seed_rng = random.Random(cfg.seed + 1)
         self.gen = torch.Generator().manual_seed(cfg.seed + 2)
@@ -311,7 +313,8 @@ class Trainer:
         old_copy = self.policy_copy.transformer if self.policy_copy is not None else None
         predict = fixed_predictions(self.rollouts, self.adapters, old_copy)
         blocks = self.compiled_update.active if self.compiled_update is not None else None  # compiled, or eager
-        stats = nft_update(self.model, self.adapters, self.opt, batch, self.nft, dist, self._autocast, predict, blocks)
+        stats = self.objective.update(self.model, self.adapters, self.opt, batch, self.update_settings, dist,
+                                      self._autocast, predict, blocks)  # fmt: skip
 
         # 5. refresh the explore copy (and the merged policy copy) with the new "old" policy, in place
         self._refresh_copies()
