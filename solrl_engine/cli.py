@@ -404,11 +404,12 @@ def _plan(args: argparse.Namespace) -> int:
     if args.gpus < 1 or not 0 < args.gpu_memory < 1e6:  # (inf and nan are not a GPU's memory either)
         raise SystemExit("--gpus must be >= 1 and --gpu-memory a size in GiB > 0 (e.g. 80 for an H100)")
     sm = None
-    if args.sm is not None:
-        if not (args.sm.isdigit() and 2 <= len(args.sm) <= 3 and int(args.sm) >= 50):
-            raise SystemExit(f"--sm {args.sm!r}: a compute capability as nvidia-smi's digits, e.g. 90 (H100/H200), "
-                             "100 (B200), 80 (A100), 89 (L40S)")  # fmt: skip
-        sm = (int(args.sm[:-1]), int(args.sm[-1]))
+    if args.sm is not None:  # 90, 9.0 (torch's spelling) or sm_90
+        digits = args.sm.lower().removeprefix("sm_").replace(".", "")
+        if not (digits.isdigit() and 2 <= len(digits) <= 3 and int(digits) >= 50 and args.sm.count(".") <= 1):
+            raise SystemExit(f"--sm {args.sm!r}: a compute capability, e.g. 90 or 9.0 (H100/H200), 100 (B200), "
+                             "80 (A100), 89 (L40S)")  # fmt: skip
+        sm = (int(digits[:-1]), int(digits[-1]))
     run = _checked(lambda: resolve(cfg, Target.gpu(args.gpu_memory, args.gpus, sm), show=True))
     plan = run.memory
     print("\n".join(run.lines()))

@@ -122,3 +122,5 @@ def test_solrl_plan_prints_what_it_resolved_for_the_gpu_it_is_told_about(tmp_pat
     assert [e["precision"] for e in d["run"]["explore"]] == ["fp8", "int8", "policy"]
     with pytest.raises(SystemExit, match="compute capability"):
         main(["plan", SPEC, "--sm", "h100"])
+    assert main(["plan", SPEC, "--gpu-memory", "80", "--sm", "10.0"]) == 0  # torch's spelling
+    assert "on 1 x 80 GiB GPU (sm_100)" in capsys.readouterr().out
