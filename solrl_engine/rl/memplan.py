@@ -32,7 +32,7 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -301,6 +301,23 @@ def _measure(model: Any, batch: int, train: bool, checkpointing: bool, cond: Any
     return float(tracker.peak)
 
 
+class _Copy(NamedTuple):
+    """One explore copy the run may end with: its spec, its stored bytes, the weights it leaves unquantized, the
+    layers it quantizes, and the LoRA layers' weights among the unquantized (a LoRA copy holds its own merged ones
+    of those and shares the rest with the frozen base)."""
+
+    spec: ExploreSpec
+    stored: float
+    unquantized: int
+    layers: int
+    lora_kept: int
+
+    def bytes(self, own_all: bool, elem: int) -> float:
+        """Its memory: stored, plus every unquantized weight it owns (`own_all`: full fine-tuning or sharded), else
+        only its merged LoRA layers, at `elem` bytes each."""
+        return self.stored + (self.unquantized if own_all else self.lora_kept) * elem
+
+
 def memory_plan(cfg: RLConfig, gpus: int = 1, gpu_gib: float = 80.0, explore: Sequence[ExploreSpec] | None = None,
                 sizes: UpdateSizes | None = None) -> MemoryPlan:  # fmt: skip
     """The per-GPU memory plan of `cfg` on `gpus` GPUs of `gpu_gib` GiB each (see the module docstring). `explore`:
@@ -319,8 +336,7 @@ def memory_plan(cfg: RLConfig, gpus: int = 1, gpu_gib: float = 80.0, explore: Se
         try:
             resolved = resolve_update_sizes(cfg, gpus, gpu_gib)
         except NothingFits as e:  # the plan of the smallest update shows what to change
-            resolved = UpdateSizes(1, True, f"nothing fits ({e.short}): shown at one sample with every block "
-                                            "recomputed")  # fmt: skip
+            resolved = e.smallest()
     cfg = resolved.apply(cfg) if resolved is not None else cfg
     spec = model_spec(cfg.model)
     dtype = torch.float32 if cfg.policy_dtype == "float32" else torch.bfloat16  # auto: BF16 on every GPU
@@ -355,11 +371,9 @@ def memory_plan(cfg: RLConfig, gpus: int = 1, gpu_gib: float = 80.0, explore: Se
                 lora += cfg.lora_rank * (m.in_features + m.out_features)
                 lora_all += m.in_features * m.out_features
                 target_sizes[n] = m.in_features * m.out_features
-        # per copy: (spec, its stored bytes, the weights it leaves unquantized, layers quantized, the LoRA layers'
-        # weights it keeps unquantized: a LoRA copy holds its own merged ones)
-        copies = [(e, r.weight_bytes()[1], params - sum(d.in_features * d.out_features for d in r.layers
-                                                        if d.quantized),
-                   len(r.quantized), sum(target_sizes.get(d.name, 0) for d in r.layers if not d.quantized))
+        copies = [_Copy(e, r.weight_bytes()[1], params - sum(d.in_features * d.out_features for d in r.layers
+                                                             if d.quantized),
+                        len(r.quantized), sum(target_sizes.get(d.name, 0) for d in r.layers if not d.quantized))
                   for e, r in reports]  # fmt: skip
         from solrl_engine.sampling.compile import repeated_blocks
 
@@ -374,12 +388,12 @@ def memory_plan(cfg: RLConfig, gpus: int = 1, gpu_gib: float = 80.0, explore: Se
         if not copies:
             return None
         # LoRA: the copy shares the frozen base's tensors (sharded: it keeps its own, whole, built before sharding)
-        e, stored, unquantized, n_q, lora_hp = max(
-            copies, key=lambda c: c[1] + (c[2] if full or sharded else c[4]) * b)  # fmt: skip
-        how = e.precision if len(copies) == 1 else (f"auto: planned as {e.precision}, the largest "
-                                                    f"of {', '.join(c[0].precision for c in copies)}")  # fmt: skip
-        how += f", stored as {e.storage}" if e.storage != e.precision else ""
-        return e, stored + (unquantized if full or sharded else lora_hp) * b, n_q, how
+        own = full or sharded
+        c = max(copies, key=lambda c: c.bytes(own, b))
+        names = ", ".join(x.spec.precision for x in copies)
+        how = c.spec.precision if len(copies) == 1 else f"auto: planned as {c.spec.precision}, the largest of {names}"
+        how += f", stored as {c.spec.storage}" if c.spec.storage != c.spec.precision else ""
+        return c.spec, c.bytes(own, b), c.layers, how
 
     # the ranks each sharded tensor is split over: all of them (fsdp), or a group (hsdp: shard_group_size, else a
     # node's GPUs, taken as up to 8)

@@ -139,7 +139,7 @@ def resolve(cfg: RLConfig, target: Target | None = None, show: bool = False) -> 
     except NothingFits as e:
         if not show:
             raise
-        sizes = UpdateSizes(1, True, f"nothing fits ({e.short}): shown at one sample with every block recomputed")
+        sizes = e.smallest()
     cfg = sizes.apply(cfg)
     gpu = target.device.type == "cuda"
     explore = (foresee(cfg.explore_settings(), model_spec(cfg.model), target.capability, gpu=gpu)

@@ -40,6 +40,10 @@ class NothingFits(ConfigError):
         super().__init__(message)
         self.short = short
 
+    def smallest(self) -> UpdateSizes:
+        """The smallest update (one sample, every block recomputed): what a plan shows where nothing fits."""
+        return UpdateSizes(1, True, f"nothing fits ({self.short}): shown at one sample with every block recomputed")
+
 
 @dataclass(frozen=True)
 class UpdateSizes:
