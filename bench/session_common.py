@@ -26,7 +26,8 @@ import predict  # noqa: E402
 
 from solrl_engine.explore.plan import ExploreSettings  # noqa: E402
 from solrl_engine.explore.plan import explore_rule as plan_rule  # noqa: E402
-from solrl_engine.kernels.capability import TENSOR_CORES, device_capability  # noqa: E402
+from solrl_engine.kernels import TENSOR_CORES  # noqa: E402
+from solrl_engine.kernels.capability import device_capability  # noqa: E402
 from solrl_engine.models import ARCH_ALIASES, model_spec  # noqa: E402
 from solrl_engine.nn import plan_quantization  # noqa: E402
 from solrl_engine.quant import get_recipe  # noqa: E402

@@ -144,9 +144,11 @@ def compiled_forward(model: Any, net: nn.Module, inputs: tuple, device: torch.de
         fwd()
         _sync(device)
         compile_s = time.perf_counter() - t0
-        breaks = sum(torch._dynamo.utils.counters["graph_break"].values())  # > 0: parts of the forward ran eager
+        reasons = dict(torch._dynamo.utils.counters["graph_break"])  # reason -> count; any: parts of it ran eager
+        breaks = sum(reasons.values())
         out = {"compile_s": compile_s, "forward_ms": median_ms(fwd, device, reps=reps), "backend": backend,
-               "regional_blocks": regions, "graph_breaks": breaks, "census": census.to_dict(),
+               "regional_blocks": regions, "graph_breaks": breaks,
+               "graph_break_reasons": {k[:400]: v for k, v in list(reasons.items())[:20]}, "census": census.to_dict(),
                "census_summary": census.summary()}  # fmt: skip
         if device.type == "cuda":  # after the compiled numbers are in hand: a capture failure keeps them
             if progress is not None:

@@ -229,8 +229,8 @@ def test_triton_weight_only_linear_with_rotation_matches_the_reference(triton_ba
     q = QuantLinear.from_linear(lin, QuantRecipe(quantize_activations=False, rht=32))
     x = _data("outliers", (6, 128)).bfloat16()
     d = q.rht_signs
-    got = knvfp4._tr_nvfp4_linear(x, q._nvfp4(), q.bias, False, d)
-    want = knvfp4._ref_nvfp4_linear(x, q._nvfp4(), q.bias, False, d)
+    got = knvfp4._tr_nvfp4_linear(x, q.handler.stored(q), q.bias, False, d)
+    want = knvfp4._ref_nvfp4_linear(x, q.handler.stored(q), q.bias, False, d)
     assert torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2)
     assert ((got.float() - lin(x.float())).norm() / lin(x.float()).norm()) < 0.1
 

@@ -5,6 +5,7 @@ the same seed, videos decode to [B, F, 3, H, W], and the explore copy quantizes 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -206,7 +207,8 @@ def test_fp8_attention_rounds_q_k_v_in_the_explore_copy_only_and_can_be_undone(w
         rounded.append(tuple(x.shape))
         return fake_quantize_rowwise(x)
 
-    monkeypatch.setattr(copy_mod, "fake_quantize_rowwise", counting)
+    fp8_numerics = dataclasses.replace(copy_mod.numerics("fp8"), attention=counting)  # the format's rounding, counted
+    monkeypatch.setattr(copy_mod, "numerics", lambda name: fp8_numerics if name == "fp8" else None)
     g = torch.Generator().manual_seed(3)
     x = torch.randn(2, *LATENT_SHAPES["wan"], generator=g)
     enc = m.encode_prompts(PROMPTS)
@@ -237,7 +239,7 @@ def test_fp8_attention_rounds_q_k_v_in_the_explore_copy_only_and_can_be_undone(w
     from torch.overrides import _get_current_function_mode_stack
 
     assert _get_current_function_mode_stack() == []
-    with pytest.raises(ValueError, match="choose bf16 or fp8"):
+    with pytest.raises(ValueError, match="choose one of.*bf16.*fp8"):
         copy.set_attention("fp4")
 
 

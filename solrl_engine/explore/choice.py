@@ -19,14 +19,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from solrl_engine.kernels import device_capability, fastest_format, formats_with_tensor_cores, gpu_like
+from solrl_engine.kernels import TENSOR_CORES, device_capability, fastest_format, formats_with_tensor_cores, gpu_like
 from solrl_engine.nn import QuantLinear, plan_quantization
-from solrl_engine.quant.recipe import NVFP4_OPTIONS, get_recipe
+from solrl_engine.quant.formats import numerics
+from solrl_engine.quant.recipe import FORMAT_OPTIONS, get_recipe
 
 # Candidates for the explore copy on a CPU, where every format is emulated (or, for INT8 and FP8,
 # run by oneDNN / torch's CPU kernels): all of them are timed against the policy. On a GPU only the
-# formats with tensor cores on that device are candidates (`explore_candidates`).
-EXPLORE_CANDIDATES: tuple[str, ...] = ("nvfp4", "nvfp4_weight_only", "int8", "fp8", "fp8_weight_only")
+# formats with tensor cores on that device are candidates (`explore_candidates`). Each tensor-core format's
+# recipe and its weight-only one (quant's Numerics.recipe_names without the format's extra recipes).
+EXPLORE_CANDIDATES: tuple[str, ...] = tuple(
+    r for f in TENSOR_CORES for r in numerics(f).recipe_names if r not in numerics(f).recipes
+)
 # explore_precision=auto's answer where no candidate is faster than the policy: no explore copy at all
 POLICY = "policy"
 
@@ -157,7 +161,7 @@ def probe_explore_timings(
     rows = min(rows, 32768) if rows is not None else (4096 if gpu else 256)
     reps = reps if reps is not None else (10 if gpu else 3)
     names = tuple(explore_candidates(dev) if candidates is None else candidates)
-    extras = {k: rule[k] for k in NVFP4_OPTIONS if rule.get(k)}
+    extras = {k: rule[k] for k in FORMAT_OPTIONS if rule.get(k)}
     key = (tuple(sorted(shapes.items())), tuple(sorted(extras.items())), dtype, rows, reps, give_up,
            torch.get_num_threads(), str(dev), names)  # fmt: skip
     if key in _PROBE_CACHE:
@@ -172,8 +176,8 @@ def probe_explore_timings(
         policy_calls: list[tuple[Any, torch.Tensor, int]] = []
         for name in ("policy", *names):
             recipe = None if name == "policy" else get_recipe(name)
-            if recipe is not None and recipe.format == "nvfp4":
-                recipe = recipe.with_(**extras)
+            if recipe is not None:  # the rule's format options, on the format they apply to
+                recipe = recipe.with_(**{k: v for k, v in extras.items() if k in numerics(recipe.format).options})
             calls, warm = [], 0.0
             for lin, x, count in layers:  # the warm-up pass, abandoned as soon as it cannot win
                 mod = lin if recipe is None else QuantLinear.from_linear(lin, recipe)

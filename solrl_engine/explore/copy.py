@@ -25,13 +25,11 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from solrl_engine.explore.choice import POLICY
-from solrl_engine.kernels.capability import (
-    TENSOR_CORES,  # ExploreCopy's recipe for a full-precision copy with the LoRA merged
-)
+from solrl_engine.kernels import TENSOR_CORES
 from solrl_engine.nn import QuantLinear, QuantReport, quantize_model, requantize_
 from solrl_engine.nn.flops import amdahl_bound
 from solrl_engine.nn.quantize import BORROWED, _peft_weight, borrow, is_lora_layer, own_
-from solrl_engine.quant.fp8 import fake_quantize_rowwise
+from solrl_engine.quant.formats import attention_formats, numerics
 from solrl_engine.quant.recipe import QuantRecipe, get_recipe
 
 if TYPE_CHECKING:
@@ -169,21 +167,21 @@ class ExploreCopy:
         return copy
 
     def set_attention(self, precision: str) -> None:
-        """The copy's attention on FP8 q, k and v ("fp8"; "bf16": as the policy's): an explore-only option that
-        cuts attention's share of a video forward (38-46% at 480p and 81 frames). Emulated here: q, k and v are
-        rounded to E4M3 per token and head (row-wise scales, the FP8 explore recipe's) before the attention
-        kernel, so rank fidelity can be measured on any device; no FP8 attention kernel is built (the speed
-        model prices one: docs/video.md)."""
-        if precision not in ("bf16", "fp8"):
-            raise ValueError(f"explore attention {precision!r}: choose bf16 or fp8")
+        """The copy's attention with q, k and v in a low-precision format (one with an attention rounding, e.g.
+        "fp8"; "bf16": as the policy's): an explore-only option that cuts attention's share of a video forward
+        (38-46% at 480p and 81 frames). Emulated here: q, k and v go through the format's attention rounding
+        (quant/<fmt>.py's Numerics.attention) before the attention kernel, so rank fidelity can be measured on
+        any device; no low-precision attention kernel runs (the speed model prices one: docs/video.md)."""
+        if precision not in attention_formats():
+            raise ValueError(f"explore attention {precision!r}: choose one of {attention_formats()}")
         root = self._root
         root.__dict__.pop("forward", None)  # back to the class's forward
         self.attention = precision
-        if precision == "fp8":  # the module's own forward inside the mode (an exception leaves it too)
-            plain = root.forward
+        if precision != "bf16":  # the module's own forward inside the mode (an exception leaves it too)
+            plain, rounding = root.forward, numerics(precision).attention
 
             def forward(*args: Any, **kwargs: Any) -> Any:
-                with _FP8Attention():
+                with _RoundedAttention(rounding):
                     return plain(*args, **kwargs)
 
             root.forward = forward
@@ -306,14 +304,19 @@ def speed_bound(ro: Any, copy: ExploreCopy, spec: ExploreSpec) -> dict[str, Any]
     return {"quantized_flop_share": share, "gemm_speedup": rate, "bound": bound, "line": line}
 
 
-class _FP8Attention(TorchFunctionMode):
-    """Within a forward, every F.scaled_dot_product_attention gets q, k and v rounded to FP8 E4M3 with a scale
-    per row (per token and head), then runs as it would: FP8 attention's numerics, emulated."""
+class _RoundedAttention(TorchFunctionMode):
+    """Within a forward, every F.scaled_dot_product_attention gets q, k and v through `rounding` (a format's
+    attention rounding, e.g. FP8 E4M3 with a scale per token and head), then runs as it would: that format's
+    attention numerics, emulated."""
+
+    def __init__(self, rounding: Any) -> None:
+        super().__init__()
+        self.rounding = rounding
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if func is torch.nn.functional.scaled_dot_product_attention:
-            args = tuple(fake_quantize_rowwise(a).to(a.dtype) if i < 3 else a for i, a in enumerate(args))
-            kwargs = {k: fake_quantize_rowwise(v).to(v.dtype) if k in ("query", "key", "value") else v
-                      for k, v in kwargs.items()}  # fmt: skip
+            r = self.rounding
+            args = tuple(r(a).to(a.dtype) if i < 3 else a for i, a in enumerate(args))
+            kwargs = {k: r(v).to(v.dtype) if k in ("query", "key", "value") else v for k, v in kwargs.items()}
         return func(*args, **kwargs)

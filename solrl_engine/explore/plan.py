@@ -19,15 +19,27 @@ from torch import nn
 from solrl_engine.explore.choice import EXPLORE_CANDIDATES, POLICY, ExploreChoice, resolve_explore_precision
 from solrl_engine.kernels import TENSOR_CORES, formats_with_tensor_cores
 from solrl_engine.models import ModelSpec
-from solrl_engine.quant.recipe import NVFP4_OPTIONS, RECIPES, RHT_SIZES, get_recipe
+from solrl_engine.quant.formats import all_numerics, attention_formats, numerics
+from solrl_engine.quant.recipe import FORMAT_OPTIONS, RECIPES, RHT_SIZES, get_recipe
 
 log = logging.getLogger("solrl_engine.explore")
 
-# what explore_precision may say: a recipe, Transformer Engine's NVFP4 (te_nvfp4), the policy's BF16 at the
-# preview steps (bf16), or auto (explore.choice)
-EXPLORE_PRECISIONS = ("auto", "nvfp4", "nvfp4_weight_only", "int8", "fp8", "fp8_weight_only", "bf16", "te_nvfp4")
-# the precisions the NVFP4 options (NVFP4_OPTIONS) apply to
-NVFP4_PRECISIONS = ("auto", "nvfp4", "nvfp4_weight_only")
+# what explore_precision may say: auto (explore.choice), each quantized format's recipe and weight-only recipe,
+# the policy's BF16 at the preview steps (bf16), Transformer Engine's NVFP4 (te_nvfp4)
+EXPLORE_PRECISIONS = ("auto", *(r for n, f in all_numerics().items() if f.quantized
+                                for r in f.recipe_names if r not in f.recipes), "bf16", "te_nvfp4")  # fmt: skip
+
+
+def option_applies(option: str, precision: str) -> bool:
+    """Whether a format option (FORMAT_OPTIONS: explore_rht, ...) applies to explore_precision `precision`: auto
+    (it may choose the format the option belongs to) and the recipes of a format that has the option."""
+    if precision == "auto":
+        return True
+    return precision in RECIPES and option in numerics(get_recipe(precision).format).options
+
+
+# the precisions the NVFP4 options apply to (the name of the days when NVFP4 was the only format with options)
+NVFP4_PRECISIONS = tuple(p for p in EXPLORE_PRECISIONS if all(option_applies(o, p) for o in FORMAT_OPTIONS))
 
 
 @dataclass(frozen=True)
@@ -42,7 +54,7 @@ class ExploreSettings:
     rht: int = 0
     four_over_six: bool = False
     lowrank: int = 0
-    attention: str = "bf16"  # "fp8": the copy's attention on FP8 q, k, v (ExploreCopy.set_attention)
+    attention: str = "bf16"  # a format (attention_formats()): the copy's q, k, v in it (ExploreCopy.set_attention)
 
     @property
     def timed_at_start(self) -> bool:
@@ -75,12 +87,16 @@ class ExploreSettings:
             out.append(("rht", f"choose 0 (off), {sizes} (the rotation size along K)"))
         if self.lowrank < 0:
             out.append(("lowrank", "must be >= 0 (0: no low-rank branch)"))
-        if self.attention not in ("bf16", "fp8"):
-            out.append(("attention", "choose bf16 (as the policy) or fp8 (FP8 q, k, v in the explore pass only)"))
-        for name in NVFP4_OPTIONS:
-            if getattr(self, name) and self.precision not in NVFP4_PRECISIONS:
-                out.append((name, f"applies to NVFP4 explore recipes; explore_precision is {self.precision!r}: "
-                                  "set explore_precision=nvfp4 (or auto) or leave it at its default"))  # fmt: skip
+        if self.attention not in attention_formats():
+            others = " or ".join(attention_formats()[1:])
+            out.append(("attention", f"choose bf16 (as the policy) or {others} (q, k, v in that format in the explore "
+                                     "pass only)"))  # fmt: skip
+        for name in FORMAT_OPTIONS:
+            if getattr(self, name) and not option_applies(name, self.precision):
+                owner = next(n for n, f in all_numerics().items() if name in f.options)
+                out.append((name, f"applies to {owner.upper()} explore recipes; explore_precision is "
+                                  f"{self.precision!r}: set explore_precision={owner} (or auto) or leave it at its "
+                                  "default"))  # fmt: skip
         return out
 
 
@@ -97,7 +113,7 @@ def explore_rule(settings: ExploreSettings, model: ModelSpec, precision: str | N
         rule["extra_skip"] = tuple(settings.skip)
     if settings.skip_max_dim is not None:
         rule["skip_max_dim"] = settings.skip_max_dim
-    for name in NVFP4_OPTIONS:
+    for name in FORMAT_OPTIONS:
         if getattr(settings, name):
             rule[name] = getattr(settings, name)
     return rule
@@ -164,16 +180,18 @@ def plan(
 
 def _spec(settings: ExploreSettings, model: ModelSpec, choice: ExploreChoice, quiet: bool = False,
           timed_at_start: bool = False) -> ExploreSpec:  # fmt: skip
-    """The spec of a resolved choice: the family's rule for its format, the NVFP4 options dropped (warned unless
-    `quiet`) when the precision used is not NVFP4."""
+    """The spec of a resolved choice: the family's rule for its format, the format options (NVFP4's) dropped
+    (warned unless `quiet`) where the precision used is a format they do not apply to."""
     rule = explore_rule(settings, model, choice.precision)
     if not quiet:
         log.info("explore precision %s: %s", choice.precision, choice.reason)
-    dropped = tuple(k for k in NVFP4_OPTIONS if k in rule)
-    if choice.precision != POLICY and dropped and get_recipe(choice.precision).format != "nvfp4":
+    dropped = tuple(k for k in FORMAT_OPTIONS if k in rule and not option_applies(k, choice.precision))
+    if choice.precision != POLICY and dropped:
         if not quiet:
-            log.warning("explore_precision=auto chose %s on this device: %s apply to NVFP4 only and are not used",
-                        choice.precision, ", ".join(ExploreSettings.key(k) for k in dropped))  # fmt: skip
+            owners = "/".join(dict.fromkeys(n.upper() for n, f in all_numerics().items() for k in dropped
+                                            if k in f.options))  # fmt: skip
+            log.warning("explore_precision=auto chose %s on this device: %s apply to %s only and are not used",
+                        choice.precision, ", ".join(ExploreSettings.key(k) for k in dropped), owners)  # fmt: skip
         for k in dropped:
             rule.pop(k)
     else:

@@ -6,13 +6,15 @@ Imports quant/, solrl_triton (the triton_kernels/ folder) and the extension, not
 
 from solrl_engine.kernels._gemm import set_trace_quantize
 from solrl_engine.kernels.capability import (
-    TENSOR_CORES,
+    FormatKernels,
     TensorCores,
     device_capability,
     fastest_format,
+    format_kernels,
     formats_with_tensor_cores,
     gpu_like,
     simulated_capability,
+    tensor_core_table,
     tensor_cores,
 )
 from solrl_engine.kernels.dispatch import (
@@ -34,11 +36,17 @@ from solrl_engine.kernels.nvfp4 import (
     nvfp4_quantize_into_,
 )
 
+# format -> its tensor cores, fastest first: gathered from each format module's KERNELS (capability)
+TENSOR_CORES = tensor_core_table()
+
 __all__ = [
     "BACKENDS",
     "Run",
     "TENSOR_CORES",
+    "FormatKernels",
     "TensorCores",
+    "format_kernels",
+    "tensor_core_table",
     "backend_report",
     "choose",
     "device_capability",

@@ -1,18 +1,22 @@
 """What a device can run fast: its compute capability (real, or simulated on a CPU) and THE tensor-core table.
 
-The table is the one statement of which low-precision GEMM formats have tensor cores from which compute
-capability; the kernels' availability checks and the explore precision's hardware plan both read it, so
-they cannot disagree. `SOLRL_SIMULATE_SM=90` (a test switch) makes the CPU count as a GPU of that compute
-capability wherever the fast op has a CPU implementation (`torch._scaled_mm`, `torch._int_mm`, Triton
+Each format's kernel module declares its part (`KERNELS = FormatKernels(...)`: its tensor-core row and its GEMM
+op); the table is gathered from those parts, the one statement of which low-precision GEMM formats have tensor
+cores from which compute capability. The kernels' availability checks and the explore precision's hardware plan
+both read it, so they cannot disagree. `SOLRL_SIMULATE_SM=90` (a test switch) makes the CPU count as a GPU of that
+compute capability wherever the fast op has a CPU implementation (`torch._scaled_mm`, `torch._int_mm`, Triton
 under TRITON_INTERPRET=1): the GPU's choices and paths then run, and are checked, on a CPU.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
 import torch
+
+from solrl_engine.quant.formats import gather
 
 SIM_ENV = "SOLRL_SIMULATE_SM"
 
@@ -55,19 +59,42 @@ class TensorCores:
     nominal_speedup: float
 
 
-# Fastest first: the hardware plan takes the first format a device has. cuBLASLt's FP4 _scaled_mm has no
-# CPU implementation; torch._scaled_mm runs row-wise FP8 and torch._int_mm INT8 on a CPU too.
-TENSOR_CORES: dict[str, TensorCores] = {
-    "nvfp4": TensorCores("FP4", (10, 0), cpu_op=False, nominal_speedup=4.0),
-    "fp8": TensorCores("FP8", (8, 9), cpu_op=True, nominal_speedup=2.0),
-    "int8": TensorCores("INT8", (8, 0), cpu_op=True, nominal_speedup=2.0),
-}
+@dataclass(frozen=True)
+class FormatKernels:
+    """A format's part in kernels/: its tensor cores (None for the policy's BF16, which has no separate row) and the
+    dispatch op its linear layers choose an implementation of (`dispatch.choose`; None: torch's own linear)."""
+
+    format: str
+    tensor_cores: TensorCores | None
+    linear_op: str | None
+
+
+@functools.cache
+def format_kernels() -> dict[str, FormatKernels]:
+    """Format name -> its kernels part (kernels/<fmt>.py's KERNELS)."""
+    return gather("solrl_engine.kernels", "KERNELS")
+
+
+# Format -> its tensor cores, fastest first: filled from the parts once (tensor_core_table), when
+# solrl_engine.kernels finishes importing; a plain dict, so a layer's kernel choice traced by torch.compile reads it
+# without calling into the gathering (an import inside a compiled region is a graph break).
+_TABLE: dict[str, TensorCores] = {}
+
+
+def tensor_core_table() -> dict[str, TensorCores]:
+    """Format -> its tensor cores, fastest first (the hardware plan takes the first a device has): most nominal
+    throughput, then the newest architecture. cuBLASLt's FP4 _scaled_mm has no CPU implementation;
+    torch._scaled_mm runs row-wise FP8 and torch._int_mm INT8 on a CPU too."""
+    if not _TABLE:
+        rows = {f: k.tensor_cores for f, k in format_kernels().items() if k.tensor_cores is not None}
+        _TABLE.update(sorted(rows.items(), key=lambda kv: (-kv[1].nominal_speedup, tuple(-v for v in kv[1].needs))))
+    return _TABLE
 
 
 def tensor_cores(device: torch.device | str, fmt: str) -> str | None:
-    """None when `device` has `fmt`'s tensor cores (a TENSOR_CORES key), else why not. A CPU under
+    """None when `device` has `fmt`'s tensor cores (a tensor_core_table() key), else why not. A CPU under
     SOLRL_SIMULATE_SM counts as that GPU where the format's fast GEMM has a CPU implementation."""
-    device, tc = torch.device(device), TENSOR_CORES[fmt]
+    device, tc = torch.device(device), tensor_core_table()[fmt]
     cap = device_capability(device)
     if cap is None or (device.type != "cuda" and not tc.cpu_op):
         where = device.type if cap is None else f"{device.type} (simulated sm_{cap[0]}{cap[1]}: no CPU implementation)"
@@ -81,7 +108,7 @@ def formats_with_tensor_cores(capability: tuple[int, int] | None) -> tuple[str, 
     """The formats whose tensor cores a device of this compute capability has, fastest first (none for None)."""
     if capability is None:
         return ()
-    return tuple(fmt for fmt, tc in TENSOR_CORES.items() if capability >= tc.needs)
+    return tuple(fmt for fmt, tc in tensor_core_table().items() if capability >= tc.needs)
 
 
 def fastest_format(capability: tuple[int, int] | None) -> str:

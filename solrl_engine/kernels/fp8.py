@@ -20,7 +20,7 @@ from solrl_engine.kernels._gemm import (
     run_recorded,
     traced,
 )
-from solrl_engine.kernels.capability import tensor_cores
+from solrl_engine.kernels.capability import FormatKernels, TensorCores, tensor_cores
 from solrl_engine.kernels.dispatch import call, ran, register, run, triton_module
 from solrl_engine.quant import fp8
 from solrl_engine.quant.fp8 import FP8Tensor
@@ -156,3 +156,6 @@ def traced_fp8_linear(
     into x's producer), cuBLASLt's row-wise `torch._scaled_mm` with BF16 output, cast to `out_dtype`."""
     with no_autocast(x):
         return finish(_fp8_scaled_mm(fp8.quantize_rowwise(flat(x)), weight, bias), x, out_dtype)
+
+
+KERNELS = FormatKernels("fp8", TensorCores("FP8", (8, 9), cpu_op=True, nominal_speedup=2.0), "fp8_linear")

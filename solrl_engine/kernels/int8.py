@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from solrl_engine.kernels._gemm import flat, no_autocast, run_recorded, traced
-from solrl_engine.kernels.capability import tensor_cores
+from solrl_engine.kernels.capability import FormatKernels, TensorCores, tensor_cores
 from solrl_engine.kernels.dispatch import call, ran, register, run, triton_module
 from solrl_engine.quant import int8
 from solrl_engine.quant.int8 import Int8Tensor
@@ -146,3 +146,6 @@ def traced_int8_linear(
         s = int8.row_scales(x2)
         acc = _int_mm_rows(int8.encode(x2, s), weight.data)
         return int8.scale_epilogue(acc, s, weight.scale, bias, out_dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+
+KERNELS = FormatKernels("int8", TensorCores("INT8", (8, 0), cpu_op=True, nominal_speedup=2.0), "int8_linear")

@@ -31,7 +31,7 @@ from solrl_engine.kernels._gemm import (
     run_recorded,
     traced,
 )
-from solrl_engine.kernels.capability import device_capability, tensor_cores
+from solrl_engine.kernels.capability import FormatKernels, TensorCores, device_capability, tensor_cores
 from solrl_engine.kernels.dispatch import _warn_once, call, cuda_extension, ran, register, run, triton_module
 from solrl_engine.quant import hadamard, nvfp4
 from solrl_engine.quant.nvfp4 import NVFP4Tensor
@@ -433,3 +433,6 @@ def traced_nvfp4_linear(
     with no_autocast(x):
         acc = _fp4_scaled_mm(*nvfp4_activation_operands(flat(x)), weight, w_swizzled, bias)
         return finish(acc, x, out_dtype)
+
+
+KERNELS = FormatKernels("nvfp4", TensorCores("FP4", (10, 0), cpu_op=False, nominal_speedup=4.0), "nvfp4_linear")

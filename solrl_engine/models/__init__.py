@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from solrl_engine.models.base import Conditioning, FlowModel
+from solrl_engine.models.formats import rule_changes_by_format
 
 # family name -> "module:attribute" of its ModelSpec
 MODELS: dict[str, str] = {
@@ -62,12 +63,8 @@ class ModelSpec:
     lora_targets: tuple[str, ...]
     explore_rule: dict[str, Any] = field(default_factory=dict)
     # Per-format changes on top of explore_rule, where a format is accurate enough for a wider rule than
-    # NVFP4's. INT8 on every eligible layer ranks the bundled model's previews as the BF16 preview does
-    # (Spearman 0.948 vs 0.948; FP8 on every layer drops to 0.915, so FP8 keeps the rule):
-    # bench/results/2026-11-25-cpu-tiny-recipes-8bit.json, docs/nvfp4-recipes-and-fidelity.md.
-    explore_rule_by_format: dict[str, dict[str, Any]] = field(
-        default_factory=lambda: {"int8": {"include": (), "skip_max_dim": 0}}
-    )
+    # NVFP4's: each format's default rule (models/formats/<fmt>.py, with its evidence), a family may override.
+    explore_rule_by_format: dict[str, dict[str, Any]] = field(default_factory=rule_changes_by_format)
     guidance: str = "cfg"
     guidance_scale: float = 1.0
     repeated_blocks: tuple[str, ...] = ()

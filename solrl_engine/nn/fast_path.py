@@ -16,6 +16,7 @@ from torch import nn
 from solrl_engine import kernels
 from solrl_engine.kernels import Run
 from solrl_engine.nn.quant_linear import QuantLinear
+from solrl_engine.quant.formats import numerics
 
 
 @dataclass
@@ -77,7 +78,7 @@ def fast_path(model: nn.Module) -> FastPathRecord:
     runs = kernels.runs()
     rec = FastPathRecord()
     for name, m in model.named_modules():
-        if isinstance(m, QuantLinear) and m.recipe.format != "bf16":
+        if isinstance(m, QuantLinear) and numerics(m.recipe.format).quantized:
             rec.layers[name] = runs.get(m.kernel_tag)
     return rec
 

@@ -16,6 +16,7 @@ from torch import nn
 
 from solrl_engine.nn.quant_linear import QuantConv1x1, QuantLinear
 from solrl_engine.nn.quantize import is_conv1x1
+from solrl_engine.quant.formats import numerics
 
 
 @dataclass
@@ -62,7 +63,7 @@ def group_name(name: str) -> str:
 
 def _layer_format(m: nn.Module) -> str:
     if isinstance(m, QuantLinear):
-        return m.recipe.name.split("+")[0] if m.recipe.format != "bf16" else "high"
+        return m.recipe.name.split("+")[0] if numerics(m.recipe.format).quantized else "high"
     return "high"
 
 

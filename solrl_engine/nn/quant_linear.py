@@ -19,11 +19,9 @@ import torch
 from torch import nn
 
 from solrl_engine import kernels
-from solrl_engine.quant import hadamard
-from solrl_engine.quant import nvfp4 as nvfp4_ref
-from solrl_engine.quant.fp8 import FP8Tensor
-from solrl_engine.quant.int8 import Int8Tensor
-from solrl_engine.quant.nvfp4 import NVFP4Tensor
+from solrl_engine.kernels import format_kernels
+from solrl_engine.nn.formats import LinearFormat, handler
+from solrl_engine.quant.formats import numerics
 from solrl_engine.quant.recipe import QuantRecipe, get_recipe
 
 _UIDS = itertools.count()
@@ -60,47 +58,17 @@ class QuantLinear(nn.Module):
         self.recipe = get_recipe(recipe)
         self.in_features = in_features
         self.out_features = out_features
-        fmt = self.recipe.format
-        if fmt == "nvfp4" and in_features % 16:
+        k = numerics(self.recipe.format).k_multiple
+        if in_features % k:
             raise ValueError(
-                f"NVFP4 needs in_features to be a multiple of 16; got {in_features}. "
+                f"{self.recipe.format} needs in_features to be a multiple of {k}; got {in_features}. "
                 "Leave this layer unquantized (quantize_model does so automatically)."
             )
-        if fmt == "nvfp4":
-            r = self.recipe
-            if r.rht and in_features % r.rht:
-                hadamard.check_size(r.rht, in_features)  # raises, naming the sizes and the fix
-            self.register_buffer(
-                "w_qdata", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device)
-            )
-            self.register_buffer(
-                "w_scale", torch.zeros(out_features, in_features // 16, dtype=torch.float8_e4m3fn, device=device)
-            )
-            self.register_buffer("w_global_scale", torch.ones((), dtype=torch.float32, device=device))
-            # the block scales again in cuBLASLt's 128x4 tiled order, written with them (set_weight_), so the
-            # Blackwell GEMM reads them as they are instead of swizzling them per call; derived, so not saved
-            self.register_buffer("w_scale_swizzled", torch.zeros(
-                nvfp4_ref.swizzled_numel(out_features, in_features // 16), dtype=torch.uint8, device=device),
-                persistent=False)  # fmt: skip
-            # the rotation's signs (the weight is stored rotated; inputs are rotated inside their quantize)
-            signs = hadamard.signs(r.rht, r.rht_seed, device) if r.rht else None
-            self.register_buffer("rht_signs", signs)
-            # SVDQuant's split: W = lr_up @ lr_down + residual, the residual in NVFP4, the branch in BF16
-            rank = r.lowrank
-            self.register_buffer("lr_down", torch.zeros(rank, in_features, dtype=torch.bfloat16, device=device)
-                                 if rank else None)  # fmt: skip
-            self.register_buffer("lr_up", torch.zeros(out_features, rank, dtype=torch.bfloat16, device=device)
-                                 if rank else None)  # fmt: skip
-        elif fmt == "fp8":
-            self.register_buffer(
-                "w_data", torch.zeros(out_features, in_features, dtype=torch.float8_e4m3fn, device=device)
-            )
-            self.register_buffer("w_scale", torch.ones(out_features, 1, dtype=torch.float32, device=device))
-        elif fmt == "int8":
-            self.register_buffer("w_int8", torch.zeros(out_features, in_features, dtype=torch.int8, device=device))
-            self.register_buffer("w_scale", torch.ones(out_features, 1, dtype=torch.float32, device=device))
-        else:
-            self.register_buffer("w_bf16", torch.zeros(out_features, in_features, dtype=torch.bfloat16, device=device))
+        # the format's parts, looked up once (a forward under torch.compile reads attributes, never the registries):
+        # its part in nn/ (`handler`: buffers, quantize-into, decode, linear) and its GEMM op in kernels/
+        self.__dict__["handler"] = handler(self.recipe.format)
+        self.__dict__["linear_op"] = format_kernels()[self.recipe.format].linear_op
+        self.handler.buffers(self, device)
         self.register_buffer("bias", torch.zeros(out_features, dtype=bias_dtype, device=device) if bias else None)
         # The BF16 weight this layer was made from, when kept (not a buffer: never saved twice).
         self.__dict__["master_weight"] = None
@@ -128,16 +96,12 @@ class QuantLinear(nn.Module):
             q.__dict__["master_weight"] = w
         return q
 
-    # --- storage -----------------------------------------------------------------------------------
+    # --- storage ---------------------------------------------------------------------------------------
 
-    def _nvfp4(self) -> NVFP4Tensor:
-        return NVFP4Tensor(self.w_qdata, self.w_scale, self.w_global_scale, torch.float32)
-
-    def _fp8(self) -> FP8Tensor:
-        return FP8Tensor(self.w_data, self.w_scale, torch.float32)
-
-    def _int8(self) -> Int8Tensor:
-        return Int8Tensor(self.w_int8, self.w_scale, torch.float32)
+    @property
+    def handler(self) -> LinearFormat:
+        """The format's handler this layer delegates its storage and GEMM to (nn/formats/<fmt>.py)."""
+        return self.__dict__["handler"]
 
     @torch.no_grad()
     def set_weight_(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
@@ -149,57 +113,16 @@ class QuantLinear(nn.Module):
                 f"weight of shape {tuple(weight.shape)} does not fit a QuantLinear of "
                 f"{self.out_features}x{self.in_features}."
             )
-        fmt = self.recipe.format
-        dev = self.bias.device if self.bias is not None else next(self.buffers()).device
-        w = weight.detach().to(dev)
-        if fmt == "nvfp4":
-            if self.recipe.lowrank:
-                w = self._residual_(w)
-            kernels.nvfp4_quantize_into_(self._nvfp4(), w, None, self.recipe.four_over_six, self.rht_signs)
-            self.w_scale_swizzled.copy_(nvfp4_ref.swizzle_scales(self.w_scale).view(torch.uint8))
-        elif fmt == "fp8":
-            q = kernels.fp8_quantize_rowwise(w)
-            self.w_data.copy_(q.data)
-            self.w_scale.copy_(q.scale)
-        elif fmt == "int8":
-            qi = kernels.int8_quantize_rowwise(w)
-            self.w_int8.copy_(qi.data)
-            self.w_scale.copy_(qi.scale)
-        else:
-            self.w_bf16.copy_(w)
+        w = weight.detach().to(next(self.buffers()).device)
+        self.handler.set_weight_(self, w)
         if bias is not None and self.bias is not None:
-            self.bias.copy_(bias.detach().to(dev))
-
-    def _residual_(self, w: torch.Tensor) -> torch.Tensor:
-        """W minus the low-rank branch. The branch is W's top singular directions, taken from the first
-        weight this layer quantizes and kept: later weights (RL updates) re-quantize only their residual,
-        which absorbs the update, so the split stays exact at the cost of one SVD per layer per run."""
-        wf = w.float()
-        if not self.__dict__.get("lowrank_fixed", False):
-            u, sv, vh = torch.linalg.svd(wf, full_matrices=False)
-            r = self.recipe.lowrank
-            self.lr_up.copy_(u[:, :r] * sv[:r])
-            self.lr_down.copy_(vh[:r])
-            self.__dict__["lowrank_fixed"] = True
-        return wf - self.lr_up.float() @ self.lr_down.float()
+            self.bias.copy_(bias.detach().to(self.bias.device))
 
     @property
     def weight(self) -> torch.Tensor:
         """The decoded weight in FP32, in the layer's own basis (un-rotated, with the low-rank branch
         added back): for inspection; the forward never materialises it like this."""
-        fmt = self.recipe.format
-        if fmt == "nvfp4":
-            w = kernels.nvfp4_dequantize(self._nvfp4(), torch.float32)
-            if self.rht_signs is not None:
-                w = hadamard.unrotate(w, self.rht_signs)
-            if self.lr_up is not None:
-                w = w + self.lr_up.float() @ self.lr_down.float()
-            return w
-        if fmt == "fp8":
-            return self._fp8().dequantize(torch.float32)
-        if fmt == "int8":
-            return self._int8().dequantize(torch.float32)
-        return self.w_bf16.float()
+        return self.handler.weight(self)
 
     # --- compute -----------------------------------------------------------------------------------
 
@@ -207,17 +130,16 @@ class QuantLinear(nn.Module):
         """(backend, why): the implementation this layer's GEMM runs on `device` (default: where its
         buffers are), chosen once from its shapes and recipe (`kernels.choose`) and kept until the
         device or SOLRL_BACKEND changes. `why` names the choice and each implementation passed over."""
-        dev = torch.device(device) if device is not None else self.w_scale.device if hasattr(self, "w_scale") else (
-            self.w_bf16.device)  # fmt: skip
+        dev = torch.device(device) if device is not None else next(self.buffers()).device
         key = (dev, kernels.requested_backend(), kernels.simulated_capability())
         cached = self.__dict__.get("_kernel")
         if cached is not None and cached[0] == key:
             return cached[1]
         r = self.recipe
-        if r.format == "bf16":
-            choice = ("torch", "torch (BF16 weights: torch's own linear)")
+        op = self.__dict__["linear_op"]
+        if op is None:
+            choice = ("torch", f"torch ({r.format.upper()} weights: torch's own linear)")
         else:
-            op = f"{r.format}_linear"
             choice = kernels.choose(op, dev, k=self.in_features, n=self.out_features,
                                     quantize_input=r.quantize_activations, four_over_six=r.four_over_six,
                                     rht=bool(r.rht))  # fmt: skip
@@ -225,26 +147,10 @@ class QuantLinear(nn.Module):
         return choice
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fmt = self.recipe.format
-        act = self.recipe.quantize_activations
         compute, out = io_dtypes(x)
-        if fmt == "bf16":
-            b = None if self.bias is None else self.bias.to(compute)
-            return nn.functional.linear(x.to(compute), self.w_bf16.to(compute), b)
-        if not act:  # weight-only: the GEMM reads the activations as autocast would hand them to nn.Linear
+        if not self.recipe.quantize_activations:  # the GEMM reads the activations as autocast hands them to nn.Linear
             x = x.to(compute)
-        backend, tag = self.choose_kernel(x.device)[0], self.kernel_tag
-        if fmt == "nvfp4":
-            r = self.recipe
-            y = kernels.nvfp4_linear(x, self._nvfp4(), self.bias, act, self.rht_signs, r.four_over_six, backend,
-                                     out, tag, self.w_scale_swizzled)  # fmt: skip
-            if self.lr_up is not None:  # the BF16 low-rank branch on the un-rotated input
-                xb = x.to(self.lr_down.dtype)
-                y = y + nn.functional.linear(nn.functional.linear(xb, self.lr_down), self.lr_up).to(y.dtype)
-            return y
-        if fmt == "fp8":
-            return kernels.fp8_linear(x, self._fp8(), self.bias, act, backend, out, tag)
-        return kernels.int8_linear(x, self._int8(), self.bias, backend, out, tag)
+        return self.handler.linear(self, x, self.choose_kernel(x.device)[0], out)
 
     def extra_repr(self) -> str:
         return (

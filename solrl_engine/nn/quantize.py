@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from solrl_engine.nn.quant_linear import QuantConv1x1, QuantLinear
+from solrl_engine.quant.formats import numerics
 from solrl_engine.quant.recipe import QuantRecipe, get_recipe
 
 
@@ -31,10 +32,6 @@ class LayerDecision:
     kind: str = "linear"  # "linear" or "conv1x1" (a 1x1 convolution quantized as a linear over channels)
     rule: str = ""  # the rule that kept it, e.g. "matches skip pattern '*embed*'"; "" when quantized
     kernel: str = ""  # a quantized layer's GEMM implementation and why (QuantLinear.choose_kernel)
-
-
-def _ceil(v: int, m: int) -> int:
-    return -(-v // m) * m
 
 
 @dataclass
@@ -56,15 +53,11 @@ class QuantReport:
     def weight_bytes(self) -> tuple[int, int]:
         """(BF16 bytes, stored bytes) of the quantized layers' weights, scales included."""
         before = after = 0
+        stored = numerics(self.recipe.format).stored_bytes
         for d in self.layers:
             if d.quantized:
-                n = d.in_features * d.out_features
-                before += 2 * n
-                # NVFP4: codes, block scales, global scale, and the block scales' tiled copy (QuantLinear's
-                # w_scale_swizzled, padded to 128x4 tiles)
-                swizzled = _ceil(d.out_features, 128) * _ceil(d.in_features // 16, 4)
-                after += {"nvfp4": n // 2 + n // 16 + 4 + swizzled, "fp8": n + 4 * d.out_features,
-                          "int8": n + 4 * d.out_features, "bf16": 2 * n}[self.recipe.format]  # fmt: skip
+                before += 2 * d.in_features * d.out_features
+                after += stored(d.in_features, d.out_features)  # the format's own count, scales included
                 after += 2 * self.recipe.lowrank * (d.in_features + d.out_features)  # the BF16 branch
         return before, after
 
@@ -137,8 +130,10 @@ def _decide_rule(name: str, in_f: int, out_f: int, recipe: QuantRecipe) -> tuple
     if large <= recipe.skip_max_dim:
         rule = f"largest dim <= skip_max_dim {recipe.skip_max_dim}"
         return rule, f"largest dim {large} <= skip_max_dim {recipe.skip_max_dim}"
-    if recipe.format == "nvfp4" and in_f % 16:
-        return "in_features not a multiple of 16 (NVFP4)", f"in_features {in_f} is not a multiple of 16"
+    k = numerics(recipe.format).k_multiple
+    if in_f % k:
+        label = numerics(recipe.format).label
+        return f"in_features not a multiple of {k} ({label})", f"in_features {in_f} is not a multiple of {k}"
     if recipe.rht and in_f % recipe.rht:
         rule = f"in_features not a multiple of the rotation size {recipe.rht}"
         return rule, f"in_features {in_f} is not a multiple of the rotation size {recipe.rht}"

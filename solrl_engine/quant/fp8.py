@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from solrl_engine.quant.formats import Numerics
+
 E4M3_MAX = 448.0
 FP32_MAX = torch.finfo(torch.float32).max
 
@@ -78,3 +80,9 @@ def quantize_tensorwise(x: torch.Tensor, amax: float | torch.Tensor | None = Non
 def fake_quantize_rowwise(x: torch.Tensor) -> torch.Tensor:
     """Row-wise quantize then dequantize, same dtype as `x`."""
     return quantize_rowwise(x).dequantize(x.dtype)
+
+
+NUMERICS = Numerics(
+    "fp8", "FP8 E4M3", 8, lambda k, n: k * n + 4 * n,  # codes and one FP32 scale per output channel
+    attention=fake_quantize_rowwise,  # q, k, v per token and head, the linear's row-wise recipe
+)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from solrl_engine.quant.formats import Numerics
 from solrl_engine.quant.fp8 import FP8Tensor
 
 QMAX = 127.0
@@ -81,3 +82,7 @@ def linear(
     acc = xq.data.double() @ weight.data.double().t()
     y = scale_epilogue(acc, xq.scale, weight.scale, bias, out_dtype or x.dtype)
     return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+# W8A8 only: a weight-only INT8 buys nothing over fp8_weight_only's exact-in-BF16 weights
+NUMERICS = Numerics("int8", "INT8", 8, lambda k, n: k * n + 4 * n, weight_only=False)

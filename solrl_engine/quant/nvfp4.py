@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from solrl_engine.quant.formats import Numerics
+
 BLOCK = 16
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
@@ -326,3 +328,18 @@ def unswizzle_scales(swizzled: torch.Tensor, rows: int, cols: int) -> torch.Tens
     raw = swizzled.reshape(-1).view(torch.uint8)
     out = raw[swizzle_offsets(rows, cols, swizzled.device).reshape(-1)].reshape(rows, cols)
     return out.view(swizzled.dtype)
+
+
+def stored_bytes(in_features: int, out_features: int) -> int:
+    """Bytes of an NVFP4 weight: codes, block scales, the global scale, and the block scales' 128x4-tiled copy
+    that the Blackwell GEMM reads (padded to whole tiles)."""
+    n = in_features * out_features
+    return n // 2 + n // 16 + 4 + _ceil_to(out_features, 128) * _ceil_to(in_features // BLOCK, 4)
+
+
+NUMERICS = Numerics(
+    "nvfp4", "NVFP4", 4, stored_bytes, k_multiple=BLOCK, options=("rht", "four_over_six", "lowrank"),
+    # beyond the TE recipe (same format and GEMMs): a Hadamard rotation, 4-over-6 block scales
+    recipes={"nvfp4_rht16": {"rht": 16}, "nvfp4_4o6": {"four_over_six": True},
+             "nvfp4_rht16_4o6": {"rht": 16, "four_over_six": True}},
+)  # fmt: skip

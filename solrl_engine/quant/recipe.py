@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import fnmatch
 from dataclasses import dataclass, field, fields, replace
-from typing import Literal
 
-Format = Literal["nvfp4", "fp8", "int8", "bf16"]
-FORMATS: tuple[str, ...] = ("nvfp4", "fp8", "int8", "bf16")
+from solrl_engine.quant.formats import all_numerics, format_names, numerics
+
+# the formats (quant/<fmt>.py's NUMERICS), fewest bits first: ("nvfp4", "fp8", "int8", "bf16")
+FORMATS: tuple[str, ...] = format_names()
 RHT_SIZES: tuple[int, ...] = (16, 32, 64, 128)
-# the recipe options that apply to NVFP4 only (QuantRecipe fields; an explore config's explore_<option>)
-NVFP4_OPTIONS: tuple[str, ...] = ("rht", "four_over_six", "lowrank")
+# the recipe options that apply to one format only (QuantRecipe fields; an explore config's explore_<option>): NVFP4's
+FORMAT_OPTIONS: tuple[str, ...] = tuple(dict.fromkeys(o for f in all_numerics().values() for o in f.options))
+NVFP4_OPTIONS = FORMAT_OPTIONS  # the name it had while NVFP4 was the only format with options
 
 # Layers kept in high precision by default: embedders (timestep, caption, patch), the adaLN
 # modulation and final projection. They are small, run once per step, and errors there shift every
@@ -62,7 +64,7 @@ class QuantRecipe:
         split); updates re-quantize the residual against the fixed branch. 0: off.
     """
 
-    format: Format = "nvfp4"
+    format: str = "nvfp4"
     quantize_activations: bool = True
     skip: tuple[str, ...] = field(default=DEFAULT_SKIP)
     min_dim: int = 32
@@ -75,21 +77,22 @@ class QuantRecipe:
     lowrank: int = 0
 
     def __post_init__(self) -> None:
-        if self.format not in FORMATS:
-            raise ValueError(f"unknown quantization format {self.format!r}; choose one of {FORMATS}.")
+        fmt = numerics(self.format)  # a clear error naming the formats for an unknown one
         if self.rht not in (0, *RHT_SIZES):
             raise ValueError(f"rht must be 0 (off) or one of {RHT_SIZES}; got {self.rht}.")
         if self.lowrank < 0:
             raise ValueError(f"lowrank must be >= 0 (0: no low-rank branch); got {self.lowrank}.")
-        extras = [f for f in NVFP4_OPTIONS if getattr(self, f)]
-        if extras and self.format != "nvfp4":
+        extras = [f for f in FORMAT_OPTIONS if getattr(self, f) and f not in fmt.options]
+        if extras:
+            owners = [n for n, f in all_numerics().items() if extras[0] in f.options]
             raise ValueError(
-                f"{', '.join(extras)} apply to NVFP4 recipes only; this recipe is {self.format}. "
-                f"Use format 'nvfp4' or set {extras[0]} to its default."
+                f"{', '.join(extras)} apply to {'/'.join(o.upper() for o in owners)} recipes only; this recipe is "
+                f"{self.format}. Use format {owners[0]!r} or set {extras[0]} to its default."
             )
-        if self.format == "int8" and not self.quantize_activations:
-            raise ValueError("int8 is a W8A8 recipe (activations quantized per token); for weight-only 8 bits use "
-                             "fp8_weight_only.")  # fmt: skip
+        if fmt.quantized and not fmt.weight_only and not self.quantize_activations:
+            others = [f"{n}_weight_only" for n, f in all_numerics().items() if f.weight_only]
+            raise ValueError(f"{self.format} has no weight-only recipe (its activations are quantized per token); "
+                             f"for weight-only low precision use one of {others}.")  # fmt: skip
         if self.min_dim < 1:
             raise ValueError(f"min_dim must be >= 1; got {self.min_dim}.")
         if isinstance(self.skip, str) or isinstance(self.include, str):
@@ -97,8 +100,8 @@ class QuantRecipe:
 
     @property
     def name(self) -> str:
-        if self.format == "bf16":
-            return "bf16"
+        if not numerics(self.format).quantized:
+            return self.format
         base = self.format if self.quantize_activations else f"{self.format}_weight_only"
         extras = (f"+rht{self.rht}" if self.rht else "") + ("+4o6" if self.four_over_six else "")
         return base + extras + (f"+lr{self.lowrank}" if self.lowrank else "")
@@ -127,19 +130,20 @@ class QuantRecipe:
         return replace(self, **changes)  # type: ignore[arg-type]
 
 
-RECIPES: dict[str, QuantRecipe] = {
-    "nvfp4": QuantRecipe("nvfp4", quantize_activations=True),
-    "nvfp4_weight_only": QuantRecipe("nvfp4", quantize_activations=False),
-    "fp8": QuantRecipe("fp8", quantize_activations=True),
-    "fp8_weight_only": QuantRecipe("fp8", quantize_activations=False),
-    # W8A8 symmetric INT8 (per-token activations, per-channel weights): Ampere's fast explore format
-    "int8": QuantRecipe("int8", quantize_activations=True),
-    "bf16": QuantRecipe("bf16", quantize_activations=False),
-    # NVFP4 beyond the TE recipe (same format and GEMMs): a Hadamard rotation, 4-over-6 block scales
-    "nvfp4_rht16": QuantRecipe("nvfp4", rht=16),
-    "nvfp4_4o6": QuantRecipe("nvfp4", four_over_six=True),
-    "nvfp4_rht16_4o6": QuantRecipe("nvfp4", rht=16, four_over_six=True),
-}
+def _named_recipes() -> dict[str, QuantRecipe]:
+    """Every format's named recipes (Numerics.recipe_names): `<fmt>` (activations quantized too),
+    `<fmt>_weight_only`, and the format's extra ones."""
+    out: dict[str, QuantRecipe] = {}
+    for name, fmt in all_numerics().items():
+        out[name] = QuantRecipe(name, quantize_activations=fmt.quantized)
+        if fmt.quantized and fmt.weight_only:
+            out[f"{name}_weight_only"] = QuantRecipe(name, quantize_activations=False)
+        for extra, changes in fmt.recipes.items():
+            out[extra] = out[name].with_(**changes)
+    return out
+
+
+RECIPES: dict[str, QuantRecipe] = _named_recipes()
 
 
 def get_recipe(recipe: str | QuantRecipe) -> QuantRecipe:

@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
-from solrl_engine.explore.plan import EXPLORE_PRECISIONS, NVFP4_PRECISIONS, ExploreSettings
+from solrl_engine.explore.plan import EXPLORE_PRECISIONS, ExploreSettings, option_applies
 from solrl_engine.explore.ranking import nk_problem
 from solrl_engine.hw import autocast_for, pick_device, policy_dtype
-from solrl_engine.quant.recipe import NVFP4_OPTIONS
+from solrl_engine.quant.recipe import FORMAT_OPTIONS
 from solrl_engine.sampling.sampler import SOLVERS
 
 log = logging.getLogger("solrl_engine.rl")
@@ -139,8 +139,8 @@ class RLConfig:
     explore_rht: int = 0
     explore_four_over_six: bool = False
     explore_lowrank: int = 0
-    # "fp8": the explore copy's attention on FP8 q, k, v (emulated by rounding; a video forward's largest cost
-    # after its linears); "bf16": as the policy's
+    # a format with an attention rounding ("fp8"): the explore copy's q, k, v in it (emulated by rounding; a video
+    # forward's largest cost after its linears); "bf16": as the policy's
     explore_attention: str = "bf16"
     # torch.compile for rollouts, + CUDA graphs on GPU (always on for the `compile` family). None: on with
     # CUDA; off on a CPU, where a cold inductor compile (~25 s per batch shape on 2 cores) costs more than
@@ -479,17 +479,18 @@ def _preset_nvfp4_options(cfg: RLConfig, changes: dict[str, object]) -> dict[str
     log, so `--set explore_precision=fp8` works on a preset that tunes NVFP4. Options the user set stay (and are
     refused with the reason)."""
     precision = changes.get("explore_precision")
-    if precision is None or precision in NVFP4_PRECISIONS:
+    if precision is None:
         return {}
     defaults = {f.name: f.default for f in fields(RLConfig)}
     reset = {}
-    for name in NVFP4_OPTIONS:
+    for name in FORMAT_OPTIONS:
         key = ExploreSettings.key(name)
-        if key not in changes and getattr(cfg, key) != defaults[key]:
+        if key not in changes and getattr(cfg, key) != defaults[key] and not option_applies(name, str(precision)):
             reset[key] = defaults[key]
     if reset:
         log.info(
-            "explore_precision=%s: the preset's %s apply to NVFP4 only and are set back to their defaults", precision,
+            "explore_precision=%s: the preset's %s do not apply to its format and are set back to their defaults",
+            precision,
             ", ".join(f"{k}={getattr(cfg, k)!r}" for k in reset))  # fmt: skip
     return reset
 

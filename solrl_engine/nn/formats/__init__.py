@@ -1,0 +1,59 @@
+"""Each format's part in nn/: how a QuantLinear stores a weight in it (its buffers), writes one into them
+(quantize-into, in place: compiled and captured graphs keep pointing at the same storage), decodes it for
+inspection, and runs the linear. One module per format, each declaring `HANDLER`; QuantLinear delegates to its
+recipe's format's handler instead of switching on names.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from solrl_engine.quant.formats import gather
+
+
+class LinearFormat:
+    """The base of a format's handler: the methods a QuantLinear delegates to (each takes the layer)."""
+
+    format: str = ""
+
+    def buffers(self, layer: nn.Module, device: torch.device | str | None) -> None:
+        """Register the layer's weight buffers (zeros) for its in_features x out_features and recipe."""
+        raise NotImplementedError
+
+    def set_weight_(self, layer: nn.Module, w: torch.Tensor) -> None:
+        """Write weight `w` ([out, in], on the layer's device) into the layer's buffers, in place."""
+        raise NotImplementedError
+
+    def stored(self, layer: nn.Module) -> object:
+        """The layer's weight as its format's tensor (NVFP4Tensor, FP8Tensor, ...): views of its buffers."""
+        raise NotImplementedError
+
+    def weight(self, layer: nn.Module) -> torch.Tensor:
+        """The stored weight decoded to FP32, in the layer's own basis."""
+        raise NotImplementedError
+
+    def linear(self, layer: nn.Module, x: torch.Tensor, backend: str, out: torch.dtype) -> torch.Tensor:
+        """y = x W^T + b through `backend` (the layer's choice), as `out`. `x` arrives in its own dtype when the
+        recipe quantizes activations, else already cast to the compute dtype."""
+        raise NotImplementedError
+
+
+@functools.cache
+def _handlers() -> dict[str, LinearFormat]:
+    return gather("solrl_engine.nn.formats", "HANDLER")
+
+
+def handlers() -> dict[str, LinearFormat]:
+    """Format name -> its nn handler (nn/formats/<fmt>.py's HANDLER)."""
+    return dict(_handlers())
+
+
+def handler(fmt: str) -> LinearFormat:
+    """The handler of format `fmt`; a clear error when no nn/formats module declares one."""
+    table = _handlers()
+    if fmt not in table:
+        raise ValueError(f"format {fmt!r} has no nn handler (nn/formats/{fmt}.py); formats with one: {tuple(table)}")
+    return table[fmt]
