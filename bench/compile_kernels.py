@@ -33,7 +33,10 @@ sys.path.insert(0, str(ROOT))
 # their PTX must not contract a*b+c into one rounding. The GEMMs' accumulation order differs from any
 # reference anyway, so they keep the compiler's default.
 BIT_EXACT = ("_fp8_rowwise_kernel", "_int8_rowwise_kernel", "_epilogue_kernel", "_amax_kernel", "_rot_amax_kernel",
-             "_quantize_kernel", "_rotate_kernel", "_dequantize_kernel")  # fmt: skip
+             "_quantize_kernel", "_rotate_kernel", "_dequantize_kernel", "_int8_gemm_kernel")  # fmt: skip
+# Kernels that also serve an older architecture than the default targets: the INT8 GEMM runs on Ampere (sm_80) when
+# asked for, and its int8 dot must compile there (mma.sync) as well as on Hopper (wgmma) and Blackwell.
+ALSO_FOR = {"_int8_gemm_kernel": (80,)}
 
 _OPTION_KEYS = ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion", "maxnreg")
 
@@ -144,6 +147,10 @@ def engine_launches() -> list[Launch]:
             acc = torch.empty(64, 96, dtype=torch.int32)
             for bias in (None, torch.empty(96), torch.empty(96, dtype=torch.bfloat16)):
                 int8.scale_epilogue(acc, torch.ones(64, 1), torch.ones(96, 1), bias, dt)
+            for m in (40, 512):  # the short-M tile and the full one
+                for bias in (None, torch.empty(256, dtype=torch.bfloat16)):
+                    int8.gemm(torch.empty(m, 1024, dtype=torch.int8), torch.ones(m, 1),
+                              torch.empty(256, 1024, dtype=torch.int8), torch.ones(256, 1), bias, dt)  # fmt: skip
         q = torch.empty(256, 512, dtype=torch.uint8)
         s = torch.empty(256, 64, dtype=torch.uint8)
         g = torch.ones(())
@@ -200,8 +207,8 @@ def check(archs: tuple[int, ...] = (90, 100), log: Callable[[str], None] = print
     missing = sorted(every_kernel() - {ln.name for ln in launches})
     rows, failures = [], []
     for launch in launches:
-        for arch in archs:
-            row: dict[str, object] = {"launch": launch.describe(), "arch": f"sm_{arch}a"}
+        for arch in (*archs, *(a for a in ALSO_FOR.get(launch.name, ()) if a not in archs)):
+            row: dict[str, object] = {"launch": launch.describe(), "arch": f"sm_{arch}" + ("a" if arch >= 90 else "")}
             try:
                 row.update(compile_launch(launch, arch))
             except Exception as e:  # noqa: BLE001 - each failure is reported with its launch

@@ -261,6 +261,24 @@ def ceilings(device: torch.device, shape: tuple[int, int, int], copy_mib: int, r
             out["int8_int_mm"] = {"median_ms": ms, "tops": flops / (ms / 1e3) / 1e12}
         except (RuntimeError, NotImplementedError) as e:
             out["int8_int_mm"] = {"skipped": f"torch._int_mm failed here: {str(e).splitlines()[0]}"}
+        # what an INT8 layer runs: torch._int_mm plus the scale epilogue (sm_80-89) against the Triton GEMM with the
+        # epilogue fused (sm_90+), both with BF16 out and bias, beside BF16's own linear with bias
+        try:
+            from solrl_engine.kernels.dispatch import triton_module
+
+            tr = triton_module("int8")
+            sx = torch.rand(m, 1, device=device) * 1e-2
+            sw = torch.rand(n, 1, device=device) * 1e-2
+            bias = torch.randn(n, device=device, dtype=torch.bfloat16)
+            ms = median_ms(lambda: tr.scale_epilogue(torch._int_mm(a8, w8.t()), sx, sw, bias, torch.bfloat16), device,
+                           reps=reps)  # fmt: skip
+            out["int8_int_mm_epilogue"] = {"median_ms": ms, "tops": flops / (ms / 1e3) / 1e12}
+            ms = median_ms(lambda: tr.gemm(a8, sx, w8, sw, bias, torch.bfloat16), device, reps=reps)
+            out["int8_triton_gemm_epilogue"] = {"median_ms": ms, "tops": flops / (ms / 1e3) / 1e12}
+            ms = median_ms(lambda: torch.nn.functional.linear(a, w, bias), device, reps=reps)
+            out["bf16_linear_bias"] = {"median_ms": ms, "tflops": flops / (ms / 1e3) / 1e12}
+        except Exception as e:  # noqa: BLE001 - a missing Triton or a failed kernel is recorded, never fatal
+            out["int8_triton_gemm_epilogue"] = {"skipped": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
     else:
         out["int8_int_mm"] = {"skipped": why}
     out["nvfp4"] = {"skipped": "no raw FP4 GEMM ceiling here: the NVFP4 explore forward (forwards stages, sm_100+) "

@@ -210,10 +210,11 @@ def test_compiled_explore_matches_eager_on_the_real_classes(name, fmt, pipes, mo
 
 @pytest.mark.parametrize("name", sorted(BUILDERS))
 def test_every_familys_8bit_explore_copies_compile_without_a_graph_break(name, pipes, monkeypatch):
-    """The explore copy of every family, in FP8 (sm_90) and INT8 through torch._int_mm (sm_80), its repeated blocks
-    compiled as the sampler compiles them (dynamo's tracing; BF16 weights under autocast, as a GPU runs them): no
-    graph break, and every quantized GEMM traced (the quantize as torch ops, none an opaque op). A graph break would
-    leave part of each block eager (the H200 record of SANA's compiled FP8 copy had 19)."""
+    """The explore copy of every family, in FP8 (sm_90), INT8 through torch._int_mm (sm_80) and INT8 through the
+    Triton GEMM (sm_90, the interpreter), its repeated blocks compiled as the sampler compiles them (dynamo's
+    tracing; BF16 weights under autocast, as a GPU runs them): no graph break, and every quantized GEMM traced (the
+    quantize as torch ops, none an opaque op). A graph break would leave part of each block eager (the H200 record
+    of SANA's compiled FP8 copy had 19)."""
     from torch._dynamo.utils import counters
 
     monkeypatch.delenv("SOLRL_BACKEND", raising=False)
@@ -222,7 +223,7 @@ def test_every_familys_8bit_explore_copies_compile_without_a_graph_break(name, p
     spec = model_spec(name)
     x = torch.randn(2, *model.latent_shape)
     cond = model.encode_prompts(["a red apple", "a blue cup"])
-    for fmt, sm, gemm in (("fp8", "90", "scaled_mm"), ("int8", "80", "int_mm")):
+    for fmt, sm, gemm in (("fp8", "90", "scaled_mm"), ("int8", "80", "int_mm"), ("int8", "90", "int8_gemm")):
         monkeypatch.setenv("SOLRL_SIMULATE_SM", sm)
         rule = {**spec.explore_rule, **spec.explore_rule_by_format.get(fmt, {})}
         copy = ExploreCopy(model.transformer, fmt, changes=rule)

@@ -4,6 +4,8 @@ against the reference, and the in-place requantize."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from conftest import HAS_TRITON
@@ -107,6 +109,65 @@ def test_int_mm_path_matches_the_reference(monkeypatch, out_dtype):
             want = kint8._ref_int8_linear(x, wq, b, out_dtype)
             assert got.shape == (*shape[:-1], n) and got.dtype == out_dtype
             assert torch.allclose(got.float(), want.float(), rtol=0, atol=0, equal_nan=True), fam
+
+
+@needs_triton
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_triton_gemm_with_its_epilogue_is_bit_exact(out_dtype):
+    """The Triton INT8 GEMM (integer dot in the tensor cores' INT32 accumulator, scales and bias in its epilogue,
+    one write in the output dtype) gives the reference's bits: exact integer sums, then the reference's roundings.
+    Shapes cross the tiles' edges in M, N and K; codes reach +-127 at K up to 1040 (sums near 2^24); NaN rows."""
+    tr = pytest.importorskip("solrl_triton.int8")
+    g = torch.Generator().manual_seed(5)
+    for m, n, k in [(1, 8, 16), (33, 72, 48), (70, 130, 1040), (129, 24, 200)]:
+        for fam, x in families((m, k), seed=k):
+            xq = int8.quantize_rowwise(x)
+            wq = int8.quantize_rowwise(torch.randn(n, k, generator=g) * torch.logspace(-3, 1, n).reshape(-1, 1))
+            for bias in (None, torch.randn(n, generator=g), torch.randn(n, generator=g).bfloat16()):
+                got = tr.gemm(xq.data, xq.scale, wq.data, wq.scale, bias, out_dtype)
+                acc = (xq.data.double() @ wq.data.double().t()).to(torch.int32)  # exact integer sums
+                want = int8.scale_epilogue(acc, xq.scale, wq.scale, bias, out_dtype)
+                assert got.dtype == out_dtype and got.shape == (m, n)
+                assert torch.allclose(got.float(), want.float(), rtol=0, atol=0, equal_nan=True), (fam, m, n, k)
+
+
+@needs_triton
+def test_hopper_int8_layers_take_the_triton_gemm_and_it_is_what_ran(monkeypatch):
+    """At a simulated sm_90 (Triton under the interpreter) an INT8 layer chooses the Triton GEMM, passing over
+    torch._int_mm with the reason, runs it (the fast-path record names it), matches the reference bit for bit,
+    and under torch.compile takes the traced form (quantize as torch ops, the GEMM as one op) with no graph break;
+    at sm_80 it keeps torch._int_mm."""
+    from solrl_engine.nn import fast_path
+
+    monkeypatch.delenv("SOLRL_BACKEND", raising=False)
+    torch.manual_seed(0)
+    src = nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 48))
+    x = torch.randn(2, 9, 64)
+    monkeypatch.setenv("SOLRL_SIMULATE_SM", "80")
+    ampere = quantize_model(copy.deepcopy(src), "int8")
+    assert all(ln.startswith("cuda") for ln in (d.kernel for d in ampere.layers if d.quantized))
+    monkeypatch.setenv("SOLRL_SIMULATE_SM", "90")
+    net = copy.deepcopy(src)
+    rep = quantize_model(net, "int8")
+    kernels = [d.kernel for d in rep.layers if d.quantized]
+    assert len(kernels) == 2 and all(k.startswith("triton (default)") and "cuBLASLt's INT8 GEMM runs sm_80" in k
+                                     for k in kernels), kernels  # fmt: skip
+    with torch.no_grad():
+        y = net(x)
+    assert {r.impl for r in fast_path(net).layers.values()} == {"triton: INT8 tensor-core GEMM, scales and bias in "
+                                                                 "its epilogue"}  # fmt: skip
+    want = kint8._ref_int8_linear(torch.nn.functional.gelu(kint8._ref_int8_linear(
+        src[0](x), int8.quantize_rowwise(src[1].weight), src[1].bias)), int8.quantize_rowwise(src[3].weight),
+        src[3].bias)  # fmt: skip
+    assert torch.equal(y, want)
+    torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    with torch.no_grad():
+        got = torch.compile(net, backend="eager", fullgraph=True)(x)
+    assert dict(counters["graph_break"]) == {} and torch.equal(got, want)
+    torch._dynamo.reset()
 
 
 def test_int8_layers_requantize_in_place_and_report(monkeypatch):

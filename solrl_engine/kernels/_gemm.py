@@ -62,6 +62,7 @@ def set_trace_quantize(on: bool) -> None:
     TRACE_QUANTIZE = bool(on)
 
 
-def traced(backend: str) -> bool:
-    """True while dynamo traces a call whose layer runs the `cuda` implementation: take the traced form."""
-    return backend == "cuda" and TRACE_QUANTIZE and torch.compiler.is_compiling()
+def traced(backend: str, forms: tuple[str, ...] = ("cuda",)) -> bool:
+    """True while dynamo traces a call whose layer runs an implementation with a traced form (`forms`: `cuda`, and
+    for INT8 `triton` too): take the traced form."""
+    return backend in forms and TRACE_QUANTIZE and torch.compiler.is_compiling()

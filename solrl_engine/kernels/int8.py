@@ -1,10 +1,12 @@
 """INT8 behind the dispatch seam: the row-wise quantize, the scale epilogue and the GEMM `int8_linear`
 (W8A8), its custom op and its traced form.
 
-Implementations of `int8_linear`: reference (the exact integer GEMM in float64); cuda (sm_80+): the
+Implementations of `int8_linear`: reference (the exact integer GEMM in float64); cuda (sm_80 to sm_89): the
 Triton row-wise quantize, `torch._int_mm` (cuBLASLt IMMA; oneDNN on a CPU) and the one-pass Triton scale
-epilogue. Both compute the products of the integer codes, accumulated in INT32, times the scales, plus
-bias.
+epilogue; triton (sm_90+, where cuBLASLt falls back to sm_80 kernels; any sm_80+ when asked for): the Triton
+row-wise quantize and one Triton kernel for the tensor-core GEMM with the scales and bias in its epilogue. All
+compute the products of the integer codes, accumulated exactly in INT32, times the scales, plus bias, rounded as
+the reference rounds: bit-exact with it.
 """
 
 from __future__ import annotations
@@ -12,8 +14,8 @@ from __future__ import annotations
 import torch
 
 from solrl_engine.kernels._gemm import flat, no_autocast, run_recorded, traced
-from solrl_engine.kernels.capability import FormatKernels, TensorCores, tensor_cores
-from solrl_engine.kernels.dispatch import call, ran, register, run, triton_module
+from solrl_engine.kernels.capability import FormatKernels, TensorCores, device_capability, tensor_cores
+from solrl_engine.kernels.dispatch import call, ran, register, run, triton_module, unavailable_reason
 from solrl_engine.quant import int8
 from solrl_engine.quant.int8 import Int8Tensor
 
@@ -60,10 +62,40 @@ def _ref_int8_linear(
 
 
 def _int8_fits(device: torch.device, k: int, n: int, **_: object) -> str | None:
-    """Whether torch._int_mm can run a layer of K inputs and N outputs (cuBLASLt IMMA: 8-aligned)."""
+    """Whether torch._int_mm can run a layer of K inputs and N outputs (cuBLASLt IMMA: 8-aligned), and should:
+    on Hopper and later cuBLASLt runs its sm_80 IMMA kernels (the H200 ran them at BF16's rate,
+    bench/results/2026-11-25-NVIDIA_H200-gpu-session-2-forwards.json), so the Triton GEMM, native there and with the
+    scales and bias in its epilogue, is taken wherever it can run."""
     if k % 8 or n % 8:
         return f"torch._int_mm needs K % 8 == 0 and N % 8 == 0; got K={k}, N={n}"
+    cap = device_capability(device)
+    if cap is not None and cap >= HOPPER and _tr_int8_requires(device) is None:
+        return (f"sm_{cap[0]}{cap[1]}: cuBLASLt's INT8 GEMM runs sm_80 kernels there (BF16's rate on the H200); the "
+                "Triton GEMM with the fused epilogue runs instead")  # fmt: skip
     return None
+
+
+HOPPER = (9, 0)
+
+
+def _tr_int8_requires(device: torch.device) -> str | None:
+    """The Triton INT8 GEMM runs where Triton kernels run and the device has INT8 tensor cores (sm_80+)."""
+    return unavailable_reason("triton", device) or tensor_cores(device, "int8")
+
+
+def _tr_int8_linear(
+    x: torch.Tensor, weight: Int8Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """W8A8: the Triton row-wise quantize of x, then one Triton kernel for the INT8 tensor-core GEMM with the
+    scales and bias applied in its epilogue, written once as out_dtype (no INT32 accumulator in memory)."""
+    x2 = flat(x)
+    n = weight.data.shape[0]
+    if x2.shape[0] == 0:
+        return _ref_int8_linear(x, weight, bias, out_dtype)
+    xq = int8_quantize_rowwise(x2)
+    y = triton_module("int8").gemm(xq.data, xq.scale, weight.data, weight.scale, bias, out_dtype or x.dtype)
+    ran("triton: INT8 tensor-core GEMM, scales and bias in its epilogue")
+    return y.reshape(*x.shape[:-1], n)
 
 
 MIN_INT_MM_ROWS = 17  # torch._int_mm on CUDA needs more than 16 rows: fewer are padded with zero rows
@@ -97,8 +129,23 @@ def _int8_tensor_cores(device: torch.device) -> str | None:
     return tensor_cores(device, "int8")
 
 
-register("int8_linear", {"reference": _ref_int8_linear, "cuda": _cuda_int8_linear},
-         requires={"cuda": _int8_tensor_cores}, fits={"cuda": _int8_fits})  # fmt: skip
+register("int8_linear", {"reference": _ref_int8_linear, "cuda": _cuda_int8_linear, "triton": _tr_int8_linear},
+         requires={"cuda": _int8_tensor_cores, "triton": _tr_int8_requires}, fits={"cuda": _int8_fits})  # fmt: skip
+
+
+@torch.library.custom_op("solrl::int8_gemm", mutates_args=())
+def _int8_gemm_op(
+    a: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:  # fmt: skip
+    """The Triton GEMM with its epilogue alone (codes and scales in), for the traced form: the quantize before it
+    stays plain torch ops that inductor fuses into x's producer."""
+    return triton_module("int8").gemm(a, x_scale, w, w_scale, bias, out_dtype)
+
+
+@_int8_gemm_op.register_fake
+def _(a, x_scale, w, w_scale, bias, out_dtype):  # noqa: ANN001, ANN202
+    return a.new_empty((a.shape[0], w.shape[0]), dtype=out_dtype)
 
 
 @torch.library.custom_op("solrl::int8_linear", mutates_args=())
@@ -128,8 +175,8 @@ def int8_linear(
     """y = x W^T + b, W8A8: W INT8 per output channel, x INT8 per token (symmetric, solrl_engine.quant.int8);
     in `out_dtype` (default x's). `tag` (a layer's) records what ran (`dispatch.runs`); under
     torch.compile a layer on `cuda` takes the traced form (`traced_int8_linear`)."""
-    if traced(backend) and x.numel():
-        return traced_int8_linear(x, weight, bias, out_dtype or x.dtype)
+    if traced(backend, ("cuda", "triton")) and x.numel():
+        return traced_int8_linear(x, weight, bias, out_dtype or x.dtype, backend)
     return _int8_linear_op(x, weight.data, weight.scale, bias, backend, out_dtype, tag)
 
 
@@ -137,15 +184,20 @@ def int8_linear(
 
 
 def traced_int8_linear(
-    x: torch.Tensor, weight: Int8Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
+    x: torch.Tensor, weight: Int8Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype, backend: str = "cuda"
 ) -> torch.Tensor:
-    """W8A8 INT8 as `_cuda_int8_linear` computes it: the reference row-wise quantize (fused into x's
-    producer), `torch._int_mm` (rows padded to 17 on CUDA), the reference epilogue (fused after it)."""
+    """W8A8 INT8 as the layer's implementation computes it: the reference row-wise quantize (fused into x's
+    producer), then on `cuda` `torch._int_mm` (rows padded to 17 on CUDA) and the reference epilogue (fused after
+    it), on `triton` the Triton GEMM with its epilogue (one opaque op)."""
     x2 = flat(x)
     with no_autocast(x):
         s = int8.row_scales(x2)
-        acc = _int_mm_rows(int8.encode(x2, s), weight.data)
-        return int8.scale_epilogue(acc, s, weight.scale, bias, out_dtype).reshape(*x.shape[:-1], weight.shape[0])
+        q = int8.encode(x2, s)
+        if backend == "triton":
+            y = _int8_gemm_op(q, s, weight.data, weight.scale, bias, out_dtype)
+        else:
+            y = int8.scale_epilogue(_int_mm_rows(q, weight.data), s, weight.scale, bias, out_dtype)
+        return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 KERNELS = FormatKernels("int8", TensorCores("INT8", (8, 0), cpu_op=True, nominal_speedup=2.0), "int8_linear")

@@ -47,13 +47,18 @@ _KINDS: dict[Any, str] = {
     torch.bmm: "matmul (full precision)",
     torch.nn.functional.conv2d: "conv2d (full precision)",
 }
-TRACED_KINDS = ("scaled_mm (FP8/FP4, quantize traced)", "int_mm (INT8, quantize traced)")
+# our GEMM-only custom ops: the quantize before them is traced (plain torch ops), the GEMM and its epilogue are one op
+_TRACED_OPS = {"solrl.int8_gemm": "int8_gemm (INT8 Triton GEMM, quantize traced)"}
+TRACED_KINDS = ("scaled_mm (FP8/FP4, quantize traced)", "int_mm (INT8, quantize traced)", *_TRACED_OPS.values())
 OPAQUE = "opaque quantized op (quantize not fused)"
 
 
 def _kind(target: Any) -> str | None:
     """A node target's GEMM kind; our custom ops (torch.ops.solrl.*) print as "solrl.<op>[.overload]"."""
-    return _KINDS.get(target) or (OPAQUE if str(target).startswith("solrl.") else None)
+    name = str(target)
+    if name.startswith("solrl."):
+        return _TRACED_OPS.get(name.rsplit(".", 1)[0] if name.count(".") > 1 else name, OPAQUE)
+    return _KINDS.get(target)
 
 
 def gemm_census(gm: torch.fx.GraphModule) -> Counter[str]:
