@@ -34,9 +34,9 @@ sys.path.insert(0, str(ROOT))
 # reference anyway, so they keep the compiler's default.
 BIT_EXACT = ("_fp8_rowwise_kernel", "_int8_rowwise_kernel", "_epilogue_kernel", "_amax_kernel", "_rot_amax_kernel",
              "_quantize_kernel", "_rotate_kernel", "_dequantize_kernel", "_int8_gemm_kernel")  # fmt: skip
-# Kernels that also serve an older architecture than the default targets: the INT8 GEMM runs on Ampere (sm_80) when
-# asked for, and its int8 dot must compile there (mma.sync) as well as on Hopper (wgmma) and Blackwell.
-ALSO_FOR = {"_int8_gemm_kernel": (80,)}
+# Kernels that also serve an older architecture than the default targets: the INT8 GEMM and attention run on Ampere
+# (sm_80), and their int8 dots must compile there (mma.sync) as well as on Hopper (wgmma) and Blackwell.
+ALSO_FOR = {"_int8_gemm_kernel": (80,), "_int8_attention_kernel": (80,)}
 
 _OPTION_KEYS = ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion", "maxnreg")
 
@@ -123,7 +123,7 @@ def engine_launches() -> list[Launch]:
 
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("compile_kernels records GPU launches: run it without TRITON_INTERPRET=1")
-    fp8, int8, nvfp4, gemm = (triton_module(n) for n in ("fp8", "int8", "nvfp4", "gemm"))
+    fp8, int8, nvfp4, gemm, attention = (triton_module(n) for n in ("fp8", "int8", "nvfp4", "gemm", "attention"))
     dtypes = (torch.float32, torch.bfloat16, torch.float16)
     signs = {n: torch.ones(n) for n in (16, 32, 64, 128)}
     with recording() as rec:
@@ -151,6 +151,11 @@ def engine_launches() -> list[Launch]:
                 for bias in (None, torch.empty(256, dtype=torch.bfloat16)):
                     int8.gemm(torch.empty(m, 1024, dtype=torch.int8), torch.ones(m, 1),
                               torch.empty(256, 1024, dtype=torch.int8), torch.ones(256, 1), bias, dt)  # fmt: skip
+        for d in (64, 128):  # the explore pass's INT8 attention at the head dims of the image and video families
+            for out in (torch.bfloat16, torch.float32):
+                attention.int8_attention(torch.empty(2, 300, d, dtype=torch.int8), torch.ones(2, 3),
+                                         torch.empty(2, 300, d, dtype=torch.int8), torch.ones(2, 5),
+                                         torch.empty(2, 300, d, dtype=torch.bfloat16), d**-0.5, out)  # fmt: skip
         q = torch.empty(256, 512, dtype=torch.uint8)
         s = torch.empty(256, 64, dtype=torch.uint8)
         g = torch.ones(())
@@ -175,7 +180,7 @@ def every_kernel() -> set[str]:
     from solrl_engine.kernels.dispatch import triton_module
 
     names = set()
-    for mod in (triton_module(n) for n in ("fp8", "int8", "nvfp4", "gemm")):
+    for mod in (triton_module(n) for n in ("fp8", "int8", "nvfp4", "gemm", "attention")):
         names |= {v.__name__ for v in vars(mod).values() if isinstance(v, JITFunction) and "_kernel" in v.__name__}
     return names
 

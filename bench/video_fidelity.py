@@ -1,6 +1,7 @@
 """Rank fidelity of the explore copy on a tiny video pipeline (Wan classes) beside a tiny image one (SD3 classes),
-and of the explore-only FP8 attention option on the video one: `solrl fidelity`'s measurement (Spearman and
-Kendall of the previews' ranking against full-step full-precision rollouts of the same seeds).
+and of the explore-only low-precision attention options on the video one (FP8 and INT8 emulated; INT8 also through
+its Triton kernel at a simulated sm_90, `@sm90`, the interpreter running it): `solrl fidelity`'s measurement
+(Spearman and Kendall of the previews' ranking against full-step full-precision rollouts of the same seeds).
 
     python bench/video_fidelity.py --out bench/results/2026-11-25-cpu-video-fidelity.json
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import sys
 import tempfile
 import time
@@ -21,6 +23,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the tiny pipelines are built as the tests build them
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton's first import: the @sm90 rows run the kernel on a CPU
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -47,17 +50,29 @@ def main(argv: list[str] | None = None) -> Path:
             ("sd3", "configs/sd3.py:sd3_sol_rl_clipscore", [f"resolution={SIZES['sd3']}"], ("nvfp4", "fp8")),
             ("wan", "configs/wan.py:wan13b_sol_rl_clipscore",
              [f"resolution={SIZES['wan']}", f"width={SIZES['wan']}", f"frames={WAN_FRAMES}", "reward_frames=3"],
-             ("nvfp4", "fp8", "fp8+fp8-attention")),
+             ("nvfp4", "fp8", "fp8+fp8-attention", "fp8+int8-attention", "fp8+int8-attention@sm90")),
         ]  # fmt: skip
         for model, preset, extra, precisions in cases:
             for prec in precisions:
-                fmt, _, att = prec.partition("+")
+                case, _, sm = prec.partition("@sm")
+                fmt, _, att = case.partition("+")
                 sets = [f"model_path={pipes[model]}", f"explore_precision={fmt}", *steps, *extra]
                 if att:
-                    sets.append("explore_attention=fp8")
+                    sets.append(f"explore_attention={att.removesuffix('-attention')}")
+                if sm:
+                    os.environ["SOLRL_SIMULATE_SM"] = sm
                 t0 = time.perf_counter()
-                res = fidelity(load_config(str(ROOT / preset), sets), prompts=args.prompts, n=args.n, k=args.k,
-                               progress=False)  # fmt: skip
+                try:
+                    res = fidelity(load_config(str(ROOT / preset), sets), prompts=args.prompts, n=args.n, k=args.k,
+                                   progress=False)  # fmt: skip
+                finally:
+                    os.environ.pop("SOLRL_SIMULATE_SM", None)
+                if att:
+                    from solrl_engine.explore.copy import ATTENTION_TAG
+                    from solrl_engine.kernels import runs
+
+                    last = runs().get(ATTENTION_TAG)
+                    res["attention_ran"] = last.impl if last is not None and sm else "emulated (rounded q, k, v)"
                 res.pop("per_prompt", None)
                 rows.append({"model": model, "explore": prec, "seconds": time.perf_counter() - t0, **res})
                 print(f"{model:<4} {prec:<18} spearman {res['spearman_mean']:+.3f} kendall {res['kendall_mean']:+.3f} "

@@ -371,19 +371,25 @@ def _fidelity(args: argparse.Namespace) -> int:
 
     _file_destination("--output", args.output)
     cfg = _load_cfg(args)
+    if args.tolerance is not None and not args.search:
+        raise SystemExit("--tolerance applies to --search (the rule within that Spearman of the policy's previews)")
     if args.search:
         res = _checked(lambda: search(cfg, target=args.target, prompts=args.prompts, n=args.n, k=args.k,
-                                      oracle_cache=args.oracle_cache, on_point=_print_point))  # fmt: skip
+                                      oracle_cache=args.oracle_cache, on_point=_print_point,
+                                      tolerance=args.tolerance))  # fmt: skip
         path = write_report(res, args.output)
         snippet = Path(args.output).with_suffix(".snippet.py")
-        snippet.write_text(f"# solrl fidelity --search: Spearman >= {args.target} on {res['prompts']} prompts x "
-                           f"{res['n']} seeds\n{res['config_snippet']}\n")  # fmt: skip
+        snippet.write_text(f"# solrl fidelity --search: Spearman >= {res['target_spearman']:.4f} on {res['prompts']} "
+                           f"prompts x {res['n']} seeds\n{res['config_snippet']}\n")  # fmt: skip
         ch = res["chosen"]
+        if res["policy_previews"]:
+            print(f"previews at the policy's precision: spearman_mean={res['policy_previews']['spearman_mean']:.3f}; "
+                  f"target {res['target_spearman']:.3f} (tolerance {res['tolerance']})")
         if ch["include"]:
             print(f"chosen: {len(ch['include'])} layer group(s), "
                   f"quantized_flop_share={ch['quantized_flop_share']:.3f}, spearman_mean={ch['spearman_mean']:.3f}")
         else:
-            print(f"no layer group keeps Spearman >= {args.target}; the table in {path} shows how close each came")
+            print(f"{res['verdict']}; the table in {path} shows how close each came")
         print(f"use it: {res['set_arg']}\nwrote {path} and {snippet}")
         return 0
     res = _checked(lambda: fidelity(cfg, prompts=args.prompts, n=args.n, k=args.k, oracle_cache=args.oracle_cache))
@@ -535,9 +541,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="keep the full-step oracle rewards in FILE (JSON): later runs with the same weights "
                          "and settings measure the previews only")  # fmt: skip
     fi.add_argument("--search", action="store_true",
-                    help="pick the layer groups to quantize: the largest 4-bit FLOP share at --target Spearman; "
+                    help="pick the layer groups to quantize: the largest FLOP share in the explore format (set it "
+                         "with --set explore_precision=fp8|int8|nvfp4) at --target Spearman; "
                          "writes OUTPUT and OUTPUT's .snippet.py with the explore_layers rule")  # fmt: skip
     fi.add_argument("--target", type=float, default=0.93, help="Spearman the searched rule must keep (default 0.93)")
+    fi.add_argument("--tolerance", type=float, default=None,
+                    help="with --search: keep Spearman within this of the policy's own previews instead of --target "
+                         "(e.g. 0.005 for an 8-bit format's rule); the policy's previews are measured first")
     fi.set_defaults(func=_fidelity)
 
     pl = sub.add_parser("plan", help="the memory each GPU needs for a config, by part, before renting one (exit 3 "

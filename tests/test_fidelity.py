@@ -113,6 +113,34 @@ def test_search_cli_writes_a_rule_that_loads(tmp_path):
     res = json.loads(out.read_text())
     snippet = out.with_suffix(".snippet.py").read_text()
     assert res["config_snippet"] in snippet
-    cfg = load_config(TINY, FAST + [res["set_arg"].removeprefix("--set ")])
+    sets = [a.strip() for a in res["set_arg"].split("--set") if a.strip()]
+    assert sets[0].startswith("explore_precision=")  # the rule is the explore format's: it names it
+    cfg = load_config(TINY, FAST + sets)
     quantized = set(explorer_for(cfg).copy.report.quantized)
     assert {group_name(n) for n in quantized} == set(res["chosen"]["include"])
+
+
+def test_search_with_a_tolerance_judges_against_the_policys_previews_and_says_when_nothing_qualifies(monkeypatch):
+    """--tolerance: the policy's own previews are measured first (transformer None) and the target is their
+    Spearman minus the tolerance; where no group qualifies the result says the policy's precision explores and
+    its --set says so. Here the quantized previews are made useless (noise) so that nothing can qualify."""
+    from solrl_engine.rl import fidelity as fid
+
+    real = fid._proxy
+    seen: list[bool] = []
+
+    def proxy(st, transformer, progress, desc="previews", tag="explore"):  # noqa: ANN001, ANN202
+        seen.append(transformer is None)
+        pr, t = real(st, transformer, progress, desc, tag)
+        return (pr if transformer is None else torch.randn(pr.shape, generator=torch.Generator().manual_seed(0))), t
+
+    monkeypatch.setattr(fid, "_proxy", proxy)
+    cfg = load_config(TINY, FAST + ["explore_precision=int8"])
+    res = search(cfg, tolerance=0.005, prompts=2, n=6, k=2, progress=False, probe_prompts=1, probe_seeds=4)
+    assert seen[0] is True  # the policy's previews come first
+    pol = res["policy_previews"]["spearman_mean"]
+    assert res["tolerance"] == 0.005 and abs(res["target_spearman"] - (pol - 0.005)) < 1e-12
+    assert res["chosen"]["include"] == [] and res["set_arg"] == "--set explore_precision=bf16"
+    assert "the policy's precision explores" in res["verdict"] and res["explore_recipe"] == "int8"
+    with pytest.raises(ValueError, match="tolerance"):
+        search(cfg, tolerance=-0.1, prompts=2, n=6, k=2, progress=False)

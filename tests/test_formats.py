@@ -162,3 +162,14 @@ def test_a_new_format_is_its_parts_and_nothing_else(tmp_path):
                          env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     assert "toy format ok" in out.stdout
+
+
+def test_attention_formats_are_the_formats_with_an_attention_rounding():
+    from solrl_engine.explore.plan import ExploreSettings
+    from solrl_engine.quant.formats import attention_formats
+
+    assert attention_formats() == ("bf16", "fp8", "int8")
+    assert format_kernels()["int8"].attention_op == "int8_attention" and format_kernels()["fp8"].attention_op is None
+    assert ExploreSettings(precision="fp8", attention="int8").problems() == []
+    (field, why), = ExploreSettings(precision="fp8", attention="fp4").problems()
+    assert field == "attention" and "fp8 or int8" in why

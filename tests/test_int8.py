@@ -197,3 +197,105 @@ def test_int8_is_a_w8a8_recipe():
         QuantRecipe("int8", quantize_activations=False)
     with pytest.raises(ValueError, match="apply to NVFP4 recipes only"):
         QuantRecipe("int8", rht=16)
+
+
+# --- attention: SageAttention's recipe ----------------------------------------------------------------------------
+
+
+def _qkv(b: int, h: int, n: int, m: int, d: int, seed: int, k_offset: float = 0.0) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = torch.randn(b, h, n, d, generator=g), torch.randn(b, h, m, d, generator=g), torch.randn(b, h, m, d,
+                                                                                                       generator=g)
+    return q, k + k_offset * torch.randn(1, h, 1, d, generator=g), v  # an offset per channel: what smoothing removes
+
+
+def test_int8_attention_reference_is_close_to_exact_attention_and_smoothing_is_what_keeps_it_so():
+    """The reference (INT8 Q, smoothed K per block, FP32 softmax, FP16 P V) against FP32 attention: about a percent
+    on Gaussian data, and still so when K carries a large per-channel offset (softmax ignores it once subtracted),
+    where quantizing the raw K loses most of its resolution to the offset."""
+    for n, m, d in [(130, 70, 64), (7, 200, 16)]:
+        for off in (0.0, 20.0):
+            q, k, v = _qkv(2, 3, n, m, d, seed=n + d, k_offset=off)
+            exact = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+            got = int8.attention(q, k, v)
+            assert got.shape == exact.shape and (got - exact).norm() / exact.norm() < 0.03, (n, m, d, off)
+    q, k, v = _qkv(1, 2, 130, 70, 64, seed=1, k_offset=20.0)
+    raw_k = int8.quantize_blocks(k, int8.K_BLOCK)  # no smoothing: the offset sets every block's scale
+    kd = raw_k.data.float() * raw_k.scale.repeat_interleave(int8.K_BLOCK, -1)[..., :70, None]
+    exact = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    unsmoothed = torch.nn.functional.scaled_dot_product_attention(q, kd, v)
+    smoothed = torch.nn.functional.scaled_dot_product_attention(*int8.attention_rounding(q, k, v))
+    assert (smoothed - exact).norm() < 0.5 * (unsmoothed - exact).norm()
+
+
+def test_int8_attention_blocks_follow_the_row_rule():
+    """Per-block codes: each block's scale is its amax / 127, codes round half to even, a block holding a NaN gets a
+    NaN scale (codes 0), blocks of zeros get scale 1; the tail block is as long as the tokens left."""
+    x = torch.randn(2, 3, 200, 16)
+    x[0, 0, 70] = float("nan")
+    x[1, 2, 128:] = 0.0
+    t = int8.quantize_blocks(x, 64)
+    assert t.data.shape == x.shape and t.scale.shape == (2, 3, 4)
+    ref = int8.quantize_rowwise(x[0, 1, 64:128].reshape(1, -1))
+    assert torch.equal(t.data[0, 1, 64:128].reshape(1, -1), ref.data) and t.scale[0, 1, 1] == ref.scale.squeeze()
+    assert torch.isnan(t.scale[0, 0, 1]) and (t.data[0, 0, 64:128] == 0).all()
+    assert t.scale[1, 2, 3] == 1.0 and t.scale[1, 2, 2] == 1.0  # the zero blocks (128-191 and the 8-token tail)
+
+
+@needs_triton
+def test_triton_int8_attention_matches_its_reference():
+    """The Triton kernel (INT8 Q K^T on the tensor cores, online softmax, FP16 P V) against quant.int8.attention:
+    the same integer scores; only the softmax's order and P's FP16 rounding differ. Query and key counts cross the
+    128- and 64-token tiles; head dims 16 and 64; BF16 and FP32 outputs."""
+    tr = pytest.importorskip("solrl_triton.attention")
+    for n, m, d, dtype in [(130, 70, 64, torch.float32), (5, 200, 16, torch.bfloat16), (128, 64, 64, torch.float32)]:
+        q, k, v = (t.to(dtype) for t in _qkv(1, 2, n, m, d, seed=d + n, k_offset=3.0))
+        qt, kt = int8.quantize_blocks(q, int8.Q_BLOCK), int8.quantize_blocks(int8.smooth_k(k), int8.K_BLOCK)
+        got = tr.int8_attention(qt.data, qt.scale, kt.data, kt.scale, v, d**-0.5, dtype)
+        want = int8.attention(q, k, v)
+        assert got.dtype == dtype and got.shape == want.shape
+        assert (got.float() - want.float()).abs().max() < 2e-2 * want.float().abs().max(), (n, m, d, dtype)
+
+
+@needs_triton
+def test_explore_attention_int8_runs_the_kernel_where_it_can_and_emulates_elsewhere(monkeypatch):
+    """explore_attention=int8 on an explore copy: at a simulated sm_90 (Triton under the interpreter) every plain
+    attention call runs the Triton kernel (the fast-path record says so); on a CPU the same numbers are emulated
+    (q, k, v rounded, then torch's attention); the two agree to the FP16 P V rounding; a masked call is emulated."""
+    from solrl_engine.explore.copy import ATTENTION_TAG, ExploreCopy
+    from solrl_engine.kernels import dispatch
+
+    class Attn(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv, self.out = nn.Linear(64, 192), nn.Linear(64, 64)
+
+        def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+            q, k, v = self.qkv(x).reshape(*x.shape[:2], 3, 4, 16).permute(2, 0, 3, 1, 4)
+            y = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            return self.out(y.transpose(1, 2).reshape(*x.shape))
+
+    torch.manual_seed(0)
+    net, x = Attn(), torch.randn(2, 150, 64)
+    monkeypatch.delenv("SOLRL_BACKEND", raising=False)
+    outs = {}
+    for sm in ("", "90"):
+        if sm:
+            monkeypatch.setenv("SOLRL_SIMULATE_SM", sm)
+        else:
+            monkeypatch.delenv("SOLRL_SIMULATE_SM", raising=False)
+        copy = ExploreCopy(net, "int8", changes={"skip": ("*",)})  # no linear quantized: attention alone
+        copy.set_attention("int8")
+        dispatch._RUNS.pop(ATTENTION_TAG, None)
+        with torch.no_grad():
+            outs[sm] = copy.transformer(x)
+        ran = dispatch.runs().get(ATTENTION_TAG)
+        assert (ran is not None and ran.impl.startswith("triton")) == bool(sm), (sm, ran)
+    with torch.no_grad():
+        exact = net(x)
+    assert (outs["90"] - outs[""]).abs().max() < 2e-2 * outs[""].abs().max()
+    assert 0 < (outs[""] - exact).norm() / exact.norm() < 0.05
+    dispatch._RUNS.pop(ATTENTION_TAG, None)
+    with torch.no_grad():
+        copy.transformer(x, torch.ones(150, 150, dtype=torch.bool))  # masked: emulated, no kernel
+    assert ATTENTION_TAG not in dispatch.runs()

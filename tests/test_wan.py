@@ -197,15 +197,15 @@ def test_fp8_attention_rounds_q_k_v_in_the_explore_copy_only_and_can_be_undone(w
     and v rounded to E4M3 per row, counted here as they happen; the policy's forward never is; bf16 restores
     the copy's own forward bit for bit, and an exception inside the forward leaves no rounding behind."""
     from solrl_engine.explore import copy as copy_mod
-    from solrl_engine.quant.fp8 import fake_quantize_rowwise
+    from solrl_engine.quant.fp8 import attention_rounding
 
     m = load_model("wan", wan, "cpu", torch.float32, **OPTS)
     copy = ExploreCopy(m.transformer, "nvfp4", changes=model_spec("wan").explore_rule)
     rounded: list[tuple[int, ...]] = []
 
-    def counting(x: torch.Tensor) -> torch.Tensor:
-        rounded.append(tuple(x.shape))
-        return fake_quantize_rowwise(x)
+    def counting(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        rounded.extend(tuple(t.shape) for t in (q, k, v))
+        return attention_rounding(q, k, v)
 
     fp8_numerics = dataclasses.replace(copy_mod.numerics("fp8"), attention=counting)  # the format's rounding, counted
     monkeypatch.setattr(copy_mod, "numerics", lambda name: fp8_numerics if name == "fp8" else None)

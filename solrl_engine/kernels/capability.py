@@ -61,12 +61,14 @@ class TensorCores:
 
 @dataclass(frozen=True)
 class FormatKernels:
-    """A format's part in kernels/: its tensor cores (None for the policy's BF16, which has no separate row) and the
-    dispatch op its linear layers choose an implementation of (`dispatch.choose`; None: torch's own linear)."""
+    """A format's part in kernels/: its tensor cores (None for the policy's BF16, which has no separate row), the
+    dispatch op its linear layers choose an implementation of (`dispatch.choose`; None: torch's own linear), and its
+    attention op (`explore_attention=<format>` on a device where it runs; None: the attention rounding is emulated)."""
 
     format: str
     tensor_cores: TensorCores | None
     linear_op: str | None
+    attention_op: str | None = None
 
 
 @functools.cache

@@ -15,7 +15,7 @@ import torch
 
 from solrl_engine.kernels._gemm import flat, no_autocast, run_recorded, traced
 from solrl_engine.kernels.capability import FormatKernels, TensorCores, device_capability, tensor_cores
-from solrl_engine.kernels.dispatch import call, ran, register, run, triton_module, unavailable_reason
+from solrl_engine.kernels.dispatch import call, choose, ran, register, run, triton_module, unavailable_reason
 from solrl_engine.quant import int8
 from solrl_engine.quant.int8 import Int8Tensor
 
@@ -200,4 +200,49 @@ def traced_int8_linear(
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
-KERNELS = FormatKernels("int8", TensorCores("INT8", (8, 0), cpu_op=True, nominal_speedup=2.0), "int8_linear")
+# --- attention (SageAttention's recipe; quant.int8.attention is the reference) ------------------------------------
+
+
+def _ref_int8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
+                        ) -> torch.Tensor:  # fmt: skip
+    ran("reference")
+    return int8.attention(q, k, v, scale)
+
+
+def _tr_int8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
+                       ) -> torch.Tensor:  # fmt: skip
+    """Q and the smoothed K quantized per block (the reference's torch ops), then the Triton kernel: INT8 Q K^T on
+    the tensor cores, online softmax in FP32, P V in FP16."""
+    qt = int8.quantize_blocks(q, int8.Q_BLOCK)
+    kt = int8.quantize_blocks(int8.smooth_k(k), int8.K_BLOCK)
+    sc = q.shape[-1] ** -0.5 if scale is None else scale
+    out = triton_module("attention").int8_attention(qt.data, qt.scale, kt.data, kt.scale, v, sc, q.dtype)
+    ran("triton: INT8 Q K^T, FP16 P V attention")
+    return out
+
+
+def _attention_fits(device: torch.device, d: int, **_: object) -> str | None:
+    if d not in (16, 32, 64, 128, 256):
+        return f"the INT8 attention kernel takes head dims 16-256 (powers of two); got {d}"
+    return None
+
+
+register("int8_attention", {"reference": _ref_int8_attention, "triton": _tr_int8_attention},
+         requires={"triton": _tr_int8_requires}, fits={"triton": _attention_fits})  # fmt: skip
+
+
+def int8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, backend: str = "",
+                   tag: str = "") -> torch.Tensor:  # fmt: skip
+    """softmax(Q K^T * scale) V with Q, K in INT8 (per-block scales, K smoothed) and P, V in FP16 ([..., tokens, d]
+    each; out in q's dtype): the explore pass's attention for explore_attention=int8, through `backend` (default:
+    dispatch's choice for q's device and head dim). `tag` records what ran."""
+    backend = backend or choose("int8_attention", q.device, d=q.shape[-1])[0]
+
+    def attn() -> torch.Tensor:
+        return run("int8_attention", backend, q, k, v, scale)
+
+    return run_recorded(tag, q, attn, "the INT8 attention kernel runs with Triton on sm_80+ and head dims 16-256")
+
+
+KERNELS = FormatKernels("int8", TensorCores("INT8", (8, 0), cpu_op=True, nominal_speedup=2.0), "int8_linear",
+                        "int8_attention")  # fmt: skip

@@ -32,8 +32,8 @@ class Numerics:
     options: the QuantRecipe fields that apply to this format only (NVFP4's rht, four_over_six, lowrank).
     recipes: named recipes beyond `<name>` and `<name>_weight_only`: name -> QuantRecipe changes.
     stored_bytes: (in_features, out_features) -> bytes of a weight stored in this format, scales included.
-    attention: the emulated rounding of attention's q, k and v for `explore_attention=<name>` (a tensor
-        [..., tokens, head_dim] -> the same, rounded), None where the format has no attention mode.
+    attention: the emulated rounding of attention's q, k and v for `explore_attention=<name>` ((q, k, v), each
+        [..., tokens, head_dim] -> the three as attention then uses them), None where the format has none.
     """
 
     name: str
@@ -45,7 +45,7 @@ class Numerics:
     k_multiple: int = 1
     options: tuple[str, ...] = ()
     recipes: dict[str, dict[str, Any]] = field(default_factory=dict)
-    attention: Callable[[torch.Tensor], torch.Tensor] | None = None
+    attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]] | None = None
 
     @property
     def recipe_names(self) -> tuple[str, ...]:

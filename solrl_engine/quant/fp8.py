@@ -82,7 +82,13 @@ def fake_quantize_rowwise(x: torch.Tensor) -> torch.Tensor:
     return quantize_rowwise(x).dequantize(x.dtype)
 
 
+def attention_rounding(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """FP8 attention's operands, emulated: q, k and v each E4M3 with a scale per token and head (the linear's
+    row-wise recipe), in their own dtype."""
+    return tuple(fake_quantize_rowwise(t).to(t.dtype) for t in (q, k, v))
+
+
 NUMERICS = Numerics(
     "fp8", "FP8 E4M3", 8, lambda k, n: k * n + 4 * n,  # codes and one FP32 scale per output channel
-    attention=fake_quantize_rowwise,  # q, k, v per token and head, the linear's row-wise recipe
+    attention=attention_rounding,
 )

@@ -84,5 +84,59 @@ def linear(
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
+# --- attention: SageAttention's recipe (INT8 Q K^T under per-block scales, K smoothed, P V in FP16) -----------
+
+Q_BLOCK, K_BLOCK = 128, 64  # tokens per scale block of Q and of K: the Triton kernel's tiles (solrl_triton.attention)
+
+
+def quantize_blocks(x: torch.Tensor, block: int) -> Int8Tensor:
+    """x [..., tokens, d] -> INT8 codes [..., tokens, d] with one FP32 scale per `block` tokens ([..., blocks]):
+    the row-wise rule (amax / 127, round half even, NaN for a non-finite block) over each block's values."""
+    *lead, n, d = x.shape
+    nb = -(-n // block)
+    xf = torch.nn.functional.pad(x.detach().float(), (0, 0, 0, nb * block - n))  # zero rows: amax unchanged
+    blocks = xf.reshape(*lead, nb, block * d)
+    s = row_scales(blocks)
+    codes = encode(blocks, s).reshape(*lead, nb * block, d)[..., :n, :]
+    return Int8Tensor(codes, s.squeeze(-1), x.dtype)
+
+
+def smooth_k(k: torch.Tensor) -> torch.Tensor:
+    """K minus its mean over the tokens (per batch and head), in FP32: softmax(q k^T) is unchanged (each query's
+    scores move by one constant), and the channel-wise offset that dominates K's range leaves its INT8 codes."""
+    kf = k.detach().float()
+    return kf - kf.mean(dim=-2, keepdim=True)
+
+
+def attention_rounding(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """SageAttention's operands, emulated: Q in INT8 per 128-token block, K smoothed then INT8 per 64-token block
+    (both decoded), V in FP16; returned in q's dtype (v in FP16 values), for any attention kernel to consume."""
+    qd = _block_decode(quantize_blocks(q, Q_BLOCK), Q_BLOCK).to(q.dtype)
+    kd = _block_decode(quantize_blocks(smooth_k(k), K_BLOCK), K_BLOCK).to(k.dtype)
+    return qd, kd, v.to(torch.float16).to(v.dtype)
+
+
+def _block_decode(t: Int8Tensor, block: int) -> torch.Tensor:
+    """Decode per-block codes: codes * the scale of their block."""
+    n = t.data.shape[-2]
+    scale = t.scale.repeat_interleave(block, dim=-1)[..., :n].unsqueeze(-1)
+    return t.data.float() * scale
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """The reference of the INT8 attention kernel ([..., tokens, d] each): S = float32(exact integer Qc Kc^T) *
+    q_scale * k_scale * scale, softmax in FP32, P in FP16 times V in FP16 summed in FP32; out in q's dtype."""
+    d = q.shape[-1]
+    sc = d**-0.5 if scale is None else scale
+    qt, kt = quantize_blocks(q, Q_BLOCK), quantize_blocks(smooth_k(k), K_BLOCK)
+    acc = qt.data.double() @ kt.data.double().transpose(-1, -2)  # exact integer sums
+    n, m = q.shape[-2], k.shape[-2]
+    sq = qt.scale.repeat_interleave(Q_BLOCK, dim=-1)[..., :n].unsqueeze(-1)
+    sk = kt.scale.repeat_interleave(K_BLOCK, dim=-1)[..., :m].unsqueeze(-2)
+    s = acc.float() * sq * sk * sc
+    p = torch.softmax(s, dim=-1)
+    return (p.half().float() @ v.half().float()).to(q.dtype)
+
+
 # W8A8 only: a weight-only INT8 buys nothing over fp8_weight_only's exact-in-BF16 weights
-NUMERICS = Numerics("int8", "INT8", 8, lambda k, n: k * n + 4 * n, weight_only=False)
+NUMERICS = Numerics("int8", "INT8", 8, lambda k, n: k * n + 4 * n, weight_only=False, attention=attention_rounding)

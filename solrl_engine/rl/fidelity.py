@@ -273,7 +273,7 @@ def _sensitivity(st: _Setup, groups: list[str], probe_prompts: int, probe_seeds:
 @torch.no_grad()
 def search(
     cfg: RLConfig,
-    target: float = 0.93,
+    target: float | None = 0.93,
     prompts: int = 32,
     n: int = 96,
     k: int = 24,
@@ -282,8 +282,13 @@ def search(
     probe_prompts: int = 4,
     probe_seeds: int = 16,
     on_point: Callable[[dict[str, Any]], None] | None = None,
+    tolerance: float | None = None,
 ) -> dict[str, Any]:
-    """The layer groups to quantize: the largest 4-bit FLOP share whose previews keep `target` Spearman.
+    """The layer groups to quantize: the largest FLOP share in the explore format whose previews keep `target`
+    Spearman, or, with `tolerance`, stay within `tolerance` of the Spearman of previews at the policy's own
+    precision (measured first on the same prompts, seeds and oracle: the rule per format, judged against BF16
+    previews rather than a fixed number). Where no group qualifies the chosen rule is empty: the policy's
+    precision explores (explore_precision=bf16), and the result says so.
 
     1. Candidates: every group of same-named layers (one per block) the recipe can quantize.
     2. Sensitivity: each group quantized alone on a small probe (relative preview error).
@@ -293,10 +298,18 @@ def search(
     Returns every measured point (a Pareto table), the chosen include patterns and a config snippet.
     """
     _check_nk(n, k)
-    if not -1 <= target <= 1:
+    if tolerance is not None and not 0 <= tolerance <= 2:
+        raise ValueError(f"tolerance is a Spearman difference in [0, 2]; got {tolerance}")
+    if tolerance is None and (target is None or not -1 <= target <= 1):
         raise ValueError(f"target Spearman must be in [-1, 1]; got {target}")
     st = _setup(cfg, prompts, n, oracle_cache, progress)
     ro = st.ro
+    policy: dict[str, Any] = {}
+    if tolerance is not None:  # the policy's own previews: what the quantized rule must stay close to
+        pr, t = _proxy(st, None, progress, desc="previews at the policy's precision")
+        policy = {**_rank_metrics(pr, st.oracle, k), "time_proxy_s": t}
+        target = policy["spearman_mean"] - tolerance
+    assert target is not None
     groups = candidate_groups(ro, st.copy)
     if not groups:
         raise ValueError(f"the explore recipe can quantize no layer of {cfg.model}; nothing to search")
@@ -334,19 +347,32 @@ def search(
             hi = mid
     chosen = order[:lo]
     table = sorted(points.values(), key=lambda p: p["quantized_flop_share"])
+    # the format searched (auto resolved to it; the config's format options stay set where they were)
+    precision = cfg.explore_precision if cfg.explore_precision != "auto" else st.copy.quant_recipe.name.split("+")[0]
+    if chosen:
+        set_arg = f"--set explore_precision={precision} --set explore_layers=" + ",".join(chosen)
+        verdict = f"{len(chosen)} layer group(s) in {st.copy.recipe} keep Spearman >= {target:.4f}"
+    else:
+        set_arg = "--set explore_precision=bf16"
+        verdict = (f"no layer group in {st.copy.recipe} keeps Spearman >= {target:.4f}: the policy's precision "
+                   "explores (explore_precision=bf16)")  # fmt: skip
     return {
         "config": cfg.name,
         "model": cfg.model,
         "explore_recipe": st.copy.recipe,
         "target_spearman": target,
+        "tolerance": tolerance,
+        "policy_previews": policy,
+        "verdict": verdict,
         "prompts": len(st.prompts),
         "n": n,
         "k": k,
         "groups": [{"group": g, "flop_share": groups[g] / total, "sensitivity": sens[g]} for g in order],
         "points": table,
         "chosen": {"include": chosen, **({kk: v for kk, v in points[lo].items() if kk != "include"} if lo else {})},
-        "config_snippet": f"explore_layers={tuple(chosen)!r}",
-        "set_arg": "--set explore_layers=" + ",".join(chosen),
+        "config_snippet": (f"explore_precision={precision!r}\nexplore_layers={tuple(chosen)!r}" if chosen
+                           else "explore_precision='bf16'"),
+        "set_arg": set_arg,
         "time_full_s": st.time_full_s,
     }
 

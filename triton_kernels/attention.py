@@ -1,0 +1,73 @@
+"""Low-precision attention for the explore pass: SageAttention's recipe (INT8 Q K^T under per-block scales, K
+smoothed beforehand, softmax in FP32, P V on FP16 tensor cores), one program per (128-query block, batch x head),
+online softmax over 64-key blocks (FlashAttention's loop). The reference is solrl_engine.quant.int8.attention; the
+tiles are its scale blocks (Q: 128 tokens, K: 64), so the integer scores are the reference's exactly and only the
+softmax's summation order and P's FP16 rounding (of unnormalised values here) differ.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._numerics import store_out
+
+_OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+BM, BN = 128, 64  # = solrl_engine.quant.int8's Q_BLOCK, K_BLOCK
+
+
+@triton.jit
+def _int8_attention_kernel(q_ptr, qs_ptr, k_ptr, ks_ptr, v_ptr, out_ptr, N, M, NQB, NKB, sm_scale,
+                           D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, OUT_KIND: tl.constexpr):  # fmt: skip
+    pid = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    rm = pid * BM + tl.arange(0, BM)
+    rd = tl.arange(0, D)
+    mm = rm < N
+    q = tl.load(q_ptr + bh * N * D + rm.to(tl.int64)[:, None] * D + rd[None, :], mask=mm[:, None], other=0)
+    qs = tl.load(qs_ptr + bh * NQB + pid) * sm_scale
+    m_i = tl.full([BM], float("-inf"), tl.float32)
+    l_i = tl.zeros([BM], dtype=tl.float32)
+    acc = tl.zeros([BM, D], dtype=tl.float32)
+    for n0 in range(0, M, BN):
+        rn = n0 + tl.arange(0, BN)
+        mn = rn < M
+        k = tl.load(k_ptr + bh * M * D + rn.to(tl.int64)[None, :] * D + rd[:, None], mask=mn[None, :], other=0)
+        ks = tl.load(ks_ptr + bh * NKB + n0 // BN)
+        s = tl.dot(q, k, out_dtype=tl.int32).to(tl.float32) * (qs * ks)  # exact integer scores, then the scales
+        s = tl.where(mn[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + bh * M * D + rn.to(tl.int64)[:, None] * D + rd[None, :], mask=mn[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v, out_dtype=tl.float32)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    store_out(out_ptr + bh * N * D + rm.to(tl.int64)[:, None] * D + rd[None, :], out, mm[:, None], OUT_KIND)
+
+
+def int8_attention(q_codes: torch.Tensor, q_scale: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor,
+                   v: torch.Tensor, sm_scale: float, out_dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    """Attention of INT8 codes: q_codes [..., N, D] with one scale per 128 queries (q_scale [..., ceil(N/128)]),
+    k_codes [..., M, D] (smoothed K) with one per 64 keys, v [..., M, D] (read as FP16) -> out [..., N, D]."""
+    *lead, n, d = q_codes.shape
+    m = k_codes.shape[-2]
+    if d not in (16, 32, 64, 128, 256):
+        raise ValueError(f"the INT8 attention kernel takes head dims 16-256 (powers of two); got {d}")
+    bh = 1
+    for s in lead:
+        bh *= s
+    out = torch.empty((*lead, n, d), dtype=out_dtype, device=q_codes.device)
+    if n == 0 or bh == 0:
+        return out
+    dst = out.view(torch.int16) if out_dtype == torch.bfloat16 else out
+    qs = q_scale.reshape(bh, -1).float().contiguous()
+    ks = k_scale.reshape(bh, -1).float().contiguous()
+    grid = (triton.cdiv(n, BM), bh)
+    _int8_attention_kernel[grid](q_codes.reshape(bh, n, d).contiguous(), qs, k_codes.reshape(bh, m, d).contiguous(),
+                                 ks, v.reshape(bh, m, d).to(torch.float16).contiguous(), dst, n, m, qs.shape[1],
+                                 ks.shape[1], float(sm_scale), D=d, BM=BM, BN=BN, OUT_KIND=_OUT_KIND[out_dtype],
+                                 num_warps=4 if d <= 64 else 8, num_stages=2)  # fmt: skip
+    return out
