@@ -37,7 +37,9 @@ from session_summary import _ms
 from session_train import train_settings, training_phase
 from torch import nn
 
-from solrl_engine.explore.copy import ExploreCopy
+from solrl_engine.explore.copy import ATTENTION_TAG, ExploreCopy
+from solrl_engine.kernels import runs
+from solrl_engine.models import ARCH_ALIASES, model_spec
 from solrl_engine.nn import fast_path
 from solrl_engine.nn.fast_path import reset_fast_path
 from solrl_engine.sampling.compile import Census, census_backend, compile_regions, uncompile_regions
@@ -264,6 +266,19 @@ def torchao_peer(model: Any, alias: str, fmt: str, inputs: tuple, device: torch.
         _release(device)
 
 
+ATTENTION = "int8-attention"  # a precision "<fmt>+int8-attention": the FP8 copy with SageAttention's INT8 attention
+
+
+def _base(precision: str) -> str:
+    """The linears' format of a forwards precision ("fp8+int8-attention" -> "fp8")."""
+    return precision.partition("+")[0]
+
+
+def _attention(precision: str) -> str:
+    """The explore attention's format of a forwards precision ("fp8+int8-attention" -> "int8"; "" for none)."""
+    return precision.partition("+")[2].removesuffix("-attention")
+
+
 def model_stage(alias: str, device: torch.device, cfg: dict[str, Any], dev_rates: Any) -> dict[str, Any]:
     """One full-size (or tiny, smoke) denoiser: forwards per precision, eager first for all (the most
     value per second), each FP8 / INT8 one beside torchao's on the same layers; then the training phase (each
@@ -284,8 +299,11 @@ def model_stage(alias: str, device: torch.device, cfg: dict[str, Any], dev_rates
     }  # fmt: skip
     inputs = predict.forward_inputs(model, batch, device=device, dtype=torch.bfloat16)
     formats = ["bf16"] + list(cfg["formats"])
+    if model_spec(ARCH_ALIASES.get(alias, alias)).video and "fp8" in formats:
+        formats.append(f"fp8+{ATTENTION}")  # attention is 38-71% of a video forward: the explore copy's in INT8 too
     for fmt in formats:
-        why = None if fmt == "bf16" else format_unavailable(fmt, device)
+        why = None if fmt == "bf16" else (format_unavailable(_base(fmt), device)
+                                          or (_attention(fmt) and format_unavailable(_attention(fmt), device)))
         out["precisions"][fmt] = {"skipped": why} if why else {}
     for mode in ("eager", "compiled"):
         if mode == "compiled":  # the update and refreshes first: they feed the iteration table; compile is extra
@@ -306,9 +324,11 @@ def model_stage(alias: str, device: torch.device, cfg: dict[str, Any], dev_rates
                     net = model.transformer
                     entry["form"] = "plain BF16 weights (LoRA merged): every family's full-precision rollout form"
                 else:
-                    rule = explore_rule(alias, fmt)
+                    rule = explore_rule(alias, _base(fmt))
                     t1 = time.perf_counter()
-                    copy = ExploreCopy(model.transformer, fmt, changes=rule)
+                    copy = ExploreCopy(model.transformer, _base(fmt), changes=rule)
+                    if _attention(fmt):
+                        copy.set_attention(_attention(fmt))
                     _sync(device)
                     net = copy.transformer
                     entry.update(rule={k: list(v) if isinstance(v, tuple) else v for k, v in rule.items()},
@@ -326,6 +346,9 @@ def model_stage(alias: str, device: torch.device, cfg: dict[str, Any], dev_rates
                         rec = fast_path(net)
                         entry["fast_path"] = {"summary": rec.summary(), **rec.to_dict()}
                         entry["quantized_layers"] = sorted(rec.layers)
+                    if _attention(fmt):  # what the explore copy's attention calls ran (the kernel, or the reference)
+                        last = runs().get(ATTENTION_TAG)
+                        entry["attention_ran"] = last.impl if last is not None else "emulated (no plain call)"
                     entry["profile_eager"] = profile_groups(fwd, device)
                     entry["eager_total_s"] = time.perf_counter() - t_entry
             except Exception as e:  # one precision failing must not lose the others
@@ -395,7 +418,7 @@ def iteration_table(rec: dict[str, Any], batch: int) -> dict[str, Any]:
             t_q = _ms(e, mode)
             if fmt == "bf16" or t_q is None:
                 continue
-            refresh = e.get("refresh_ms")
+            refresh = precs.get(_base(fmt), e).get("refresh_ms")  # an attention variant refreshes as its base
             # predict.py prices an update batch as TRAIN_FORWARDS forwards: the measured update is passed as such
             it = predict.iteration_seconds(t_bf16 / 1e3, t_q / 1e3, (t_update or 0.0) / 1e3 / predict.TRAIN_FORWARDS,
                                            (refresh or 0.0) / 1e3, prompts=p["prompts_per_gpu"], n=p["n"], k=p["k"],
@@ -441,7 +464,9 @@ def predicted(alias: str, arch: dict[str, Any] | None, res: int | None, batch: i
         if fmt != "bf16" and not q:
             continue
         try:
-            row = {m: predict.forward_seconds(ops, dev, fmt, q, fused=m == "fused") * 1e3 for m in ("eager", "fused")}
+            row = {m: predict.forward_seconds(ops, dev, _base(fmt), q, fused=m == "fused",
+                                              attention=_attention(fmt) or "bf16") * 1e3
+                   for m in ("eager", "fused")}  # fmt: skip
         except (KeyError, ValueError) as err:
             out["forward_ms"][fmt] = {"error": str(err)}
             continue
@@ -459,11 +484,12 @@ def predicted(alias: str, arch: dict[str, Any] | None, res: int | None, batch: i
             continue
         q = set(rec["precisions"][fmt].get("quantized_layers", []))
         try:
-            refresh = predict.refresh_seconds(meta.transformer, dev, fmt, q)
+            refresh = predict.refresh_seconds(meta.transformer, dev, _base(fmt), q)
         except (KeyError, AttributeError):  # a format predict.py has no quantize efficiency for
             refresh = 0.0
-        row["refresh_ms"], row["measured_refresh_ms"] = refresh * 1e3, rec["precisions"][fmt].get("refresh_ms")
-        row["measured_requantize_all_ms"] = (rec["precisions"][fmt].get("refresh") or {}).get("requantize_all_ms")
+        measured = rec["precisions"].get(_base(fmt), {})  # an attention variant's copy refreshes as its base's
+        row["refresh_ms"], row["measured_refresh_ms"] = refresh * 1e3, measured.get("refresh_ms")
+        row["measured_requantize_all_ms"] = (measured.get("refresh") or {}).get("requantize_all_ms")
         it = predict.iteration_seconds(b["eager"] / 1e3, row["eager"] / 1e3, t_train, refresh,
                                        prompts=p["prompts_per_gpu"], n=p["n"], k=p["k"], batch=batch,
                                        preview_steps=p["preview_steps"], full_steps=p["full_steps"],

@@ -138,7 +138,7 @@ def training_phase(model: Any, alias: str, device: torch.device, out: dict[str, 
     try:
         adapters = attach_lora(net, ts)
         for fmt, entry in out["precisions"].items():
-            if fmt == "bf16" or "eager_ms" not in entry:
+            if fmt == "bf16" or "+" in fmt or "eager_ms" not in entry:  # "fp8+int8-attention" refreshes as fp8
                 continue
             out["step"] = f"refresh {fmt}"  # where a stage that fails was (recorded before each step)
             cfg["progress"](out)

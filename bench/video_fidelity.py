@@ -27,7 +27,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton's first import: 
 
 
 def main(argv: list[str] | None = None) -> Path:
-    from tiny_pipelines import MAX_SEQUENCE_LENGTH, SIZES, WAN_FRAMES, build_clip_reward, build_sd3, build_wan
+    from tiny_pipelines import SIZES, WAN_FRAMES, build_clip_reward, build_sd3, build_wan
 
     from solrl_engine.rl import load_config
     from solrl_engine.rl.fidelity import fidelity
@@ -72,19 +72,27 @@ def main(argv: list[str] | None = None) -> Path:
                     from solrl_engine.kernels import runs
 
                     last = runs().get(ATTENTION_TAG)
-                    res["attention_ran"] = last.impl if last is not None and sm else "emulated (rounded q, k, v)"
+                    res["attention_ran"] = last.impl if last is not None else "emulated (rounded q, k, v)"
                 res.pop("per_prompt", None)
                 rows.append({"model": model, "explore": prec, "seconds": time.perf_counter() - t0, **res})
+                _write(args, rows)  # after every row: a cut-off run keeps what it measured
                 print(f"{model:<4} {prec:<18} spearman {res['spearman_mean']:+.3f} kendall {res['kendall_mean']:+.3f} "
                       f"({res['quantized_layers']} quantized layers, {res['quantized_flop_share']:.0%} of the "
                       "linear FLOPs)", flush=True)  # fmt: skip
+    out = _write(args, rows)
+    print(f"wrote {out}")
+    return out
+
+
+def _write(args: argparse.Namespace, rows: list[dict]) -> Path:
+    from tiny_pipelines import MAX_SEQUENCE_LENGTH
+
     settings = {k: v for k, v in vars(args).items() if k != "out"}
     rec = {"bench": "video-fidelity", "settings": settings, "max_sequence_length": MAX_SEQUENCE_LENGTH,
            "note": "tiny random-weight pipelines of the real classes and a tiny random CLIP: the measurement, not "
                    "what trained models show", "rows": rows}  # fmt: skip
     out = Path(args.out)
     out.write_text(json.dumps(rec, indent=2, default=str))
-    print(f"wrote {out}")
     return out
 
 

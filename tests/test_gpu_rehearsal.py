@@ -182,15 +182,19 @@ def check_forwards(call: int, sm: str, rehearse) -> None:  # noqa: ANN001 - the 
 @pytest.mark.slow
 def test_call_4_times_video_forwards_and_reports_attentions_share(rehearse):
     """Wan at a smoke clip (5 frames): a video latent [C, F, H, W], the profile's attention share per precision
-    (the part the explore copy leaves in BF16), and the Wan model's own preset for the update."""
+    (the part the explore copy leaves in BF16, or runs in INT8 with fp8+int8-attention), and the Wan model's own
+    preset for the update."""
     _, rec, _ = rehearse(4, "90")
     assert rec["stage_order"] == ["ceilings", "forwards:wan2.1-1.3b", "forwards:wan2.1-14b"]
     for model in ("wan2.1-1.3b", "wan2.1-14b"):
         s = rec["stages"][f"forwards:{model}"]
         assert len(s["latent_shape"]) == 4 and s["latent_shape"][1] == 2  # 5 frames: 1 + 4 -> 2 latent frames
-        for fmt in ("bf16", "fp8", "int8"):
+        for fmt in ("bf16", "fp8", "int8", "fp8+int8-attention"):
             share = s["precisions"][fmt]["profile_eager"]["share"]
             assert 0 < share["attention"] < 1 and sum(share.values()) == pytest.approx(1.0)
+        # the FP8 copy with INT8 attention: the Triton kernel ran (the interpreter here), eager and compiled
+        sage = s["precisions"]["fp8+int8-attention"]
+        assert sage["attention_ran"].startswith("triton") and sage["compiled"]["forward_ms"] > 0, sage
         assert s["train_settings"]["checkpointing"] and s["train_settings"]["timestep_fraction"] == 0.6
 
 

@@ -25,7 +25,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from solrl_engine.explore.choice import POLICY
-from solrl_engine.kernels import TENSOR_CORES, dispatch, format_kernels
+from solrl_engine.kernels import TENSOR_CORES, format_kernels
 from solrl_engine.nn import QuantLinear, QuantReport, quantize_model, requantize_
 from solrl_engine.nn.flops import amdahl_bound
 from solrl_engine.nn.quantize import BORROWED, _peft_weight, borrow, is_lora_layer, own_
@@ -169,11 +169,11 @@ class ExploreCopy:
     def set_attention(self, precision: str) -> None:
         """The copy's attention with q, k and v in a low-precision format (one with an attention rounding: "fp8",
         "int8"; "bf16": as the policy's): an explore-only option that cuts attention's share of a video forward
-        (38-46% at 480p and 81 frames). Where the format has an attention kernel that runs on the copy's device
-        (INT8: SageAttention's recipe in Triton, sm_80+) each unmasked attention call runs it; elsewhere (a CPU,
-        FP8, a masked call) q, k and v go through the format's attention rounding (quant/<fmt>.py's
-        Numerics.attention) before the usual attention kernel: the same numbers emulated, so rank fidelity can be
-        measured on any device."""
+        (38-46% at 480p and 81 frames). Where the format has an attention op (INT8: SageAttention's recipe) each
+        unmasked attention call runs it: its Triton kernel on sm_80+, its PyTorch reference elsewhere (the fast-path
+        record's ATTENTION_TAG entry says which); FP8 and masked calls have q, k and v go through the format's
+        attention rounding (quant/<fmt>.py's Numerics.attention) before the usual attention kernel (emulated). So
+        rank fidelity can be measured on any device."""
         if precision not in attention_formats():
             raise ValueError(f"explore attention {precision!r}: choose one of {attention_formats()}")
         root = self._root
@@ -182,9 +182,10 @@ class ExploreCopy:
         if precision != "bf16":  # the module's own forward inside the mode (an exception leaves it too)
             plain, rounding = root.forward, numerics(precision).attention
             op = format_kernels()[precision].attention_op
+            kernel = getattr(torch.ops.solrl, op) if op else None  # the format's attention op (a custom op)
 
             def forward(*args: Any, **kwargs: Any) -> Any:
-                with _RoundedAttention(rounding, op):
+                with _RoundedAttention(rounding, kernel):
                     return plain(*args, **kwargs)
 
             root.forward = forward
@@ -313,20 +314,13 @@ ATTENTION_TAG = "explore attention"  # the fast-path record's key of the explore
 
 class _RoundedAttention(TorchFunctionMode):
     """Within a forward, every F.scaled_dot_product_attention runs in a low-precision format: through the format's
-    attention kernel (`op`) where it runs on the device and the call is one it takes (no mask, dropout, causal mask
-    or grouped heads; a head dim it takes), else with q, k and v through `rounding` (the format's attention
-    numerics, emulated) before it runs as it would."""
+    attention op (`kernel`: its kernel where it runs, its reference elsewhere; it records which) where the call is
+    one it takes (no mask, dropout, causal mask or grouped heads), else with q, k and v through `rounding` (the
+    format's attention numerics, emulated) before it runs as it would."""
 
-    def __init__(self, rounding: Any, op: str | None = None) -> None:
+    def __init__(self, rounding: Any, kernel: Any = None) -> None:
         super().__init__()
-        self.rounding, self.op = rounding, op
-        self._chosen: dict[tuple[torch.device, int], str] = {}  # (device, head dim) -> backend, once per forward
-
-    def _backend(self, q: torch.Tensor) -> str:
-        key = (q.device, q.shape[-1])
-        if key not in self._chosen:
-            self._chosen[key] = dispatch.choose(self.op, q.device, d=q.shape[-1])[0] if self.op else "reference"
-        return self._chosen[key]
+        self.rounding, self.kernel = rounding, kernel
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -337,9 +331,7 @@ class _RoundedAttention(TorchFunctionMode):
         plain = (call.get("attn_mask") is None and not call.get("dropout_p") and not call.get("is_causal")
                  and not call.get("enable_gqa") and q.shape[:-2] == k.shape[:-2] == v.shape[:-2]
                  and q.shape[-1] == k.shape[-1] == v.shape[-1])  # fmt: skip
-        backend = self._backend(q) if plain else "reference"
-        if backend != "reference":
-            scale = call.get("scale")
-            return dispatch.record_run(ATTENTION_TAG, lambda: dispatch.run(self.op, backend, q, k, v, scale), q)
+        if self.kernel is not None and plain:
+            return self.kernel(q, k, v, call.get("scale"), ATTENTION_TAG)
         q, k, v = self.rounding(q, k, v)
         return func(q, k, v, **call)

@@ -231,17 +231,24 @@ register("int8_attention", {"reference": _ref_int8_attention, "triton": _tr_int8
          requires={"triton": _tr_int8_requires}, fits={"triton": _attention_fits})  # fmt: skip
 
 
-def int8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, backend: str = "",
-                   tag: str = "") -> torch.Tensor:  # fmt: skip
+@torch.library.custom_op("solrl::int8_attention", mutates_args=())
+def int8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, tag: str = ""
+                   ) -> torch.Tensor:  # fmt: skip
     """softmax(Q K^T * scale) V with Q, K in INT8 (per-block scales, K smoothed) and P, V in FP16 ([..., tokens, d]
-    each; out in q's dtype): the explore pass's attention for explore_attention=int8, through `backend` (default:
-    dispatch's choice for q's device and head dim). `tag` records what ran."""
-    backend = backend or choose("int8_attention", q.device, d=q.shape[-1])[0]
+    each; out in q's dtype): the explore pass's attention for explore_attention=int8, through dispatch's choice for
+    q's device and head dim (the Triton kernel on sm_80+, else the reference). `tag` records what ran. A custom op:
+    torch.compile keeps it whole (its choice and record run when it runs, never traced)."""
+    backend = choose("int8_attention", q.device, d=q.shape[-1])[0]
 
     def attn() -> torch.Tensor:
         return run("int8_attention", backend, q, k, v, scale)
 
     return run_recorded(tag, q, attn, "the INT8 attention kernel runs with Triton on sm_80+ and head dims 16-256")
+
+
+@int8_attention.register_fake
+def _(q, k, v, scale=None, tag=""):  # noqa: ANN001, ANN202
+    return torch.empty_like(q)
 
 
 KERNELS = FormatKernels("int8", TensorCores("INT8", (8, 0), cpu_op=True, nominal_speedup=2.0), "int8_linear",
