@@ -124,3 +124,29 @@ def test_solrl_plan_prints_what_it_resolved_for_the_gpu_it_is_told_about(tmp_pat
         main(["plan", SPEC, "--sm", "h100"])
     assert main(["plan", SPEC, "--gpu-memory", "80", "--sm", "10.0"]) == 0  # torch's spelling
     assert "on 1 x 80 GiB GPU (sm_100)" in capsys.readouterr().out
+
+
+def test_a_format_or_attention_the_gpu_cannot_run_fast_is_refused_at_plan_time_naming_what_it_runs():
+    """explore_precision=fp8 on an A100 (no FP8 GEMM there: every layer would run the reference) and INT8 attention
+    on a Turing GPU are refused before anything loads, with the reason and the formats the GPU runs; NVFP4 on Hopper
+    (Triton's in-kernel decode), INT8 on Ampere, auto and bf16 anywhere, and anything on a CPU are not; a family
+    that explores with the policy is never asked."""
+    from solrl_engine.rl.config import ConfigError
+
+    def plan(sm: tuple[int, int], **changes: object) -> object:
+        cfg = RLConfig(model="tiny", device="cpu", **{**SIZED, **changes})  # type: ignore[arg-type]
+        return resolve(cfg, Target.gpu(80, 1, sm))
+
+    with pytest.raises(ConfigError, match=r"explore_precision = 'fp8': sm_80 runs no FP8 E4M3 GEMM fast \(needs "
+                                          r"sm_89\+\); this GPU runs int8, auto"):
+        plan((8, 0), explore_precision="fp8")
+    with pytest.raises(ConfigError, match=r"explore_precision = 'nvfp4': sm_80 .* this GPU runs int8"):
+        plan((8, 0), explore_precision="nvfp4")
+    with pytest.raises(ConfigError, match=r"explore_attention = 'int8': sm_75 has no INT8 tensor cores .* choose bf16"):
+        plan((7, 5), explore_attention="int8")
+    for sm, prec in (((9, 0), "nvfp4"), ((8, 0), "int8"), ((7, 5), "auto"), ((7, 5), "bf16"), ((9, 0), "fp8")):
+        plan(sm, explore_precision=prec)
+    plan((8, 0), explore_attention="int8")
+    plan((8, 0), explore_precision="fp8", family="diffusionnft", n=24)  # the policy explores: no copy to run
+    resolve(RLConfig(model="tiny", device="cpu", explore_precision="fp8", **SIZED), Target.here(RLConfig(model="tiny",
+                                                                                                     device="cpu")))

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from solrl_engine.explore.choice import EXPLORE_CANDIDATES, POLICY, ExploreChoice, resolve_explore_precision
-from solrl_engine.kernels import TENSOR_CORES, formats_with_tensor_cores
+from solrl_engine.kernels import TENSOR_CORES, format_kernels, formats_with_tensor_cores
 from solrl_engine.models import ModelSpec
 from solrl_engine.quant.formats import all_numerics, attention_formats, numerics
 from solrl_engine.quant.recipe import FORMAT_OPTIONS, RECIPES, RHT_SIZES, get_recipe
@@ -117,6 +117,32 @@ def explore_rule(settings: ExploreSettings, model: ModelSpec, precision: str | N
         if getattr(settings, name):
             rule[name] = getattr(settings, name)
     return rule
+
+
+def device_problems(settings: ExploreSettings, capability: tuple[int, int]) -> list[tuple[str, str]]:
+    """(field, why and what this GPU runs) for an explore format or attention mode that a GPU of `capability`
+    cannot run fast (the format's kernels part: where its linear has a GPU implementation, where its attention
+    kernel's tensor cores start): a run would crawl through the reference, so it is refused at plan time. auto
+    and bf16 always run."""
+    out: list[tuple[str, str]] = []
+    sm = f"sm_{capability[0]}{capability[1]}"
+    kinds = format_kernels()
+    runs = [f for f, k in kinds.items() if k.fast_from is not None and capability >= k.fast_from]
+    if settings.precision in RECIPES:
+        fmt = get_recipe(settings.precision).format
+        need = kinds[fmt].fast_from
+        if need is not None and capability < need:
+            out.append(("precision", f"{sm} runs no {numerics(fmt).label} GEMM fast (needs sm_{need[0]}{need[1]}+); "
+                                     f"this GPU runs {', '.join(runs) or 'no quantized format'}, auto (which times "
+                                     "them) or bf16"))  # fmt: skip
+    att = kinds.get(settings.attention)
+    if att is not None and att.attention_op and att.tensor_cores and capability < att.tensor_cores.needs:
+        need = att.tensor_cores.needs
+        ok = [f for f, k in kinds.items() if k.attention_op and k.tensor_cores and capability >= k.tensor_cores.needs]
+        out.append(("attention", f"{sm} has no {att.tensor_cores.label} tensor cores for the {settings.attention} "
+                                 f"attention kernel (needs sm_{need[0]}{need[1]}+); choose "
+                                 f"{' or '.join(['bf16', *ok])}"))  # fmt: skip
+    return out
 
 
 @dataclass(frozen=True)

@@ -62,13 +62,22 @@ class TensorCores:
 @dataclass(frozen=True)
 class FormatKernels:
     """A format's part in kernels/: its tensor cores (None for the policy's BF16, which has no separate row), the
-    dispatch op its linear layers choose an implementation of (`dispatch.choose`; None: torch's own linear), and its
-    attention op (`explore_attention=<format>` on a device where it runs; None: the attention rounding is emulated)."""
+    dispatch op its linear layers choose an implementation of (`dispatch.choose`; None: torch's own linear), its
+    attention op (`explore_attention=<format>`; None: the attention rounding is emulated), and where a GPU runs its
+    linear fast when that is not where its tensor cores start (NVFP4: Triton's in-kernel decode on Ada and Hopper)."""
 
     format: str
     tensor_cores: TensorCores | None
     linear_op: str | None
     attention_op: str | None = None
+    # the compute capability from which a GPU runs this format's linear fast (a GPU implementation, not the
+    # reference): its tensor cores' by default; None: every GPU (BF16)
+    runs_from: tuple[int, int] | None = None
+
+    @property
+    def fast_from(self) -> tuple[int, int] | None:
+        """Where a GPU runs the format's linear fast: `runs_from`, else its tensor cores' capability."""
+        return self.runs_from or (self.tensor_cores.needs if self.tensor_cores else None)
 
 
 @functools.cache

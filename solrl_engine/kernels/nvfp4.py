@@ -435,4 +435,6 @@ def traced_nvfp4_linear(
         return finish(acc, x, out_dtype)
 
 
-KERNELS = FormatKernels("nvfp4", TensorCores("FP4", (10, 0), cpu_op=False, nominal_speedup=4.0), "nvfp4_linear")
+# FP4 tensor cores from Blackwell; the Triton in-kernel-decode GEMM (FP16 MMA) runs it on Ada and Hopper
+KERNELS = FormatKernels("nvfp4", TensorCores("FP4", (10, 0), cpu_op=False, nominal_speedup=4.0), "nvfp4_linear",
+                        runs_from=(8, 9))  # fmt: skip

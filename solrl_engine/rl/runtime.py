@@ -22,7 +22,7 @@ import torch
 from solrl_engine.explore.choice import ExploreChoice
 from solrl_engine.explore.copy import ExploreCopy
 from solrl_engine.explore.explorer import Explorer
-from solrl_engine.explore.plan import ExploreSpec, foresee, plan
+from solrl_engine.explore.plan import ExploreSettings, ExploreSpec, device_problems, foresee, plan
 from solrl_engine.kernels import device_capability
 from solrl_engine.models import load_model, model_spec
 from solrl_engine.rewards import check_reward, load_reward, parse_reward_args
@@ -133,6 +133,10 @@ def resolve(cfg: RLConfig, target: Target | None = None, show: bool = False) -> 
     fits it shows the smallest update (one sample, every block recomputed) instead of refusing."""
     cfg = cfg.validate()
     target = target if target is not None else Target.here(cfg)
+    if target.device.type == "cuda" and target.capability is not None and FAMILY_TABLE[cfg.family].quantized_explore:
+        for name, why in device_problems(cfg.explore_settings(), target.capability):
+            key = ExploreSettings.key(name)
+            raise ConfigError(f"config {cfg.name!r}: {key} = {getattr(cfg, key)!r}: {why}")
     dtype, why = resolve_policy_dtype(cfg, target.device)
     try:
         sizes = memplan.resolve_update_sizes(cfg, target.world, target.gpu_gib)
