@@ -134,7 +134,7 @@ def test_choose_and_select_walk_one_order(monkeypatch, sm, want):
     monkeypatch.setenv("SOLRL_SIMULATE_SM", sm)
     monkeypatch.setenv("SOLRL_BACKEND", want)
     for op in dispatch.ops():
-        shape = {"k": 256, "n": 64} if op.endswith("_linear") else {}
+        shape = {"k": 256, "n": 64} if op.endswith("_linear") else {"d": 64} if op.endswith("_attention") else {}
         assert kernels.choose(op, CPU, **shape)[0] == kernels.select(op, CPU), op
 
 

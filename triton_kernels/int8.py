@@ -73,6 +73,22 @@ def _epilogue_kernel(acc_ptr, sx_ptr, sw_ptr, b_ptr, out_ptr, M, N, HAS_BIAS: tl
     store_out(out_ptr + offs, y, mask, OUT_KIND)
 
 
+def _epilogue_operands(
+    out: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """What the scale epilogue reads and writes, as the kernels take it: the output (BF16 through its int16 bits),
+    the row and channel scales flat in FP32, the bias (FP32 or BF16; None) and its pointer argument (BF16 as int16
+    bits; the row scales stand in for a missing one, never read)."""
+    dst = out.view(torch.int16) if out.dtype == torch.bfloat16 else out
+    sx = x_scale.reshape(-1).float().contiguous()
+    sw = w_scale.reshape(-1).float().contiguous()
+    if bias is not None and bias.dtype not in (torch.float32, torch.bfloat16):
+        bias = bias.float()
+    b = None if bias is None else bias.contiguous()
+    b_arg = sx if b is None else (b.view(torch.int16) if b.dtype == torch.bfloat16 else b)
+    return dst, sx, sw, b, b_arg
+
+
 def scale_epilogue(
     acc: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
 ) -> torch.Tensor:
@@ -83,13 +99,7 @@ def scale_epilogue(
     out = torch.empty((m, n), dtype=out_dtype, device=acc.device)
     if m == 0 or n == 0:
         return out
-    dst = out.view(torch.int16) if out_dtype == torch.bfloat16 else out
-    sx = x_scale.reshape(-1).float().contiguous()
-    sw = w_scale.reshape(-1).float().contiguous()
-    if bias is not None and bias.dtype not in (torch.float32, torch.bfloat16):
-        bias = bias.float()
-    b = None if bias is None else bias.contiguous()
-    b_arg = sx if b is None else (b.view(torch.int16) if b.dtype == torch.bfloat16 else b)
+    dst, sx, sw, b, b_arg = _epilogue_operands(out, x_scale, w_scale, bias)
     bm, bn = 32, 64
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     _epilogue_kernel[grid](acc.contiguous(), sx, sw, b_arg, dst, m, n, HAS_BIAS=b is not None,
@@ -141,13 +151,7 @@ def gemm(
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
         return out
-    dst = out.view(torch.int16) if out_dtype == torch.bfloat16 else out
-    sx = x_scale.reshape(-1).float().contiguous()
-    sw = w_scale.reshape(-1).float().contiguous()
-    if bias is not None and bias.dtype not in (torch.float32, torch.bfloat16):
-        bias = bias.float()
-    b = None if bias is None else bias.contiguous()
-    b_arg = sx if b is None else (b.view(torch.int16) if b.dtype == torch.bfloat16 else b)
+    dst, sx, sw, b, b_arg = _epilogue_operands(out, x_scale, w_scale, bias)
     # tiles for the tensor cores (an int8 dot needs K tiles of 32+); a short M (few tokens) takes a shorter tile
     bm = 64 if m <= 64 else 128
     bn, bk = 128, 64

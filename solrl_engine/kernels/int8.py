@@ -62,16 +62,9 @@ def _ref_int8_linear(
 
 
 def _int8_fits(device: torch.device, k: int, n: int, **_: object) -> str | None:
-    """Whether torch._int_mm can run a layer of K inputs and N outputs (cuBLASLt IMMA: 8-aligned), and should:
-    on Hopper and later cuBLASLt runs its sm_80 IMMA kernels (the H200 ran them at BF16's rate,
-    bench/results/2026-11-25-NVIDIA_H200-gpu-session-2-forwards.json), so the Triton GEMM, native there and with the
-    scales and bias in its epilogue, is taken wherever it can run."""
+    """Whether torch._int_mm can run a layer of K inputs and N outputs (cuBLASLt IMMA: 8-aligned)."""
     if k % 8 or n % 8:
         return f"torch._int_mm needs K % 8 == 0 and N % 8 == 0; got K={k}, N={n}"
-    cap = device_capability(device)
-    if cap is not None and cap >= HOPPER and _tr_int8_requires(device) is None:
-        return (f"sm_{cap[0]}{cap[1]}: cuBLASLt's INT8 GEMM runs sm_80 kernels there (BF16's rate on the H200); the "
-                "Triton GEMM with the fused epilogue runs instead")  # fmt: skip
     return None
 
 
@@ -126,7 +119,16 @@ def _cuda_int8_linear(
 
 
 def _int8_tensor_cores(device: torch.device) -> str | None:
-    return tensor_cores(device, "int8")
+    """Where torch._int_mm runs, and should: INT8 tensor cores, but not on Hopper and later where the Triton GEMM
+    runs, since there cuBLASLt runs its sm_80 IMMA kernels (the H200 ran them at BF16's rate,
+    bench/results/2026-11-25-NVIDIA_H200-gpu-session-2-forwards.json) and the Triton GEMM is native and has the
+    scales and bias in its epilogue. A device-level answer, so a layer's choice and a call's selection agree."""
+    why = tensor_cores(device, "int8")
+    cap = device_capability(device)
+    if why is None and cap is not None and cap >= HOPPER and _tr_int8_requires(device) is None:
+        return (f"sm_{cap[0]}{cap[1]}: cuBLASLt's INT8 GEMM runs sm_80 kernels there (BF16's rate on the H200); the "
+                "Triton GEMM with the fused epilogue runs instead")  # fmt: skip
+    return why
 
 
 register("int8_linear", {"reference": _ref_int8_linear, "cuda": _cuda_int8_linear, "triton": _tr_int8_linear},

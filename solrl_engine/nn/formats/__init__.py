@@ -7,6 +7,7 @@ recipe's format's handler instead of switching on names.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 from torch import nn
@@ -39,6 +40,35 @@ class LinearFormat:
         """y = x W^T + b through `backend` (the layer's choice), as `out`. `x` arrives in its own dtype when the
         recipe quantizes activations, else already cast to the compute dtype."""
         raise NotImplementedError
+
+
+class RowScaledLinear(LinearFormat):
+    """The storage of the 8-bit formats: codes [out, in] in `codes` (a buffer of dtype `code_dtype`) and one FP32
+    scale per output channel (`w_scale`), written by the format's row-wise quantize; a subclass names them and
+    runs its own GEMM."""
+
+    codes: str = ""
+    code_dtype: torch.dtype = torch.int8
+    tensor_cls: type = object
+
+    def quantize_rowwise(self, w: torch.Tensor) -> Any:
+        raise NotImplementedError
+
+    def buffers(self, layer: nn.Module, device: torch.device | str | None) -> None:
+        o, i = layer.out_features, layer.in_features
+        layer.register_buffer(self.codes, torch.zeros(o, i, dtype=self.code_dtype, device=device))
+        layer.register_buffer("w_scale", torch.ones(o, 1, dtype=torch.float32, device=device))
+
+    def stored(self, layer: nn.Module) -> Any:
+        return self.tensor_cls(getattr(layer, self.codes), layer.w_scale, torch.float32)
+
+    def set_weight_(self, layer: nn.Module, w: torch.Tensor) -> None:
+        q = self.quantize_rowwise(w)
+        getattr(layer, self.codes).copy_(q.data)
+        layer.w_scale.copy_(q.scale)
+
+    def weight(self, layer: nn.Module) -> torch.Tensor:
+        return self.stored(layer).dequantize(torch.float32)
 
 
 @functools.cache
