@@ -45,7 +45,8 @@ def test_the_format_tables_derive_from_the_parts():
     assert list(kernels.TENSOR_CORES) == ["nvfp4", "fp8", "int8"]  # fastest first
     assert choice.EXPLORE_CANDIDATES == ("nvfp4", "nvfp4_weight_only", "fp8", "fp8_weight_only", "int8")
     assert plan.EXPLORE_PRECISIONS == ("auto", *choice.EXPLORE_CANDIDATES, "bf16", "te_nvfp4")
-    assert plan.NVFP4_PRECISIONS == ("auto", "nvfp4", "nvfp4_weight_only")
+    rht = [p for p in plan.EXPLORE_PRECISIONS if plan.option_applies("rht", p)]
+    assert rht == ["auto", "nvfp4", "nvfp4_weight_only"]  # NVFP4's options apply to NVFP4's recipes and auto
     rep = quantize_model(torch.nn.Sequential(torch.nn.Linear(64, 96)), "fp8")
     assert rep.weight_bytes() == (2 * 64 * 96, all_numerics()["fp8"].stored_bytes(64, 96))
 

@@ -38,9 +38,6 @@ def option_applies(option: str, precision: str) -> bool:
     return precision in RECIPES and option in numerics(get_recipe(precision).format).options
 
 
-# the precisions the NVFP4 options apply to (the name of the days when NVFP4 was the only format with options)
-NVFP4_PRECISIONS = tuple(p for p in EXPLORE_PRECISIONS if all(option_applies(o, p) for o in FORMAT_OPTIONS))
-
 
 @dataclass(frozen=True)
 class ExploreSettings:

@@ -15,7 +15,6 @@ FORMATS: tuple[str, ...] = format_names()
 RHT_SIZES: tuple[int, ...] = (16, 32, 64, 128)
 # the recipe options that apply to one format only (QuantRecipe fields; an explore config's explore_<option>): NVFP4's
 FORMAT_OPTIONS: tuple[str, ...] = tuple(dict.fromkeys(o for f in all_numerics().values() for o in f.options))
-NVFP4_OPTIONS = FORMAT_OPTIONS  # the name it had while NVFP4 was the only format with options
 
 # Layers kept in high precision by default: embedders (timestep, caption, patch), the adaLN
 # modulation and final projection. They are small, run once per step, and errors there shift every
