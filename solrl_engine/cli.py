@@ -343,6 +343,8 @@ def _start_banner(cfg, trainer) -> None:  # noqa: ANN001 - RLConfig and Trainer,
         print(f"explore: {trainer.explorer.recipe_label} ({spec.reason})")
     if trainer.explore is not None and trainer.dist.main:
         print(trainer.explore.report.summary())
+        if trainer.explore.producers is not None and trainer.explore.producers.summary():
+            print(trainer.explore.producers.summary())
         print(f"(every layer's decision: {trainer.out / 'quantization.txt'})")
 
 

@@ -33,6 +33,7 @@ from solrl_engine.rl.config import ConfigError, RLConfig
 from solrl_engine.sampling import GraphedSampler, sample
 from solrl_engine.sampling.compile import (
     OPAQUE,
+    PRODUCER,
     TRACED_KINDS,
     Census,
     census_backend,
@@ -226,7 +227,7 @@ def test_every_familys_8bit_explore_copies_compile_without_a_graph_break(name, p
     for fmt, sm, gemm in (("fp8", "90", "scaled_mm"), ("int8", "80", "int_mm"), ("int8", "90", "int8_gemm")):
         monkeypatch.setenv("SOLRL_SIMULATE_SM", sm)
         rule = {**spec.explore_rule, **spec.explore_rule_by_format.get(fmt, {})}
-        copy = ExploreCopy(model.transformer, fmt, changes=rule)
+        copy = ExploreCopy(model.transformer, fmt, changes=rule, producers=spec.producers)
         torch._dynamo.reset()
         counters.clear()
         census = Census()
@@ -237,6 +238,8 @@ def test_every_familys_8bit_explore_copies_compile_without_a_graph_break(name, p
         kinds = census.total()
         assert census.opaque == 0 and census.traced >= 1, (fmt, sm, census.summary())
         assert all(k.startswith(gemm) for k in kinds if k in TRACED_KINDS), (fmt, sm, census.summary())
+        assert (kinds[PRODUCER] >= 1) == bool(copy.producers.fused), census.summary()
+        assert bool(copy.producers.fused) == (name == "flux" or (name == "sd3" and fmt == "int8")), copy.producers
         del copy
 
 

@@ -42,6 +42,48 @@ def e4m3_round_magnitude(v):
 
 
 @triton.jit
+def fp8_row_factors(amax):
+    """(encode factor 448/amax, decode scale 1/encode) of rows with finite amax `amax`: 1.0 for amax == 0, the
+    encode factor capped at the FP32 max (quant.fp8's current scaling)."""
+    enc = tl.minimum(tl.div_rn(tl.full(amax.shape, 448.0, tl.float32), amax), FP32_MAX)
+    enc = tl.where(amax == 0.0, 1.0, enc)
+    return enc, tl.div_rn(tl.full(amax.shape, 1.0, tl.float32), enc)
+
+
+@triton.jit
+def fp8_encode(x, enc):
+    """E4M3 bytes (int32) of x [rows, cols] at per-row encode factors `enc` [rows]; non-finite x -> 0x7F (NaN)."""
+    v = x * enc[:, None]
+    code, _ = e4m3_round_magnitude(tl.minimum(tl.abs(v), 448.0))
+    code = code | (((v.to(tl.int32, bitcast=True) >> 31) & 1) << 7)
+    return tl.where(is_finite(x), code, 0x7F)
+
+
+# the smallest fp32 subnormal, the least scale of a non-zero INT8 row (a Triton global must be a constexpr)
+TINY = tl.constexpr(1.401298464324817e-45)
+
+
+@triton.jit
+def int8_row_scale(amax, bad):
+    """The decode scale of rows with finite amax `amax`: amax/127 (at least the smallest subnormal), 1.0 for an
+    all-zero row, NaN where `bad` (the row holds a non-finite value) (quant.int8's contract)."""
+    s = tl.maximum(tl.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32)), tl.full(amax.shape, TINY, tl.float32))
+    s = tl.where(amax == 0.0, 1.0, s)
+    return tl.where(bad, float("nan"), s)
+
+
+@triton.jit
+def int8_encode(x, s):
+    """int8 codes of x [rows, cols] at per-row scales `s` [rows]: round half to even of clamp(x / s, -127, 127);
+    a NaN-scale row encodes as 0."""
+    d = tl.div_rn(x, s[:, None])
+    v = tl.minimum(tl.maximum(d, -127.0), 127.0)
+    r = (v + 12582912.0) - 12582912.0  # round half to even: exact for |v| < 2^22 (1.5 * 2^23 magic)
+    r = tl.where(d == d, r, 0.0)  # tested before: min/max may drop a NaN
+    return r.to(tl.int32).to(tl.int8)
+
+
+@triton.jit
 def e4m3_decode(b):
     """FP32 value of E4M3 bytes given as int32 (0x7F / 0xFF decode to NaN)."""
     e = (b >> 3) & 0xF
@@ -94,6 +136,13 @@ def fp32_to_bf16_bits(v):
     r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
     r = tl.where(v != v, 0x7FC0, r)
     return r.to(tl.int16)
+
+
+@triton.jit
+def round_bf16(v):
+    """fp32 values rounded to the nearest bf16 (ties to even, NaN kept), as fp32: a BF16 op's result."""
+    b = fp32_to_bf16_bits(v).to(tl.int32) & 0xFFFF
+    return (b << 16).to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._numerics import EXACT, e4m3_round_magnitude, is_finite, load_f32
+from ._numerics import EXACT, fp8_encode, fp8_row_factors, is_finite, load_f32
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -29,21 +29,13 @@ def _fp8_rowwise_kernel(x_ptr, q_ptr, scale_ptr, M, K, BLOCK_M: tl.constexpr, BL
         offs = k0 + tl.arange(0, BLOCK_K)
         x = load_f32(x_ptr + base + offs[None, :], rmask[:, None] & (offs < K)[None, :], IN_BF16)
         acc = tl.maximum(acc, tl.where(is_finite(x), tl.abs(x), 0.0))
-    amax = tl.max(acc, axis=1)
-    enc = tl.minimum(tl.div_rn(tl.full([BLOCK_M], 448.0, tl.float32), amax), 3.4028234663852886e38)
-    enc = tl.where(amax == 0.0, 1.0, enc)
-    tl.store(scale_ptr + rows, tl.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), enc), mask=rmask)
+    enc, dec = fp8_row_factors(tl.max(acc, axis=1))
+    tl.store(scale_ptr + rows, dec, mask=rmask)
     for k0 in range(0, K, BLOCK_K):
         offs = k0 + tl.arange(0, BLOCK_K)
         m = rmask[:, None] & (offs < K)[None, :]
         x = load_f32(x_ptr + base + offs[None, :], m, IN_BF16)
-        v = x * enc[:, None]
-        mag = tl.minimum(tl.abs(v), 448.0)
-        code, _ = e4m3_round_magnitude(mag)
-        sign = (v.to(tl.int32, bitcast=True) >> 31) & 1
-        code = code | (sign << 7)
-        code = tl.where(is_finite(x), code, 0x7F)
-        tl.store(q_ptr + base + offs[None, :], code.to(tl.uint8), mask=m)
+        tl.store(q_ptr + base + offs[None, :], fp8_encode(x, enc).to(tl.uint8), mask=m)
 
 
 def _row_blocks(k: int, interp: bool) -> tuple[int, int]:

@@ -12,12 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._numerics import EXACT, is_finite, load_f32, store_out
+from ._numerics import EXACT, int8_encode, int8_row_scale, is_finite, load_f32, store_out
 from .fp8 import launch_rowwise
 
 _OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-# the smallest fp32 subnormal, the least scale of a non-zero row (a Triton global must be a constexpr)
-TINY = tl.constexpr(1.401298464324817e-45)
 
 
 @triton.jit
@@ -34,20 +32,13 @@ def _int8_rowwise_kernel(x_ptr, q_ptr, scale_ptr, M, K, BLOCK_M: tl.constexpr, B
         fin = is_finite(x)
         acc = tl.maximum(acc, tl.where(fin, tl.abs(x), 0.0))
         bad = tl.maximum(bad, tl.where(fin, 0, 1))
-    amax = tl.max(acc, axis=1)
-    s = tl.maximum(tl.div_rn(amax, tl.full([BLOCK_M], 127.0, tl.float32)), tl.full([BLOCK_M], TINY, tl.float32))
-    s = tl.where(amax == 0.0, 1.0, s)
-    s = tl.where(tl.max(bad, axis=1) > 0, float("nan"), s)
+    s = int8_row_scale(tl.max(acc, axis=1), tl.max(bad, axis=1) > 0)
     tl.store(scale_ptr + rows, s, mask=rmask)
     for k0 in range(0, K, BLOCK_K):
         offs = k0 + tl.arange(0, BLOCK_K)
         m = rmask[:, None] & (offs < K)[None, :]
         x = load_f32(x_ptr + base + offs[None, :], m, IN_BF16)
-        d = tl.div_rn(x, s[:, None])
-        v = tl.minimum(tl.maximum(d, -127.0), 127.0)
-        r = (v + 12582912.0) - 12582912.0  # round half to even: exact for |v| < 2^22 (1.5 * 2^23 magic)
-        r = tl.where(d == d, r, 0.0)  # a NaN-scale row encodes as 0 (min/max may drop a NaN: test before)
-        tl.store(q_ptr + base + offs[None, :], r.to(tl.int32).to(tl.int8), mask=m)
+        tl.store(q_ptr + base + offs[None, :], int8_encode(x, s), mask=m)
 
 
 def quantize_rowwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

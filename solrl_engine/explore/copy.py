@@ -28,6 +28,7 @@ from solrl_engine.explore.choice import POLICY
 from solrl_engine.kernels import TENSOR_CORES, format_kernels
 from solrl_engine.nn import QuantLinear, QuantReport, quantize_model, requantize_
 from solrl_engine.nn.flops import amdahl_bound
+from solrl_engine.nn.producers import fuse_producers
 from solrl_engine.nn.quantize import BORROWED, _peft_weight, borrow, is_lora_layer, own_
 from solrl_engine.quant.formats import attention_formats, numerics
 from solrl_engine.quant.recipe import QuantRecipe, get_recipe
@@ -125,6 +126,7 @@ class ExploreCopy:
         skip_max_dim: int | None = None,
         changes: Mapping[str, Any] | None = None,
         borrow: bool = False,
+        producers: Mapping[str, tuple[str, ...]] | None = None,
     ) -> None:
         self.te = isinstance(recipe, str) and recipe == "te_nvfp4"  # Transformer Engine's NVFP4, a peer
         self.full_precision = isinstance(recipe, str) and recipe == POLICY  # the policy's precision, LoRA merged
@@ -151,6 +153,8 @@ class ExploreCopy:
             self.report = QuantReport(self.quant_recipe)  # nothing quantized
         else:
             self.report = quantize_model(self.transformer, self.quant_recipe)
+        # the producers (ModelSpec.producers) that emit their output's row-wise codes for the linears they feed
+        self.producers = fuse_producers(self.transformer, producers or {}) if not self.te else None
         self.merge = True
         self.shared_bytes = 0
         self.attention = "bf16"
@@ -161,7 +165,7 @@ class ExploreCopy:
         itself explores (POLICY) or there is no spec; `borrow` as ExploreCopy's."""
         if spec is None or not spec.quantized:
             return None
-        copy = cls(transformer, spec.precision, changes=dict(spec.rule), borrow=borrow)
+        copy = cls(transformer, spec.precision, changes=dict(spec.rule), borrow=borrow, producers=spec.producers)
         if spec.attention != "bf16":
             copy.set_attention(spec.attention)
         return copy

@@ -35,6 +35,7 @@ from solrl_engine.kernels.nvfp4 import (
     nvfp4_quantize,
     nvfp4_quantize_into_,
 )
+from solrl_engine.kernels.producers import adaln_quantize
 
 # format -> its tensor cores, fastest first: gathered from each format module's KERNELS (capability)
 TENSOR_CORES = tensor_core_table()
@@ -63,6 +64,7 @@ __all__ = [
     "fp8_quantize_rowwise",
     "int8_linear",
     "int8_quantize_rowwise",
+    "adaln_quantize",
     "nvfp4_dequantize",
     "nvfp4_fake_quantize",
     "nvfp4_linear",

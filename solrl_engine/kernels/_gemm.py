@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -27,6 +28,17 @@ from solrl_engine.kernels.dispatch import record_run
 WEIGHT_ONLY_HINT = ("weight-only GEMMs take BF16/FP16 activations: run the explore copy under BF16 autocast (as the "
                     "rollouts do) or in BF16")  # fmt: skip
 PASSED_OVER_HINT = "the layer's GEMM line in QuantReport (quantization.txt) says why the fast kernel was passed over"
+
+
+PRODUCED = " (input codes from its producer)"  # what a GEMM's record adds when x's producer quantized x
+
+
+def produced(codes: torch.Tensor | None, scales: torch.Tensor | None, cls: type) -> Any:
+    """x's row-wise codes as the format's tensor `cls` ([M, K] codes, [M, 1] scales), None when x's producer made
+    none (the GEMM quantizes x itself)."""
+    if codes is None or scales is None:
+        return None
+    return cls(flat(codes), scales.reshape(-1, 1), torch.float32)
 
 
 def flat(x: torch.Tensor) -> torch.Tensor:

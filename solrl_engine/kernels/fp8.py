@@ -13,10 +13,12 @@ import torch
 
 from solrl_engine.kernels._gemm import (
     PASSED_OVER_HINT,
+    PRODUCED,
     WEIGHT_ONLY_HINT,
     finish,
     flat,
     no_autocast,
+    produced,
     run_recorded,
     traced,
 )
@@ -46,13 +48,13 @@ def fp8_quantize_rowwise(x: torch.Tensor) -> FP8Tensor:
 
 def _ref_fp8_linear(
     x: torch.Tensor, weight: FP8Tensor, bias: torch.Tensor | None, quantize_input: bool,
-    out_dtype: torch.dtype | None = None,
+    out_dtype: torch.dtype | None = None, xq: FP8Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    ran("reference")
+    ran("reference" + ("" if xq is None or not quantize_input else PRODUCED))
     x2 = flat(x)
     w = weight.data.float()
     if quantize_input:
-        xq = fp8_quantize_rowwise(x2)
+        xq = fp8_quantize_rowwise(x2) if xq is None else xq
         acc = (xq.data.float() @ w.t()) * xq.scale * weight.scale.reshape(1, -1)
     else:
         acc = (x2.float() @ w.t()) * weight.scale.reshape(1, -1)
@@ -70,7 +72,7 @@ def _fp8_fits(device: torch.device, k: int, n: int, quantize_input: bool = True,
 
 def _cuda_fp8_linear(
     x: torch.Tensor, weight: FP8Tensor, bias: torch.Tensor | None, quantize_input: bool,
-    out_dtype: torch.dtype | None = None,
+    out_dtype: torch.dtype | None = None, xq: FP8Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """W8A8 through cuBLASLt's row-wise scaled GEMM: activations of any float dtype quantized directly,
     BF16 out (what cuBLASLt writes for row-wise scales), cast to `out_dtype` when another is asked for;
@@ -91,9 +93,9 @@ def _cuda_fp8_linear(
         ran("cuda: BF16 GEMM of E4M3 weights (W8A16)")
         return finish(acc, x, out_dtype)
     if _fp8_fits(x.device, k, n) is not None or x2.shape[0] == 0 or weight.scale.numel() != n:
-        return _ref_fp8_linear(x, weight, bias, quantize_input, out_dtype)
-    y = _fp8_scaled_mm(fp8_quantize_rowwise(x2), weight, bias)
-    ran("cuda: cuBLASLt FP8 row-wise _scaled_mm")
+        return _ref_fp8_linear(x, weight, bias, quantize_input, out_dtype, xq)
+    y = _fp8_scaled_mm(fp8_quantize_rowwise(x2) if xq is None else xq, weight, bias)
+    ran("cuda: cuBLASLt FP8 row-wise _scaled_mm" + ("" if xq is None else PRODUCED))
     return finish(y, x, out_dtype)
 
 
@@ -116,46 +118,52 @@ register("fp8_linear", {"reference": _ref_fp8_linear, "cuda": _cuda_fp8_linear},
 @torch.library.custom_op("solrl::fp8_linear", mutates_args=())
 def _fp8_linear_op(
     x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, quantize_input: bool,
-    backend: str = "", out_dtype: torch.dtype | None = None, tag: str = "",
+    backend: str = "", out_dtype: torch.dtype | None = None, tag: str = "", x_codes: torch.Tensor | None = None,
+    x_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     w = FP8Tensor(data, scale, torch.float32)
+    xq = produced(x_codes, x_scale, FP8Tensor)
 
     def gemm() -> torch.Tensor:
         if backend:
-            return run("fp8_linear", backend, x, w, bias, quantize_input, out_dtype=out_dtype)
-        return call("fp8_linear", x.device, x, w, bias, quantize_input, out_dtype=out_dtype)
+            return run("fp8_linear", backend, x, w, bias, quantize_input, out_dtype=out_dtype, xq=xq)
+        return call("fp8_linear", x.device, x, w, bias, quantize_input, out_dtype=out_dtype, xq=xq)
 
     hint = WEIGHT_ONLY_HINT if not quantize_input else PASSED_OVER_HINT
     return run_recorded(tag, x, gemm, hint)
 
 
 @_fp8_linear_op.register_fake
-def _(x, data, scale, bias, quantize_input, backend="", out_dtype=None, tag=""):  # noqa: ANN001, ANN202
+def _(x, data, scale, bias, quantize_input, backend="", out_dtype=None, tag="", x_codes=None, x_scale=None):  # noqa: ANN001, ANN202
     return x.new_empty((*x.shape[:-1], data.shape[0]), dtype=out_dtype or x.dtype)
 
 
 def fp8_linear(
     x: torch.Tensor, weight: FP8Tensor, bias: torch.Tensor | None, quantize_input: bool, backend: str = "",
-    out_dtype: torch.dtype | None = None, tag: str = "",
+    out_dtype: torch.dtype | None = None, tag: str = "", xq: FP8Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """y = x W^T + b with W in FP8 (per output channel); x FP8 per token (W8A8) or as is (W8A16);
-    in `out_dtype` (default x's). `tag` (a layer's) records what ran (`dispatch.runs`); under
-    torch.compile a layer on `cuda` takes the traced form (`traced_fp8_linear`)."""
+    in `out_dtype` (default x's). `xq`: x's codes and scales made by its producer (W8A8; the GEMM then skips
+    the quantize). `tag` (a layer's) records what ran (`dispatch.runs`); under torch.compile a layer on `cuda`
+    takes the traced form (`traced_fp8_linear`)."""
     if quantize_input and traced(backend) and x.numel():
-        return traced_fp8_linear(x, weight, bias, out_dtype or x.dtype)
-    return _fp8_linear_op(x, weight.data, weight.scale, bias, quantize_input, backend, out_dtype, tag)
+        return traced_fp8_linear(x, weight, bias, out_dtype or x.dtype, xq)
+    codes, scales = (None, None) if xq is None or not quantize_input else (xq.data, xq.scale)
+    return _fp8_linear_op(x, weight.data, weight.scale, bias, quantize_input, backend, out_dtype, tag, codes, scales)
 
 
 # --- traced form (under torch.compile; see _gemm) ------------------------------------------------
 
 
 def traced_fp8_linear(
-    x: torch.Tensor, weight: FP8Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
+    x: torch.Tensor, weight: FP8Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype, xq: FP8Tensor | None = None
 ) -> torch.Tensor:
     """W8A8 FP8 as `_cuda_fp8_linear` computes it: the reference row-wise quantize (traceable, so fused
-    into x's producer), cuBLASLt's row-wise `torch._scaled_mm` with BF16 output, cast to `out_dtype`."""
+    into x's producer by inductor; none where the producer made the codes, `xq`), cuBLASLt's row-wise
+    `torch._scaled_mm` with BF16 output, cast to `out_dtype`."""
     with no_autocast(x):
-        return finish(_fp8_scaled_mm(fp8.quantize_rowwise(flat(x)), weight, bias), x, out_dtype)
+        xq = fp8.quantize_rowwise(flat(x)) if xq is None else produced(xq.data, xq.scale, FP8Tensor)
+        return finish(_fp8_scaled_mm(xq, weight, bias), x, out_dtype)
 
 
 KERNELS = FormatKernels("fp8", TensorCores("FP8", (8, 9), cpu_op=True, nominal_speedup=2.0), "fp8_linear")

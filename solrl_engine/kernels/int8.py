@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from solrl_engine.kernels._gemm import flat, no_autocast, run_recorded, traced
+from solrl_engine.kernels._gemm import PRODUCED, flat, no_autocast, produced, run_recorded, traced
 from solrl_engine.kernels.capability import FormatKernels, TensorCores, device_capability, tensor_cores
 from solrl_engine.kernels.dispatch import call, choose, ran, register, run, triton_module, unavailable_reason
 from solrl_engine.quant import int8
@@ -55,10 +55,11 @@ def int8_scale_epilogue(
 
 
 def _ref_int8_linear(
-    x: torch.Tensor, weight: Int8Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None
+    x: torch.Tensor, weight: Int8Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None,
+    xq: Int8Tensor | None = None,
 ) -> torch.Tensor:
-    ran("reference")
-    return int8.linear(x, weight, bias, out_dtype or x.dtype)
+    ran("reference" + ("" if xq is None else PRODUCED))
+    return int8.linear(x, weight, bias, out_dtype or x.dtype, xq)
 
 
 def _int8_fits(device: torch.device, k: int, n: int, **_: object) -> str | None:
@@ -77,17 +78,19 @@ def _tr_int8_requires(device: torch.device) -> str | None:
 
 
 def _tr_int8_linear(
-    x: torch.Tensor, weight: Int8Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None
+    x: torch.Tensor, weight: Int8Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None,
+    xq: Int8Tensor | None = None,
 ) -> torch.Tensor:
     """W8A8: the Triton row-wise quantize of x, then one Triton kernel for the INT8 tensor-core GEMM with the
     scales and bias applied in its epilogue, written once as out_dtype (no INT32 accumulator in memory)."""
     x2 = flat(x)
     n = weight.data.shape[0]
     if x2.shape[0] == 0:
-        return _ref_int8_linear(x, weight, bias, out_dtype)
-    xq = int8_quantize_rowwise(x2)
+        return _ref_int8_linear(x, weight, bias, out_dtype, xq)
+    given = xq is not None
+    xq = int8_quantize_rowwise(x2) if xq is None else xq
     y = triton_module("int8").gemm(xq.data, xq.scale, weight.data, weight.scale, bias, out_dtype or x.dtype)
-    ran("triton: INT8 tensor-core GEMM, scales and bias in its epilogue")
+    ran("triton: INT8 tensor-core GEMM, scales and bias in its epilogue" + (PRODUCED if given else ""))
     return y.reshape(*x.shape[:-1], n)
 
 
@@ -103,18 +106,20 @@ def _int_mm_rows(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def _cuda_int8_linear(
-    x: torch.Tensor, weight: Int8Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None
+    x: torch.Tensor, weight: Int8Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None,
+    xq: Int8Tensor | None = None,
 ) -> torch.Tensor:
     """W8A8: the row-wise quantize of x (any float dtype), the INT32 GEMM `torch._int_mm` (cuBLASLt
     IMMA on a GPU, oneDNN on a CPU), then the scales and bias in one epilogue pass."""
     x2 = flat(x)
     n, k = weight.data.shape
     if _int8_fits(x.device, k, n) is not None or x2.shape[0] == 0:
-        return _ref_int8_linear(x, weight, bias, out_dtype)
-    xq = int8_quantize_rowwise(x2)
+        return _ref_int8_linear(x, weight, bias, out_dtype, xq)
+    given = xq is not None
+    xq = int8_quantize_rowwise(x2) if xq is None else xq
     acc = _int_mm_rows(xq.data, weight.data)
     y = int8_scale_epilogue(acc, xq.scale, weight.scale, bias, out_dtype or x.dtype)
-    ran("cuda: torch._int_mm INT8 GEMM + scale epilogue")
+    ran("cuda: torch._int_mm INT8 GEMM + scale epilogue" + (PRODUCED if given else ""))
     return y.reshape(*x.shape[:-1], n)
 
 
@@ -153,48 +158,57 @@ def _(a, x_scale, w, w_scale, bias, out_dtype):  # noqa: ANN001, ANN202
 @torch.library.custom_op("solrl::int8_linear", mutates_args=())
 def _int8_linear_op(
     x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, backend: str = "",
-    out_dtype: torch.dtype | None = None, tag: str = "",
+    out_dtype: torch.dtype | None = None, tag: str = "", x_codes: torch.Tensor | None = None,
+    x_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     w = Int8Tensor(data, scale, torch.float32)
+    xq = produced(x_codes, x_scale, Int8Tensor)
 
     def gemm() -> torch.Tensor:
         if backend:
-            return run("int8_linear", backend, x, w, bias, out_dtype=out_dtype)
-        return call("int8_linear", x.device, x, w, bias, out_dtype=out_dtype)
+            return run("int8_linear", backend, x, w, bias, out_dtype=out_dtype, xq=xq)
+        return call("int8_linear", x.device, x, w, bias, out_dtype=out_dtype, xq=xq)
 
     return run_recorded(tag, x, gemm, "INT8 GEMMs need sm_80+ and K, N multiples of 8 (see QuantReport's GEMM line)")
 
 
 @_int8_linear_op.register_fake
-def _(x, data, scale, bias, backend="", out_dtype=None, tag=""):  # noqa: ANN001, ANN202
+def _(x, data, scale, bias, backend="", out_dtype=None, tag="", x_codes=None, x_scale=None):  # noqa: ANN001, ANN202
     return x.new_empty((*x.shape[:-1], data.shape[0]), dtype=out_dtype or x.dtype)
 
 
 def int8_linear(
     x: torch.Tensor, weight: Int8Tensor, bias: torch.Tensor | None, backend: str = "",
-    out_dtype: torch.dtype | None = None, tag: str = "",
+    out_dtype: torch.dtype | None = None, tag: str = "", xq: Int8Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """y = x W^T + b, W8A8: W INT8 per output channel, x INT8 per token (symmetric, solrl_engine.quant.int8);
-    in `out_dtype` (default x's). `tag` (a layer's) records what ran (`dispatch.runs`); under
-    torch.compile a layer on `cuda` takes the traced form (`traced_int8_linear`)."""
+    in `out_dtype` (default x's). `xq`: x's codes and scales made by its producer (the GEMM then skips the
+    quantize). `tag` (a layer's) records what ran (`dispatch.runs`); under torch.compile a layer on `cuda` takes
+    the traced form (`traced_int8_linear`)."""
     if traced(backend, ("cuda", "triton")) and x.numel():
-        return traced_int8_linear(x, weight, bias, out_dtype or x.dtype, backend)
-    return _int8_linear_op(x, weight.data, weight.scale, bias, backend, out_dtype, tag)
+        return traced_int8_linear(x, weight, bias, out_dtype or x.dtype, backend, xq)
+    codes, scales = (None, None) if xq is None else (xq.data, xq.scale)
+    return _int8_linear_op(x, weight.data, weight.scale, bias, backend, out_dtype, tag, codes, scales)
 
 
 # --- traced form (under torch.compile; see _gemm) ------------------------------------------------
 
 
 def traced_int8_linear(
-    x: torch.Tensor, weight: Int8Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype, backend: str = "cuda"
+    x: torch.Tensor, weight: Int8Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype, backend: str = "cuda",
+    xq: Int8Tensor | None = None,
 ) -> torch.Tensor:
     """W8A8 INT8 as the layer's implementation computes it: the reference row-wise quantize (fused into x's
-    producer), then on `cuda` `torch._int_mm` (rows padded to 17 on CUDA) and the reference epilogue (fused after
-    it), on `triton` the Triton GEMM with its epilogue (one opaque op)."""
+    producer by inductor; none where the producer made the codes, `xq`), then on `cuda` `torch._int_mm` (rows
+    padded to 17 on CUDA) and the reference epilogue (fused after it), on `triton` the Triton GEMM with its
+    epilogue (one opaque op)."""
     x2 = flat(x)
     with no_autocast(x):
-        s = int8.row_scales(x2)
-        q = int8.encode(x2, s)
+        if xq is None:
+            s = int8.row_scales(x2)
+            q = int8.encode(x2, s)
+        else:
+            q, s = flat(xq.data), xq.scale.reshape(-1, 1)
         if backend == "triton":
             y = _int8_gemm_op(q, s, weight.data, weight.scale, bias, out_dtype)
         else:

@@ -53,6 +53,8 @@ class ModelSpec:
     repeated_blocks: the transformer's repeated block classes: the compiled sampler compiles each
         once and reuses it for every instance (regional compilation; diffusers declares this for
         FLUX only, as `_repeated_blocks`).
+    producers: the explore copy's producers that emit their output's 8-bit codes (nn.producers): a module-name
+        pattern -> the linears its output feeds, named from its parent (a block's norm1 -> attn.to_q, ...).
     """
 
     name: str
@@ -68,6 +70,7 @@ class ModelSpec:
     guidance: str = "cfg"
     guidance_scale: float = 1.0
     repeated_blocks: tuple[str, ...] = ()
+    producers: dict[str, tuple[str, ...]] = field(default_factory=dict)
     video: bool = False  # decode gives videos [B, F, 3, H, W]; the config's `frames` and `width` apply
     # published parameter counts (billions) of the default weights' text encoders and VAE: the memory plan's
     # (rl/memplan.py) and bench/memory.py's, where nothing is loaded

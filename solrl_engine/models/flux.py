@@ -93,6 +93,12 @@ SPEC = ModelSpec(
     guidance="embedded",
     guidance_scale=3.5,
     repeated_blocks=("FluxTransformerBlock", "FluxSingleTransformerBlock"),
+    # adaLN-Zero norms whose output only the attention projections (and a single block's MLP) read
+    producers={
+        "transformer_blocks.*.norm1": ("attn.to_q", "attn.to_k", "attn.to_v"),
+        "transformer_blocks.*.norm1_context": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
+        "single_transformer_blocks.*.norm": ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"),
+    },
     text_encoder_params_b={"CLIP-L": 0.123, "T5-XXL encoder": 4.76},  # published
     vae_params_b=0.084,
 )

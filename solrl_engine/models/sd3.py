@@ -81,6 +81,12 @@ SPEC = ModelSpec(
     guidance="cfg",
     guidance_scale=1.0,
     repeated_blocks=SD3_BLOCKS,
+    # adaLN norms whose output only the joint attention's projections read (SD3.5-M's dual-attention norm1 is
+    # another class: left as it is, said in the report)
+    producers={
+        "transformer_blocks.*.norm1": ("attn.to_q", "attn.to_k", "attn.to_v"),
+        "transformer_blocks.*.norm1_context": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
+    },
     text_encoder_params_b={"CLIP-L": 0.124, "CLIP-G": 0.695, "T5-XXL encoder": 4.76},  # published
     vae_params_b=0.084,
 )

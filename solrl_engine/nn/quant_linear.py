@@ -14,6 +14,7 @@ input cast to the autocast dtype. Each call records what actually ran (`kernel_t
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import torch
 from torch import nn
@@ -36,6 +37,42 @@ def io_dtypes(x: torch.Tensor) -> tuple[torch.dtype, torch.dtype]:
         d = torch.get_autocast_dtype(dev)
         return d, d
     return x.dtype, x.dtype
+
+
+class Prequantized(torch.Tensor):
+    """A producer's output y with its row-wise codes in format `fmt`: every op sees y (`value`); a QuantLinear of
+    `fmt` that quantizes its input takes `codes` and `scale` ([..., K] and [..., 1]) instead. A traceable wrapper
+    subclass, so torch.compile keeps it in one graph."""
+
+    value: torch.Tensor
+    codes: torch.Tensor
+    scale: torch.Tensor
+    fmt: str
+
+    @staticmethod
+    def __new__(cls, value: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, fmt: str) -> Prequantized:
+        return torch.Tensor._make_wrapper_subclass(cls, value.shape, strides=value.stride(), dtype=value.dtype,
+                                                   device=value.device, requires_grad=False)  # fmt: skip
+
+    def __init__(self, value: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, fmt: str) -> None:
+        self.value, self.codes, self.scale, self.fmt = value, codes, scale, fmt
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"Prequantized({self.fmt}, {self.value!r})"
+
+    def __tensor_flatten__(self) -> tuple[list[str], tuple[str]]:
+        return ["value", "codes", "scale"], (self.fmt,)
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict[str, torch.Tensor], meta: tuple[str], size: Any, stride: Any) -> Prequantized:
+        return Prequantized(inner["value"], inner["codes"], inner["scale"], meta[0])
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        plain = torch.utils._pytree.tree_map_only(Prequantized, lambda t: t.value, (args, kwargs or {}))
+        return func(*plain[0], **plain[1])
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
 
 class QuantLinear(nn.Module):
@@ -147,6 +184,11 @@ class QuantLinear(nn.Module):
         return choice
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if type(x) is Prequantized:  # x's producer made its row-wise codes (nn.producers): take them if they are ours
+            if x.fmt == self.recipe.format and self.recipe.quantize_activations:
+                xq = self.handler.produced(x.codes, x.scale)
+                return self.handler.linear(self, x.value, self.choose_kernel(x.device)[0], io_dtypes(x.value)[1], xq)
+            x = x.value
         compute, out = io_dtypes(x)
         if not self.recipe.quantize_activations:  # the GEMM reads the activations as autocast hands them to nn.Linear
             x = x.to(compute)

@@ -34,6 +34,9 @@ class Numerics:
     stored_bytes: (in_features, out_features) -> bytes of a weight stored in this format, scales included.
     attention: the emulated rounding of attention's q, k and v for `explore_attention=<name>` ((q, k, v), each
         [..., tokens, head_dim] -> the three as attention then uses them), None where the format has none.
+    rowwise: the per-row quantize of this format's activations (x [..., K] -> codes and [..., 1] scales, as its
+        linears quantize their input), None where its linears take no row-wise codes: what a producer emits
+        for them (quant.producers).
     """
 
     name: str
@@ -46,6 +49,7 @@ class Numerics:
     options: tuple[str, ...] = ()
     recipes: dict[str, dict[str, Any]] = field(default_factory=dict)
     attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]] | None = None
+    rowwise: Callable[[torch.Tensor], Any] | None = None
 
     @property
     def recipe_names(self) -> tuple[str, ...]:
@@ -95,6 +99,11 @@ def numerics(name: str) -> Numerics:
 def format_names() -> tuple[str, ...]:
     """The formats' names, fewest bits first ("nvfp4", "fp8", "int8", "bf16")."""
     return tuple(_numerics())
+
+
+def rowwise_formats() -> tuple[str, ...]:
+    """The formats whose linears take row-wise activation codes a producer can emit (`Numerics.rowwise`)."""
+    return tuple(n for n, f in _numerics().items() if f.rowwise is not None)
 
 
 def attention_formats() -> tuple[str, ...]:

@@ -90,5 +90,5 @@ def attention_rounding(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tup
 
 NUMERICS = Numerics(
     "fp8", "FP8 E4M3", 8, lambda k, n: k * n + 4 * n,  # codes and one FP32 scale per output channel
-    attention=attention_rounding,
+    attention=attention_rounding, rowwise=quantize_rowwise,
 )

@@ -73,12 +73,14 @@ def scale_epilogue(
 
 
 def linear(
-    x: torch.Tensor, weight: Int8Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None
+    x: torch.Tensor, weight: Int8Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype | None = None,
+    xq: Int8Tensor | None = None,
 ) -> torch.Tensor:
     """y = x W^T + b with x and W row-wise INT8: the exact integer GEMM (in float64, exact for any K
-    below 2^39), then the epilogue. The oracle the `_int_mm` path is tested against."""
+    below 2^39), then the epilogue. The oracle the `_int_mm` path is tested against. `xq`: x's row-wise
+    codes made already (by x's producer), [M, K] rows and [M, 1] scales."""
     x2 = x.reshape(-1, x.shape[-1])
-    xq = quantize_rowwise(x2)
+    xq = quantize_rowwise(x2) if xq is None else xq
     acc = xq.data.double() @ weight.data.double().t()
     y = scale_epilogue(acc, xq.scale, weight.scale, bias, out_dtype or x.dtype)
     return y.reshape(*x.shape[:-1], y.shape[-1])
@@ -139,4 +141,5 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
 
 
 # W8A8 only: a weight-only INT8 buys nothing over fp8_weight_only's exact-in-BF16 weights
-NUMERICS = Numerics("int8", "INT8", 8, lambda k, n: k * n + 4 * n, weight_only=False, attention=attention_rounding)
+NUMERICS = Numerics("int8", "INT8", 8, lambda k, n: k * n + 4 * n, weight_only=False, attention=attention_rounding,
+                    rowwise=quantize_rowwise)

@@ -533,7 +533,9 @@ class Trainer:
             write_atomic(metrics_path, "")
             write_atomic(self.out / "config.json", json.dumps(dataclasses.asdict(c), indent=2))
         if main and self.explore is not None:  # why each layer of the explore copy was or was not quantized
-            write_atomic(self.out / "quantization.txt", str(self.explore.report) + "\n")
+            fused = self.explore.producers.summary() if self.explore.producers is not None else ""
+            text = str(self.explore.report) + (f"\n{fused}" if fused else "")
+            write_atomic(self.out / "quantization.txt", text + "\n")
         self.dist.barrier()
         self.tracker = Tracker(self.out, c.log_with if main else (), c.name, dataclasses.asdict(c),
                                purge_step=self.iteration + 1 if ck is not None else None)  # fmt: skip

@@ -49,6 +49,9 @@ _KINDS: dict[Any, str] = {
 }
 # our GEMM-only custom ops: the quantize before them is traced (plain torch ops), the GEMM and its epilogue are one op
 _TRACED_OPS = {"solrl.int8_gemm": "int8_gemm (INT8 Triton GEMM, quantize traced)"}
+# a producer that emits its output's codes (nn.producers): not a GEMM, but where the GEMMs' quantize went
+PRODUCER = "adaln_quantize (producer: norm, modulation and 8-bit codes in one op)"
+_OTHER_OPS = {"solrl.adaln_quantize": PRODUCER}
 TRACED_KINDS = ("scaled_mm (FP8/FP4, quantize traced)", "int_mm (INT8, quantize traced)", *_TRACED_OPS.values())
 OPAQUE = "opaque quantized op (quantize not fused)"
 
@@ -57,7 +60,8 @@ def _kind(target: Any) -> str | None:
     """A node target's GEMM kind; our custom ops (torch.ops.solrl.*) print as "solrl.<op>[.overload]"."""
     name = str(target)
     if name.startswith("solrl."):
-        return _TRACED_OPS.get(name.rsplit(".", 1)[0] if name.count(".") > 1 else name, OPAQUE)
+        op = name.rsplit(".", 1)[0] if name.count(".") > 1 else name
+        return _TRACED_OPS.get(op) or _OTHER_OPS.get(op, OPAQUE)
     return _KINDS.get(target)
 
 

@@ -36,9 +36,11 @@ class LinearFormat:
         """The stored weight decoded to FP32, in the layer's own basis."""
         raise NotImplementedError
 
-    def linear(self, layer: nn.Module, x: torch.Tensor, backend: str, out: torch.dtype) -> torch.Tensor:
+    def linear(self, layer: nn.Module, x: torch.Tensor, backend: str, out: torch.dtype, xq: Any = None
+               ) -> torch.Tensor:  # fmt: skip
         """y = x W^T + b through `backend` (the layer's choice), as `out`. `x` arrives in its own dtype when the
-        recipe quantizes activations, else already cast to the compute dtype."""
+        recipe quantizes activations, else already cast to the compute dtype. `xq`: x's row-wise codes made by its
+        producer (nn.producers; only for a format with a row-wise activation quantize), None otherwise."""
         raise NotImplementedError
 
 
@@ -53,6 +55,10 @@ class RowScaledLinear(LinearFormat):
 
     def quantize_rowwise(self, w: torch.Tensor) -> Any:
         raise NotImplementedError
+
+    def produced(self, codes: torch.Tensor, scale: torch.Tensor) -> Any:
+        """A producer's codes and scales of a layer's input as this format's tensor (what its GEMM takes)."""
+        return self.tensor_cls(codes, scale, torch.float32)
 
     def buffers(self, layer: nn.Module, device: torch.device | str | None) -> None:
         o, i = layer.out_features, layer.in_features

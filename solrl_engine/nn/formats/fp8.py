@@ -17,9 +17,10 @@ class FP8Linear(RowScaledLinear):
     def quantize_rowwise(self, w: torch.Tensor) -> FP8Tensor:
         return kernels.fp8_quantize_rowwise(w)
 
-    def linear(self, layer: nn.Module, x: torch.Tensor, backend: str, out: torch.dtype) -> torch.Tensor:
+    def linear(self, layer: nn.Module, x: torch.Tensor, backend: str, out: torch.dtype, xq: FP8Tensor | None = None
+               ) -> torch.Tensor:  # fmt: skip
         act = layer.recipe.quantize_activations
-        return kernels.fp8_linear(x, self.stored(layer), layer.bias, act, backend, out, layer.kernel_tag)
+        return kernels.fp8_linear(x, self.stored(layer), layer.bias, act, backend, out, layer.kernel_tag, xq)
 
 
 HANDLER = FP8Linear()

@@ -17,8 +17,9 @@ class Int8Linear(RowScaledLinear):
     def quantize_rowwise(self, w: torch.Tensor) -> Int8Tensor:
         return kernels.int8_quantize_rowwise(w)
 
-    def linear(self, layer: nn.Module, x: torch.Tensor, backend: str, out: torch.dtype) -> torch.Tensor:
-        return kernels.int8_linear(x, self.stored(layer), layer.bias, backend, out, layer.kernel_tag)
+    def linear(self, layer: nn.Module, x: torch.Tensor, backend: str, out: torch.dtype, xq: Int8Tensor | None = None
+               ) -> torch.Tensor:  # fmt: skip
+        return kernels.int8_linear(x, self.stored(layer), layer.bias, backend, out, layer.kernel_tag, xq)
 
 
 HANDLER = Int8Linear()

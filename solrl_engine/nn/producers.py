@@ -1,0 +1,151 @@
+"""The quantize where its input is made: an explore copy's adaLN-Zero producers emit their output's 8-bit codes.
+
+Why: in an adaLN-Zero block the norm's output y = layer_norm(x) * (1 + scale) + shift feeds three or four linears
+(to_q, to_k, to_v, and a FLUX single block's proj_mlp), and each quantizes y per row again: one producer pass and
+three or four quantize passes over the same rows. A fused producer computes y and its row-wise codes in one pass
+(kernels.producers: one Triton kernel on a GPU) and hands them on as `Prequantized`, a tensor that is y to every
+op and carries the codes; a QuantLinear of that format takes the codes instead of quantizing. Which modules
+produce for which linears is model knowledge (ModelSpec.producers); how each producer class is fused is here.
+
+The fused forward is the module's own (diffusers' AdaLayerNormZero, AdaLayerNormZeroSingle, AdaLayerNormContinuous;
+names and state dicts unchanged: the class is swapped for a subclass), with the norm and modulation handed to the op;
+on the reference backend (a CPU) its y and codes equal the stock module's and the linear's own quantize bit for bit.
+It keeps the stock path where autograd records or the input is not [B, T, K].
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from solrl_engine import kernels  # noqa: F401 - registers solrl::adaln_quantize
+from solrl_engine.nn.quant_linear import Prequantized, QuantLinear
+from solrl_engine.quant.formats import rowwise_formats
+
+# where autocast runs layer_norm in FP32 (CUDA's autocast lists it; CPU's keeps the input's dtype: a BF16 norm, then
+# the modulation's BF16 ops), so the fused op computes what the stock module computes there
+FP32_NORM_UNDER_AUTOCAST = ("cuda",)
+
+
+def _matches(name: str, pattern: str) -> bool:
+    """fnmatch per dotted segment: `blocks.*.norm` names a block's norm, not the LayerNorm inside it."""
+    a, b = name.split("."), pattern.split(".")
+    return len(a) == len(b) and all(fnmatch.fnmatchcase(x, y) for x, y in zip(a, b, strict=True))
+
+
+def produce(module: nn.Module, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """module.norm(x) * (1 + scale[:, None]) + shift[:, None], with its row-wise codes when the module is fused
+    (`fuse_producers`) and the call is one the op takes; else exactly the stock expression."""
+    fmt = module.__dict__.get("_solrl_fmt")
+    one_plus = 1 + scale
+    grad = torch.is_grad_enabled() and (x.requires_grad or scale.requires_grad or shift.requires_grad)
+    if fmt is None or grad or x.dim() != 3 or scale.dim() != 2:
+        return module.norm(x) * one_plus[:, None] + shift[:, None]
+    dev = x.device.type
+    fp32 = dev in FP32_NORM_UNDER_AUTOCAST and torch.is_autocast_enabled(dev)
+    y, codes, s = torch.ops.solrl.adaln_quantize(x, one_plus, shift, module.norm.eps, fmt, fp32,
+                                                 module.__dict__["_solrl_tag"])  # fmt: skip
+    return Prequantized(y, codes, s, fmt)
+
+
+def _ada_zero_forward(self: nn.Module, x: torch.Tensor, timestep: Any = None, class_labels: Any = None,
+                      hidden_dtype: Any = None, emb: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """diffusers' AdaLayerNormZero.forward with its norm and modulation through `produce`."""
+    if self.emb is not None:
+        emb = self.emb(timestep, class_labels, hidden_dtype=hidden_dtype)
+    emb = self.linear(self.silu(emb))
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = emb.chunk(6, dim=1)
+    return produce(self, x, scale_msa, shift_msa), gate_msa, shift_mlp, scale_mlp, gate_mlp
+
+
+def _ada_zero_single_forward(self: nn.Module, x: torch.Tensor, emb: torch.Tensor | None = None
+                             ) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """diffusers' AdaLayerNormZeroSingle.forward with its norm and modulation through `produce`."""
+    emb = self.linear(self.silu(emb))
+    shift_msa, scale_msa, gate_msa = emb.chunk(3, dim=1)
+    return produce(self, x, scale_msa, shift_msa), gate_msa
+
+
+def _ada_continuous_forward(self: nn.Module, x: torch.Tensor, conditioning_embedding: torch.Tensor) -> torch.Tensor:
+    """diffusers' AdaLayerNormContinuous.forward with its norm and modulation through `produce`."""
+    emb = self.linear(self.silu(conditioning_embedding).to(x.dtype))
+    scale, shift = torch.chunk(emb, 2, dim=1)
+    return produce(self, x, scale, shift)
+
+
+@functools.cache
+def _fusable() -> dict[type, type]:
+    """Producer class -> its fused subclass (diffusers is imported on first use: nn/ itself does not need it)."""
+    from diffusers.models.normalization import AdaLayerNormContinuous, AdaLayerNormZero, AdaLayerNormZeroSingle
+
+    forwards = {AdaLayerNormZero: _ada_zero_forward, AdaLayerNormZeroSingle: _ada_zero_single_forward,
+                AdaLayerNormContinuous: _ada_continuous_forward}  # fmt: skip
+    return {cls: type(f"Fused{cls.__name__}", (cls,), {"forward": fwd, "__module__": __name__})
+            for cls, fwd in forwards.items()}  # fmt: skip
+
+
+def _why_not(module: nn.Module) -> str | None:
+    """None when `module` can be fused, else why not."""
+    if type(module) not in _fusable():
+        names = ", ".join(c.__name__ for c in _fusable())
+        return f"{type(module).__name__} is not a producer class this engine fuses ({names})"
+    norm = getattr(module, "norm", None)
+    if type(norm) is not nn.LayerNorm or norm.elementwise_affine:
+        return f"its norm is {type(norm).__name__} (an affine one, or another class), not a plain LayerNorm"
+    return None
+
+
+@dataclass
+class FusedProducers:
+    """What `fuse_producers` did: producer name -> its consumers that take its codes; producer name -> why it was
+    left as it is."""
+
+    fmt: str
+    fused: dict[str, list[str]] = field(default_factory=dict)
+    left: dict[str, str] = field(default_factory=dict)
+
+    def summary(self) -> str:
+        if not self.fused and not self.left:
+            return ""
+        consumers = sum(len(v) for v in self.fused.values())
+        line = (f"{len(self.fused)} producer(s) emit {self.fmt} codes for {consumers} linear(s) (the norm, modulation "
+                f"and quantize in one pass)")  # fmt: skip
+        reasons: dict[str, int] = {}
+        for why in self.left.values():
+            reasons[why] = reasons.get(why, 0) + 1
+        return "\n".join([line, *(f"  {n} producer(s) not fused: {why}" for why, n in reasons.items())])
+
+
+def fuse_producers(model: nn.Module, producers: Mapping[str, tuple[str, ...]]) -> FusedProducers:
+    """Fuse each module whose name matches a pattern of `producers` (fnmatch pattern -> the linears it feeds, named
+    from the producer's parent module) where at least one of those linears is a QuantLinear that quantizes its input
+    in a row-wise format: its output then carries that format's codes. In place; module names and state dicts are
+    unchanged. Returns what was fused and what was left, with why."""
+    quant = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    formats = {m.recipe.format for m in quant.values() if m.recipe.quantize_activations} & set(rowwise_formats())
+    out = FusedProducers(next(iter(formats)) if len(formats) == 1 else "")
+    if len(formats) != 1:
+        return out  # no row-wise quantized linear (or a copy mixing formats): nothing takes codes
+    for name, module in model.named_modules():
+        pattern = next((p for p in producers if _matches(name, p)), None)
+        if pattern is None:
+            continue
+        parent = name.rpartition(".")[0]
+        takers = [c for c in producers[pattern] if (m := quant.get(f"{parent}.{c}" if parent else c)) is not None
+                  and m.recipe.quantize_activations and m.recipe.format == out.fmt]  # fmt: skip
+        why = _why_not(module) or (None if takers else "none of the linears it feeds is quantized with row-wise codes")
+        if why:
+            out.left[name] = why
+            continue
+        module.__class__ = _fusable()[type(module)]
+        module.__dict__["_solrl_fmt"] = out.fmt
+        module.__dict__["_solrl_tag"] = f"{name} (producer)"
+        out.fused[name] = takers
+    return out

@@ -1,0 +1,41 @@
+"""The quantize where its input is made, reference numerics: an adaLN-Zero producer's output and its row-wise codes.
+
+diffusers' AdaLayerNormZero and AdaLayerNormZeroSingle compute y = layer_norm(x) * (1 + scale) + shift, and the
+linears they feed each quantize y per row. A producer that emits the codes with y saves those passes (the Triton
+kernel does it in one pass over each row: solrl_triton.producers). This is what it computes, as the stock module
+does it: the norm in FP32 under autocast (layer_norm is on autocast's FP32 list) or else in x's dtype, times
+(1 + scale) and plus shift in PyTorch's type promotion, then the format's row-wise quantize of y.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from solrl_engine.quant.formats import numerics
+
+
+def adaln_dtype(x_dtype: torch.dtype, modulation_dtype: torch.dtype, fp32_norm: bool) -> torch.dtype:
+    """The dtype of layer_norm(x) * (1 + scale) + shift: the norm's (FP32 under autocast) promoted with the
+    modulation's."""
+    return torch.promote_types(torch.float32 if fp32_norm else x_dtype, modulation_dtype)
+
+
+def adaln(x: torch.Tensor, one_plus_scale: torch.Tensor, shift: torch.Tensor, eps: float, fp32_norm: bool
+          ) -> torch.Tensor:  # fmt: skip
+    """layer_norm(x) * one_plus_scale[:, None] + shift[:, None] for x [B, T, K] and a modulation [B, K]: the
+    module's own ops (`fp32_norm`: the norm computed in FP32, as autocast runs it)."""
+    n = F.layer_norm(x.float() if fp32_norm else x, x.shape[-1:], eps=eps)
+    return n * one_plus_scale[:, None] + shift[:, None]
+
+
+def adaln_quantize(
+    x: torch.Tensor, one_plus_scale: torch.Tensor, shift: torch.Tensor, eps: float, fmt: str, fp32_norm: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, codes, scales): `adaln`'s y and `fmt`'s row-wise quantize of it (quant/<fmt>.py's Numerics.rowwise)."""
+    quantize = numerics(fmt).rowwise
+    if quantize is None:
+        raise ValueError(f"format {fmt!r} has no row-wise activation quantize for a producer to emit")
+    y = adaln(x, one_plus_scale, shift, eps, fp32_norm)
+    q = quantize(y)
+    return y, q.data, q.scale

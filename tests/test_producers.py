@@ -1,0 +1,198 @@
+"""The quantize where its input is made: adaLN producers that emit their output's 8-bit codes (nn.producers).
+
+Three layers: the Triton kernel (norm, modulation and row-wise codes in one pass) against the reference on fresh
+data of several shapes and kinds; the `Prequantized` hand-over (every op sees y, a QuantLinear of the format takes
+the codes); the explore copies of the real FLUX.1 and SD3 classes, fused as ModelSpec.producers says, against the
+same copies unfused (bit for bit on the reference backend), with the quantize passes they skip counted and what
+ran recorded at a simulated GPU.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from families import families
+from tiny_pipelines import SIZES, build_flux, build_sd3
+
+from solrl_engine import kernels
+from solrl_engine.explore.copy import ExploreCopy
+from solrl_engine.explore.plan import ExploreSpec
+from solrl_engine.kernels import dispatch
+from solrl_engine.models import load_model, model_spec
+from solrl_engine.nn import QuantLinear
+from solrl_engine.nn.producers import fuse_producers
+from solrl_engine.nn.quant_linear import Prequantized
+from solrl_engine.quant import int8 as int8_numerics
+from solrl_engine.quant import producers
+from solrl_engine.quant.formats import numerics
+
+SHAPES = [(1, 3, 16), (2, 7, 48), (2, 5, 96), (1, 33, 1040)]  # [B, T, K]; K not a power of two included
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaN == NaN of the same pattern)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    view = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[a.element_size()]
+    return torch.equal(a.view(view), b.view(view))
+
+
+def _modulation(b: int, k: int, seed: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    scale = (torch.randn(b, k, generator=g) * 0.5).to(dtype)
+    return 1 + scale, (torch.randn(b, k, generator=g) * 0.3).to(dtype)
+
+
+@pytest.mark.usefixtures("triton_backend")
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernels_codes_are_the_formats_rowwise_codes_of_its_output(shape, fmt, dtype, device):
+    """The Triton kernel's y agrees with the stock module's ops (FP32: to FP32 rounding, its norm's sums are ordered
+    otherwise; BF16 outside autocast: every step rounded to BF16 as PyTorch's ops round it) and its codes and
+    scales are the format's row-wise quantize of that y, bit for bit (quant/<fmt>.py's contract), on every input
+    family: Gaussian, outlier channels, decades, zero rows, ties, tiny, NaN/Inf."""
+    b, t, k = shape
+    onep, shift = _modulation(b, k, 3, dtype)
+    for kind, x in families(shape, seed=21):
+        x = x.to(dtype)
+        want = producers.adaln(x, onep, shift, 1e-6, fp32_norm=False)
+        y, codes, scale = torch.ops.solrl.adaln_quantize(x.to(device), onep.to(device), shift.to(device), 1e-6, fmt,
+                                                         False, "kernel test")  # fmt: skip
+        assert dispatch.runs()["kernel test"].impl.startswith("triton"), dispatch.runs()["kernel test"]
+        y, codes, scale = y.cpu(), codes.cpu(), scale.cpu()
+        assert y.dtype == want.dtype == dtype
+        tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2**-7, "atol": 2**-7}
+        torch.testing.assert_close(y, want, equal_nan=True, **tol, msg=lambda m, kind=kind: f"{kind}: {m}")
+        if dtype == torch.bfloat16:  # a last-bit difference of the norm's sums may flip a BF16 rounding, rarely
+            differ = (y.view(torch.int16) != want.view(torch.int16)) & ~torch.isnan(want)  # NaNs: any pattern
+            assert differ.float().mean() < 0.02, kind
+        q = numerics(fmt).rowwise(y)
+        assert _same(codes, q.data) and _same(scale, q.scale), kind
+        if kind == "nonfinite":  # a non-finite x makes its row's y NaN: the codes say so, never a finite number
+            bad = ~torch.isfinite(x).all(-1)
+            assert torch.isnan(y[bad]).all()
+            assert (torch.isnan(scale[bad]).all() if fmt == "int8" else (codes[bad].view(torch.uint8) == 0x7F).all())
+
+
+def test_the_op_chooses_and_records_where_it_ran(monkeypatch):
+    """On a CPU the reference runs; on a (simulated) GPU the Triton kernel for rows that fit, the reference with the
+    reason otherwise; the record names it; a format without row-wise codes is refused, naming those with them."""
+    monkeypatch.delenv("SOLRL_BACKEND", raising=False)
+    x = torch.randn(1, 4, 64, dtype=torch.bfloat16)
+    onep, shift = _modulation(1, 64, 0, torch.bfloat16)
+    torch.ops.solrl.adaln_quantize(x, onep, shift, 1e-6, "fp8", False, "op test")
+    assert dispatch.runs()["op test"].impl == "reference"
+    monkeypatch.setenv("SOLRL_SIMULATE_SM", "90")
+    torch.ops.solrl.adaln_quantize(x, onep, shift, 1e-6, "int8", False, "op test")
+    assert dispatch.runs()["op test"].impl.startswith("triton: layer norm, modulation")
+    b, why = kernels.choose("adaln_quantize", "cpu", k=20000, x_dtype=torch.bfloat16,
+                            modulation_dtype=torch.bfloat16, fp32_norm=False, fmt="fp8")  # fmt: skip
+    assert b == "reference" and "at most 16384" in why
+    with pytest.raises(ValueError, match=r"row-wise codes of \('fp8', 'int8'\)"):
+        torch.ops.solrl.adaln_quantize(x, onep, shift, 1e-6, "nvfp4", False, "")
+
+
+def test_a_prequantized_tensor_is_its_value_to_every_op_and_its_codes_to_a_linear_of_its_format():
+    y = torch.randn(2, 3, 32)
+    q = numerics("fp8").rowwise(y)
+    p = Prequantized(y, q.data, q.scale, "fp8")
+    out = p * 2 + 1
+    assert type(out) is torch.Tensor and torch.equal(out, y * 2 + 1)
+    lin = torch.nn.Linear(32, 48)
+    for fmt in ("fp8", "int8", "nvfp4"):
+        ql = QuantLinear.from_linear(lin, fmt)
+        got = ql(p)
+        assert dispatch.runs()[ql.kernel_tag].impl.endswith("(input codes from its producer)") == (fmt == "fp8")
+        assert torch.equal(got, ql(y)), fmt  # the same codes (fp8), or its own quantize of the value (the others)
+
+
+@pytest.fixture(scope="module")
+def pipes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("producers")
+    return {"flux": build_flux(root / "flux"), "sd3": build_sd3(root / "sd3")}
+
+
+def _count_quantizes(monkeypatch: pytest.MonkeyPatch, fmt: str) -> list[int]:
+    """Count the activation quantizes the linears run themselves: the GEMMs call kernels.<fmt>_quantize_rowwise (the
+    INT8 reference, quant.int8.linear, calls quant.int8's own)."""
+    calls = [0]
+    targets = [(getattr(kernels, fmt), f"{fmt}_quantize_rowwise")] + ([(int8_numerics, "quantize_rowwise")]
+                                                                      if fmt == "int8" else [])  # fmt: skip
+    def counting(real):  # noqa: ANN001, ANN202
+        def counted(x: torch.Tensor):  # noqa: ANN202
+            calls[0] += 1
+            return real(x)
+
+        return counted
+
+    for mod, name in targets:
+        monkeypatch.setattr(mod, name, counting(getattr(mod, name)))
+    return calls
+
+
+@pytest.mark.parametrize(("name", "fmt", "sm"), [("flux", "fp8", None), ("sd3", "int8", None), ("flux", "int8", "80"),
+                                                 ("flux", "fp8", "90")])  # fmt: skip
+def test_a_fused_copy_computes_what_the_unfused_one_does_and_skips_its_consumers_quantizes(name, fmt, sm, pipes,
+                                                                                            monkeypatch):  # fmt: skip
+    """The real classes' explore copies (tiny FLUX.1, SD3.5 saved and reloaded), fused as the family's spec says
+    (through ExploreSpec, as the trainer builds them), under BF16 autocast: the same velocity bit for bit as the
+    unfused copy, with every consumer's own activation quantize skipped (counted) and its record saying its input
+    codes came from the producer; at a simulated GPU the producer ran the Triton kernel. Module names and state
+    dicts are unchanged (refreshes match by name)."""
+    monkeypatch.delenv("SOLRL_BACKEND", raising=False)
+    if sm:
+        monkeypatch.setenv("SOLRL_SIMULATE_SM", sm)
+    model = load_model(name, pipes[name], "cpu", torch.bfloat16, resolution=SIZES[name])
+    spec = model_spec(name)
+    rule = {**spec.explore_rule, **spec.explore_rule_by_format.get(fmt, {})}
+    plain = ExploreCopy(model.transformer, fmt, changes=rule)
+    fused = ExploreCopy.from_spec(model.transformer, ExploreSpec(fmt, rule, "test", producers=spec.producers))
+    assert fused.producers.fused and not plain.producers.fused
+    assert fused.transformer.state_dict().keys() == plain.transformer.state_dict().keys()
+    takers = sum(len(v) for v in fused.producers.fused.values())
+    x = torch.randn(2, *model.latent_shape)
+    cond = model.encode_prompts(["a red apple", "a blue cup"])
+    calls = _count_quantizes(monkeypatch, fmt)
+    outs = []
+    for copy in (plain, fused):
+        calls[0] = 0
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            outs.append((model.velocity(x, torch.tensor([0.7, 0.3]), cond, transformer=copy.transformer), calls[0]))
+    (a, n_plain), (b, n_fused) = outs
+    assert _same(a, b)
+    assert n_plain - n_fused == takers, (n_plain, n_fused, takers)
+    runs = dispatch.runs()
+    for prod, consumers in fused.producers.fused.items():
+        assert runs[f"{prod} (producer)"].impl.startswith("triton" if sm else "reference")
+        parent = prod.rpartition(".")[0]
+        for c in consumers:
+            tag = fused.transformer.get_submodule(f"{parent}.{c}").kernel_tag
+            assert runs[tag].impl.endswith("(input codes from its producer)"), (tag, runs[tag])
+
+
+def test_what_is_not_fused_is_said_and_keeps_the_stock_path(pipes):
+    """A pattern naming a module that is no producer class, a copy whose format has no row-wise codes (NVFP4),
+    consumers kept in BF16 by the rule: nothing fused, each with its reason. With autograd recording, a fused
+    producer computes the stock expression (a plain tensor)."""
+    model = load_model("flux", pipes["flux"], "cpu", torch.float32, resolution=SIZES["flux"])
+    spec = model_spec("flux")
+    nv = ExploreCopy(model.transformer, "nvfp4", changes={"skip_max_dim": 0}, producers=spec.producers)
+    assert not nv.producers.fused  # no row-wise codes in NVFP4: nothing to emit
+    copy = ExploreCopy(model.transformer, "fp8", changes={"skip_max_dim": 0, "extra_skip": ("*attn.to_*",)})
+    got = fuse_producers(copy.transformer, {**spec.producers, "transformer_blocks.*.ff": ("net.2",)})
+    assert set(got.fused) == {"single_transformer_blocks.0.norm", "single_transformer_blocks.1.norm",
+                              "transformer_blocks.0.norm1_context", "transformer_blocks.1.norm1_context"}  # fmt: skip
+    assert got.fused["single_transformer_blocks.0.norm"] == ["proj_mlp"]
+    assert "none of the linears it feeds" in got.left["transformer_blocks.0.norm1"]
+    assert "FeedForward is not a producer class" in got.left["transformer_blocks.0.ff"]
+    assert "4 producer(s) emit fp8 codes for 8 linear(s)" in got.summary()
+    norm = copy.transformer.get_submodule("single_transformer_blocks.0.norm")
+    h = torch.randn(1, 4, norm.norm.normalized_shape[0], requires_grad=True)
+    emb = torch.randn(1, norm.linear.in_features)
+    y, _ = norm(h, emb=emb)
+    assert type(y) is torch.Tensor and y.requires_grad
+    with torch.no_grad():
+        assert type(norm(h, emb=emb)[0]) is Prequantized

@@ -1,0 +1,105 @@
+"""The quantize where its input is made: a producer's norm and modulation and the 8-bit row-wise codes of what
+it produces, in one pass over each row (`adaln_quantize`).
+
+An adaLN-Zero producer (diffusers' AdaLayerNormZero, AdaLayerNormZeroSingle) computes
+y = layer_norm(x) * (1 + scale) + shift, and every linear it feeds (to_q, to_k, to_v, proj_mlp) quantizes y per
+row. Here one program holds whole rows: it normalises, modulates, writes y for any other reader and the FP8 or
+INT8 codes and scales of y (quant.fp8 / quant.int8's row-wise contract, bit for bit given y), so the consumers
+take the codes instead of quantizing y again, each. The norm's mean and variance are two-pass FP32 sums (they
+agree with PyTorch's layer_norm to FP32 rounding, not bit for bit); with STAGE_BF16 each step is rounded to BF16
+as PyTorch's BF16 ops round them (the producer running in BF16 outside autocast).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ._numerics import (
+    EXACT,
+    fp8_encode,
+    fp8_row_factors,
+    int8_encode,
+    int8_row_scale,
+    is_finite,
+    load_f32,
+    round_bf16,
+    store_out,
+)
+
+MAX_K = 16384  # whole rows live in one program's registers
+FORMATS = {"fp8": 0, "int8": 1}
+_Y_KIND = {torch.float32: 0, torch.bfloat16: 1}
+
+
+@triton.jit
+def _adaln_quantize_kernel(x_ptr, onep_ptr, shift_ptr, y_ptr, q_ptr, scale_ptr, M, K, T, eps,
+                           BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, IN_BF16: tl.constexpr,
+                           STAGE_BF16: tl.constexpr, Y_KIND: tl.constexpr, FMT: tl.constexpr):  # fmt: skip
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_K)
+    rmask, cmask = rows < M, cols < K
+    m = rmask[:, None] & cmask[None, :]
+    offs = rows[:, None] * K + cols[None, :]
+    x = load_f32(x_ptr + offs, m, IN_BF16)
+    kf = tl.full([BLOCK_M], K, tl.float32)
+    mean = tl.div_rn(tl.sum(x, axis=1), kf)
+    d = tl.where(m, x - mean[:, None], 0.0)
+    var = tl.div_rn(tl.sum(d * d, axis=1), kf)
+    rstd = tl.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), tl.sqrt_rn(var + eps))
+    n = d * rstd[:, None]
+    moffs = (rows // T)[:, None] * K + cols[None, :]  # the modulation row of each row's sample
+    onep = tl.load(onep_ptr + moffs, mask=m, other=0.0)
+    shift = tl.load(shift_ptr + moffs, mask=m, other=0.0)
+    if STAGE_BF16:
+        n = round_bf16(n)
+        y = round_bf16(round_bf16(n * onep) + shift)
+    else:
+        y = n * onep + shift  # two roundings (EXACT: no FMA), as the module's mul then add
+    store_out(y_ptr + offs, y, m, Y_KIND)
+    fin = is_finite(y)
+    amax = tl.max(tl.where(m & fin, tl.abs(y), 0.0), axis=1)
+    if FMT == 0:
+        enc, dec = fp8_row_factors(amax)
+        tl.store(scale_ptr + rows, dec, mask=rmask)
+        tl.store(q_ptr + offs, fp8_encode(y, enc).to(tl.uint8), mask=m)
+    else:
+        s = int8_row_scale(amax, tl.max(tl.where(m & ~fin, 1, 0), axis=1) > 0)
+        tl.store(scale_ptr + rows, s, mask=rmask)
+        tl.store(q_ptr + offs, int8_encode(y, s), mask=m)
+
+
+def adaln_quantize(
+    x: torch.Tensor, one_plus_scale: torch.Tensor, shift: torch.Tensor, eps: float, fmt: str, stage_bf16: bool,
+    y_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [B, T, K] (FP32 or BF16), the modulation [B, K] (FP32 values) -> (y [B, T, K] as `y_dtype`, codes [B, T, K],
+    FP32 decode scales [B, T, 1]) with y = layer_norm(x) * one_plus_scale + shift and the codes y's row-wise `fmt`
+    ("fp8": E4M3 bytes viewed as float8_e4m3fn; "int8")."""
+    if fmt not in FORMATS:
+        raise ValueError(f"adaln_quantize emits {tuple(FORMATS)} codes; got {fmt!r}")
+    b, t, k = x.shape
+    if k > MAX_K or x.dtype not in _Y_KIND or y_dtype not in _Y_KIND:
+        raise ValueError(f"adaln_quantize takes rows of at most {MAX_K} FP32/BF16 values; got {k} of {x.dtype}")
+    x = x.contiguous()
+    onep, shift = (v.float().contiguous().reshape(b, k) for v in (one_plus_scale, shift))
+    y = torch.empty(x.shape, dtype=y_dtype, device=x.device)
+    q = torch.empty(x.shape, dtype=torch.uint8 if fmt == "fp8" else torch.int8, device=x.device)
+    scale = torch.empty((b, t, 1), dtype=torch.float32, device=x.device)
+    rows = b * t
+    if rows:
+        block_k = triton.next_power_of_2(k)
+        interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
+        block_m = max(1, min(64, 8192 // block_k)) if interp else 1
+        warps = {} if interp else {"num_warps": max(1, min(16, block_k // 256))}
+        src = x.view(torch.int16) if x.dtype == torch.bfloat16 else x
+        dst = y.view(torch.int16) if y_dtype == torch.bfloat16 else y
+        _adaln_quantize_kernel[(triton.cdiv(rows, block_m),)](
+            src, onep, shift, dst, q, scale, rows, k, t, eps, BLOCK_M=block_m, BLOCK_K=block_k,
+            IN_BF16=x.dtype == torch.bfloat16, STAGE_BF16=stage_bf16, Y_KIND=_Y_KIND[y_dtype], FMT=FORMATS[fmt],
+            **warps, **EXACT,
+        )
+    return y, (q.view(torch.float8_e4m3fn) if fmt == "fp8" else q), scale
