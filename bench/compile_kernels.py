@@ -33,10 +33,12 @@ sys.path.insert(0, str(ROOT))
 # their PTX must not contract a*b+c into one rounding. The GEMMs' accumulation order differs from any
 # reference anyway, so they keep the compiler's default.
 BIT_EXACT = ("_fp8_rowwise_kernel", "_int8_rowwise_kernel", "_epilogue_kernel", "_amax_kernel", "_rot_amax_kernel",
-             "_quantize_kernel", "_rotate_kernel", "_dequantize_kernel", "_int8_gemm_kernel")  # fmt: skip
+             "_quantize_kernel", "_rotate_kernel", "_dequantize_kernel", "_int8_gemm_kernel",
+             "_adaln_quantize_kernel")  # fmt: skip
 # Kernels that also serve an older architecture than the default targets: the INT8 GEMM and attention run on Ampere
 # (sm_80), and their int8 dots must compile there (mma.sync) as well as on Hopper (wgmma) and Blackwell.
-ALSO_FOR = {"_int8_gemm_kernel": (80,), "_int8_attention_kernel": (80,)}
+ALSO_FOR = {"_int8_gemm_kernel": (80,), "_int8_attention_kernel": (80,), "_adaln_quantize_kernel": (80,)}
+MODULES = ("fp8", "int8", "nvfp4", "gemm", "attention", "producers")  # every module of triton_kernels/ with kernels
 
 _OPTION_KEYS = ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion", "maxnreg")
 
@@ -123,7 +125,7 @@ def engine_launches() -> list[Launch]:
 
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("compile_kernels records GPU launches: run it without TRITON_INTERPRET=1")
-    fp8, int8, nvfp4, gemm, attention = (triton_module(n) for n in ("fp8", "int8", "nvfp4", "gemm", "attention"))
+    fp8, int8, nvfp4, gemm, attention, producers = (triton_module(n) for n in MODULES)
     dtypes = (torch.float32, torch.bfloat16, torch.float16)
     signs = {n: torch.ones(n) for n in (16, 32, 64, 128)}
     with recording() as rec:
@@ -156,6 +158,13 @@ def engine_launches() -> list[Launch]:
                 attention.int8_attention(torch.empty(2, 300, d, dtype=torch.int8), torch.ones(2, 3),
                                          torch.empty(2, 300, d, dtype=torch.int8), torch.ones(2, 5),
                                          torch.empty(2, 300, d, dtype=torch.bfloat16), d**-0.5, out)  # fmt: skip
+        for k in (2432, 3072):  # the adaLN producers of SD3.5-Large and FLUX.1 (rows of their hidden size)
+            mod = torch.ones(2, k)
+            for fmt in ("fp8", "int8"):  # under autocast on a GPU (FP32 y), and in BF16 without it (staged)
+                producers.adaln_quantize(torch.empty(2, 7, k, dtype=torch.bfloat16), mod, mod, 1e-6, fmt, False,
+                                         torch.float32)  # fmt: skip
+                producers.adaln_quantize(torch.empty(2, 7, k, dtype=torch.bfloat16), mod, mod, 1e-6, fmt, True,
+                                         torch.bfloat16)  # fmt: skip
         q = torch.empty(256, 512, dtype=torch.uint8)
         s = torch.empty(256, 64, dtype=torch.uint8)
         g = torch.ones(())
@@ -180,7 +189,7 @@ def every_kernel() -> set[str]:
     from solrl_engine.kernels.dispatch import triton_module
 
     names = set()
-    for mod in (triton_module(n) for n in ("fp8", "int8", "nvfp4", "gemm", "attention")):
+    for mod in (triton_module(n) for n in MODULES):
         names |= {v.__name__ for v in vars(mod).values() if isinstance(v, JITFunction) and "_kernel" in v.__name__}
     return names
 
