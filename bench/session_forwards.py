@@ -326,13 +326,15 @@ def model_stage(alias: str, device: torch.device, cfg: dict[str, Any], dev_rates
                 else:
                     rule = explore_rule(alias, _base(fmt))
                     t1 = time.perf_counter()
-                    copy = ExploreCopy(model.transformer, _base(fmt), changes=rule)
+                    producers = model_spec(ARCH_ALIASES.get(alias, alias)).producers  # the trainer's copy fuses them
+                    copy = ExploreCopy(model.transformer, _base(fmt), changes=rule, producers=producers)
                     if _attention(fmt):
                         copy.set_attention(_attention(fmt))
                     _sync(device)
                     net = copy.transformer
                     entry.update(rule={k: list(v) if isinstance(v, tuple) else v for k, v in rule.items()},
-                                 build_copy_s=time.perf_counter() - t1)  # fmt: skip
+                                 build_copy_s=time.perf_counter() - t1,
+                                 producers=copy.producers.summary() if copy.producers else "")  # fmt: skip
                     reset_fast_path(net)
                 if mode == "compiled":
                     entry["compiled"] = compiled_forward(model, net, inputs, device, cfg["reps"],
@@ -346,6 +348,9 @@ def model_stage(alias: str, device: torch.device, cfg: dict[str, Any], dev_rates
                         rec = fast_path(net)
                         entry["fast_path"] = {"summary": rec.summary(), **rec.to_dict()}
                         entry["quantized_layers"] = sorted(rec.layers)
+                    if copy is not None and copy.producers and copy.producers.fused:  # what the fused producers ran
+                        entry["producers_ran"] = sorted({runs()[f"{n} (producer)"].impl for n in copy.producers.fused
+                                                         if f"{n} (producer)" in runs()})  # fmt: skip
                     if _attention(fmt):  # what the explore copy's attention calls ran (the kernel, or the reference)
                         last = runs().get(ATTENTION_TAG)
                         entry["attention_ran"] = last.impl if last is not None else "emulated (no plain call)"
