@@ -52,6 +52,7 @@ from session_common import (  # noqa: E402
     TINY,
     TINY_RES,
     VIDEO_MODELS,
+    WAN_ATTENTION,
     _error,
     _release,
     build_model,
@@ -76,7 +77,8 @@ CALLS = {
     1: ("gpu-tests", "preflight", "trainer:sana-1.6b"),
     2: ("trainer:flux-dev",),  # FLUX.1-dev's trainer has never completed on a GPU: a call of its own
     3: ("ceilings", "forwards:sana-1.6b", "forwards:flux-dev", "forwards:sd35-large"),
-    4: ("ceilings", "forwards:wan2.1-1.3b", "forwards:wan2.1-14b"),
+    # ceilings:attention adds the attention peers (ours and SageAttention v1) at Wan2.1-1.3B's attention shape
+    4: ("ceilings:attention", "forwards:wan2.1-1.3b", "forwards:wan2.1-14b"),
 }
 BUDGET = 540.0  # of a device command's 600 s: the rest is the wheels' install and the imports
 # seconds each kind of stage may run (its hard deadline, and what must be left for it to start); each call's
@@ -84,9 +86,10 @@ BUDGET = 540.0  # of a device command's 600 s: the rest is the wheels' install a
 ALLOWANCE = {
     "gpu": {"preflight": 45.0, "ceilings": 20.0, "gpu-tests": 160.0, "trainer": 290.0, "forwards": 170.0,
             # a 12B model's three families, each after a warm-up iteration: what a call holds after the imports
-            "trainer:flux-dev": 500.0},
+            "trainer:flux-dev": 500.0, "ceilings:attention": 60.0},
     # smoke: generous, on a loaded 2-core CPU the trainer stage's inductor compiles alone take a minute or more
-    "smoke": {"preflight": 180.0, "ceilings": 30.0, "gpu-tests": 300.0, "trainer": 600.0, "forwards": 240.0},
+    "smoke": {"preflight": 180.0, "ceilings": 30.0, "gpu-tests": 300.0, "trainer": 600.0, "forwards": 240.0,
+              "ceilings:attention": 90.0},
 }
 SMOKE_BUDGET = 1800.0
 
@@ -410,6 +413,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     gemm = (64, 32, 32) if smoke else tuple(int(v) for v in args.gemm.lower().split("x"))
     copy_mib = 4 if smoke else 512
+    attention_shape = (1, 2, 300, 64) if smoke else WAN_ATTENTION  # ceilings:attention's (Wan2.1-1.3B's on a GPU)
     dev_rates = None
     stop = None
     for stage in stages:
@@ -433,7 +437,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 if kind == "preflight":
                     res = run_preflight(device, cfg)
                 elif kind == "ceilings":
-                    rec["ceilings"] = res = ceilings(device, gemm, copy_mib, reps=cfg["reps"] * 4)  # type: ignore[arg-type]
+                    rec["ceilings"] = res = ceilings(device, gemm, copy_mib, reps=cfg["reps"] * 4,  # type: ignore[arg-type]
+                                                     attention=attention_shape if stage == "ceilings:attention"
+                                                     else None)  # fmt: skip
                 elif kind == "gpu-tests":
                     res = gpu_tests_stage(cfg, need - 5.0)
                 elif kind == "trainer":

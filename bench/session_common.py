@@ -226,8 +226,59 @@ def _error(e: BaseException, limit: int = 4) -> dict[str, str]:
     return {"error": f"{type(e).__name__}: {e}"[:500], "traceback": traceback.format_exc(limit=limit)[-1500:]}
 
 
-def ceilings(device: torch.device, shape: tuple[int, int, int], copy_mib: int, reps: int) -> dict[str, Any]:
-    """Copy bandwidth and BF16 / FP8 row-wise / INT8 GEMM rates at one DiT-sized GEMM (m x n x k)."""
+# one attention call of Wan2.1-1.3B at 480 x 832 and 81 frames: 12 heads of 128 over 32,760 tokens
+WAN_ATTENTION = (1, 12, 32760, 128)
+
+
+def attention_peers(device: torch.device, shape: tuple[int, int, int, int], reps: int) -> dict[str, Any]:
+    """One attention call [B, H, N, d] on random BF16 q, k, v: PyTorch's SDPA (BF16), ours for
+    explore_attention=int8 (solrl::int8_attention: INT8 Q K^T, FP16 P V, Triton) and SageAttention version 1
+    (`sageattention.sageattn`, the same recipe's published kernels; carried as a wheel, CUDA only), each with its
+    median ms, its speed against SDPA and its relative error against FP32 attention. Random inputs check the
+    kernels, not a model's ranking (the fidelity records do that)."""
+    import torch.nn.functional as F
+
+    b, h, n, d = shape
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v = (torch.randn(b, h, n, d, device=device, dtype=torch.bfloat16, generator=g) for _ in range(3))
+    rows = min(n, 1024)  # the error on the first query rows (FP32 attention over all 32,760 would cost seconds)
+    want = F.scaled_dot_product_attention(q[:, :, :rows].float(), k.float(), v.float())
+    out: dict[str, Any] = {"shape": list(shape), "error_rows": rows}
+
+    def entry(fn: Any) -> dict[str, Any]:
+        err = ((fn()[:, :, :rows].float() - want).norm() / want.norm()).item()
+        return {"median_ms": median_ms(fn, device, reps=reps), "rel_error": err}
+
+    impls: dict[str, Any] = {"sdpa_bf16": lambda: F.scaled_dot_product_attention(q, k, v),
+                             "ours_int8": lambda: torch.ops.solrl.int8_attention(q, k, v, None, "ceilings attention")}
+    try:
+        from sageattention import sageattn
+
+        if device.type != "cuda":
+            raise RuntimeError("SageAttention runs on CUDA tensors only")
+        impls["sageattention_v1"] = lambda: sageattn(q, k, v, tensor_layout="HND", is_causal=False)
+    except Exception as e:  # noqa: BLE001 - a missing peer is recorded, never fatal
+        out["sageattention_v1"] = {"skipped": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
+    for name, fn in impls.items():
+        try:
+            out[name] = entry(fn)
+        except Exception as e:  # noqa: BLE001 - one implementation failing must not lose the others
+            out[name] = {"skipped": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
+    from solrl_engine.kernels import runs
+
+    ran = runs().get("ceilings attention")
+    out["ours_int8"]["ran"] = ran.impl if ran is not None else "not recorded"
+    base = out["sdpa_bf16"].get("median_ms")
+    for name in impls:
+        if base and out[name].get("median_ms"):
+            out[name]["speedup_vs_sdpa"] = base / out[name]["median_ms"]
+    return out
+
+
+def ceilings(device: torch.device, shape: tuple[int, int, int], copy_mib: int, reps: int,
+             attention: tuple[int, int, int, int] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Copy bandwidth and BF16 / FP8 row-wise / INT8 GEMM rates at one DiT-sized GEMM (m x n x k); with `attention`
+    ([B, H, N, d]), the attention peers at that shape (`attention_peers`)."""
     m, n, k = shape
     out: dict[str, Any] = {"gemm_shape": [m, n, k]}
     src = torch.randn(copy_mib * 2**20 // 2, device=device, dtype=torch.bfloat16)
@@ -283,4 +334,6 @@ def ceilings(device: torch.device, shape: tuple[int, int, int], copy_mib: int, r
         out["int8_int_mm"] = {"skipped": why}
     out["nvfp4"] = {"skipped": "no raw FP4 GEMM ceiling here: the NVFP4 explore forward (forwards stages, sm_100+) "
                                "times it"}
+    if attention is not None:
+        out["attention"] = attention_peers(device, attention, max(3, reps // 4))
     return out

@@ -160,6 +160,12 @@ def summary_lines(rec: dict[str, Any]) -> list[str]:
         lines.append(f"ceilings {c['gemm_shape']}: copy {c['copy']['gb_per_s']:.0f} GB/s, bf16 "
                      f"{rate('bf16_mm', 'tflops')} TFLOP/s, fp8 {rate('fp8_scaled_mm_rowwise', 'tflops')}, "
                      f"int8 {rate('int8_int_mm', 'tops')} TOP/s")  # fmt: skip
+        att = c.get("attention")
+        if att:
+            parts = [f"{k} {v['median_ms']:.2f} ms" + (f" ({v['speedup_vs_sdpa']:.2f}x)" if "speedup_vs_sdpa" in v
+                     else "") + f" err {v['rel_error']:.1e}" if "median_ms" in v else f"{k} skipped"
+                     for k, v in att.items() if isinstance(v, dict)]  # fmt: skip
+            lines.append(f"attention {att['shape']}: " + ", ".join(parts))
     forwards = [s for k, s in stages.items() if k.startswith("forwards:") and "precisions" in s]
     if forwards:
         lines.extend(FORWARD_HEAD)

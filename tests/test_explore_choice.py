@@ -215,3 +215,35 @@ def test_int8_explores_every_eligible_layer_fp8_and_nvfp4_keep_the_family_rule(t
     wide = explorer_for(RLConfig(**{**cfg.__dict__, "explore_precision": "int8"})).copy.report
     rule = explorer_for(RLConfig(**{**cfg.__dict__, "explore_precision": "fp8"})).copy.report
     assert set(rule.quantized) < set(wide.quantized)
+
+
+def test_the_probe_times_a_1x1_convolution_as_the_policy_runs_it(monkeypatch):
+    """SANA's FFN runs 1x1 convolutions (a cuDNN conv plus a bias add on the H200), which the H200 record showed
+    slower than the fused linear the probe used to time in their place, so the measured forward beat the bound.
+    The plan names them (in, out, "conv1x1"); the probe times an nn.Conv2d over an NCHW input of the same pixels
+    for the policy and its QuantConv1x1 twin for the candidate."""
+    from torch import nn
+
+    from solrl_engine.nn import QuantConv1x1
+
+    net = nn.Sequential(nn.Conv2d(64, 128, 1), nn.Flatten(2))
+    assert choice.explore_layer_shapes(net, {"skip_max_dim": 0}) == {(64, 128, "conv1x1"): 1}
+    made, calls = [], {"conv": 0}
+    real_module, real_forward = choice._policy_module, QuantConv1x1.forward
+
+    def module(*a):  # noqa: ANN002, ANN202
+        made.append(real_module(*a))
+        return made[-1]
+
+    def forward(self, x):  # noqa: ANN001, ANN202
+        calls["conv"] += 1
+        return real_forward(self, x)
+
+    monkeypatch.setattr(choice, "_policy_module", module)
+    monkeypatch.setattr(QuantConv1x1, "forward", forward)
+    t = choice.probe_explore_timings({(64, 128, "conv1x1"): 2, (128, 64): 1}, {}, torch.float32, rows=32, reps=1,
+                                     candidates=["int8"])  # fmt: skip
+    assert set(t) == {"policy", "int8"} and all(v > 0 for v in t.values())
+    kinds = {type(m): tuple(x.shape) for m, x in made}
+    assert kinds == {nn.Conv2d: (1, 64, 2, 16), nn.Linear: (32, 128)}
+    assert calls["conv"] >= 2  # the quantized twin ran (warm-up, then timed)

@@ -190,7 +190,10 @@ def test_call_4_times_video_forwards_and_reports_attentions_share(rehearse):
     (the part the explore copy leaves in BF16, or runs in INT8 with fp8+int8-attention), and the Wan model's own
     preset for the update."""
     _, rec, _ = rehearse(4, "90")
-    assert rec["stage_order"] == ["ceilings", "forwards:wan2.1-1.3b", "forwards:wan2.1-14b"]
+    assert rec["stage_order"] == ["ceilings:attention", "forwards:wan2.1-1.3b", "forwards:wan2.1-14b"]
+    peers = rec["ceilings"]["attention"]  # the attention peers: SDPA and ours timed, SageAttention v1 CUDA-only
+    assert peers["sdpa_bf16"]["median_ms"] > 0 and peers["ours_int8"]["ran"].startswith("triton"), peers
+    assert peers["ours_int8"]["rel_error"] < 0.05 and "skipped" in peers["sageattention_v1"], peers
     for model in ("wan2.1-1.3b", "wan2.1-14b"):
         s = rec["stages"][f"forwards:{model}"]
         assert len(s["latent_shape"]) == 4 and s["latent_shape"][1] == 2  # 5 frames: 1 + 4 -> 2 latent frames

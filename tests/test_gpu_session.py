@@ -38,7 +38,7 @@ def test_each_call_fits_its_budget_and_puts_the_headline_first(session):
     assert session.CALLS[2] == ("trainer:flux-dev",) and session._allowance("trainer:flux-dev", gpu) > gpu["trainer"]
     assert {"forwards:sana-1.6b", "forwards:flux-dev", "forwards:sd35-large"} <= set(session.CALLS[3])
     assert session.TRAINER_FAMILIES[:2] == ("sol_rl", "naive_scaling")
-    assert set(session.CALLS[4]) == {"ceilings", "forwards:wan2.1-1.3b", "forwards:wan2.1-14b"}
+    assert set(session.CALLS[4]) == {"ceilings:attention", "forwards:wan2.1-1.3b", "forwards:wan2.1-14b"}
 
 
 def test_a_stage_names_a_model_it_takes(session):

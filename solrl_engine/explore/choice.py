@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from solrl_engine.kernels import TENSOR_CORES, device_capability, fastest_format, formats_with_tensor_cores, gpu_like
-from solrl_engine.nn import QuantLinear, plan_quantization
+from solrl_engine.nn import QuantConv1x1, QuantLinear, plan_quantization
 from solrl_engine.quant.formats import numerics
 from solrl_engine.quant.recipe import FORMAT_OPTIONS, get_recipe
 
@@ -88,11 +88,24 @@ def choose_explore_precision(
                          dict(timings_ms))  # fmt: skip
 
 
-def explore_layer_shapes(transformer: nn.Module, rule: Mapping[str, Any]) -> Counter[tuple[int, int]]:
-    """(in_features, out_features) -> count of the layers the explore copy would quantize under `rule`
-    (the model's layer rule, as QuantRecipe changes), planned without touching the model."""
+def explore_layer_shapes(transformer: nn.Module, rule: Mapping[str, Any]) -> Counter[tuple]:
+    """(in_features, out_features) -> count of the linears the explore copy would quantize under `rule` (the model's
+    layer rule, as QuantRecipe changes), and (in, out, "conv1x1") -> count of its 1x1 convolutions (the policy runs
+    those as convolutions: a cuDNN conv plus a bias add on SANA, not a fused linear), planned without touching the
+    model."""
     rep = plan_quantization(transformer, get_recipe("nvfp4").with_(**dict(rule)))
-    return Counter((d.in_features, d.out_features) for d in rep.layers if d.quantized)
+    return Counter((d.in_features, d.out_features, *(("conv1x1",) if d.kind == "conv1x1" else ()))
+                   for d in rep.layers if d.quantized)  # fmt: skip
+
+
+def _policy_module(shape: tuple, rows: int, dtype: torch.dtype, dev: torch.device) -> tuple[nn.Module, torch.Tensor]:
+    """The policy's own kind of module for a planned shape ((k, n): nn.Linear over `rows` rows; (k, n, "conv1x1"): a
+    1x1 nn.Conv2d over an NCHW input of `rows` pixels) and an input for it."""
+    k, n, *kind = shape
+    if kind == ["conv1x1"]:
+        h, w = (rows // 16, 16) if rows % 16 == 0 else (rows, 1)
+        return nn.Conv2d(k, n, 1, dtype=dtype, device=dev), torch.randn(1, k, h, w, dtype=dtype, device=dev)
+    return nn.Linear(k, n, dtype=dtype, device=dev), torch.randn(rows, k, dtype=dtype, device=dev)
 
 
 _PROBE_CACHE: dict[tuple, dict[str, float]] = {}
@@ -139,7 +152,8 @@ def probe_explore_timings(
     device: torch.device | str = "cpu",
     candidates: Iterable[str] | None = None,
 ) -> dict[str, float]:
-    """ms of the explore copy's quantized layers (`shapes`: (in, out) -> count) at each candidate
+    """ms of the explore copy's quantized layers (`shapes`: (in, out) -> count, (in, out, "conv1x1") for 1x1
+    convolutions, each timed as the policy's own module and as its quantized twin) at each candidate
     precision (default `explore_candidates(device)`) and at the policy's (`dtype`), on `device`, for
     `rows` input rows (the rollouts' own, Rollouts.forward_rows; default 256 on a CPU, 4096 on a GPU;
     at most 32768 on a GPU and fewer for wide layers on a CPU, to bound the probe's memory and time): per
@@ -170,9 +184,10 @@ def probe_explore_timings(
     with torch.random.fork_rng(devices=[]), torch.no_grad(), autocast():  # the run's RNG stream is untouched
         torch.manual_seed(0)
         layers = []
-        for (k, n), count in shapes.items():
+        for shape, count in shapes.items():
+            k, n = shape[0], shape[1]
             m = rows if gpu else max(16, min(rows, (1 << 27) // max(1, k * n)))  # a CPU's cost stays bounded
-            layers.append((nn.Linear(k, n, dtype=dtype, device=dev), torch.randn(m, k, dtype=dtype, device=dev), count))
+            layers.append((*_policy_module(shape, m, dtype, dev), count))
         policy_calls: list[tuple[Any, torch.Tensor, int]] = []
         for name in ("policy", *names):
             recipe = None if name == "policy" else get_recipe(name)
@@ -180,7 +195,8 @@ def probe_explore_timings(
                 recipe = recipe.with_(**{k: v for k, v in extras.items() if k in numerics(recipe.format).options})
             calls, warm = [], 0.0
             for lin, x, count in layers:  # the warm-up pass, abandoned as soon as it cannot win
-                mod = lin if recipe is None else QuantLinear.from_linear(lin, recipe)
+                twin = QuantConv1x1 if isinstance(lin, nn.Conv2d) else QuantLinear
+                mod = lin if recipe is None else twin.from_linear(lin, recipe)
                 mod(x)  # untimed: a first call's one-time costs (kernel JIT or load, GEMM plans) are not its speed
                 ms = _call_ms(lambda mod=mod, x=x: mod(x), dev)
                 if name != "policy" and warm + count * ms > give_up * out["policy"]:
