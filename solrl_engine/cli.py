@@ -276,6 +276,7 @@ def _train(args: argparse.Namespace) -> int:
     import logging
     import os
 
+    from solrl_engine.rewards.remote import RewardServerLost
     from solrl_engine.rl.guards import NonFiniteError
     from solrl_engine.rl.trainer import Trainer
     from solrl_engine.store import rundir
@@ -300,6 +301,8 @@ def _train(args: argparse.Namespace) -> int:
             summary = trainer.run(resume=mode == "resume", overwrite=mode == "overwrite", auto_resume=mode == "auto")
         except (KeyboardInterrupt, rundir.Stopped) as e:
             return _stopped_at_once(e, out)
+        except RewardServerLost as e:  # the run stopped on a reward server that stayed away: resumable
+            raise SystemExit(f"error: {e}\ncontinue with: {_resume_command(args, out)}") from None
         except (NonFiniteError, ValueError, OSError) as e:
             if isinstance(e, DiskFull):  # a run that checkpointed before: say how to go on once space is freed
                 again = _resume_command(args, out)
@@ -429,6 +432,25 @@ def _plan(args: argparse.Namespace) -> int:
         _checked(lambda: write_atomic(Path(args.json), json.dumps(rec, indent=2)))
         print(f"wrote {args.json}")
     return 0 if plan.fits else 3
+
+
+def _reward_serve(args: argparse.Namespace) -> int:
+    """Serve the named rewards until interrupted (solrl_engine.rewards.serve)."""
+    import logging
+
+    from solrl_engine.rewards import parse_reward_args
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        from solrl_engine.rewards.serve import serve
+    except ImportError as e:
+        raise SystemExit(f'error: the reward server needs aiohttp ({e}): pip install -e ".[serve]"') from None
+    if not 0 < args.port < 65536 or args.max_batch < 1:
+        raise SystemExit("error: --port must be in 1-65535 and --max-batch at least 1")
+    args_by_name = _checked(lambda: parse_reward_args(args.arg))
+    _checked(lambda: serve(args.rewards, args_by_name, args.host, args.port, args.device, args.max_batch,
+                           args.max_bytes))  # fmt: skip
+    return 0
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -564,6 +586,17 @@ def build_parser() -> argparse.ArgumentParser:
                          "is planned over the formats its tensor cores run (default: every GPU format)")  # fmt: skip
     pl.add_argument("--json", default=None, metavar="FILE", help="also write the plan as JSON")
     pl.set_defaults(func=_plan)
+
+    rs = sub.add_parser("reward-serve", help="serve rewards over HTTP for runs that name them in reward_url")
+    rs.add_argument("rewards", help="reward names, comma-separated (solrl_engine.rewards.REWARDS), e.g. pickscore")
+    rs.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1: this machine only)")
+    rs.add_argument("--port", type=int, default=8000, help="port (8000)")
+    rs.add_argument("--device", default=None, help="the device the rewards run on (one per server process)")
+    rs.add_argument("--arg", action="append", default=[], metavar="NAME.KEY=VALUE",
+                    help="a reward's argument, as the config's reward_args (repeatable)")  # fmt: skip
+    rs.add_argument("--max-batch", type=int, default=64, help="images scored at once from concurrent requests (64)")
+    rs.add_argument("--max-bytes", type=int, default=256 * 2**20, help="the largest request accepted (256 MiB)")
+    rs.set_defaults(func=_reward_serve)
 
     vf = sub.add_parser("verify", help="check a run's checkpoints and exported adapters against their checksums")
     vf.add_argument("output", help="run directory (a `solrl train` --output)")

@@ -130,14 +130,23 @@ def _reward_kwargs(name: str, kw: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def check_reward(spec: str, args: dict[str, dict[str, str]] | None = None) -> None:
+def check_reward(spec: str, args: dict[str, dict[str, str]] | None = None, urls: dict[str, str] | None = None,
+                 wait_s: float = 600.0) -> None:  # fmt: skip
     """Validate the spec, every component's arguments, and that its weights can be found (each reward
-    module's cheap `check_weights`), before any model loads."""
-    args = args or {}
+    module's cheap `check_weights`), before any model loads; a reward scored remotely (`urls`: name -> server,
+    the config's reward_url) is checked by its server's handshake instead (it hosts the reward, with these args)."""
+    args, urls = args or {}, urls or {}
     names = [n for n, _ in parse_reward_spec(spec)]
     for extra in sorted(set(args) - set(names)):
         raise ValueError(f"reward_args names {extra!r}, which is not part of reward {spec!r}")
+    for extra in sorted(set(urls) - set(names)):
+        raise ValueError(f"reward_url names {extra!r}, which is not part of reward {spec!r}")
     for name in names:
+        if name in urls:
+            from solrl_engine.rewards.remote import RemoteReward
+
+            RemoteReward(name, urls[name], wait_s, expect=args.get(name, {}))
+            continue
         kw = _reward_kwargs(name, args.get(name, {}))
         check = getattr(_module(name), "check_weights", None)
         if check is None:
@@ -191,15 +200,23 @@ class WeightedReward:
         return " + ".join(f"{w:g} * {n}" for n, w, _ in self.parts)
 
 
-def load_reward(spec: str, args: dict[str, dict[str, str]] | None = None, **kwargs: object) -> WeightedReward:
+def load_reward(spec: str, args: dict[str, dict[str, str]] | None = None, urls: dict[str, str] | None = None,
+                wait_s: float = 600.0, **kwargs: object) -> WeightedReward:  # fmt: skip
     """Build the reward `spec` (a name from REWARDS or a weighted sum). `args` are per-reward keyword
-    arguments; plain `kwargs` go to a single named reward (load_reward("shapes"))."""
+    arguments; plain `kwargs` go to a single named reward (load_reward("shapes")). Rewards named in `urls` (the
+    config's reward_url) are scored by their servers (rewards.remote.RemoteReward, waiting up to `wait_s` for one
+    that is unreachable); the others in this process."""
     parts = parse_reward_spec(spec)
-    args = args or {}
+    args, urls = args or {}, urls or {}
     if kwargs and len(parts) != 1:
         raise ValueError("keyword arguments apply to a single reward; use args={name: {...}} for a sum")
     built = []
     for name, w in parts:
+        if name in urls:
+            from solrl_engine.rewards.remote import RemoteReward
+
+            built.append((name, w, RemoteReward(name, urls[name], wait_s, expect=args.get(name, {}))))
+            continue
         kw = _reward_kwargs(name, {**args.get(name, {}), **kwargs})
         with _needs_packages(name):
             built.append((name, w, _factory(name)(**kw)))

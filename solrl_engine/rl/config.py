@@ -112,6 +112,10 @@ class RLConfig:
     # a reward name or a weighted sum ("pickscore:1.0,clipscore:0.5"); reward_args as name.key=value
     reward: str = "shapes"
     reward_args: tuple[str, ...] = ()
+    # rewards scored by servers (`solrl reward-serve`): "pickscore=http://127.0.0.1:8000,b=URL2"; the others stay
+    # in-process. An unreachable server is waited for up to reward_wait_s seconds, then the run stops resumably
+    reward_url: str = ""
+    reward_wait_s: float = 600.0
     # video models: the image rewards score this many frames spread over each clip, aggregated by their mean
     # or min (reward "temporal" scores whole clips: consecutive frames agreeing)
     reward_frames: int = 4
@@ -283,9 +287,20 @@ class RLConfig:
         from solrl_engine.rewards import parse_reward_spec
 
         try:
-            parse_reward_spec(self.reward)
+            names = {n for n, _ in parse_reward_spec(self.reward)}
         except ValueError as e:
             raise ConfigError(f"config {self.name!r}: {e}") from None
+        from solrl_engine.rewards.remote import parse_reward_urls
+
+        try:
+            urls = parse_reward_urls(self.reward_url)
+        except ValueError as e:
+            raise bad("reward_url", str(e)) from None
+        if set(urls) - names:
+            raise bad("reward_url", f"names {sorted(set(urls) - names)}, not part of reward {self.reward!r}: map the "
+                                    "rewards the run scores to their servers")  # fmt: skip
+        if not self.reward_wait_s >= 0:
+            raise bad("reward_wait_s", "must be >= 0 seconds (how long an unreachable reward server is waited for)")
         for key in ("weight_decay", "kl_beta"):
             if getattr(self, key) < 0:
                 raise bad(key, "must be >= 0 (0: off)")

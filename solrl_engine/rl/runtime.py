@@ -26,6 +26,7 @@ from solrl_engine.explore.plan import ExploreSettings, ExploreSpec, device_probl
 from solrl_engine.kernels import device_capability
 from solrl_engine.models import load_model, model_spec
 from solrl_engine.rewards import check_reward, load_reward, parse_reward_args
+from solrl_engine.rewards.remote import parse_reward_urls
 from solrl_engine.rl import memplan
 from solrl_engine.rl.config import FAMILY_TABLE, ConfigError, RLConfig, resolve_policy_dtype, resolve_runtime
 from solrl_engine.rl.memplan import MemoryPlan
@@ -173,7 +174,8 @@ def build_rollouts(cfg: RLConfig, run: RunPlan | None = None) -> Rollouts:
     resolved them (the trainer's plan), else resolved here. A missing reward weight fails before any model loads."""
     spec = model_spec(cfg.model)
     reward_args = parse_reward_args(cfg.reward_args)
-    check_reward(cfg.reward, reward_args)
+    urls = parse_reward_urls(cfg.reward_url)  # rewards scored by servers (rewards.remote)
+    check_reward(cfg.reward, reward_args, urls, cfg.reward_wait_s)
     if run is None:
         device = resolve_runtime(cfg)[0]
         dtype, why = resolve_policy_dtype(cfg, device)
@@ -192,7 +194,7 @@ def build_rollouts(cfg: RLConfig, run: RunPlan | None = None) -> Rollouts:
         **({"frames": cfg.frames, "width": cfg.width} if spec.video else {}),
     )
     model.requires_grad_(False)
-    reward = load_reward(cfg.reward, reward_args)
+    reward = load_reward(cfg.reward, reward_args, urls, cfg.reward_wait_s)
     reward.frames, reward.frame_agg = cfg.reward_frames, cfg.reward_frame_agg  # what an image reward sees of a clip
     return Rollouts(model, spec, reward, rollout_settings(cfg) if run is None else run.rollouts)
 
