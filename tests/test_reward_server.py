@@ -207,7 +207,7 @@ def test_a_run_scored_remotely_equals_the_in_process_run_through_a_server_restar
     monkeypatch.delenv("SOLRL_REWARD_TOKEN", raising=False)
     cfg = dict(name="remote", model_path=small_model, n=6, k=4, prompts_per_iter=2, preview_steps=2, full_steps=4,
                iterations=2, eval_every=2, eval_prompt_count=2, eval_seeds=1, lora_rank=4, lora_alpha=8, lr=1e-2,
-               rollout_batch_size=16, train_batch_size=4, timestep_fraction=0.5)  # fmt: skip
+               rollout_batch_size=4, train_batch_size=4, timestep_fraction=0.5)  # fmt: skip
     Trainer(RLConfig(**cfg, output=str(tmp_path / "local")), progress=False).run()
     s = Server().start()
     try:
@@ -223,6 +223,8 @@ def test_a_run_scored_remotely_equals_the_in_process_run_through_a_server_restar
         s.stop()
     want, got = _records(tmp_path / "local"), _records(tmp_path / "remote")
     assert [r["iter"] for r in got] == [1, 2]
+    # batches of 4: the previews (12) and the regenerated samples (8) scored while the next batch was sampled
+    assert all(r["time_reward_hidden_s"] > 0 for r in got) and all(r["time_reward_hidden_s"] == 0 for r in want)
     for w, g in zip(want, got, strict=True):
         for key in w:
             if key.startswith("time") or key.endswith("_s") or key == "grad_norm":

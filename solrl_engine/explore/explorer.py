@@ -284,9 +284,10 @@ class Explorer:
             raise ValueError(f"Explorer.select: nonfinite = {nonfinite!r}: choose raise or defer")
         cond = self.rollouts.encode(prompts) if cond is None else cond
         flat = [s for row in seeds for s in row]
-        x = self.rollouts.sample(cond.repeat_interleave(self.n), flat, self.steps, self.transformer, self.tag)
+        per_seed = [p for p in prompts for _ in range(self.n)]
+        x, scored = self.rollouts.sample_scored(cond.repeat_interleave(self.n), per_seed, flat, self.steps,
+                                                self.transformer, self.tag)  # fmt: skip
         self._record_fast_path()
-        scored = self.rollouts.score(x, [p for p in prompts for _ in range(self.n)])
         r = scored.rewards.view(len(prompts), self.n)
         bad = ~torch.isfinite(r)
         unranked = None

@@ -126,6 +126,8 @@ class RemoteReward:
     `expect` (the reward's reward_args, if the config gives any) must equal what the server hosts.
     """
 
+    remote = True  # scored over the network: the rollouts overlap it with sampling (Rollouts.overlaps)
+
     def __init__(self, name: str, url: str, wait_s: float = 600.0, timeout_s: float = 120.0, max_in_flight: int = 4,
                  expect: dict[str, str] | None = None) -> None:  # fmt: skip
         self.name, self.url, self.wait_s, self.timeout_s = name, url.rstrip("/"), float(wait_s), float(timeout_s)
@@ -195,7 +197,13 @@ class RemoteReward:
             raise PromptError(got.get("error", "the reward server rejected a prompt"))
 
     def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-        body = encode_request(self.name, images, prompts)
-        got = self._request(f"/score/{self.name}", body, "application/octet-stream")
-        return check_scores(got.get("scores"), len(prompts), f"reward server {self.url} ({self.name})").to(
-            images.device)
+        # a non-finite image has no score: NaN here, as an in-process reward gives it (the run's nonfinite_policy
+        # then decides); the server is sent the finite ones only
+        ok = torch.isfinite(images.reshape(len(prompts), -1)).all(dim=1).cpu()
+        out = torch.full((len(prompts),), float("nan"))
+        if bool(ok.any()):
+            keep = ok.nonzero().flatten().tolist()
+            body = encode_request(self.name, images[ok.to(images.device)], [prompts[i] for i in keep])
+            got = self._request(f"/score/{self.name}", body, "application/octet-stream")
+            out[ok] = check_scores(got.get("scores"), len(keep), f"reward server {self.url} ({self.name})")
+        return out.to(images.device)

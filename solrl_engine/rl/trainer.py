@@ -285,14 +285,17 @@ class Trainer:
         check_finite("explore rewards", r_all.flatten(), flat_all, [x for row in seeds for x in row], dist)
         comps = {k: v.gather(1, idx.cpu()).to(self.device) for k, v in self.explorer.last_components.items()}
         sel_cond = cond.repeat_interleave(c.k)
+        reward_time = dict(self.rollouts.reward_time)  # the previews' reward seconds, hidden and exposed
         t1, o1 = time.perf_counter(), st.overhead_s
 
         # 3. regenerate the selected seeds in BF16 at the full step budget (sol_rl only)
         if rule.regenerate:
-            with self.adapters.using(OLD):
-                x0 = self._sample(sel_cond, sel.flat_seeds, c.full_steps, *self._policy_rollout())
+            with self.adapters.using(OLD):  # scored batch by batch while the next is sampled, where scoring overlaps
+                x0, scored = self.rollouts.sample_scored(sel_cond, sel.flat_prompts, sel.flat_seeds, c.full_steps,
+                                                         *self._policy_rollout())  # fmt: skip
+            reward_time = {k: v + self.rollouts.reward_time[k] for k, v in reward_time.items()}
             check_finite("regenerated latents", x0, sel.flat_prompts, sel.flat_seeds, dist)
-            rewards, comps = self._score(x0, sel.flat_prompts)
+            rewards, comps = scored.rewards, scored.components
             check_finite("rewards of the regenerated samples", rewards, sel.flat_prompts, sel.flat_seeds, dist)
             rewards = rewards.view(len(prompts), c.k)
             comps = {k: v.view(len(prompts), c.k).to(self.device) for k, v in comps.items()}
@@ -343,6 +346,10 @@ class Trainer:
             "time_regen_s": t2 - t1 - (o2 - o1),
             "time_train_s": t3 - t2 - (o3 - o2),
             "time_total_s": t3 - t0 - (o3 - o0),
+            # reward seconds of the explore and the regeneration: scored while the next batch was sampled (a
+            # reward server), and waited for after the sampling
+            "time_reward_hidden_s": reward_time["hidden_s"],
+            "time_reward_exposed_s": reward_time["exposed_s"],
             **({"time_compile_s": o3 - o0} if o3 > o0 else {}),
             **stats,
         }

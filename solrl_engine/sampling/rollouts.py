@@ -9,7 +9,9 @@ from an RLConfig, the Explorer from a caller's pipeline.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +64,8 @@ def model_guidance(spec: ModelSpec, guidance_scale: float | None) -> float:
 class Rollouts:
     """A model (on its device, in its dtype), its family's spec, a reward and how to sample: see the module
     docstring."""
+
+    reward_time: dict[str, float] = {"hidden_s": 0.0, "exposed_s": 0.0}  # the last sample_scored's reward seconds
 
     def __init__(self, model: FlowModel, spec: ModelSpec, reward: RewardFn, settings: RolloutSettings) -> None:
         self.model, self.spec, self.reward, self.settings = model, spec, reward, settings
@@ -183,9 +187,51 @@ class Rollouts:
         comps = getattr(self.reward, "last_components", None) or {"reward": r.detach()}
         return Scored(images, r.float().to(self.device), {k: v.float().cpu() for k, v in comps.items()})
 
+    @property
+    def overlaps(self) -> bool:
+        """Whether scoring overlaps sampling: a reward scored by a server (rewards.remote) waits on the network, so
+        batch i is scored on a worker thread while batch i+1 is sampled. An in-process reward shares the sampler's
+        device and cores, and is scored after the sampling, as before."""
+        return any(getattr(fn, "remote", False) for _, _, fn in getattr(self.reward, "parts", ()))
+
+    def sample_scored(self, cond: Conditioning, prompts: Sequence[str], seeds: Sequence[int], steps: int,
+                      transformer: nn.Module | None = None, tag: str = "") -> tuple[torch.Tensor, Scored]:  # fmt: skip
+        """(final latents, their images and rewards) for (cond[i], prompts[i], seeds[i]): `sample` then `score`,
+        the same latents and rewards; where scoring `overlaps`, batch by batch (the sampler's batch size), each
+        batch scored on a worker thread while the next is sampled. `reward_time` keeps this call's reward seconds:
+        hidden behind sampling and exposed (waited for after it)."""
+        if not self.overlaps:
+            x0 = self.sample(cond, seeds, steps, transformer, tag)
+            t = time.perf_counter()
+            scored = self.score(x0, prompts)
+            self.reward_time = {"hidden_s": 0.0, "exposed_s": time.perf_counter() - t}
+            return x0, scored
+        b = max(1, self.settings.batch_size or len(seeds))
+        spent: list[float] = []
+
+        def score(x: torch.Tensor, ps: Sequence[str]) -> Scored:
+            t0 = time.perf_counter()
+            try:
+                with torch.no_grad():  # grad mode is per thread
+                    return self.score(x, ps)
+            finally:
+                spent.append(time.perf_counter() - t0)
+
+        xs, futures = [], []
+        with ThreadPoolExecutor(1, thread_name_prefix="solrl-reward") as pool:
+            for i in range(0, len(seeds), b):
+                xs.append(self.sample(cond[i : i + b], seeds[i : i + b], steps, transformer, tag))
+                futures.append(pool.submit(score, xs[-1], list(prompts[i : i + b])))
+            t = time.perf_counter()
+            parts = [f.result() for f in futures]  # a reward's error surfaces here, for the batch it scored
+            exposed = time.perf_counter() - t
+        self.reward_time = {"hidden_s": max(0.0, sum(spent) - exposed), "exposed_s": exposed}
+        comps = {k: torch.cat([p.components[k] for p in parts]) for k in parts[0].components}
+        scored = Scored(torch.cat([p.images for p in parts]), torch.cat([p.rewards for p in parts]), comps)
+        return torch.cat(xs), scored
+
     def generate(
         self, prompts: Sequence[str], seeds: Sequence[int], steps: int | None = None, tag: str = ""
     ) -> Scored:
         """Images and rewards for (prompts[i], seeds[i]) with the policy as it is (its active adapter)."""
-        x0 = self.sample(self.encode(prompts), seeds, steps or self.settings.full_steps, tag=tag)
-        return self.score(x0, prompts)
+        return self.sample_scored(self.encode(prompts), prompts, seeds, steps or self.settings.full_steps, tag=tag)[1]
