@@ -163,10 +163,16 @@ def compare_figure(cmp: Comparison, header: str = "", labels: tuple[str, str] = 
     b, t = cmp.base, cmp.trained
     step = max(1, seeds_per_prompt)
     pick = [i * step for i in spread(len(b.prompts) // step, max_pairs)]
+
+    def parts(r: EvalResult, i: int) -> str:  # several rewards: each one's score after the total
+        if len(r.components) < 2:
+            return ""
+        return "  [" + ", ".join(f"{k} {v[i].item():.3f}" for k, v in r.components.items()) + "]"
+
     return pair_grid(
         frame_strips(b.images[pick]), frame_strips(t.images[pick]),
-        [f"{b.rewards[i].item():.3f}" for i in pick],
-        [f"{t.rewards[i].item():.3f}  ({t.rewards[i].item() - b.rewards[i].item():+.3f})" for i in pick],
+        [f"{b.rewards[i].item():.3f}{parts(b, i)}" for i in pick],
+        [f"{t.rewards[i].item():.3f}  ({t.rewards[i].item() - b.rewards[i].item():+.3f}){parts(t, i)}" for i in pick],
         [b.prompts[i] for i in pick], labels=labels, header=header,
         **({"pairs_per_row": 1, "tile": 512} if b.images.dim() == 5 else {}),
     )  # fmt: skip

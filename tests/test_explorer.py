@@ -14,6 +14,7 @@ from cpu_branches import BRANCHES, force_cpu_bf16
 from tiny_pipelines import SIZES, build_clip_reward, build_flux, build_sana, build_sd3
 
 from solrl_engine.explore import Explorer
+from solrl_engine.explore.ranking import select_contrastive
 from solrl_engine.rl.config import load_config
 from solrl_engine.rl.trainer import Trainer
 
@@ -182,3 +183,31 @@ def test_a_borrowing_copy_holds_no_second_copy_and_copies_on_write(small_model):
         assert all(torch.equal(want[n], p) for n, p in base.named_parameters())  # the base never changed
     deep = ExploreCopy(base, POLICY)  # the default (the public Explorer's): a deep copy, nothing borrowed
     assert deep.borrowed_bytes == 0
+
+
+def test_several_rewards_are_normalised_within_each_prompt_group_before_weighting(pipes):
+    """reward_combine=group_normalized: a reward of large spread (brightness x 100) no longer decides the ranking
+    alone; each reward is normalised within its prompt group, then weighted. The sum keeps today's behaviour. The
+    explorer ranks by that value and keeps the weighted sums for the metrics."""
+    from solrl_engine.rewards import WeightedReward
+
+    loud = lambda images, prompts: 100 * images.mean(dim=(1, 2, 3))  # noqa: E731
+    quiet = lambda images, prompts: images[:, 0].std(dim=(1, 2))  # noqa: E731 - red contrast, a small spread
+    g = torch.Generator().manual_seed(0)
+    totals, comps = torch.randn(3, 5, generator=g), {"loud": torch.randn(3, 5, generator=g) * 100,
+                                                      "quiet": torch.randn(3, 5, generator=g)}  # fmt: skip
+    comps["quiet"][1] = 0.25  # a group where a reward does not vary: it adds nothing there
+    wr = WeightedReward([("loud", 1.0, loud), ("quiet", 2.0, quiet)])
+    assert torch.equal(wr.group_value(totals, comps), totals)  # "sum": the weighted sum itself
+    wr.combine = "group_normalized"
+    z = {k: (v - v.mean(1, keepdim=True)) / (v.std(1, unbiased=False, keepdim=True) + 1e-6) for k, v in comps.items()}
+    torch.testing.assert_close(wr.group_value(totals, comps), z["loud"] + 2 * z["quiet"])
+    torch.testing.assert_close(wr.group_value(totals, comps)[1], z["loud"][1])
+
+    pipe = _stock("sd3", pipes["sd3"])
+    ex = Explorer(pipe, wr, n=6, k=2, preview_steps=2, explore_precision="nvfp4", resolution=SIZES["sd3"])
+    sel = ex.select(PROMPTS, [[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]])
+    want = wr.group_value(ex.last_totals, ex.last_components)
+    assert torch.equal(sel.all_rewards, want)  # ranked by the normalised combination
+    assert torch.equal(sel.index.sort(1).values, select_contrastive(want, 2).sort(1).values)
+    torch.testing.assert_close(ex.last_totals, ex.last_components["loud"] + 2 * ex.last_components["quiet"])

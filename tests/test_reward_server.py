@@ -192,6 +192,8 @@ def test_reward_url_is_checked_in_the_config():
             RLConfig(reward_url=bad).validate()
     with pytest.raises(ConfigError, match="reward_wait_s"):
         RLConfig(reward_wait_s=-1).validate()
+    with pytest.raises(ConfigError, match=r"reward_combine.*'sum', 'group_normalized'"):
+        RLConfig(reward_combine="max").validate()
 
 
 def _records(out: Path) -> list[dict]:

@@ -289,6 +289,10 @@ class Explorer:
                                                 self.transformer, self.tag)  # fmt: skip
         self._record_fast_path()
         r = scored.rewards.view(len(prompts), self.n)
+        self.last_totals = r  # the reward itself (the weighted sum), before a group-normalised combination
+        comps_pn = {k: v.view(len(prompts), self.n) for k, v in scored.components.items()}
+        value = getattr(self.rollouts.reward, "group_value", None)  # several rewards normalised per group, if asked
+        r = value(r, comps_pn).to(r.device) if value is not None else r
         bad = ~torch.isfinite(r)
         unranked = None
         if bool(bad.any()):
@@ -309,7 +313,7 @@ class Explorer:
         if keep_samples:
             rows = torch.arange(len(prompts), device=idx.device)[:, None]
             samples = x.view(len(prompts), self.n, *x.shape[1:])[rows, idx].flatten(0, 1)
-        self.last_components = {k: v.view(len(prompts), self.n) for k, v in scored.components.items()}
+        self.last_components = comps_pn
         return Selection(prompts, sel, r.gather(1, idx), ranks, noise, seeds, r, idx, self, samples, unranked)
 
     def _record_fast_path(self) -> None:

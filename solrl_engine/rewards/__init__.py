@@ -93,6 +93,8 @@ def _factory(name: str) -> Callable[..., RewardFn]:
 
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+# how several rewards are combined for ranking and training (WeightedReward.group_value); the config's reward_combine
+COMBINE = ("sum", "group_normalized")
 
 
 def _reward_kwargs(name: str, kw: dict[str, Any]) -> dict[str, Any]:
@@ -164,10 +166,26 @@ class WeightedReward:
     Videos [B, T, 3, H, W]: each image reward scores `frames` frames spread over every clip, aggregated by
     `frame_agg` ("mean" or "min"; rewards/video.py); a video reward (`temporal`) gets the clips whole."""
 
-    def __init__(self, parts: list[tuple[str, float, RewardFn]], frames: int = 4, frame_agg: str = "mean") -> None:
+    def __init__(self, parts: list[tuple[str, float, RewardFn]], frames: int = 4, frame_agg: str = "mean",
+                 combine: str = "sum") -> None:  # fmt: skip
         self.parts = parts
         self.frames, self.frame_agg = frames, frame_agg
+        self.combine = combine  # how a prompt group's rewards are combined (COMBINE); `group_value` applies it
         self.last_components: dict[str, torch.Tensor] = {}
+
+    def group_value(self, totals: torch.Tensor, components: dict[str, torch.Tensor]) -> torch.Tensor:
+        """What ranks and trains a prompt group's samples: rows are prompt groups ([P, G]). With combine="sum", the
+        weighted sum itself (`totals`); with "group_normalized", each reward normalised within its group (minus the
+        group's mean, over its std), then weighted: a reward of large spread cannot drown the others. A group whose
+        reward does not vary contributes 0 for it."""
+        if self.combine == "sum" or len(self.parts) == 1:
+            return totals
+        out = torch.zeros_like(totals, dtype=torch.float32)
+        for name, w, _ in self.parts:
+            r = components[name].float().to(out.device).view_as(out)
+            z = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, unbiased=False, keepdim=True) + 1e-6)
+            out = out + w * z
+        return out
 
     def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         from solrl_engine.rewards.video import score_frames
@@ -224,6 +242,7 @@ def load_reward(spec: str, args: dict[str, dict[str, str]] | None = None, urls: 
 
 
 __all__ = [
+    "COMBINE",
     "REWARDS",
     "RewardFn",
     "WeightedReward",

@@ -116,6 +116,9 @@ class RLConfig:
     # in-process. An unreachable server is waited for up to reward_wait_s seconds, then the run stops resumably
     reward_url: str = ""
     reward_wait_s: float = 600.0
+    # several rewards: "sum" ranks and trains on the weighted sum; "group_normalized" normalises each reward within
+    # its prompt group (over its std) before weighting, so one of large spread cannot drown the others
+    reward_combine: str = "sum"
     # video models: the image rewards score this many frames spread over each clip, aggregated by their mean
     # or min (reward "temporal" scores whole clips: consecutive frames agreeing)
     reward_frames: int = 4
@@ -299,6 +302,10 @@ class RLConfig:
         if set(urls) - names:
             raise bad("reward_url", f"names {sorted(set(urls) - names)}, not part of reward {self.reward!r}: map the "
                                     "rewards the run scores to their servers")  # fmt: skip
+        from solrl_engine.rewards import COMBINE
+
+        if self.reward_combine not in COMBINE:
+            raise bad("reward_combine", f"choose one of {COMBINE}")
         if not self.reward_wait_s >= 0:
             raise bad("reward_wait_s", "must be >= 0 seconds (how long an unreachable reward server is waited for)")
         for key in ("weight_decay", "kl_beta"):

@@ -209,6 +209,11 @@ class HeldOut:
         done = [h for h in history if "reward_mean" in h]  # skipped iterations have no rewards
         series = {"rollout reward (each iteration's prompts)": ([h["iter"] for h in done],
                                                                [h["reward_mean"] for h in done])}  # fmt: skip
+        parts = [k for k in (done[-1] if done else {}) if k.startswith("reward_") and k.endswith("_mean")
+                 and k != "reward_mean"]  # fmt: skip
+        for k in parts:  # several rewards: each one's rollout curve (the metrics' reward_<name>_mean)
+            series[f"{k.removeprefix('reward_').removesuffix('_mean')} (rollouts)"] = (
+                [h["iter"] for h in done if k in h], [h[k] for h in done if k in h])
         bands = {}
         for name, evals in (("held-out prompts (EMA)", self.evals), ("training prompts (EMA)", self.train_evals)):
             if evals:

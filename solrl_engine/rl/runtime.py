@@ -196,6 +196,7 @@ def build_rollouts(cfg: RLConfig, run: RunPlan | None = None) -> Rollouts:
     model.requires_grad_(False)
     reward = load_reward(cfg.reward, reward_args, urls, cfg.reward_wait_s)
     reward.frames, reward.frame_agg = cfg.reward_frames, cfg.reward_frame_agg  # what an image reward sees of a clip
+    reward.combine = cfg.reward_combine  # how several rewards rank and train a prompt group
     return Rollouts(model, spec, reward, rollout_settings(cfg) if run is None else run.rollouts)
 
 

@@ -281,6 +281,7 @@ class Trainer:
         with self.adapters.using(OLD):  # the policy explores with its "old" adapter when it explores
             sel = self.explorer.select(prompts, seeds, cond=cond, keep_samples=not rule.regenerate, nonfinite="defer")
         r_all, idx, proxy = sel.all_rewards, sel.index, sel.proxy_rewards
+        totals_all = self.explorer.last_totals  # the weighted sums (what the metrics report; r_all ranks)
         flat_all = [p for p in prompts for _ in range(c.n)]
         check_finite("explore rewards", r_all.flatten(), flat_all, [x for row in seeds for x in row], dist)
         comps = {k: v.gather(1, idx.cpu()).to(self.device) for k, v in self.explorer.last_components.items()}
@@ -297,10 +298,12 @@ class Trainer:
             check_finite("regenerated latents", x0, sel.flat_prompts, sel.flat_seeds, dist)
             rewards, comps = scored.rewards, scored.components
             check_finite("rewards of the regenerated samples", rewards, sel.flat_prompts, sel.flat_seeds, dist)
-            rewards = rewards.view(len(prompts), c.k)
             comps = {k: v.view(len(prompts), c.k).to(self.device) for k, v in comps.items()}
+            value = getattr(self.rollouts.reward, "group_value", None)  # reward_combine: ranks and trains on this
+            totals = rewards.view(len(prompts), c.k)
+            rewards = value(totals, comps).to(totals.device) if value is not None else totals
         else:
-            x0, rewards = sel.samples, proxy
+            x0, rewards, totals = sel.samples, proxy, totals_all.gather(1, idx.to(totals_all.device))
             check_finite("explored latents", x0, sel.flat_prompts, sel.flat_seeds, dist)
         t2, o2 = time.perf_counter(), st.overhead_s
 
@@ -324,14 +327,14 @@ class Trainer:
         t3, o3 = time.perf_counter(), st.overhead_s
 
         self.iteration += 1
-        g_r_all = dist.gather_rows(r_all)
+        g_r_all, g_totals = dist.gather_rows(totals_all.to(self.device)), dist.gather_rows(totals.to(self.device))
         g_comps = {k: dist.gather_rows(v) for k, v in comps.items()}
         g_sel = dist.gather_rows(torch.tensor(sel.seeds, dtype=torch.int64, device=self.device))
         m: dict[str, Any] = {
             "iter": self.iteration,
             "family": c.family,
-            "reward_mean": g_rewards.mean().item(),
-            "reward_std": g_rewards.std().item(),
+            "reward_mean": g_totals.mean().item(),
+            "reward_std": g_totals.std().item(),
             **({f"reward_{k}_mean": v.mean().item() for k, v in g_comps.items()} if len(g_comps) > 1 else {}),
             "explore_reward_mean": g_r_all.mean().item(),
             "proxy_reward_mean": g_proxy.mean().item() if rule.quantized_explore else None,
