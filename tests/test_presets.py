@@ -1,4 +1,4 @@
-"""The paper presets: all 60 <model>_<family>_<reward> functions load through load_config (the path a
+"""The paper presets: all 75 <model>_<family>_<reward> functions load through load_config (the path a
 user's `solrl train configs/<file>.py:<name>` takes) and validate without loading any weights, with the
 paper's hyper-parameters; overrides and unknown names behave."""
 
@@ -11,7 +11,7 @@ import pytest
 
 from solrl_engine.rl import FAMILIES, ConfigError, load_config
 from solrl_engine.rl.config import RLConfig
-from solrl_engine.rl.presets import PAPER, REWARDS, define_presets, paper_config
+from solrl_engine.rl.presets import PAPER, REWARD_PROMPTS, REWARDS, define_presets, paper_config
 
 ROOT = Path(__file__).resolve().parents[1]
 FILES = {"sd3": ("sd3.py", "sd3"), "flux": ("flux1.py", "flux1"), "sana": ("sana.py", "sana")}
@@ -51,14 +51,14 @@ def _names(fname: str, prefix: str) -> list[str]:
     return str(e.value).split("it has: ", 1)[1].split(", ")
 
 
-def test_the_config_files_offer_exactly_the_sixty_presets():
+def test_the_config_files_offer_exactly_the_seventy_five_presets():
     seen = []
     for fname, prefix in FILES.values():
         expected = sorted(f"{prefix}_{f}_{r}" for f in FAMILIES for r in REWARDS)
         assert sorted(_names(fname, prefix)) == expected  # nothing else is listed (no helpers)
         assert sorted(_module(fname).__all__) == expected
         seen += expected
-    assert len(seen) == len(set(seen)) == 60
+    assert len(seen) == len(set(seen)) == 75  # 3 models x 5 families x 5 rewards
 
 
 @pytest.mark.parametrize("model", sorted(FILES))
@@ -69,7 +69,8 @@ def test_every_preset_validates_with_the_papers_settings(model):
             name = f"{prefix}_{family}_{reward}"
             cfg = load_config(f"{ROOT / 'configs' / fname}:{name}")
             assert (cfg.name, cfg.model, cfg.family, cfg.reward) == (name, model, family, reward)
-            assert {k: getattr(cfg, k) for k in SHARED} == SHARED, name
+            own = dict(zip(("train_prompts", "eval_prompts"), REWARD_PROMPTS.get(reward, ()), strict=False))
+            assert {k: getattr(cfg, k) for k in SHARED} == {**SHARED, **own}, name  # ocr: its own prompt sets
             assert {k: getattr(cfg, k) for k in PER_MODEL[model]} == PER_MODEL[model], name
             assert cfg.n == (24 if family == "diffusionnft" else 96)
             assert cfg.compiled_sampler is None  # auto: compiled + graph-captured with CUDA, eager on a CPU
@@ -114,7 +115,7 @@ def test_unknown_names_list_what_exists():
 def test_the_table_is_data():
     ns: dict = {}
     names = define_presets(ns, "sana", "demo")
-    assert set(names) == set(ns) and len(names) == 20 and all(n.startswith("demo_") for n in names)
+    assert set(names) == set(ns) and len(names) == 25 and all(n.startswith("demo_") for n in names)
     assert set(PAPER) == set(FILES) | set(WAN) | {"qwenimage"}
 
 

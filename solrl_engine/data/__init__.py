@@ -17,9 +17,10 @@ from pathlib import Path
 BUNDLED = Path(__file__).parent / "prompts"
 SHAPES_SPLITS = ("train", "heldout")
 SAMPLE_SPLITS = ("train", "test")
+BUNDLED_SETS = ("sample", "ocr")  # prompts/<set>_<split>.txt: general prompts; text to render (the ocr reward's)
 SPLIT_SUFFIXES = (".txt", ".jsonl")
 ACCEPTED = (
-    "shapes/train, shapes/heldout, sample/train, sample/test, a .txt file (one prompt per line), "
+    "shapes/train, shapes/heldout, sample/train, sample/test, ocr/train, ocr/test, a .txt file (one prompt per line), "
     'a .jsonl file ({"prompt": ...} per line), or DIR:SPLIT for DIR/SPLIT.txt or DIR/SPLIT.jsonl'
 )
 
@@ -77,8 +78,8 @@ def load_prompts(spec: str) -> list[str]:
         from solrl_engine.data import shapes
 
         return shapes.prompts(split)
-    if head == "sample" and split in SAMPLE_SPLITS:
-        return read_prompt_file(BUNDLED / f"sample_{split}.txt")
+    if head in BUNDLED_SETS and split in SAMPLE_SPLITS:
+        return read_prompt_file(BUNDLED / f"{head}_{split}.txt")
     path = Path(spec)
     if path.is_file():
         return read_prompt_file(path)

@@ -32,6 +32,7 @@ REWARDS: dict[str, str] = {
     "hpsv2": "solrl_engine.rewards.hpsv2:HPSv2",
     "imagereward": "solrl_engine.rewards.imagereward:ImageRewardScorer",
     "temporal": "solrl_engine.rewards.video:TemporalConsistency",  # videos only: consecutive frames agreeing
+    "ocr": "solrl_engine.rewards.ocr:OCRReward",  # text rendering (Flow-GRPO's task): prompts quote the text
 }
 
 

@@ -15,7 +15,9 @@ from typing import Any
 
 from solrl_engine.rl.config import FAMILIES, FAMILY_TABLE, ConfigError, RLConfig, unknown_key_error
 
-REWARDS = ("imagereward", "clipscore", "pickscore", "hpsv2")
+REWARDS = ("imagereward", "clipscore", "pickscore", "hpsv2", "ocr")
+# a reward with prompt sets of its own (train, eval): text rendering's prompts quote the text to render
+REWARD_PROMPTS = {"ocr": ("ocr/train", "ocr/test")}
 
 # What every paper run shares (official configs/sol_rl/base.py and the per-model _set_bon_combo):
 # 48 prompt groups per iteration, N = 96 explored ("num_image_per_prompt"), K = 24 trained on
@@ -169,6 +171,8 @@ def paper_config(model: str, family: str, reward: str, **overrides: Any) -> RLCo
             raise ConfigError(f"no paper preset for {what} {value!r}; choose one of {known}")
     _check_overrides(overrides, f"{model}/{family}/{reward} preset")
     kw: dict[str, Any] = {**COMMON, **PAPER[model], "family": family, "reward": reward}
+    if reward in REWARD_PROMPTS:
+        kw["train_prompts"], kw["eval_prompts"] = REWARD_PROMPTS[reward]
     if FAMILY_TABLE[family].all_rollouts:  # DiffusionNFT trains on every rollout: N = K
         kw["n"] = kw["k"]
     # naive_quant and sol_rl quantize the model's default layers: explore_layers / explore_skip /
@@ -202,4 +206,4 @@ def define_presets(namespace: dict[str, Any], model: str, prefix: str) -> list[s
     return names
 
 
-__all__ = ["COMMON", "PAPER", "REWARDS", "define_presets", "paper_config"]
+__all__ = ["COMMON", "PAPER", "REWARDS", "REWARD_PROMPTS", "define_presets", "paper_config"]
