@@ -33,6 +33,7 @@ REWARDS: dict[str, str] = {
     "imagereward": "solrl_engine.rewards.imagereward:ImageRewardScorer",
     "temporal": "solrl_engine.rewards.video:TemporalConsistency",  # videos only: consecutive frames agreeing
     "ocr": "solrl_engine.rewards.ocr:OCRReward",  # text rendering (Flow-GRPO's task): prompts quote the text
+    "vlm": "solrl_engine.rewards.vlm:VLMJudge",  # a VLM judge on an OpenAI-compatible server (vLLM, SGLang)
 }
 
 
