@@ -3,8 +3,9 @@
 The quickstart's config (configs/tiny.py:tiny_sol_rl_shapes, the bundled model on this CPU) scored by a reward
 server (solrl_engine.rewards.serve, in a thread of this process) hosting the shapes reward plus `--sleep` seconds
 per scored batch: once with scoring overlapped (batch i scored while batch i+1 is sampled: Rollouts.sample_scored),
-once with the overlap switched off (every batch scored after the sampling), the same seeds. Records per
-iteration the reward seconds hidden and exposed, the phase times, and whether the non-time metrics agree.
+once with the overlap switched off (every batch scored after the sampling), the same seeds, and once with the
+reward in-process. Records per iteration the reward seconds hidden and exposed, the phase times, and whether the
+non-time metrics agree (remote overlapped, remote sequential and in-process).
 
     python bench/reward_overlap.py --iterations 2 --sleep 0.2 --json bench/results/2026-11-28-cpu-reward-overlap.json
 """
@@ -77,8 +78,9 @@ def run(url: str, iterations: int, overlap: bool, out: Path, sets: list[str]) ->
     from solrl_engine.rl.trainer import Trainer
     from solrl_engine.sampling.rollouts import Rollouts
 
+    remote = [f"reward_url=shapes={url}"] if url else []  # no url: the shapes reward in-process
     cfg = load_config("configs/tiny.py:tiny_sol_rl_shapes", [f"iterations={iterations}", f"eval_every={iterations}",
-                      f"reward_url=shapes={url}", f"output={out}", *sets])  # fmt: skip
+                      *remote, f"output={out}", *sets])  # fmt: skip
     saved = Rollouts.overlaps
     if not overlap:
         Rollouts.overlaps = property(lambda self: False)  # type: ignore[method-assign,assignment]
@@ -105,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             for mode in ("overlapped", "sequential"):
                 runs[mode] = run(url, args.iterations, mode == "overlapped", Path(tmp) / mode, args.set)
+            local = run("", args.iterations, False, Path(tmp) / "in_process", args.set)
     finally:
         stop()
     keys = ("time_total_s", "time_explore_s", "time_regen_s", "time_train_s", "time_reward_hidden_s",
@@ -114,7 +117,10 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows:
             total = r["time_reward_hidden_s"] + r["time_reward_exposed_s"]
             r["hidden_fraction"] = r["time_reward_hidden_s"] / total if total else None
-    same = all(all(a[k] == b[k] for k in a if not k.startswith("time")) for a, b in zip(*runs.values(), strict=True))
+    def agree(xs: list[dict[str, Any]], ys: list[dict[str, Any]]) -> bool:
+        return all(all(a[k] == b[k] for k in a if not k.startswith("time")) for a, b in zip(xs, ys, strict=True))
+
+    same = agree(runs["overlapped"], runs["sequential"])
     o, s = table["overlapped"], table["sequential"]
     rec = {
         "bench": "reward time hidden behind sampling (a reward server sleeping per batch)",
@@ -123,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         "changes": args.set,
         "sleep_s_per_batch": args.sleep, "threads": torch.get_num_threads(), "scored_batches": fn.calls,
         "iterations": table, "non_time_metrics_equal": same,
+        # the same run with the shapes reward in this process (no server): what the remote runs must equal
+        "remote_equals_in_process": agree(runs["overlapped"], local),
         "hidden_fraction_mean": sum(r["hidden_fraction"] for r in o) / len(o),
         "iteration_time_sequential_over_overlapped": sum(r["time_total_s"] for r in s)
         / sum(r["time_total_s"] for r in o),

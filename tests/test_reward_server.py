@@ -232,3 +232,37 @@ def test_a_run_scored_remotely_equals_the_in_process_run_through_a_server_restar
             if key.startswith("time") or key.endswith("_s") or key == "grad_norm":
                 continue
             assert g[key] == w[key], key
+
+
+def test_a_server_gone_for_good_stops_the_run_resumably_and_the_resumed_run_is_exact(small_model, tmp_path,
+                                                                                     monkeypatch):  # fmt: skip
+    """The server dies after iteration 1 and stays away past reward_wait_s: iteration 2 stops with
+    RewardServerLost naming the URL, nothing of it recorded; restarted, `--resume` finishes the run with the
+    metrics of a run that never lost its server (in-process)."""
+    from solrl_engine.rl.trainer import Trainer
+
+    monkeypatch.delenv("SOLRL_REWARD_TOKEN", raising=False)
+    cfg = dict(name="lost", model_path=small_model, n=6, k=4, prompts_per_iter=2, preview_steps=2, full_steps=4,
+               eval_every=2, eval_prompt_count=2, eval_seeds=1, lora_rank=4, lora_alpha=8, lr=1e-2,
+               rollout_batch_size=4, train_batch_size=4, timestep_fraction=0.5, save_every=1)  # fmt: skip
+    Trainer(RLConfig(**cfg, iterations=2, output=str(tmp_path / "local")), progress=False).run()
+    out = tmp_path / "remote"
+    s = Server().start()
+    try:
+        remote = dict(cfg, output=str(out), reward_url=f"shapes={s.url}", reward_wait_s=1.5)
+        Trainer(RLConfig(**remote, iterations=1), progress=False).run()
+        tr = Trainer(RLConfig(**remote, iterations=2), progress=False)  # the handshake passes ...
+        s.stop()  # ... then the server is gone for good
+        with pytest.raises(RewardServerLost, match=rf"{s.url} \(shapes\) unreachable.*--resume"):
+            tr.run(resume=True)
+        assert [r["iter"] for r in _records(out)] == [1]  # nothing of iteration 2 was recorded
+        s.start()
+        Trainer(RLConfig(**remote, iterations=2), progress=False).run(resume=True)
+    finally:
+        s.stop()
+    want, got = _records(tmp_path / "local"), _records(out)
+    assert [r["iter"] for r in got] == [1, 2]
+    for w, g in zip(want, got, strict=True):
+        for key in w:
+            if not (key.startswith("time") or key.endswith("_s") or key == "grad_norm"):
+                assert g[key] == w[key], key
