@@ -13,7 +13,8 @@ from solrl_engine.explore import choice
 from solrl_engine.rl import ConfigError, RLConfig
 from solrl_engine.rl.trainer import Trainer
 
-TIME_KEYS = {"time_explore_s", "time_regen_s", "time_train_s", "time_total_s"}
+TIME_KEYS = {"time_explore_s", "time_regen_s", "time_train_s", "time_total_s", "time_reward_hidden_s",
+             "time_reward_exposed_s"}
 
 
 @pytest.fixture(autouse=True)

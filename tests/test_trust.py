@@ -25,7 +25,8 @@ from solrl_engine.rl.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = str(ROOT / "configs/tiny.py:tiny_sol_rl_shapes")
-TIME_KEYS = {"time_explore_s", "time_regen_s", "time_train_s", "time_total_s"}
+TIME_KEYS = {"time_explore_s", "time_regen_s", "time_train_s", "time_total_s", "time_reward_hidden_s",
+             "time_reward_exposed_s"}
 
 
 def _sets(small_model: str, **kw: object) -> list[str]:
