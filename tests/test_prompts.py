@@ -71,3 +71,18 @@ def test_unknown_specs_name_the_spec_and_what_is_accepted(tmp_path):
         load_prompts(str(tmp_path / "missing.txt"))
     with pytest.raises(ValueError, match="unknown prompt set '.*nowhere:train'; accepted"):
         load_prompts(str(tmp_path / "nowhere") + ":train")
+
+
+def test_the_geneval_prompt_sets_are_ready_for_a_detector_reward():
+    """GenEval-style composition prompts (counting, colours, positions, two objects), each line with GenEval's
+    metadata (tag, include: class, count, colour, position); no offline detector scores them yet (docs say so)."""
+    import json
+
+    from solrl_engine.data import BUNDLED, load_prompts
+
+    for split, n in (("train", 48), ("test", 16)):
+        prompts = load_prompts(f"geneval/{split}")
+        lines = [json.loads(x) for x in (BUNDLED / f"geneval_{split}.jsonl").read_text().splitlines()]
+        assert len(prompts) == len(lines) == n and prompts == [r["prompt"] for r in lines]
+        assert {r["tag"] for r in lines} <= {"counting", "colors", "position", "two_object"}
+        assert all(r["include"] and all(o["class"] in r["prompt"] for o in r["include"]) for r in lines)

@@ -17,10 +17,13 @@ from pathlib import Path
 BUNDLED = Path(__file__).parent / "prompts"
 SHAPES_SPLITS = ("train", "heldout")
 SAMPLE_SPLITS = ("train", "test")
-BUNDLED_SETS = ("sample", "ocr")  # prompts/<set>_<split>.txt: general prompts; text to render (the ocr reward's)
+# prompts/<set>_<split>.txt or .jsonl: general prompts; text to render (the ocr reward's); GenEval-style composition
+# (objects, counts, colours, positions, with GenEval's metadata per line: ready for a detector reward)
+BUNDLED_SETS = ("sample", "ocr", "geneval")
 SPLIT_SUFFIXES = (".txt", ".jsonl")
 ACCEPTED = (
-    "shapes/train, shapes/heldout, sample/train, sample/test, ocr/train, ocr/test, a .txt file (one prompt per line), "
+    "shapes/train, shapes/heldout, sample/train, sample/test, ocr/train, ocr/test, geneval/train, geneval/test, "
+    "a .txt file (one prompt per line), "
     'a .jsonl file ({"prompt": ...} per line), or DIR:SPLIT for DIR/SPLIT.txt or DIR/SPLIT.jsonl'
 )
 
@@ -79,7 +82,7 @@ def load_prompts(spec: str) -> list[str]:
 
         return shapes.prompts(split)
     if head in BUNDLED_SETS and split in SAMPLE_SPLITS:
-        return read_prompt_file(BUNDLED / f"{head}_{split}.txt")
+        return read_prompt_file(_split_file(BUNDLED, f"{head}_{split}", spec))
     path = Path(spec)
     if path.is_file():
         return read_prompt_file(path)
