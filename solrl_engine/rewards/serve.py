@@ -173,13 +173,15 @@ def make_app(hosted: list[Hosted], max_batch: int = 64, max_bytes: int = MAX_REQ
             return web.json_response({"ok": False, "error": str(e)})
         return web.json_response({"ok": True})
 
+    workers: list[asyncio.Task] = []
+
     async def start(app: web.Application) -> None:
         for h in hosted:
             h.queue = asyncio.Queue()
-        app["workers"] = [asyncio.create_task(worker(h)) for h in hosted]
+        workers.extend(asyncio.create_task(worker(h)) for h in hosted)
 
     async def stop(app: web.Application) -> None:
-        for t in app["workers"]:
+        for t in workers:
             t.cancel()
 
     async def too_large(request: web.Request, handler: Any) -> web.StreamResponse:
