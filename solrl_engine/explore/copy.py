@@ -115,7 +115,9 @@ class ExploreCopy:
     a full QuantRecipe; `changes` are QuantRecipe changes applied on top (the model family's layer
     rule: include, extra_skip, skip_max_dim, ...). `extra_skip` / `skip_max_dim` are the older
     spelling of two of those changes (None leaves the recipe's own skip_max_dim). `self.recipe` is
-    the recipe's name (for logs), `self.quant_recipe` the full recipe used.
+    the recipe's name (for logs), `self.quant_recipe` the full recipe used. `producers` (the family's
+    ModelSpec.producers) names the norms that emit their output's 8-bit codes for the linears they feed
+    (nn.producers); `self.producers` says what was fused and why the others were not.
     """
 
     def __init__(
