@@ -301,7 +301,10 @@ def _train(args: argparse.Namespace) -> int:
             summary = trainer.run(resume=mode == "resume", overwrite=mode == "overwrite", auto_resume=mode == "auto")
         except (KeyboardInterrupt, rundir.Stopped) as e:
             return _stopped_at_once(e, out)
-        except RewardServerLost as e:  # the run stopped on a reward server that stayed away: resumable
+        except RewardServerLost as e:  # a reward server that stayed away: at start, run again; mid-run, resumable
+            if trainer is None:
+                again = "nothing was started: run the same command again once it answers"
+                raise SystemExit(f"error: {e}\n{again}") from None
             raise SystemExit(f"error: {e}\ncontinue with: {_resume_command(args, out)}") from None
         except (NonFiniteError, ValueError, OSError) as e:
             if isinstance(e, DiskFull):  # a run that checkpointed before: say how to go on once space is freed

@@ -178,7 +178,7 @@ def test_a_token_is_required_when_set_and_a_request_over_the_limit_is_refused(mo
 def test_an_unreachable_server_is_waited_for_then_the_run_stops_naming_it(monkeypatch):
     url = f"http://127.0.0.1:{_free_port()}"
     t0 = time.monotonic()
-    with pytest.raises(RewardServerLost, match=rf"{url} \(shapes\) unreachable for .*--resume"):
+    with pytest.raises(RewardServerLost, match=rf"{url} \(shapes\) unreachable for .*Start the server again"):
         RemoteReward("shapes", url, wait_s=1.0)
     assert 0.9 < time.monotonic() - t0 < 15
 
@@ -307,3 +307,15 @@ def test_a_reward_that_answers_nonsense_is_refused_and_nothing_recorded(scores, 
             RemoteReward("shapes", url)(images, prompts)
     finally:
         stop()
+
+
+def test_solrl_train_with_no_server_at_start_says_to_run_again_not_to_resume(tmp_path, capsys):
+    from solrl_engine.cli import main
+
+    url = f"http://127.0.0.1:{_free_port()}"
+    with pytest.raises(SystemExit) as e:
+        main(["train", "configs/tiny.py:tiny_sol_rl_shapes", "--output", str(tmp_path / "run"), "--set",
+              f"reward_url=shapes={url}", "--set", "reward_wait_s=0.5"])  # fmt: skip
+    msg = str(e.value)
+    assert f"{url} (shapes) unreachable" in msg and "nothing was started: run the same command again" in msg
+    assert "--resume" not in msg.splitlines()[-1] and not (tmp_path / "run").exists()

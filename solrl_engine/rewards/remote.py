@@ -159,8 +159,8 @@ class RemoteReward:
             if waited >= self.wait_s:
                 raise RewardServerLost(
                     f"reward server {self.url} ({self.name}) unreachable for {waited:.0f} s (reward_wait_s="
-                    f"{self.wait_s:g}); last error: {last}. Restart it, then resume the run (--resume): nothing of the "
-                    "unfinished iteration was recorded"
+                    f"{self.wait_s:g}); last error: {last}. Start the server again, then rerun (a run stopped mid-way "
+                    "continues with --resume; nothing of its unfinished iteration was recorded)"
                 )
             log.warning("reward server %s unreachable (%s); retrying for up to %.0f s more", self.url, last,
                         self.wait_s - waited)  # fmt: skip
