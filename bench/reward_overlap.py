@@ -13,12 +13,9 @@ non-time metrics agree (remote overlapped, remote sequential and in-process).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import socket
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -46,30 +43,9 @@ class SlowShapes:
 
 def start_server(fn: Any) -> tuple[str, Any]:
     """Serve `fn` as the reward "shapes" on a free port of 127.0.0.1, in a thread; (url, stop)."""
-    from aiohttp import web
+    from solrl_engine.rewards.serve import Hosted, serve_in_thread
 
-    from solrl_engine.rewards.serve import Hosted, make_app
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    loop = asyncio.new_event_loop()
-    threading.Thread(target=loop.run_forever, daemon=True).start()
-    info = {"model": "ShapesReward (slow)", "args": {}, "video": False}
-
-    async def up() -> Any:
-        runner = web.AppRunner(make_app([Hosted("shapes", fn, info)]))
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        return runner
-
-    runner = asyncio.run_coroutine_threadsafe(up(), loop).result(30)
-
-    def stop() -> None:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
-        loop.call_soon_threadsafe(loop.stop)
-
-    return f"http://127.0.0.1:{port}", stop
+    return serve_in_thread([Hosted("shapes", fn, {"model": "ShapesReward (slow)", "args": {}, "video": False})])
 
 
 def run(url: str, iterations: int, overlap: bool, out: Path, sets: list[str]) -> list[dict[str, Any]]:

@@ -268,39 +268,16 @@ def test_a_server_gone_for_good_stops_the_run_resumably_and_the_resumed_run_is_e
                 assert g[key] == w[key], key
 
 
-def _serve_in_thread(fn):  # noqa: ANN001, ANN202 - a reward callable; (url, stop)
-    """`fn` served as the reward "shapes" by the real app (make_app) on an event loop in a thread."""
-    import asyncio
-
-    from aiohttp import web
-
-    from solrl_engine.rewards.serve import Hosted, make_app
-
-    port, loop = _free_port(), asyncio.new_event_loop()
-    threading.Thread(target=loop.run_forever, daemon=True).start()
-
-    async def up():  # noqa: ANN202
-        runner = web.AppRunner(make_app([Hosted("shapes", fn, {"model": "test", "args": {}})]))
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        return runner
-
-    runner = asyncio.run_coroutine_threadsafe(up(), loop).result(30)
-
-    def stop() -> None:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
-        loop.call_soon_threadsafe(loop.stop)
-
-    return f"http://127.0.0.1:{port}", stop
-
-
 @pytest.mark.parametrize(("scores", "why"), [(lambda n: torch.full((n,), float("nan")), "non-finite score"),
                                              (lambda n: torch.zeros(n + 1), "expected 2 numbers")])  # fmt: skip
 def test_a_reward_that_answers_nonsense_is_refused_and_nothing_recorded(scores, why, monkeypatch):
     """A served reward giving a NaN or a wrong number of scores: the server answers 500 naming it, the client
     raises with that reason (the run stops), never a score."""
     monkeypatch.delenv("SOLRL_REWARD_TOKEN", raising=False)
-    url, stop = _serve_in_thread(lambda images, prompts: scores(len(prompts)))
+    from solrl_engine.rewards.serve import Hosted, serve_in_thread
+
+    url, stop = serve_in_thread([Hosted("shapes", lambda images, prompts: scores(len(prompts)), {"model": "test",
+                                                                                                 "args": {}})])
     try:
         images, prompts = _batch(2)
         with pytest.raises(RewardRefused, match=rf"HTTP 500.*{why}.*nothing recorded"):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import inspect
 import json
 import logging
 import os
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 
-from solrl_engine.rewards import load_reward, parse_reward_spec
+from solrl_engine.rewards import _factory, load_reward, parse_reward_spec
 from solrl_engine.rewards.remote import MAX_REQUEST_BYTES, PROTOCOL, TOKEN_ENV, check_scores, decode_request
 
 log = logging.getLogger("solrl_engine.rewards")
@@ -59,16 +60,9 @@ def host(names: str, args: dict[str, dict[str, str]] | None = None, device: str 
     out = []
     for name, _ in parse_reward_spec(names):
         kw = dict(args.get(name, {}))
-        if device is not None:
+        if device is not None and "device" in inspect.signature(_factory(name)).parameters:  # shapes has none
             kw.setdefault("device", device)
-        try:
-            fn = load_reward(name, {name: kw}).parts[0][2]
-        except ValueError as e:
-            if device is not None and "has no argument 'device'" in str(e):  # a reward without a device (shapes)
-                kw.pop("device")
-                fn = load_reward(name, {name: kw}).parts[0][2]
-            else:
-                raise
+        fn = load_reward(name, {name: kw}).parts[0][2]
         model = kw.get("model") or getattr(fn, "model_id", None) or type(fn).__name__
         info = {"model": str(model), "args": {k: str(v) for k, v in kw.items()}, "video": bool(getattr(fn, "video",
                 False)), "input": "images [B, 3, H, W] (or clips [B, T, 3, H, W]) in [0, 1], float32 or float16"}
@@ -197,6 +191,36 @@ def make_app(hosted: list[Hosted], max_batch: int = 64, max_bytes: int = MAX_REQ
     app.on_startup.append(start)
     app.on_cleanup.append(stop)
     return app
+
+
+def serve_in_thread(hosted: list[Hosted], host_name: str = "127.0.0.1", **app_options: Any) -> tuple[str, Any]:
+    """Serve `hosted` (make_app, `app_options` its keywords) on a free port of `host_name`, on an event loop in a
+    daemon thread of this process: (its URL, a function that stops it). For benches and tests that host a reward
+    of their own; `serve` is the command's blocking server."""
+    import socket
+    import threading
+
+    from aiohttp import web
+
+    with socket.socket() as s:
+        s.bind((host_name, 0))
+        port = s.getsockname()[1]
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+
+    async def up() -> Any:
+        runner = web.AppRunner(make_app(hosted, **app_options))
+        await runner.setup()
+        await web.TCPSite(runner, host_name, port).start()
+        return runner
+
+    runner = asyncio.run_coroutine_threadsafe(up(), loop).result(30)
+
+    def stop() -> None:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+
+    return f"http://{host_name}:{port}", stop
 
 
 def serve(names: str, args: dict[str, dict[str, str]] | None = None, host_name: str = "127.0.0.1", port: int = 8000,
