@@ -34,6 +34,8 @@ def _args(small_model: str, out: Path, dtype: torch.dtype, mode: str = "lora") -
         sets += ["gradient_checkpointing=true"]
     if mode == "full-hsdp":  # HSDP: groups of one rank ("nodes" of one GPU), replicated across the two
         sets += ["sharding=hsdp", "shard_group_size=1"]
+    if mode == "flow_grpo":  # another objective: SDE regenerations, their states split over the ranks
+        sets += ["objective=flow_grpo", "kl_beta=0.04", "clip_range=0.2"]
     args = ["train", str(ROOT / "configs/tiny.py:tiny_sol_rl_shapes"), "--output", str(out)]
     for s in sets:
         args += ["--set", s]
@@ -42,9 +44,10 @@ def _args(small_model: str, out: Path, dtype: torch.dtype, mode: str = "lora") -
 
 @pytest.mark.parametrize(("dtype", "mode"), [(torch.float32, "lora"), (torch.bfloat16, "lora"),
                                              (torch.float32, "full"), (torch.float32, "fsdp"),
-                                             (torch.float32, "full-fsdp"), (torch.float32, "full-hsdp")],
+                                             (torch.float32, "full-fsdp"), (torch.float32, "full-hsdp"),
+                                             (torch.float32, "flow_grpo")],
                          ids=["fp32", "bf16", "full-fp32", "fsdp-fp32", "full-fsdp-fp32",
-                              "full-hsdp-fp32"])  # fmt: skip
+                              "full-hsdp-fp32", "flow-grpo-fp32"])  # fmt: skip
 def test_torchrun_two_ranks_match_one_process(small_model, tmp_path, dtype, mode):
     """Both policy dtypes the CPU's detection can pick (set explicitly: the ranks are other processes),
     with tolerances set by the dtype (tests/cpu_branches.py): BF16 sums in another order differ by
@@ -98,6 +101,7 @@ def test_torchrun_two_ranks_match_one_process(small_model, tmp_path, dtype, mode
 
 
 FILES = {"lora": "lora/pytorch_lora_weights.safetensors", "fsdp": "lora/pytorch_lora_weights.safetensors",
+         "flow_grpo": "lora/pytorch_lora_weights.safetensors",
          "full": "transformer/diffusion_pytorch_model.safetensors",
          "full-fsdp": "transformer/diffusion_pytorch_model.safetensors",
          "full-hsdp": "transformer/diffusion_pytorch_model.safetensors"}  # what each mode exports

@@ -115,6 +115,7 @@ class Selection:
     explorer: Explorer | None = None
     samples: torch.Tensor | None = None  # the selected previews' final latents, when asked for
     nonfinite: str | None = None  # select(nonfinite="defer"): which rewards were NaN or inf (nothing was ranked)
+    trace: torch.Tensor | None = None  # select(window=...): the selected rollouts' SDE states [P*K, W + 1, ...]
 
     @property
     def flat_prompts(self) -> list[str]:
@@ -271,13 +272,15 @@ class Explorer:
         cond: Conditioning | None = None,
         keep_samples: bool = False,
         nonfinite: str = "raise",
+        window: tuple[int, int] | None = None,
     ) -> Selection:
         """Explore N seeds per prompt (given, or drawn from the explorer's seeded generator), score
         the previews, keep the most contrastive K. `keep_samples` keeps the selected previews'
         latents (for training on the quantized samples themselves, as naive_quant does). Non-finite
         preview rewards are never ranked: ValueError naming the prompts and seeds, or with
         `nonfinite="defer"` (a trainer with its own policy) the Selection keeps them unranked and says so
-        in `nonfinite`."""
+        in `nonfinite`. A `window` of steps explores with Flow-GRPO's SDE there (sampling.sde) and keeps the selected
+        rollouts' states in `trace`, for an objective that trains on the explored rollouts themselves."""
         prompts = _prompt_list(prompts)
         seeds = _seed_rows(seeds, len(prompts), self.n) if seeds is not None else self.draw_seeds(prompts)
         if nonfinite not in ("raise", "defer"):
@@ -285,8 +288,9 @@ class Explorer:
         cond = self.rollouts.encode(prompts) if cond is None else cond
         flat = [s for row in seeds for s in row]
         per_seed = [p for p in prompts for _ in range(self.n)]
+        states: list[torch.Tensor] | None = [] if window is not None else None
         x, scored = self.rollouts.sample_scored(cond.repeat_interleave(self.n), per_seed, flat, self.steps,
-                                                self.transformer, self.tag)  # fmt: skip
+                                                self.transformer, self.tag, window, states)  # fmt: skip
         self._record_fast_path()
         r = scored.rewards.view(len(prompts), self.n)
         self.last_totals = r  # the reward itself (the weighted sum), before a group-normalised combination
@@ -309,12 +313,15 @@ class Explorer:
         sel = [[row[i] for i in ix] for row, ix in zip(seeds, idx.tolist(), strict=True)]
         lat = seeded_noise([s for row in sel for s in row], tuple(self.model.latent_shape))
         noise = self.model.pipeline_latents(lat) if hasattr(self.model, "pipeline_latents") else lat
-        samples = None
+        samples = trace = None
+        rows = torch.arange(len(prompts), device=idx.device)[:, None]
         if keep_samples:
-            rows = torch.arange(len(prompts), device=idx.device)[:, None]
             samples = x.view(len(prompts), self.n, *x.shape[1:])[rows, idx].flatten(0, 1)
+        if states is not None:
+            xs = torch.cat(states)
+            trace = xs.view(len(prompts), self.n, *xs.shape[1:])[rows.to(xs.device), idx.to(xs.device)].flatten(0, 1)
         self.last_components = comps_pn
-        return Selection(prompts, sel, r.gather(1, idx), ranks, noise, seeds, r, idx, self, samples, unranked)
+        return Selection(prompts, sel, r.gather(1, idx), ranks, noise, seeds, r, idx, self, samples, unranked, trace)
 
     def _record_fast_path(self) -> None:
         """Read back which implementation each quantized layer ran (`self.fast_path`); the first

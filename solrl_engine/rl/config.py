@@ -66,12 +66,16 @@ SHARDING = ("none", "fsdp", "hsdp")
 
 @dataclass(frozen=True)
 class ObjectiveSpec:
-    """A registered objective (rl/objectives/): its name (the config's `objective`), a line saying what it is, and
-    its handler as "module:attr", imported on first use (the config checks names without the update code)."""
+    """A registered objective (rl/objectives/): its name (the config's `objective`), a line saying what it is, its
+    handler as "module:attr", imported on first use (the config checks names without the update code), and the
+    rollouts it trains on: "samples" (final samples of any solver) or "sde" (Flow-GRPO's SDE states with per-step
+    log-probabilities; `window`: on a window of sde_window steps, else every step but the last)."""
 
     name: str
     summary: str
     handler: str
+    rollout: str = "samples"
+    window: bool = False
 
     def load(self) -> Any:
         mod, attr = self.handler.split(":")
@@ -83,6 +87,14 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {
     "nft": ObjectiveSpec("nft", "DiffusionNFT (Zheng et al. 2025): the trained and old policies' implicit positive "
                                 "and negative policies, weighted by the reward; the paper's and Sol-RL's loss",
                          "solrl_engine.rl.objectives.nft:OBJECTIVE"),  # fmt: skip
+    "flow_grpo": ObjectiveSpec("flow_grpo", "Flow-GRPO (Liu et al. 2025): SDE rollouts with per-step Gaussian "
+                                            "log-probabilities, a clipped probability ratio on group-normalised "
+                                            "advantages and a KL to the reference; every step but the last",
+                               "solrl_engine.rl.objectives.flow_grpo:FLOW_GRPO", rollout="sde"),  # fmt: skip
+    "flow_grpo_fast": ObjectiveSpec("flow_grpo_fast", "Flow-GRPO-Fast: Flow-GRPO's loss on a window of sde_window "
+                                                      "SDE steps placed at random in the first half, ODE elsewhere",
+                                    "solrl_engine.rl.objectives.flow_grpo:FLOW_GRPO_FAST", rollout="sde",
+                                    window=True),  # fmt: skip
 }
 
 
@@ -96,9 +108,16 @@ class RLConfig:
 
     name: str = "run"
     family: str = "sol_rl"
-    # the loss the selected samples train with (rl/objectives/: nft, DiffusionNFT); "family" above is the rollout
-    # recipe (which precision explores, what is selected and regenerated), the objective what the update optimizes
+    # the loss the selected samples train with (rl/objectives/: nft, DiffusionNFT; flow_grpo, flow_grpo_fast); "family"
+    # above is the rollout recipe (which precision explores, what is selected and regenerated), the objective what the
+    # update optimizes. An SDE objective's trained rollouts are its own SDE at sde_noise_level (on sde_window steps
+    # placed at random below sde_window_range, for flow_grpo_fast; None: half the steps); `solver` stays the previews'
+    # and the evaluation's. clip_range: the probability ratio's clip (Flow-GRPO's base config: 1e-4)
     objective: str = "nft"
+    sde_noise_level: float = 0.7
+    sde_window: int = 2
+    sde_window_range: int | None = None
+    clip_range: float = 1e-4
     # the model: a family of solrl_engine.models.MODELS (tiny, sd3, flux, sana); model_path is a local
     # pipeline directory or a hub id (None: the family's default weights); resolution in pixels
     # (None: the family's default, the paper's: SD3.5-L 1024, FLUX 512, SANA 1024)
@@ -240,6 +259,28 @@ class RLConfig:
             attention=self.explore_attention,
         )
 
+    def _check_objective(self, bad: typing.Callable[[str, str], ConfigError]) -> None:
+        """An SDE objective's keys: a noise that gives log-probabilities, a ratio clip, a window that fits."""
+        spec = OBJECTIVES[self.objective]
+        if spec.rollout != "sde":
+            return
+        sde = tuple(n for n, o in OBJECTIVES.items() if o.rollout == "sde")
+        if not self.sde_noise_level > 0:
+            raise bad("sde_noise_level", f"{self.objective} trains on per-step log-probabilities, which a sampler "
+                                         "without noise has none of: use > 0 (Flow-GRPO's 0.7), or an objective that "
+                                         f"trains on final samples ({tuple(n for n in OBJECTIVES if n not in sde)})")
+        if not self.clip_range > 0:
+            raise bad("clip_range", "the probability ratio's clip must be > 0 (Flow-GRPO's 1e-4)")
+        if self.full_steps < 2:
+            raise bad("full_steps", f"{self.objective} trains on every SDE step but the last: needs >= 2 steps")
+        if spec.window:
+            high = self.full_steps // 2 if self.sde_window_range is None else self.sde_window_range
+            if not 1 <= high <= self.full_steps - 1:
+                raise bad("sde_window_range", f"the window's steps lie below it: between 1 and full_steps - 1 "
+                                              f"({self.full_steps - 1}); None: half the steps")  # fmt: skip
+            if not 1 <= self.sde_window <= high:
+                raise bad("sde_window", f"SDE steps per rollout: between 1 and sde_window_range ({high})")
+
     def validate(self) -> RLConfig:
         """Raise ConfigError on anything that cannot run; return self."""
 
@@ -251,6 +292,7 @@ class RLConfig:
         if self.objective not in OBJECTIVES:
             raise bad("objective", f"unknown objective; choose one of {tuple(OBJECTIVES)} (family={self.family!r} "
                                    "says how rollouts are made; the objective, what the update optimizes)")
+        self._check_objective(bad)
         from solrl_engine.models import MODELS
 
         if self.model not in MODELS:

@@ -164,6 +164,7 @@ def rollout_settings(cfg: RLConfig) -> RolloutSettings:
     """How the config's rollouts sample; its family may force the compiled sampler (the `compile` family)."""
     compiled = True if FAMILY_TABLE[cfg.family].compiled else cfg.compiled_sampler
     return RolloutSettings(full_steps=cfg.full_steps, shift=cfg.shift, solver=cfg.solver,
+                           sde_noise_level=cfg.sde_noise_level,
                            batch_size=cfg.rollout_batch_size, guidance_scale=cfg.guidance_scale, compiled=compiled,
                            compile_mode=cfg.compile_mode, compile_regional=cfg.compile_regional,
                            compile_cache_dir=cfg.compile_cache_dir, reward_name=cfg.reward)  # fmt: skip

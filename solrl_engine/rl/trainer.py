@@ -34,7 +34,7 @@ from solrl_engine.hw import cpu_compile_available
 from solrl_engine.models.base import Conditioning
 from solrl_engine.rl import sizing
 from solrl_engine.rl.adapters import OLD, TRAIN, LoraAdapters
-from solrl_engine.rl.config import FAMILY_TABLE, ConfigError, RLConfig
+from solrl_engine.rl.config import FAMILY_TABLE, OBJECTIVES, ConfigError, RLConfig
 from solrl_engine.rl.distributed import Dist, local
 from solrl_engine.rl.export import save_trained
 from solrl_engine.rl.full import REF, FullWeights, TrainedWeights
@@ -46,6 +46,7 @@ from solrl_engine.rl.runtime import Target, build_rollouts, explorer_for, resolv
 from solrl_engine.rl.sharding import shard_policy, sharded_bytes
 from solrl_engine.rl.update import UpdateBatch, fixed_predictions
 from solrl_engine.sampling.compile import Census, CompiledBlocks, census_backend, repeated_blocks
+from solrl_engine.sampling.sde import sde_window
 from solrl_engine.store import checkpoint, rundir
 from solrl_engine.store.checkpoint import EXPORT_DIRS
 from solrl_engine.store.safe import json_text, open_append, write_atomic
@@ -275,11 +276,17 @@ class Trainer:
         mine = dist.shard(len(all_prompts))
         prompts, seeds = all_prompts[mine], all_seeds[mine]
         cond = self.rollouts.encode(prompts)
+        # an SDE objective (Flow-GRPO) trains on its own SDE's states: the steps it runs on, drawn for this iteration
+        objective = OBJECTIVES[c.objective]
+        window = (sde_window(c.full_steps, c.sde_window if objective.window else 0, c.sde_window_range, self.gen)
+                  if objective.rollout == "sde" else None)  # fmt: skip
 
         # 1. explore: N seeds per prompt, quantized previews (sol_rl, naive_quant) or the BF16 policy,
         # 2. and select the top K/2 and bottom K/2 seeds by (proxy) reward: the public Explorer's path
         with self.adapters.using(OLD):  # the policy explores with its "old" adapter when it explores
-            sel = self.explorer.select(prompts, seeds, cond=cond, keep_samples=not rule.regenerate, nonfinite="defer")
+            # (a family that trains on what it explored explores with the objective's sampler)
+            sel = self.explorer.select(prompts, seeds, cond=cond, keep_samples=not rule.regenerate, nonfinite="defer",
+                                       window=None if rule.regenerate else window)  # fmt: skip
         r_all, idx, proxy = sel.all_rewards, sel.index, sel.proxy_rewards
         totals_all = self.explorer.last_totals  # the weighted sums (what the metrics report; r_all ranks)
         flat_all = [p for p in prompts for _ in range(c.n)]
@@ -289,11 +296,14 @@ class Trainer:
         reward_time = dict(self.rollouts.reward_time)  # the previews' reward seconds, hidden and exposed
         t1, o1 = time.perf_counter(), st.overhead_s
 
-        # 3. regenerate the selected seeds in BF16 at the full step budget (sol_rl only)
+        # 3. regenerate the selected seeds in BF16 at the full step budget (sol_rl only), with the objective's sampler
+        trace = sel.trace  # an SDE objective's rollout states (the explored ones, where the family trains on them)
         if rule.regenerate:
+            states: list[torch.Tensor] | None = [] if window is not None else None
             with self.adapters.using(OLD):  # scored batch by batch while the next is sampled, where scoring overlaps
                 x0, scored = self.rollouts.sample_scored(sel_cond, sel.flat_prompts, sel.flat_seeds, c.full_steps,
-                                                         *self._policy_rollout())  # fmt: skip
+                                                         *self._policy_rollout(), window, states)  # fmt: skip
+            trace = torch.cat(states) if states is not None else None
             reward_time = {k: v + self.rollouts.reward_time[k] for k, v in reward_time.items()}
             check_finite("regenerated latents", x0, sel.flat_prompts, sel.flat_seeds, dist)
             rewards, comps = scored.rewards, scored.components
@@ -314,7 +324,8 @@ class Trainer:
         guard = self._guard(g_proxy, g_rewards, sel, cond) if proxy_stats else {}  # before the copy moves on
         adv = group_advantages(g_rewards, c.adv_clip, prompts=all_prompts)[mine].flatten()
         batch = UpdateBatch(x0, sel_cond, adv, self.rollouts.training_sigmas(), self.gen, len(all_prompts) * c.k,
-                            mine.start * c.k, self.iteration, sel)  # fmt: skip
+                            mine.start * c.k, self.iteration, sel, trace, window, self.rollouts.uncond(),
+                            self.rollouts.cfg_guidance)  # fmt: skip
         # the old and reference policies' predictions first, in large no-grad batches as the rollouts run them
         old_copy = self.policy_copy.transformer if self.policy_copy is not None else None
         predict = fixed_predictions(self.rollouts, self.adapters, old_copy)
@@ -333,6 +344,7 @@ class Trainer:
         m: dict[str, Any] = {
             "iter": self.iteration,
             "family": c.family,
+            "objective": c.objective,
             "reward_mean": g_totals.mean().item(),
             "reward_std": g_totals.std().item(),
             **({f"reward_{k}_mean": v.mean().item() for k, v in g_comps.items()} if len(g_comps) > 1 else {}),

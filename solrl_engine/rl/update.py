@@ -30,8 +30,10 @@ Predict = Callable[[str, torch.Tensor, torch.Tensor, Conditioning], torch.Tensor
 class UpdateBatch:
     """One iteration's selected samples on this rank and what their update draws from: the samples `x0` and
     their conditioning, advantages, the rollout's flow times at the full step budget, the run's generator,
-    the global batch size and this rank's first row in it, the iterations done before this one, and (for
-    non-finite errors) the Selection that names prompts and seeds."""
+    the global batch size and this rank's first row in it, the iterations done before this one, (for
+    non-finite errors) the Selection that names prompts and seeds, and for an SDE objective the rollouts' SDE states
+    `trace` [b, W + 1, ...] on the steps `window` [k0, k1) and the guidance they were sampled with (`uncond`, one
+    row, and its scale; None and 1.0 without classifier-free guidance)."""
 
     x0: torch.Tensor
     cond: Conditioning
@@ -42,6 +44,10 @@ class UpdateBatch:
     row0: int
     iteration: int
     sel: Any = None
+    trace: torch.Tensor | None = None
+    window: tuple[int, int] | None = None
+    uncond: Conditioning | None = None
+    guidance: float = 1.0
 
 
 def fixed_predictions(rollouts: Rollouts, adapters: TrainedWeights, old_copy: torch.nn.Module | None = None

@@ -42,7 +42,8 @@ from solrl_engine.sampling.compile import (
     repeated_blocks,
     trainable,
 )
-from solrl_engine.sampling.sampler import SOLVERS, _solve, sample, schedule_pair, seeded_noise
+from solrl_engine.sampling.sampler import SOLVERS, _solve, sample, sample_sde, schedule_pair, seeded_noise
+from solrl_engine.sampling.sde import SDE_SOLVERS, sde_window
 
 log = logging.getLogger("solrl_engine.sampling")
 
@@ -182,10 +183,18 @@ class GraphedSampler:
         tag: str = "",
         guidance_scale: float = 1.0,
         uncond: Conditioning | None = None,
+        noise_level: float = 0.7,
+        window: tuple[int, int] | None = None,
+        trace: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Same contract as `solrl_engine.sampling.sample`; `tag` names state the graph cannot see
-        (e.g. the active LoRA adapter)."""
+        (e.g. the active LoRA adapter). Flow-GRPO's SDE (solver flow_sde, or any solver given a `window` of SDE
+        steps) runs step by step, each forward through `predict`'s path (one graph per forward on a GPU: its
+        per-step noise is drawn on the host); `trace` receives each batch's window states (sampling.sde)."""
         device = cond.hidden.device
+        if solver in SDE_SOLVERS or window is not None:
+            return self._sample_sde(cond, seeds, steps, shift, batch_size, dtype, transformer, tag, guidance_scale,
+                                    uncond, noise_level, window, trace)  # fmt: skip
         if self.eager_policy and (transformer is None or transformer is self.model.transformer):
             return sample(self.model, cond, seeds, steps, shift, solver, guidance_scale, uncond, batch_size, dtype,
                           transformer)  # fmt: skip
@@ -225,6 +234,31 @@ class GraphedSampler:
             g.graph.replay()
             self.stats.replays += 1
             outs.append(g.out.clone())
+        return torch.cat(outs)
+
+    def _sample_sde(self, cond: Conditioning, seeds: Sequence[int], steps: int, shift: float | None,
+                    batch_size: int | None, dtype: torch.dtype, transformer: nn.Module | None, tag: str,
+                    guidance_scale: float, uncond: Conditioning | None, noise_level: float,
+                    window: tuple[int, int] | None, trace: list[torch.Tensor] | None) -> torch.Tensor:  # fmt: skip
+        """Flow-GRPO's SDE over batches of `batch_size` seeds, every velocity through `predict`."""
+        if len(cond) != len(seeds):
+            raise ValueError(f"{len(cond)} conditionings for {len(seeds)} seeds")
+        if guidance_scale != 1.0 and uncond is None:
+            raise ValueError("classifier-free guidance needs `uncond` (the encoded empty prompt)")
+        device = cond.hidden.device
+        _, host = schedule_pair(self.model, steps, shift, device)
+        window = window or sde_window(steps, 0, None, None)
+        bs = batch_size or len(seeds)
+
+        def velocity(x: torch.Tensor, t: torch.Tensor, c: Conditioning) -> torch.Tensor:
+            return self.predict(x, t, c, batch_size=bs, transformer=transformer, tag=tag)
+
+        outs = []
+        for i in range(0, len(seeds), bs):
+            chunk = list(seeds[i : i + bs])
+            x = seeded_noise(chunk, tuple(self.model.latent_shape), device, dtype)
+            outs.append(sample_sde(velocity, x, cond[i : i + bs], chunk, host, window, noise_level, guidance_scale,
+                                   uncond, trace))  # fmt: skip
         return torch.cat(outs)
 
     @torch.no_grad()

@@ -38,6 +38,7 @@ class RolloutSettings:
     full_steps: int = 10
     shift: float | None = None
     solver: str = "dpm2"
+    sde_noise_level: float = 0.7  # Flow-GRPO's SDE (solver flow_sde, and an SDE objective's rollouts): its eta
     batch_size: int | None = None
     guidance_scale: float | None = None
     compiled: bool | None = None
@@ -131,9 +132,13 @@ class Rollouts:
         steps: int,
         transformer: nn.Module | None = None,
         tag: str = "",
+        window: tuple[int, int] | None = None,
+        trace: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Final latents for (cond[i], seeds[i]) with the policy (its active adapter, named by `tag`
-        for the graph cache) or another copy of the denoiser (the explore copy)."""
+        for the graph cache) or another copy of the denoiser (the explore copy). A `window` of steps samples with
+        Flow-GRPO's SDE there (Euler elsewhere) whatever the solver, and `trace` receives its states per batch:
+        the rollouts an SDE objective trains on (sampling.sde)."""
         s = self.settings
         with self.autocast():
             return self.sampler.sample(
@@ -148,6 +153,9 @@ class Rollouts:
                 tag=tag,
                 guidance_scale=self.cfg_guidance,
                 uncond=self.uncond(),
+                noise_level=s.sde_noise_level,
+                window=window,
+                trace=trace,
             )
 
     def predict(self, x: torch.Tensor, t: torch.Tensor, cond: Conditioning, transformer: nn.Module | None = None,
@@ -195,13 +203,14 @@ class Rollouts:
         return any(getattr(fn, "remote", False) for _, _, fn in getattr(self.reward, "parts", ()))
 
     def sample_scored(self, cond: Conditioning, prompts: Sequence[str], seeds: Sequence[int], steps: int,
-                      transformer: nn.Module | None = None, tag: str = "") -> tuple[torch.Tensor, Scored]:  # fmt: skip
+                      transformer: nn.Module | None = None, tag: str = "", window: tuple[int, int] | None = None,
+                      trace: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, Scored]:  # fmt: skip
         """(final latents, their images and rewards) for (cond[i], prompts[i], seeds[i]): `sample` then `score`,
         the same latents and rewards; where scoring `overlaps`, batch by batch (the sampler's batch size), each
         batch scored on a worker thread while the next is sampled. `reward_time` keeps this call's reward seconds:
-        hidden behind sampling and exposed (waited for after it)."""
+        hidden behind sampling and exposed (waited for after it). `window` and `trace`: as `sample`'s."""
         if not self.overlaps:
-            x0 = self.sample(cond, seeds, steps, transformer, tag)
+            x0 = self.sample(cond, seeds, steps, transformer, tag, window, trace)
             t = time.perf_counter()
             scored = self.score(x0, prompts)
             self.reward_time = {"hidden_s": 0.0, "exposed_s": time.perf_counter() - t}
@@ -220,7 +229,7 @@ class Rollouts:
         xs, futures = [], []
         with ThreadPoolExecutor(1, thread_name_prefix="solrl-reward") as pool:
             for i in range(0, len(seeds), b):
-                xs.append(self.sample(cond[i : i + b], seeds[i : i + b], steps, transformer, tag))
+                xs.append(self.sample(cond[i : i + b], seeds[i : i + b], steps, transformer, tag, window, trace))
                 futures.append(pool.submit(score, xs[-1], list(prompts[i : i + b])))
             t = time.perf_counter()
             parts = [f.result() for f in futures]  # a reward's error surfaces here, for the batch it scored

@@ -1,18 +1,21 @@
-"""Schedules, seeded latents and the ODE samplers (Euler, DPM-Solver++ 2M)."""
+"""Schedules, seeded latents, the ODE samplers (Euler, DPM-Solver++ 2M, UniPC) and Flow-GRPO's SDE (sampling/sde.py)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
 from solrl_engine.models.base import Conditioning, FlowModel, sigma_schedule
+from solrl_engine.sampling.sde import SDE_SOLVERS, sde_window, solve_sde, step_noise
 
 # euler; dpm2: DPM-Solver++ 2M (the stock SANA sampler); unipc: UniPC-bh2 order 2, which is DPM-Solver++ 2M plus
-# a corrector of each step's starting point (the stock Wan sampler), both in data prediction
-SOLVERS = ("euler", "dpm2", "unipc")
+# a corrector of each step's starting point (the stock Wan sampler), both in data prediction; flow_sde: Flow-GRPO's
+# SDE (seeded per step; every step but the last stochastic, at sde_noise_level)
+ODE_SOLVERS = ("euler", "dpm2", "unipc")
+SOLVERS = ODE_SOLVERS + SDE_SOLVERS
 
 
 def seeded_noise(
@@ -161,10 +164,12 @@ def sample(
     batch_size: int | None = None,
     dtype: torch.dtype = torch.float32,
     transformer: nn.Module | None = None,
+    noise_level: float = 0.7,
 ) -> torch.Tensor:
     """ODE from noise to x0 for each (cond[i], seeds[i]); returns the final latents [B, ...].
 
-    `solver` is "euler" or "dpm2" (DPM-Solver++ 2M, second order: fewer steps at equal quality).
+    `solver` is "euler", "dpm2" (DPM-Solver++ 2M, second order: fewer steps at equal quality), "unipc", or
+    "flow_sde" (Flow-GRPO's SDE at `noise_level` on every step but the last, its noise fixed by each seed).
     guidance_scale > 1 applies classifier-free guidance against `uncond` (one row, broadcast).
     The schedule is the model's own (`model.sigmas`); `shift` overrides its shift.
     `transformer` runs another copy of the denoiser (e.g. the quantized explore copy) with the
@@ -182,5 +187,22 @@ def sample(
     outs = []
     for i in range(0, len(seeds), bs):
         x = seeded_noise(seeds[i : i + bs], tuple(model.latent_shape), device, dtype)
+        if solver in SDE_SOLVERS:
+            def velocity(x: torch.Tensor, t: torch.Tensor, c: Conditioning) -> torch.Tensor:
+                return model.velocity(x, t, c, transformer=transformer)
+
+            outs.append(sample_sde(velocity, x, cond[i : i + bs], seeds[i : i + bs], host,
+                                   sde_window(steps, 0, None, None), noise_level, guidance_scale, uncond))  # fmt: skip
+            continue
         outs.append(_solve(model, x, cond[i : i + bs], sig, host, solver, guidance_scale, uncond, transformer))
     return torch.cat(outs)
+
+
+def sample_sde(velocity: Callable[[torch.Tensor, torch.Tensor, Conditioning], torch.Tensor], x: torch.Tensor,
+               cond: Conditioning, seeds: Sequence[int], host: list[float], window: tuple[int, int],
+               noise_level: float, guidance_scale: float = 1.0, uncond: Conditioning | None = None,
+               trace: list[torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
+    """Flow-GRPO's SDE (sampling.sde.solve_sde) from the seeds' initial noise `x`, each step's noise drawn from the
+    same seeds: the SDE on `window`, Euler elsewhere; `trace` receives the window's states."""
+    noise = step_noise(seeds, len(host) - 1, tuple(x.shape[1:]), x.device)
+    return solve_sde(velocity, x, cond, host, noise, window, noise_level, guidance_scale, uncond, trace)
