@@ -30,12 +30,11 @@ import torch
 
 from solrl_engine.hw import training_attention
 from solrl_engine.models.base import Conditioning, FlowModel
-from solrl_engine.rl.adapters import OLD, TRAIN
-from solrl_engine.rl.distributed import Dist, local
+from solrl_engine.rl.adapters import OLD
+from solrl_engine.rl.distributed import Dist
 from solrl_engine.rl.full import REF, TrainedWeights
-from solrl_engine.rl.guards import nonfinite_rows, raise_collective
 from solrl_engine.rl.objectives import Objective
-from solrl_engine.rl.update import Predict, UpdateBatch, eager_predictions
+from solrl_engine.rl.update import Check, Predict, UpdateBatch, eager_predictions, optimizer_groups
 from solrl_engine.sampling.sde import sde_log_prob, sde_std, sde_transition
 
 
@@ -119,19 +118,15 @@ def _update(model: FlowModel, adapters: TrainedWeights, opt: torch.optim.Optimiz
             c: FlowGRPOSettings, dist: Dist, autocast: Callable[[], contextlib.AbstractContextManager],
             predict: Predict, compiled: Callable[[], contextlib.AbstractContextManager]
             ) -> dict[str, float]:  # fmt: skip
-    trace, cond, adv, sel = batch.trace, batch.cond, batch.adv, batch.sel
-    (k0, k1), b_global, row0 = batch.window, batch.b_global, batch.row0
+    trace, cond, adv = batch.trace, batch.cond, batch.adv
+    (k0, k1) = batch.window
     device, dtype = batch.x0.device, batch.x0.dtype  # the model's inputs in the rollouts' dtype, as they sampled
     sig = torch.cat([batch.sigmas.float().cpu(), torch.zeros(1)])  # the full schedule, t = 1 .. 0
     sigma_max = float(sig[1])
     steps = k1 - k0
-    b = trace.shape[0]
-    groups = [torch.arange(b_global)]
-    if c.updates_per_iter > 1:
-        groups = list(torch.randperm(b_global, generator=batch.gen).tensor_split(c.updates_per_iter))
     totals = torch.zeros(5, dtype=torch.float64, device=device)  # loss, policy, KL, approx KL, clip fraction
-    gn: torch.Tensor | float = 0.0
     tbs = c.train_batch_size
+    n_groups = max(1, c.updates_per_iter)
 
     def step_rows(rows: torch.Tensor, j: int) -> tuple[torch.Tensor, ...]:
         """Step j of the window at this rank's `rows`: x_j, x_{j+1}, their flow times, the step's std_dev_t, and the
@@ -150,14 +145,10 @@ def _update(model: FlowModel, adapters: TrainedWeights, opt: torch.optim.Optimiz
         std = sde_std(t.to(device).view(-1, *([1] * (x.dim() - 1))), sigma_max, c.sde_noise_level)
         return x, x_next, t, t_next, std, old_lp, ref_mean
 
-    for g, members in enumerate(groups):
-        mine = members[(members >= row0) & (members < row0 + b)] - row0
-        weight = 1.0 / (len(members) * steps)
-        opt.zero_grad(set_to_none=True)
-        rows, real = mine, len(mine)
-        if dist.sharded:  # every rank makes as many forwards and backwards (collectives) as the busiest one
-            rows = torch.cat([mine, torch.zeros(dist.most(real, device) - real, dtype=mine.dtype)])
-        checks: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    def accumulate(rows: torch.Tensor, real: int, group: int) -> list[Check]:
+        nonlocal totals
+        weight = 1.0 / (group * steps)
+        checks: list[Check] = []
         for j in range(steps):
             x, x_next, t, t_next, std, old_lp, ref_mean = step_rows(rows, j)
             with compiled():
@@ -180,42 +171,19 @@ def _update(model: FlowModel, adapters: TrainedWeights, opt: torch.optim.Optimiz
                                               ref_mean[s : s + n], std[s : s + n], c.kl_beta)  # fmt: skip
                     (loss * (n * weight)).backward()
                     parts = torch.stack([st[k] for k in ("loss", "policy_loss", "kl", "approx_kl", "clipfrac")])
-                    totals += parts.double() * (n * weight / len(groups))
-                    bad_rows = ~torch.isfinite(v[:n].detach()).flatten(1).all(dim=1)
-                    checks.append((j, ix, bad_rows, ~torch.isfinite(loss)))
-        params = adapters.params(TRAIN)
-        dist.sum_grads_(params)
-        grads = [local(p.grad) for p in params if p.grad is not None]
-        grad_bad = (~torch.isfinite(torch.stack(torch._foreach_norm(grads, float("inf")))).any() if grads
-                    else torch.zeros((), dtype=torch.bool, device=device))  # fmt: skip
-        flags = torch.cat([torch.cat([r, ls.view(1)]) for _, _, r, ls in checks] + [grad_bad.view(1)]).tolist()
-        raise_collective(_first_problem(checks, flags, sig, k0, sel), dist, device)
-        raise_collective(("the gradients", "after accumulation over the batch") if flags[-1] else None,
-                         dist if dist.sharded else None, device)  # fmt: skip
-        gn = torch.nn.utils.clip_grad_norm_(params, c.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        adapters.update_ema(batch.iteration * len(groups) + g + 1, c.ema_decay_max)
+                    totals += parts.double() * (n * weight / n_groups)
+                    where = f"the velocities at SDE step {k0 + j} (t={float(sig[k0 + j]):.4f})"
+                    checks.append((where, ix, ~torch.isfinite(v[:n].detach()).flatten(1).all(dim=1),
+                                   ~torch.isfinite(loss)))  # fmt: skip
+        return checks
+
+    gn, _ = optimizer_groups(adapters, opt, batch, dist, c.updates_per_iter, c.grad_clip, c.ema_decay_max,
+                             accumulate)  # fmt: skip
     totals = dist.sum_(totals).cpu()
     adapters.update_old(0, 0.0, 0.0)  # on-policy: the next rollouts sample the policy as trained now
     loss, policy, kl, approx_kl, clipfrac = totals.tolist()
     return {"loss": loss, "policy_loss": policy, "kl": kl, "approx_kl": approx_kl, "clipfrac": clipfrac,
-            "grad_norm": float(gn), "sde_window_start": float(k0)}  # fmt: skip
-
-
-def _first_problem(checks: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]], flags: list[bool],
-                   sig: torch.Tensor, k0: int, sel: Any) -> tuple[str, str] | None:  # fmt: skip
-    """The first non-finite velocity or loss of a group's micro-batches, naming prompts and seeds where it can."""
-    at = 0
-    for j, ix, rows, _ in checks:
-        bad, loss_bad = flags[at : at + len(rows)], flags[at + len(rows)]
-        at += len(rows) + 1
-        if any(bad) and sel is not None:
-            names = ([sel.flat_prompts[i] for i in ix.tolist()], [sel.flat_seeds[i] for i in ix.tolist()])
-            return f"the velocities at SDE step {k0 + j} (t={float(sig[k0 + j]):.4f})", nonfinite_rows(bad, *names)
-        if loss_bad:
-            return "the loss", f"samples {ix.tolist()} of a rank's batch at SDE step {k0 + j}"
-    return None
+            "grad_norm": gn, "sde_window_start": float(k0)}  # fmt: skip
 
 
 FLOW_GRPO = Objective("flow_grpo", FlowGRPOSettings, flow_grpo_update)
