@@ -21,7 +21,7 @@ def test_diffusionnft_is_the_default_objective_behind_the_registry():
     assert cfg.objective == "nft" and objective("nft").update is nft_update
     assert isinstance(settings_of(cfg), NFTSettings) and settings_of(cfg).kl_beta == cfg.kl_beta
     with pytest.raises(ConfigError, match=r"objective = 'grpo': unknown objective; choose one of \('nft', "
-                                          r"'flow_grpo', 'flow_grpo_fast'\)"):
+                                          r"'flow_grpo', 'flow_grpo_fast', 'awm'\)"):
         RLConfig(name="t", model="tiny", objective="grpo").validate()
     with pytest.raises(ValueError, match="unknown objective 'grpo'"):
         objective("grpo")

@@ -95,6 +95,9 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {
                                                       "SDE steps placed at random in the first half, ODE elsewhere",
                                     "solrl_engine.rl.objectives.flow_grpo:FLOW_GRPO_FAST", rollout="sde",
                                     window=True),  # fmt: skip
+    "awm": ObjectiveSpec("awm", "AWM, advantage-weighted matching (Xue et al. 2025): flow matching toward the "
+                                "rollouts' samples, each weighed by its advantage, with the KL to the reference",
+                         "solrl_engine.rl.objectives.awm:OBJECTIVE"),  # fmt: skip
 }
 
 
