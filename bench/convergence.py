@@ -88,15 +88,19 @@ def first_time_at(curve: list[dict[str, float]], target: float) -> float | None:
     return next((p["train_s"] for p in curve if p["reward"] >= target), None)
 
 
-def speedup(sol: list[dict[str, float]], nft: list[dict[str, float]]) -> dict[str, Any]:
-    """diffusionnft's time to its best held-out reward over sol_rl's time to first reach it."""
+def speedup(sol: list[dict[str, float]], nft: list[dict[str, float]], baseline: str = "diffusionnft"
+            ) -> dict[str, Any]:  # fmt: skip
+    """The baseline's (diffusionnft's) time to its best held-out reward over sol_rl's time to first reach it, and
+    sol_rl's final held-out reward against the baseline's, with their paired gains' standard errors."""
     best = max(nft[1:], key=lambda p: p["reward"])  # the starting point is shared, not a result
+    final = {"sol_rl_final_gain": sol[-1]["gain"], "sol_rl_final_gain_stderr": sol[-1]["gain_stderr"],
+             f"{baseline}_final_gain": nft[-1]["gain"], f"{baseline}_final_gain_stderr": nft[-1]["gain_stderr"]}
     if best["reward"] <= nft[0]["reward"]:  # nothing to converge to: no ratio, said so
-        return {"diffusionnft_best_reward": best["reward"], "speedup": None,
-                "note": "diffusionnft never rose above the shared start within the budget"}  # fmt: skip
+        return {f"{baseline}_best_reward": best["reward"], "speedup": None, **final,
+                "note": f"{baseline} never rose above the shared start within the budget"}  # fmt: skip
     t_sol = first_time_at(sol[1:], best["reward"])
-    return {"diffusionnft_best_reward": best["reward"], "diffusionnft_time_s": best["train_s"],
-            "sol_rl_time_s": t_sol, "speedup": (best["train_s"] / t_sol) if t_sol else None}  # fmt: skip
+    return {f"{baseline}_best_reward": best["reward"], f"{baseline}_time_s": best["train_s"],
+            "sol_rl_time_s": t_sol, "speedup": (best["train_s"] / t_sol) if t_sol else None, **final}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -106,6 +110,8 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--eval-every-s", type=float, default=20.0, help="evaluate after this much training time")
     ap.add_argument("--seeds", default="0", help="comma-separated run seeds (prompts, seeds, LoRA init)")
     ap.add_argument("--set", action="append", default=[], help="key=value for every family's config")
+    ap.add_argument("--baseline", default="diffusionnft", help="the family sol_rl's convergence speedup is over")
+    ap.add_argument("--tag", default="", help="a suffix of the record's name, e.g. flow_grpo")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args(argv)
     families = [f.strip() for f in args.families.split(",") if f.strip()]
@@ -117,17 +123,17 @@ def main(argv: list[str] | None = None) -> Path:
                 runs[f"{fam}/seed{seed}"] = run_family(fam, args.set, seed, args.budget_s, args.eval_every_s,
                                                        Path(tmp) / f"{fam}-{seed}")  # fmt: skip
     ratios = {}
-    if {"sol_rl", "diffusionnft"} <= set(families):
+    if {"sol_rl", args.baseline} <= set(families):
         for seed in seeds:
-            sol, nft = runs[f"sol_rl/seed{seed}"]["curve"], runs[f"diffusionnft/seed{seed}"]["curve"]
-            ratios[f"seed{seed}"] = speedup(sol, nft)
+            sol, base = runs[f"sol_rl/seed{seed}"]["curve"], runs[f"{args.baseline}/seed{seed}"]["curve"]
+            ratios[f"seed{seed}"] = speedup(sol, base, args.baseline)
         got = [r["speedup"] for r in ratios.values() if r["speedup"] is not None]
         ratios["median_speedup"] = statistics.median(got) if len(got) == len(seeds) else None
     for k, v in ratios.items():
         print(f"{k}: {v}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"{dt.date.today().isoformat()}-cpu-tiny-convergence"
+    stem = out / f"{dt.date.today().isoformat()}-cpu-tiny-convergence{'-' + args.tag if args.tag else ''}"
     rec = {
         "bench": "convergence: held-out reward against training time at equal budgets",
         "command": " ".join(["python bench/convergence.py", *(sys.argv[1:] if argv is None else argv)]),

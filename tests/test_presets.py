@@ -143,3 +143,24 @@ def test_the_qwen_image_presets_take_the_model_cards_settings():
         assert cfg.model == "qwenimage" and {k: getattr(cfg, k) for k in QWEN} == QWEN, family
         assert cfg.preview_steps == 30 and cfg.gradient_checkpointing == "auto"
         assert cfg.n == (24 if family == "diffusionnft" else 96) and cfg.k == 24 and cfg.lora_targets is None
+
+
+@pytest.mark.parametrize("family", ["sol_rl", "naive_scaling", "diffusionnft"])
+def test_every_preset_takes_each_objectives_published_settings(family):
+    """`--set objective=NAME` goes to the preset function, which takes that objective's settings (flow_grpo's
+    official configs: noise 0.7, lr 3e-4, clip 1e-4, KL 0.01 for pickscore and 0.04 otherwise, two optimizer steps
+    per iteration); the other --sets still win, and the run gets a directory of its own."""
+    for model, file in (("sd3", "sd3.py"), ("flux1", "flux1.py"), ("sana", "sana.py")):
+        base = load_config(f"{ROOT}/configs/{file}:{model}_{family}_pickscore")
+        assert base.objective == "nft" and base.name == f"{model}_{family}_pickscore"
+        for obj in ("flow_grpo", "flow_grpo_fast", "awm"):
+            cfg = load_config(f"{ROOT}/configs/{file}:{model}_{family}_pickscore", [f"objective={obj}", "lr=1e-4"])
+            assert cfg.objective == obj and cfg.name == f"{model}_{family}_pickscore_{obj}" and cfg.lr == 1e-4
+            assert (cfg.n, cfg.k, cfg.full_steps, cfg.family) == (base.n, base.k, base.full_steps, base.family)
+        grpo = load_config(f"{ROOT}/configs/{file}:{model}_{family}_pickscore", ["objective=flow_grpo"])
+        assert (grpo.sde_noise_level, grpo.clip_range, grpo.kl_beta, grpo.lr, grpo.updates_per_iter) == (
+            0.7, 1e-4, 0.01, 3e-4, 2)
+        fast = load_config(f"{ROOT}/configs/{file}:{model}_{family}_ocr", ["objective=flow_grpo_fast"])
+        assert (fast.kl_beta, fast.sde_window, fast.sde_window_range) == (0.04, 2, None)
+    with pytest.raises(ConfigError, match=r"no paper preset for objective 'grpo'; choose one of \('nft', 'flow_grpo'"):
+        load_config(f"{ROOT}/configs/sd3.py:sd3_sol_rl_pickscore", ["objective=grpo"])

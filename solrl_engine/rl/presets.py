@@ -143,6 +143,24 @@ PAPER["qwenimage"] = dict(model="qwenimage", solver="euler", guidance_scale=4.0,
                           preview_steps=30, resolution=1328, timestep_fraction=0.6, grad_clip=1.0,
                           rollout_batch_size=4, decode_batch_size=1)  # fmt: skip
 
+# Per objective (rl/objectives/; `--set objective=NAME` on any preset passes it to the preset function, which takes
+# these settings, then the other --sets apply): nft is COMMON's. Flow-GRPO's from the official flow_grpo configs
+# (config/base.py: SDE noise_level 0.7, learning rate 3e-4, clip_range 1e-4, advantages clipped at 5; config/grpo.py:
+# the KL weight beta 0.04 for its ocr and geneval runs, 0.01 for pickscore, and gradient accumulation over half the
+# sampled batches, two optimizer steps per epoch). Flow-GRPO-Fast: the same, the SDE on a window of 2 steps placed
+# at random in the first half (its sd3_pipeline_with_logprob_fast, sde_window_size 2, sde_window_range (0,
+# num_steps // 2)). AWM: COMMON's, with a KL weight of 0.1 (Flow-Factory's recommended weight for AWM, there toward
+# an EMA policy, here toward the reference). The explore / select / step budget stay the paper's for every
+# objective; Flow-GRPO's own runs sample with CFG 4.5, these keep the model's guidance (the Sol-RL presets').
+OBJECTIVE_PRESETS: dict[str, dict[str, Any]] = {
+    "nft": {},
+    "flow_grpo": dict(sde_noise_level=0.7, lr=3e-4, clip_range=1e-4, adv_clip=5.0, kl_beta=0.04, updates_per_iter=2),
+    "flow_grpo_fast": dict(sde_noise_level=0.7, lr=3e-4, clip_range=1e-4, adv_clip=5.0, kl_beta=0.04,
+                           updates_per_iter=2, sde_window=2, sde_window_range=None),  # fmt: skip
+    "awm": dict(kl_beta=0.1),
+}
+OBJECTIVE_REWARD_KL = {("flow_grpo", "pickscore"): 0.01, ("flow_grpo_fast", "pickscore"): 0.01}
+
 MODEL_NAMES = {"sd3": "SD3.5-Large", "flux": "FLUX.1-dev", "sana": "SANA-1.6B", "wan2.1-1.3b": "Wan2.1-T2V-1.3B",
                "wan2.1-14b": "Wan2.1-T2V-14B", "wan2.2-5b": "Wan2.2-TI2V-5B", "qwenimage": "Qwen-Image"}  # fmt: skip
 FAMILY_SUMMARY = {
@@ -163,14 +181,19 @@ def _check_overrides(overrides: dict[str, Any], where: str) -> None:
             raise unknown_key_error(key, where)
 
 
-def paper_config(model: str, family: str, reward: str, **overrides: Any) -> RLConfig:
-    """The paper's run of `family` on `model` with `reward` (keyword arguments override RLConfig
-    fields), not validated: load_config validates after the --set overrides."""
-    for what, value, known in (("model", model, tuple(PAPER)), ("family", family, FAMILIES)):
+def paper_config(model: str, family: str, reward: str, objective: str = "nft", **overrides: Any) -> RLConfig:
+    """The paper's run of `family` on `model` with `reward`, trained with `objective` and its published settings
+    (OBJECTIVE_PRESETS; keyword arguments override RLConfig fields), not validated: load_config validates after the
+    --set overrides."""
+    for what, value, known in (("model", model, tuple(PAPER)), ("family", family, FAMILIES),
+                               ("objective", objective, tuple(OBJECTIVE_PRESETS))):  # fmt: skip
         if value not in known:
             raise ConfigError(f"no paper preset for {what} {value!r}; choose one of {known}")
     _check_overrides(overrides, f"{model}/{family}/{reward} preset")
-    kw: dict[str, Any] = {**COMMON, **PAPER[model], "family": family, "reward": reward}
+    kw: dict[str, Any] = {**COMMON, **PAPER[model], "family": family, "reward": reward, "objective": objective,
+                          **OBJECTIVE_PRESETS[objective]}  # fmt: skip
+    if (objective, reward) in OBJECTIVE_REWARD_KL:
+        kw["kl_beta"] = OBJECTIVE_REWARD_KL[objective, reward]
     if reward in REWARD_PROMPTS:
         kw["train_prompts"], kw["eval_prompts"] = REWARD_PROMPTS[reward]
     if FAMILY_TABLE[family].all_rollouts:  # DiffusionNFT trains on every rollout: N = K
@@ -181,13 +204,15 @@ def paper_config(model: str, family: str, reward: str, **overrides: Any) -> RLCo
 
 
 def _preset(model: str, family: str, reward: str, name: str) -> Callable[..., RLConfig]:
-    def preset(**overrides: Any) -> RLConfig:
-        return paper_config(model, family, reward, **{"name": name, **overrides})
+    def preset(objective: str = "nft", **overrides: Any) -> RLConfig:
+        run = name if objective == "nft" else f"{name}_{objective}"  # its own run directory, runs/<name>
+        return paper_config(model, family, reward, objective, **{"name": run, **overrides})
 
     preset.__name__ = preset.__qualname__ = name
     preset.__doc__ = (
         f"{FAMILY_SUMMARY[family]}; {MODEL_NAMES[model]} with the {reward} reward and the paper's "
-        f"hyper-parameters (solrl_engine/rl/presets.py). Keyword arguments override RLConfig fields."
+        f"hyper-parameters (solrl_engine/rl/presets.py); `objective` (nft, flow_grpo, flow_grpo_fast, awm) takes "
+        f"that objective's published settings. Keyword arguments override RLConfig fields."
     )
     return preset
 
@@ -206,4 +231,4 @@ def define_presets(namespace: dict[str, Any], model: str, prefix: str) -> list[s
     return names
 
 
-__all__ = ["COMMON", "PAPER", "REWARDS", "REWARD_PROMPTS", "define_presets", "paper_config"]
+__all__ = ["COMMON", "OBJECTIVE_PRESETS", "PAPER", "REWARDS", "REWARD_PROMPTS", "define_presets", "paper_config"]
