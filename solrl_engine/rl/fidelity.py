@@ -34,6 +34,7 @@ from solrl_engine.nn.fast_path import fast_path
 from solrl_engine.nn.flops import group_name
 from solrl_engine.nn.quantize import plan_quantization
 from solrl_engine.rl.config import RLConfig
+from solrl_engine.rl.objectives import rollout_window
 from solrl_engine.rl.runtime import build_rollouts, plan_explore
 from solrl_engine.sampling.rollouts import Rollouts
 
@@ -62,6 +63,8 @@ def _fingerprint(module: nn.Module) -> str:
 def _oracle_key(c: RLConfig, ro: Rollouts) -> str:
     parts = [c.model, str(c.model_path), c.resolution, c.full_steps, c.solver, c.shift, c.guidance_scale, c.reward,
              c.reward_args, str(ro.dtype), _fingerprint(ro.model.transformer)]  # fmt: skip
+    if rollout_window(c, None) is not None:  # finals sampled by the objective's SDE: its settings decide them too
+        parts += [c.objective, c.sde_noise_level, c.sde_window, c.sde_window_range, c.seed]
     return hashlib.sha1(json.dumps(parts, default=str).encode()).hexdigest()
 
 
@@ -125,13 +128,16 @@ def _setup(cfg: RLConfig, prompts: int, n: int, oracle_cache: str | Path | None,
     chosen = random.Random(cfg.seed).sample(pool, min(prompts, len(pool)))
     seeds = [[1000 * i + j for j in range(n)] for i in range(len(chosen))]
     cache = OracleCache(oracle_cache, _oracle_key(cfg, ro))
+    # the finals as the trainer regenerates them: with the objective's sampler (Flow-GRPO: its SDE on its window)
+    gen = torch.Generator().manual_seed(cfg.seed)
     rewards, t_full = [], 0.0
     for p, s in zip(tqdm(chosen, disable=not progress, desc="oracle (full steps)"), seeds, strict=True):
+        window = rollout_window(cfg, gen)  # drawn for every prompt, cached or not: the same windows either way
         r = cache.get(p, s)
         if r is None:
             t0 = time.perf_counter()
             with torch.no_grad():
-                x = ro.sample(ro.encode([p] * n), s, cfg.full_steps)
+                x = ro.sample(ro.encode([p] * n), s, cfg.full_steps, window=window)
                 r = ro.score(x, [p] * n).rewards.cpu()
             t_full += time.perf_counter() - t0
             cache.put(p, s, r)

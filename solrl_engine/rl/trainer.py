@@ -34,19 +34,18 @@ from solrl_engine.hw import cpu_compile_available
 from solrl_engine.models.base import Conditioning
 from solrl_engine.rl import sizing
 from solrl_engine.rl.adapters import OLD, TRAIN, LoraAdapters
-from solrl_engine.rl.config import FAMILY_TABLE, OBJECTIVES, ConfigError, RLConfig
+from solrl_engine.rl.config import FAMILY_TABLE, ConfigError, RLConfig
 from solrl_engine.rl.distributed import Dist, local
 from solrl_engine.rl.export import save_trained
 from solrl_engine.rl.full import REF, FullWeights, TrainedWeights
 from solrl_engine.rl.guards import NonFiniteError, ProxyGuard, check_finite, check_resume_config
 from solrl_engine.rl.heldout import HeldOut
-from solrl_engine.rl.objectives import objective
+from solrl_engine.rl.objectives import objective, rollout_window
 from solrl_engine.rl.ranking import group_advantages, kendall, spearman
 from solrl_engine.rl.runtime import Target, build_rollouts, explorer_for, resolve
 from solrl_engine.rl.sharding import shard_policy, sharded_bytes
 from solrl_engine.rl.update import UpdateBatch, fixed_predictions
 from solrl_engine.sampling.compile import Census, CompiledBlocks, census_backend, repeated_blocks
-from solrl_engine.sampling.sde import sde_window
 from solrl_engine.store import checkpoint, rundir
 from solrl_engine.store.checkpoint import EXPORT_DIRS
 from solrl_engine.store.safe import json_text, open_append, write_atomic
@@ -277,9 +276,7 @@ class Trainer:
         prompts, seeds = all_prompts[mine], all_seeds[mine]
         cond = self.rollouts.encode(prompts)
         # an SDE objective (Flow-GRPO) trains on its own SDE's states: the steps it runs on, drawn for this iteration
-        objective = OBJECTIVES[c.objective]
-        window = (sde_window(c.full_steps, c.sde_window if objective.window else 0, c.sde_window_range, self.gen)
-                  if objective.rollout == "sde" else None)  # fmt: skip
+        window = rollout_window(c, self.gen)
 
         # 1. explore: N seeds per prompt, quantized previews (sol_rl, naive_quant) or the BF16 policy,
         # 2. and select the top K/2 and bottom K/2 seeds by (proxy) reward: the public Explorer's path

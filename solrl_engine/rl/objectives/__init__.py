@@ -17,7 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from solrl_engine.rl.config import OBJECTIVES
+from solrl_engine.sampling.sde import sde_window
 
 
 @dataclass(frozen=True)
@@ -42,3 +45,12 @@ def objective(name: str) -> Objective:
 def settings_of(cfg: Any) -> Any:
     """The settings `cfg`'s objective reads of it."""
     return objective(cfg.objective).settings.from_config(cfg)
+
+
+def rollout_window(cfg: Any, gen: torch.Generator | None) -> tuple[int, int] | None:
+    """The SDE steps [k0, k1) `cfg`'s objective trains on for one iteration's rollouts (drawn from `gen` where the
+    window moves: Flow-GRPO-Fast), or None for an objective that trains on final samples of any solver."""
+    spec = OBJECTIVES[cfg.objective]
+    if spec.rollout != "sde":
+        return None
+    return sde_window(cfg.full_steps, cfg.sde_window if spec.window else 0, cfg.sde_window_range, gen)
