@@ -144,3 +144,32 @@ def test_search_with_a_tolerance_judges_against_the_policys_previews_and_says_wh
     assert "the policy's precision explores" in res["verdict"] and res["explore_recipe"] == "int8"
     with pytest.raises(ValueError, match="tolerance"):
         search(cfg, tolerance=-0.1, prompts=2, n=6, k=2, progress=False)
+
+
+def test_the_finals_come_from_the_objectives_sampler(tmp_path, monkeypatch):
+    """Flow-GRPO regenerates with its SDE: fidelity's oracle samples the same way (its window passed to the
+    rollouts), so previews are ranked against what the trainer will train on, and its cache never mixes the two."""
+    from solrl_engine.sampling.rollouts import Rollouts
+
+    windows: list = []
+    sample = Rollouts.sample
+
+    def spy(self, cond, seeds, steps, transformer=None, tag="", window=None, trace=None):  # noqa: ANN001, ANN202
+        windows.append((steps, window))
+        return sample(self, cond, seeds, steps, transformer, tag, window, trace)
+
+    monkeypatch.setattr(Rollouts, "sample", spy)
+    cache = tmp_path / "oracle.json"
+    ode = fidelity(load_config(TINY, FAST), prompts=2, n=6, k=2, progress=False, oracle_cache=cache)
+    assert [w for s, w in windows if s == 2] == [None, None]  # the finals (2 steps): the ODE solver
+    windows.clear()
+    sde = fidelity(load_config(TINY, [*FAST, "objective=flow_grpo"]), prompts=2, n=6, k=2, progress=False,
+                   oracle_cache=cache)  # fmt: skip
+    assert [w for s, w in windows if s == 2] == [(0, 1), (0, 1)] and sde["time_full_s"] > 0  # not the ODE's cache
+    assert sde["full_reward_mean"] != pytest.approx(ode["full_reward_mean"], abs=1e-6)
+    windows.clear()
+    fidelity(load_config(TINY, ["full_steps=4", "preview_steps=1", "explore_precision=nvfp4",
+                                "objective=flow_grpo_fast", "sde_window=1"]), prompts=3, n=6, k=2,
+             progress=False)  # fmt: skip
+    got = [w for s, w in windows if s == 4]
+    assert len(got) == 3 and all(w[1] - w[0] == 1 and 0 <= w[0] <= 1 for w in got)  # 1 step in the first half
