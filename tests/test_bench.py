@@ -149,3 +149,30 @@ def test_same_metrics_compare_finds_a_changed_value_and_a_lost_field_but_not_a_n
                           "fidelity": {"spearman_mean": 0.9}})  # fmt: skip
     assert mod.compare(before, changed) == 1 and "metrics row 1 differs: {'loss'" in capsys.readouterr().out
     assert mod.compare(added, before) == 1  # a field the newer tree stopped reporting is a difference
+
+
+def test_objective_fidelity_measures_every_previews_x_objective_pairing(tmp_path):
+    mod = load_bench("objective_fidelity")
+    path = mod.main(["--prompts", "2", "--n", "4", "--k", "2", "--set", "full_steps=4", "--set", "preview_steps=1",
+                     "--out", str(tmp_path)])  # fmt: skip
+    rec = json.loads(path.read_text())
+    got = {(r["previews"], r["objective"]) for r in rec["pairings"]}
+    assert got == {(p, o) for p in ("dpm2", "flow_sde") for o in ("nft", "flow_grpo", "flow_grpo_fast")}
+    assert all(-1 <= r["spearman_mean"] <= 1 for r in rec["pairings"])
+    finals = {r["objective"]: r["full_reward_mean"] for r in rec["pairings"] if r["previews"] == "dpm2"}
+    assert finals["flow_grpo"] != finals["nft"]  # the SDE's finals are other samples than the ODE's
+
+
+def test_convergence_speedup_is_over_the_named_baseline():
+    mod = load_bench("convergence")
+
+    def curve(*pts):  # noqa: ANN002, ANN202
+        return [{"train_s": t, "reward": r, "gain": r - 0.3, "gain_stderr": 0.01} for t, r in pts]
+
+    base = curve((0, 0.3), (10, 0.32), (20, 0.35), (30, 0.34))
+    sol = curve((0, 0.3), (5, 0.36), (10, 0.37))
+    got = mod.speedup(sol, base, "naive_scaling")
+    assert got["naive_scaling_best_reward"] == 0.35 and got["naive_scaling_time_s"] == 20 and got["speedup"] == 4.0
+    assert got["sol_rl_final_gain"] == pytest.approx(0.07) and got["naive_scaling_final_gain"] == pytest.approx(0.04)
+    flat = mod.speedup(sol, curve((0, 0.3), (10, 0.29)), "naive_scaling")
+    assert flat["speedup"] is None and "never rose" in flat["note"]

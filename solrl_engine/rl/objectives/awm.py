@@ -106,7 +106,7 @@ def awm_update(model: FlowModel, adapters: TrainedWeights, opt: torch.optim.Opti
                                         None if ref is None else ref[s : s + n].float(), c.kl_beta)  # fmt: skip
                     (loss * (n * weight)).backward()
                     totals += torch.stack([st["loss"], st["policy_loss"], st["kl"]]).double() * (n * weight / n_groups)
-                    checks.append((f"the velocities at t={t[:n].tolist()}", ix,
+                    checks.append((f"the velocities at t={sig[times[ix, j]].tolist()}", ix,  # host values: no sync
                                    ~torch.isfinite(v[:n].detach()).flatten(1).all(dim=1), ~torch.isfinite(loss)))
         return checks
 

@@ -26,12 +26,11 @@ import torch
 
 from solrl_engine.hw import training_attention
 from solrl_engine.models.base import FlowModel
-from solrl_engine.rl.adapters import OLD, TRAIN
-from solrl_engine.rl.distributed import Dist, local
+from solrl_engine.rl.adapters import OLD
+from solrl_engine.rl.distributed import Dist
 from solrl_engine.rl.full import REF, TrainedWeights
-from solrl_engine.rl.guards import nonfinite_rows, raise_collective
 from solrl_engine.rl.objectives import Objective
-from solrl_engine.rl.update import Predict, UpdateBatch, eager_predictions
+from solrl_engine.rl.update import Check, Predict, UpdateBatch, eager_predictions, optimizer_groups
 from solrl_engine.sampling import seeded_noise
 
 
@@ -128,7 +127,7 @@ def _nft_update(model: FlowModel, adapters: TrainedWeights, opt: torch.optim.Opt
                 c: NFTSettings, dist: Dist, autocast: Callable[[], contextlib.AbstractContextManager],
                 predict: Predict, compiled: Callable[[], contextlib.AbstractContextManager]
                 ) -> dict[str, float]:  # fmt: skip
-    x0, cond, adv, gen, sel = batch.x0, batch.cond, batch.adv, batch.gen, batch.sel
+    x0, cond, adv, gen = batch.x0, batch.cond, batch.adv, batch.gen
     b_global, row0, iteration = batch.b_global, batch.row0, batch.iteration
     sig, device = batch.sigmas, x0.device  # the rollout times, t in (0, 1]
     n_t = max(1, int(c.full_steps * c.timestep_fraction))
@@ -136,12 +135,9 @@ def _nft_update(model: FlowModel, adapters: TrainedWeights, opt: torch.optim.Opt
     rows = slice(row0, row0 + b)
     perms = torch.stack([torch.randperm(c.full_steps, generator=gen)[:n_t] for _ in range(b_global)])[rows]
     noise_seeds = torch.randint(0, 2**62, (b_global, n_t), generator=gen)[rows]
-    groups = [torch.arange(b_global)]
-    if c.updates_per_iter > 1:
-        groups = list(torch.randperm(b_global, generator=gen).tensor_split(c.updates_per_iter))
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss, policy loss, KL: read once, at the end
-    gn: torch.Tensor | float = 0.0
     tbs = c.train_batch_size
+    n_groups = max(1, c.updates_per_iter)
 
     def slot(rows: torch.Tensor, j: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """Timestep slot `j` of this rank's `rows`: their re-noised x_t, flow times t, and the fixed predictions
@@ -154,15 +150,10 @@ def _nft_update(model: FlowModel, adapters: TrainedWeights, opt: torch.optim.Opt
         xt = (1 - tb) * xb + tb * noise
         return xt, t, {name: predict(name, xt, t, cond[rd]) for name in c.fixed}
 
-    for g, members in enumerate(groups):
-        mine = members[(members >= row0) & (members < row0 + b)] - row0  # this rank's rows of the group
-        weight = 1.0 / (len(members) * n_t)
-        opt.zero_grad(set_to_none=True)
-        rows, real = mine, len(mine)
-        if dist.sharded:  # the policy's forwards and backwards are collectives: every rank makes as many, in the
-            # same order, as the busiest rank's rows need; rows past `real` repeat row 0 and weigh nothing
-            rows = torch.cat([mine, torch.zeros(dist.most(real, device) - real, dtype=mine.dtype)])
-        checks: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (slot, rows, bad rows, bad loss)
+    def accumulate(rows: torch.Tensor, real: int, group: int) -> list[Check]:
+        nonlocal totals
+        weight = 1.0 / (group * n_t)
+        checks: list[Check] = []
         for j in range(n_t):
             xt, t, fixed = slot(rows, j)  # (its no-grad predictions switch compiled forms of their own in and out)
             with compiled():  # the backward too: a recomputed (checkpointed) block runs its forward again
@@ -180,48 +171,18 @@ def _nft_update(model: FlowModel, adapters: TrainedWeights, opt: torch.optim.Opt
                                         t[sl], adv[ix.to(adv.device)], c.beta, c.kl_beta, c.adv_clip)  # fmt: skip
                     (loss * (n * weight)).backward()
                     parts = torch.stack([st["loss"], st["policy_loss"], st["kl"]]).double()
-                    totals += parts * (n * weight / len(groups))
-                    bad_rows = ~torch.isfinite(v[:n].detach()).flatten(1).all(dim=1)
-                    checks.append((j, ix, bad_rows, ~torch.isfinite(loss)))
-        params = adapters.params(TRAIN)
-        dist.sum_grads_(params)
-        grads = [local(p.grad) for p in params if p.grad is not None]
-        # each gradient's largest magnitude: NaN or Inf exactly where the gradient holds one (it cannot overflow)
-        grad_bad = (~torch.isfinite(torch.stack(torch._foreach_norm(grads, float("inf")))).any() if grads
-                    else torch.zeros((), dtype=torch.bool, device=device))  # fmt: skip
-        # the group's one host sync: every micro-batch's non-finite rows and loss, and the gradients
-        flags = torch.cat([torch.cat([r, ls.view(1)]) for _, _, r, ls in checks] + [grad_bad.view(1)]).tolist()
-        raise_collective(_first_problem(checks, flags, sig, perms, sel), dist, device)  # once per group
-        # sharded: each rank checked its own shards of the gradients, and all agree (one collective)
-        raise_collective(("the gradients", "after accumulation over the batch") if flags[-1] else None,
-                         dist if dist.sharded else None, device)  # fmt: skip
-        gn = torch.nn.utils.clip_grad_norm_(params, c.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        # the optimizer-step count after this step (= iterations when updates_per_iter is 1)
-        adapters.update_ema(iteration * len(groups) + g + 1, c.ema_decay_max)
+                    totals += parts * (n * weight / n_groups)
+                    where = f"the velocities at t={sig[perms[ix, j]].tolist()}"  # (host values: no sync)
+                    checks.append((where, ix, ~torch.isfinite(v[:n].detach()).flatten(1).all(dim=1),
+                                   ~torch.isfinite(loss)))  # fmt: skip
+        return checks
+
+    gn, groups = optimizer_groups(adapters, opt, batch, dist, c.updates_per_iter, c.grad_clip, c.ema_decay_max,
+                                  accumulate)  # fmt: skip
     totals = dist.sum_(totals).cpu()
-    d = adapters.update_old((iteration + 1) * len(groups), c.old_decay_rate, c.old_decay_max)
+    d = adapters.update_old((iteration + 1) * groups, c.old_decay_rate, c.old_decay_max)
     loss, policy, kl = totals.tolist()
-    return {"loss": loss, "policy_loss": policy, "kl": kl, "grad_norm": float(gn), "old_decay": d}
-
-
-def _first_problem(checks: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]], flags: list[bool],
-                   sig: torch.Tensor, perms: torch.Tensor, sel: Any) -> tuple[str, str] | None:  # fmt: skip
-    """The first non-finite velocity or loss of a group's micro-batches, in the order they ran, as
-    (stage, detail) naming prompts and seeds (when `sel`, a Selection, says them); `flags` are the checks read
-    back: each micro-batch's bad rows, then its bad loss."""
-    at = 0
-    for j, ix, rows, _ in checks:
-        bad, loss_bad = flags[at : at + len(rows)], flags[at + len(rows)]
-        at += len(rows) + 1
-        if any(bad) and sel is not None:
-            names = ([sel.flat_prompts[i] for i in ix.tolist()], [sel.flat_seeds[i] for i in ix.tolist()])
-            t = sig[perms[ix, j]].tolist()
-            return f"the velocities at t={t}", nonfinite_rows(bad, *names)
-        if loss_bad:
-            return "the loss", f"samples {ix.tolist()} of a rank's batch"
-    return None
+    return {"loss": loss, "policy_loss": policy, "kl": kl, "grad_norm": gn, "old_decay": d}
 
 
 OBJECTIVE = Objective("nft", NFTSettings, nft_update)
