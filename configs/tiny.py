@@ -19,10 +19,13 @@ paper's N = 96, K = 24 with 16 prompts per iteration (meant for a GPU):
 
 from __future__ import annotations
 
-from solrl_engine.rl.config import RLConfig
+from solrl_engine.rl.config import ConfigError, RLConfig
+from solrl_engine.rl.presets import OBJECTIVE_PRESETS
 
 
-def _tiny(family: str, paper_scale: bool, **kw: object) -> RLConfig:
+def _tiny(family: str, paper_scale: bool, objective: str = "nft", **kw: object) -> RLConfig:
+    if objective not in OBJECTIVE_PRESETS:
+        raise ConfigError(f"objective = {objective!r}: choose one of {tuple(OBJECTIVE_PRESETS)}")
     cfg = RLConfig(
         family=family,
         model="tiny",
@@ -73,7 +76,11 @@ def _tiny(family: str, paper_scale: bool, **kw: object) -> RLConfig:
                 "iterations": 200,
             }
         )
-    return RLConfig(**{**cfg.__dict__, **kw})
+    # another objective takes its published settings (solrl_engine/rl/presets.py, OBJECTIVE_PRESETS): on this model
+    # Flow-GRPO's (lr 3e-4, KL 0.04, two optimizer steps per iteration) learned where the quickstart's NFT settings
+    # (lr 1e-3, no KL, one step) lost reward (docs/training-and-configs.md, "Flow-GRPO on the bundled model")
+    named = {} if objective == "nft" else {"name": f"tiny_{family}_shapes_{objective}"}  # a run directory of its own
+    return RLConfig(**{**cfg.__dict__, "objective": objective, **OBJECTIVE_PRESETS[objective], **named, **kw})
 
 
 # Which layers the explore copy quantizes is the model's rule (solrl_engine/models/tiny, SD3's:
@@ -83,29 +90,29 @@ def _tiny(family: str, paper_scale: bool, **kw: object) -> RLConfig:
 # 60 iterations.
 
 
-def tiny_sol_rl_shapes(paper_scale: bool = False) -> RLConfig:
+def tiny_sol_rl_shapes(paper_scale: bool = False, objective: str = "nft") -> RLConfig:
     """N previews in the explore precision (6 steps), top/bottom K/2 regenerated in BF16 (10 steps).
     On a GPU both go through the compiled, graph-captured sampler, as `compile` does (compiled_sampler
     defaults to on with CUDA; `--set compiled_sampler=true` compiles on a CPU too)."""
-    return _tiny("sol_rl", paper_scale)
+    return _tiny("sol_rl", paper_scale, objective)
 
 
-def tiny_naive_scaling_shapes(paper_scale: bool = False) -> RLConfig:
+def tiny_naive_scaling_shapes(paper_scale: bool = False, objective: str = "nft") -> RLConfig:
     """N BF16 rollouts at the full step count, top/bottom K/2 trained on."""
-    return _tiny("naive_scaling", paper_scale)
+    return _tiny("naive_scaling", paper_scale, objective)
 
 
-def tiny_compile_shapes(paper_scale: bool = False) -> RLConfig:
+def tiny_compile_shapes(paper_scale: bool = False, objective: str = "nft") -> RLConfig:
     """As naive_scaling, through the compiled sampler (eager where compile is unavailable)."""
-    return _tiny("compile", paper_scale)
+    return _tiny("compile", paper_scale, objective)
 
 
-def tiny_naive_quant_shapes(paper_scale: bool = False) -> RLConfig:
+def tiny_naive_quant_shapes(paper_scale: bool = False, objective: str = "nft") -> RLConfig:
     """N rollouts in the explore precision at the full step count, trained on directly."""
-    return _tiny("naive_quant", paper_scale)
+    return _tiny("naive_quant", paper_scale, objective)
 
 
-def tiny_diffusionnft_shapes(paper_scale: bool = False) -> RLConfig:
+def tiny_diffusionnft_shapes(paper_scale: bool = False, objective: str = "nft") -> RLConfig:
     """Plain DiffusionNFT: K BF16 rollouts per prompt, all trained on (N = K)."""
-    cfg = _tiny("diffusionnft", paper_scale)
+    cfg = _tiny("diffusionnft", paper_scale, objective)
     return RLConfig(**{**cfg.__dict__, "n": cfg.k})
