@@ -1,9 +1,10 @@
 """The one RL trainer for every model and family.
 
 Each iteration reads top to bottom as the method does: explore N seeds per prompt (quantized
-previews for sol_rl), select the top K/2 and bottom K/2, regenerate those seeds in BF16, score them,
-update the policy with the DiffusionNFT loss, refresh the explore copy. Families differ only in
-which precision and step count explore uses and whether selection or regeneration happens.
+previews for sol_rl), select the top K/2 and bottom K/2, regenerate those seeds in BF16 (with the objective's
+sampler: Flow-GRPO's SDE for flow_grpo), score them, update the policy with the run's objective (DiffusionNFT's
+loss by default), refresh the explore copy. Families differ only in which precision and step count explore uses
+and whether selection or regeneration happens; objectives only in the rollouts they need and their update.
 
 No process-global state: prompts, seeds and noise come from generators owned by the trainer and
 saved in its checkpoints, so prompts can later be sharded across ranks (all N seeds of a prompt on
