@@ -235,7 +235,8 @@ def test_what_an_sde_objective_cannot_use_is_refused_with_the_choices():
     with pytest.raises(ConfigError, match="full_steps = 1: flow_grpo trains on every SDE step but the last"):
         cfg(full_steps=1, preview_steps=1).validate()
     with pytest.raises(ConfigError, match=r"sde_window = 6: SDE steps per rollout: between 1 and sde_window_range "
-                                          r"\(5\)"):
+                                          r"\(5; None is half of full_steps\): lower sde_window, or raise "
+                                          r"sde_window_range up to full_steps - 1 \(9\)"):
         cfg(objective="flow_grpo_fast", sde_window=6).validate()
     with pytest.raises(ConfigError, match=r"sde_window_range = 10: .*between 1 and full_steps - 1 \(9\)"):
         cfg(objective="flow_grpo_fast", sde_window_range=10).validate()

@@ -282,7 +282,9 @@ class RLConfig:
                 raise bad("sde_window_range", f"the window's steps lie below it: between 1 and full_steps - 1 "
                                               f"({self.full_steps - 1}); None: half the steps")  # fmt: skip
             if not 1 <= self.sde_window <= high:
-                raise bad("sde_window", f"SDE steps per rollout: between 1 and sde_window_range ({high})")
+                raise bad("sde_window", f"SDE steps per rollout: between 1 and sde_window_range ({high}; None is half "
+                                        f"of full_steps): lower sde_window, or raise sde_window_range up to "
+                                        f"full_steps - 1 ({self.full_steps - 1})")  # fmt: skip
 
     def validate(self) -> RLConfig:
         """Raise ConfigError on anything that cannot run; return self."""
@@ -307,7 +309,8 @@ class RLConfig:
         if not 1 <= self.preview_steps <= self.full_steps:
             raise bad("preview_steps", f"must be between 1 and full_steps ({self.full_steps})")
         if self.solver not in SOLVERS:
-            raise bad("solver", f"choose one of {SOLVERS} (dpm2: the stock SANA sampler; unipc: the stock Wan one)")
+            raise bad("solver", f"choose one of {SOLVERS} (dpm2: the stock SANA sampler; unipc: the stock Wan one; "
+                                "flow_sde: Flow-GRPO's SDE)")
         explore = self.explore_settings().problems()  # explore/plan.py checks its own settings
         if explore and explore[0][0] == "precision":
             raise bad("explore_precision", explore[0][1])
