@@ -228,7 +228,7 @@ def test_what_an_sde_objective_cannot_use_is_refused_with_the_choices():
         return RLConfig(**{"name": "t", "model": "tiny", "objective": "flow_grpo", **kw})
 
     with pytest.raises(ConfigError, match=r"sde_noise_level = 0.0: flow_grpo trains on per-step log-probabilities, "
-                                          r"which a sampler without noise has none of.*\('nft',\)"):
+                                          r"which a sampler without noise has none of.*\('nft', 'awm'\)"):
         cfg(sde_noise_level=0.0).validate()
     with pytest.raises(ConfigError, match="clip_range = 0.0: the probability ratio's clip must be > 0"):
         cfg(clip_range=0.0).validate()
