@@ -153,7 +153,7 @@ def test_same_metrics_compare_finds_a_changed_value_and_a_lost_field_but_not_a_n
 
 def test_objective_fidelity_measures_every_previews_x_objective_pairing(tmp_path):
     mod = load_bench("objective_fidelity")
-    path = mod.main(["--prompts", "2", "--n", "4", "--k", "2", "--set", "full_steps=4", "--set", "preview_steps=1",
+    path = mod.main(["--prompts", "1", "--n", "4", "--k", "2", "--set", "full_steps=4", "--set", "preview_steps=1",
                      "--out", str(tmp_path)])  # fmt: skip
     rec = json.loads(path.read_text())
     got = {(r["previews"], r["objective"]) for r in rec["pairings"]}
