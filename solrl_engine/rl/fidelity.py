@@ -33,7 +33,7 @@ from solrl_engine.explore.ranking import kendall, nk_problem, overlap, spearman
 from solrl_engine.nn.fast_path import fast_path
 from solrl_engine.nn.flops import group_name
 from solrl_engine.nn.quantize import plan_quantization
-from solrl_engine.rl.config import RLConfig
+from solrl_engine.rl.config import OBJECTIVES, RLConfig
 from solrl_engine.rl.objectives import rollout_window
 from solrl_engine.rl.runtime import build_rollouts, plan_explore
 from solrl_engine.sampling.rollouts import Rollouts
@@ -63,7 +63,7 @@ def _fingerprint(module: nn.Module) -> str:
 def _oracle_key(c: RLConfig, ro: Rollouts) -> str:
     parts = [c.model, str(c.model_path), c.resolution, c.full_steps, c.solver, c.shift, c.guidance_scale, c.reward,
              c.reward_args, str(ro.dtype), _fingerprint(ro.model.transformer)]  # fmt: skip
-    if rollout_window(c, None) is not None:  # finals sampled by the objective's SDE: its settings decide them too
+    if OBJECTIVES[c.objective].rollout == "sde":  # finals sampled by the objective's SDE: its settings decide them too
         parts += [c.objective, c.sde_noise_level, c.sde_window, c.sde_window_range, c.seed]
     return hashlib.sha1(json.dumps(parts, default=str).encode()).hexdigest()
 
