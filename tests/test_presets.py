@@ -1,4 +1,4 @@
-"""The paper presets: all 75 <model>_<family>_<reward> functions load through load_config (the path a
+"""The paper presets: all 90 <model>_<family>_<reward> functions load through load_config (the path a
 user's `solrl train configs/<file>.py:<name>` takes) and validate without loading any weights, with the
 paper's hyper-parameters; overrides and unknown names behave."""
 
@@ -51,14 +51,14 @@ def _names(fname: str, prefix: str) -> list[str]:
     return str(e.value).split("it has: ", 1)[1].split(", ")
 
 
-def test_the_config_files_offer_exactly_the_seventy_five_presets():
+def test_the_config_files_offer_exactly_the_ninety_presets():
     seen = []
     for fname, prefix in FILES.values():
         expected = sorted(f"{prefix}_{f}_{r}" for f in FAMILIES for r in REWARDS)
         assert sorted(_names(fname, prefix)) == expected  # nothing else is listed (no helpers)
         assert sorted(_module(fname).__all__) == expected
         seen += expected
-    assert len(seen) == len(set(seen)) == 75  # 3 models x 5 families x 5 rewards
+    assert len(seen) == len(set(seen)) == 90  # 3 models x 5 families x 6 rewards
 
 
 @pytest.mark.parametrize("model", sorted(FILES))
@@ -115,7 +115,7 @@ def test_unknown_names_list_what_exists():
 def test_the_table_is_data():
     ns: dict = {}
     names = define_presets(ns, "sana", "demo")
-    assert set(names) == set(ns) and len(names) == 25 and all(n.startswith("demo_") for n in names)
+    assert set(names) == set(ns) and len(names) == 30 and all(n.startswith("demo_") for n in names)
     assert set(PAPER) == set(FILES) | set(WAN) | {"qwenimage"}
 
 

@@ -30,6 +30,7 @@ REWARDS: dict[str, str] = {
     "clipscore": "solrl_engine.rewards.clipscore:CLIPScore",
     "pickscore": "solrl_engine.rewards.pickscore:PickScore",
     "hpsv2": "solrl_engine.rewards.hpsv2:HPSv2",
+    "hpsv3": "solrl_engine.rewards.hpsv3:HPSv3",  # a Qwen2-VL preference model, scored on transformers' classes
     "imagereward": "solrl_engine.rewards.imagereward:ImageRewardScorer",
     "temporal": "solrl_engine.rewards.video:TemporalConsistency",  # videos only: consecutive frames agreeing
     "ocr": "solrl_engine.rewards.ocr:OCRReward",  # text rendering (Flow-GRPO's task): prompts quote the text

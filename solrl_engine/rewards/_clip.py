@@ -59,6 +59,28 @@ def check_source(name: str, what: str, filename: str = "config.json", files: str
             )
 
 
+def resolve_hub_file(name: str, repo: str, what: str, expected: str, get: str) -> str | None:
+    """A weight file given as a path, or as a bare file name of the hub repo `repo`: its local path; None when it is a
+    hub file that is not cached yet (online, the reward downloads it as it loads). Raises FileNotFoundError naming the
+    file and `get` (how to get it) for a missing path, or for a hub file that is not cached while offline."""
+    p = Path(name).expanduser()
+    if p.is_file():
+        return str(p)
+    if "/" in name or "\\" in name or name.startswith(("~", ".")):  # a path; a bare name is a hub file
+        raise FileNotFoundError(f"{what} {name!r} does not exist (expected {expected}). {get}")
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(repo, name)
+    if isinstance(cached, str):
+        return cached
+    if offline():
+        raise FileNotFoundError(
+            f"{what} {name} of the hub repo {repo} is not in the local Hugging Face cache and the hub is offline "
+            f"(HF_HUB_OFFLINE). {get}"
+        )
+    return None
+
+
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                 "pytorch_model.bin.index.json")  # fmt: skip
 

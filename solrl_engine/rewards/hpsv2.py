@@ -40,8 +40,8 @@ from solrl_engine.rewards._clip import (
     device_of,
     download_hint,
     is_local,
-    offline,
     resolve_dtype,
+    resolve_hub_file,
 )
 
 DEFAULT_PROCESSOR = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
@@ -69,23 +69,7 @@ def resolve_checkpoint(checkpoint: str | None = None) -> str | None:
     """The checkpoint's local path; None when it is a hub file that is not cached and will be downloaded.
     Raises FileNotFoundError (naming the file and how to get it) for a missing path, or a hub file that is
     not cached while offline."""
-    name = checkpoint or CHECKPOINT
-    p = Path(name).expanduser()
-    if p.is_file():
-        return str(p)
-    if "/" in name or "\\" in name or name.startswith(("~", ".")):  # a path; a bare name is a hub file
-        raise FileNotFoundError(f"hpsv2 checkpoint {name!r} does not exist (expected {CHECKPOINT}). {_GET}")
-    from huggingface_hub import try_to_load_from_cache
-
-    cached = try_to_load_from_cache(HUB_REPO, name)
-    if isinstance(cached, str):
-        return cached
-    if offline():
-        raise FileNotFoundError(
-            f"hpsv2 checkpoint {name} of the hub repo {HUB_REPO} is not in the local Hugging Face cache and the "
-            f"hub is offline (HF_HUB_OFFLINE). {_GET}"
-        )
-    return None
+    return resolve_hub_file(checkpoint or CHECKPOINT, HUB_REPO, "hpsv2 checkpoint", CHECKPOINT, _GET)
 
 
 def check_weights(

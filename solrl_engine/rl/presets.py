@@ -15,7 +15,7 @@ from typing import Any
 
 from solrl_engine.rl.config import FAMILIES, FAMILY_TABLE, ConfigError, RLConfig, unknown_key_error
 
-REWARDS = ("imagereward", "clipscore", "pickscore", "hpsv2", "ocr")
+REWARDS = ("imagereward", "clipscore", "pickscore", "hpsv2", "hpsv3", "ocr")
 # a reward with prompt sets of its own (train, eval): text rendering's prompts quote the text to render
 REWARD_PROMPTS = {"ocr": ("ocr/train", "ocr/test")}
 
