@@ -2,12 +2,13 @@
 
 The quickstart's config (configs/tiny.py:tiny_sol_rl_shapes, the bundled model on this CPU) scored by a reward
 server (solrl_engine.rewards.serve, in a thread of this process) hosting the shapes reward plus `--sleep` seconds
-per scored batch: once with scoring overlapped (batch i scored while batch i+1 is sampled: Rollouts.sample_scored),
-once with the overlap switched off (every batch scored after the sampling), the same seeds, and once with the
+per scored batch: once with scoring overlapped (batch i scored while batch i+1 is sampled: Rollouts.start_scored;
+Sol-RL's explore and regeneration in two halves of the prompts, Trainer._explore_in_halves), once with the overlap
+switched off (every batch scored after the sampling), the same seeds, and once with the
 reward in-process. Records per iteration the reward seconds hidden and exposed, the phase times, and whether the
 non-time metrics agree (remote overlapped, remote sequential and in-process).
 
-    python bench/reward_overlap.py --iterations 2 --sleep 0.2 --json bench/results/2026-11-28-cpu-reward-overlap.json
+    python bench/reward_overlap.py --iterations 2 --sleep 0.2 --json /tmp/reward-overlap.json
 """
 
 from __future__ import annotations

@@ -296,3 +296,45 @@ def test_solrl_train_with_no_server_at_start_says_to_run_again_not_to_resume(tmp
     msg = str(e.value)
     assert f"{url} (shapes) unreachable" in msg and "nothing was started: run the same command again" in msg
     assert "--resume" not in msg.splitlines()[-1] and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("objective", ["nft", "flow_grpo"])
+def test_sol_rl_with_a_served_reward_explores_and_regenerates_in_halves(small_model, tmp_path, monkeypatch, objective):
+    """Sol-RL with scoring that overlaps: the explore and the regeneration in two halves of the prompts (3: halves of
+    2 and 1), each half's scores waited for only after the next thing was sampled, so every phase's last batch is
+    scored behind sampling except the last regeneration's; the metrics equal the whole-batch order's (Flow-GRPO's
+    too: its regenerations' SDE states joined in prompt order)."""
+    from solrl_engine.rl.trainer import Trainer
+    from solrl_engine.sampling.rollouts import Pending, Rollouts
+
+    cfg = dict(name="halves", model_path=small_model, n=6, k=4, prompts_per_iter=3, preview_steps=2, full_steps=4,
+               iterations=1, eval_every=5, lora_rank=4, lora_alpha=8, lr=1e-2, rollout_batch_size=6,
+               train_batch_size=4, timestep_fraction=0.5, objective=objective)  # fmt: skip
+    metrics = {}
+    events: list[tuple] = []
+    sample, result = Rollouts.sample, Pending.result
+
+    def logged_sample(self, cond, seeds, steps, transformer=None, tag="", *a, **kw):
+        events.append(("sample", steps, len(seeds)))  # previews at 2 steps, regenerations at 4
+        return sample(self, cond, seeds, steps, transformer, tag, *a, **kw)
+
+    def logged_result(self):
+        events.append(("wait", len(self.prompts)))
+        return result(self)
+
+    monkeypatch.setattr(Rollouts, "sample", logged_sample)
+    monkeypatch.setattr(Pending, "result", logged_result)
+    for overlaps in (False, True):
+        monkeypatch.setattr(Rollouts, "overlaps", property(lambda self, o=overlaps: o))
+        tr = Trainer(RLConfig(**cfg, output=str(tmp_path / str(overlaps))), progress=False)
+        events.clear()
+        metrics[overlaps] = tr.step()
+    assert events == [("sample", 2, 6), ("sample", 2, 6),  # half 1's previews: 2 prompts x 6 seeds
+                      ("sample", 2, 6),  # half 2's (1 prompt), while half 1's last batch is scored
+                      ("wait", 12), ("sample", 4, 6), ("sample", 4, 2),  # half 1 ranked and regenerated ...
+                      ("wait", 6), ("sample", 4, 4),  # ... while half 2's previews are scored; then half 2's
+                      ("wait", 8), ("wait", 4)]  # fmt: skip
+    assert metrics[True]["time_reward_hidden_s"] > 0 and metrics[False]["time_reward_hidden_s"] == 0
+    for key, want in metrics[False].items():
+        if not (key.startswith("time") or key.endswith("_s")):
+            assert metrics[True][key] == want, key

@@ -23,7 +23,7 @@ from solrl_engine.models import model_spec, wrap_pipeline
 from solrl_engine.models.base import Conditioning, RewardFn
 from solrl_engine.nn import fast_path, requantize_
 from solrl_engine.sampling import seeded_noise
-from solrl_engine.sampling.rollouts import Rollouts, RolloutSettings
+from solrl_engine.sampling.rollouts import Pending, Rollouts, RolloutSettings
 from solrl_engine.sampling.sampler import SOLVERS
 
 log = logging.getLogger("solrl_engine.explore")
@@ -117,6 +117,19 @@ class Selection:
     nonfinite: str | None = None  # select(nonfinite="defer"): which rewards were NaN or inf (nothing was ranked)
     trace: torch.Tensor | None = None  # select(window=...): the selected rollouts' SDE states [P*K, W + 1, ...]
 
+    @classmethod
+    def join(cls, parts: Sequence[Selection]) -> Selection:
+        """One Selection of several over consecutive prompt groups (an explore run in parts), prompt-major."""
+        def cat(name: str) -> Any:
+            vals = [getattr(p, name) for p in parts]
+            return None if any(v is None for v in vals) else torch.cat(vals)
+
+        first = parts[0]
+        unranked = "; ".join(p.nonfinite for p in parts if p.nonfinite) or None
+        return cls([q for p in parts for q in p.prompts], [row for p in parts for row in p.seeds], cat("proxy_rewards"),
+                   cat("ranks"), cat("noise"), [row for p in parts for row in p.all_seeds], cat("all_rewards"),
+                   cat("index"), first.explorer, cat("samples"), unranked, cat("trace"))  # fmt: skip
+
     @property
     def flat_prompts(self) -> list[str]:
         k = len(self.seeds[0]) if self.seeds else 0
@@ -169,6 +182,22 @@ class Selection:
         return {"spearman": sp.mean().item(), "kendall": kd.mean().item(), "per_prompt_spearman": sp.tolist(),
                 "per_prompt_kendall": kd.tolist()}  # fmt: skip
 
+
+
+@dataclass
+class Exploring:
+    """Previews sampled by `Explorer.start`, their rewards possibly in flight; `finish()` ranks them (Selection)."""
+
+    explorer: Explorer
+    prompts: list[str]
+    seeds: list[list[int]]
+    pending: Pending
+    states: list[torch.Tensor] | None
+    keep_samples: bool
+    nonfinite: str
+
+    def finish(self) -> Selection:
+        return self.explorer._rank(self)
 
 class Explorer:
     """Sol-RL's explore-and-select for any trainer: explore N seeds per prompt cheaply in the explore
@@ -281,6 +310,21 @@ class Explorer:
         `nonfinite="defer"` (a trainer with its own policy) the Selection keeps them unranked and says so
         in `nonfinite`. A `window` of steps explores with Flow-GRPO's SDE there (sampling.sde) and keeps the selected
         rollouts' states in `trace`, for an objective that trains on the explored rollouts themselves."""
+        return self.start(prompts, seeds, cond, keep_samples, nonfinite, window).finish()
+
+    @torch.no_grad()
+    def start(
+        self,
+        prompts: Sequence[str],
+        seeds: Sequence[Sequence[int]] | None = None,
+        cond: Conditioning | None = None,
+        keep_samples: bool = False,
+        nonfinite: str = "raise",
+        window: tuple[int, int] | None = None,
+    ) -> Exploring:
+        """`select` in two halves: sample the previews now and return while the last ones may still be scored (a
+        served reward: Rollouts.start_scored); `finish()` ranks them. Sampling something else in between hides
+        the last batch's scoring."""
         prompts = _prompt_list(prompts)
         seeds = _seed_rows(seeds, len(prompts), self.n) if seeds is not None else self.draw_seeds(prompts)
         if nonfinite not in ("raise", "defer"):
@@ -289,9 +333,16 @@ class Explorer:
         flat = [s for row in seeds for s in row]
         per_seed = [p for p in prompts for _ in range(self.n)]
         states: list[torch.Tensor] | None = [] if window is not None else None
-        x, scored = self.rollouts.sample_scored(cond.repeat_interleave(self.n), per_seed, flat, self.steps,
-                                                self.transformer, self.tag, window, states)  # fmt: skip
+        pending = self.rollouts.start_scored(cond.repeat_interleave(self.n), per_seed, flat, self.steps,
+                                             self.transformer, self.tag, window, states)  # fmt: skip
         self._record_fast_path()
+        return Exploring(self, prompts, seeds, pending, states, keep_samples, nonfinite)
+
+    @torch.no_grad()
+    def _rank(self, ex: Exploring) -> Selection:
+        """Exploring.finish: wait for the previews' rewards and keep the most contrastive K per prompt."""
+        prompts, seeds, nonfinite, states = ex.prompts, ex.seeds, ex.nonfinite, ex.states
+        x, scored = ex.pending.result()
         r = scored.rewards.view(len(prompts), self.n)
         self.last_totals = r  # the reward itself (the weighted sum), before a group-normalised combination
         comps_pn = {k: v.view(len(prompts), self.n) for k, v in scored.components.items()}
@@ -315,7 +366,7 @@ class Explorer:
         noise = self.model.pipeline_latents(lat) if hasattr(self.model, "pipeline_latents") else lat
         samples = trace = None
         rows = torch.arange(len(prompts), device=idx.device)[:, None]
-        if keep_samples:
+        if ex.keep_samples:
             samples = x.view(len(prompts), self.n, *x.shape[1:])[rows, idx].flatten(0, 1)
         if states is not None:
             xs = torch.cat(states)

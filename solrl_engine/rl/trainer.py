@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 from solrl_engine.data import load_prompts
 from solrl_engine.explore.choice import POLICY, ExploreChoice
 from solrl_engine.explore.copy import ExploreCopy
+from solrl_engine.explore.explorer import Selection
 from solrl_engine.explore.plan import ExploreSpec
 from solrl_engine.hw import cpu_compile_available
 from solrl_engine.models.base import Conditioning
@@ -47,12 +48,32 @@ from solrl_engine.rl.runtime import Target, build_rollouts, explorer_for, resolv
 from solrl_engine.rl.sharding import shard_policy, sharded_bytes
 from solrl_engine.rl.update import UpdateBatch, fixed_predictions
 from solrl_engine.sampling.compile import Census, CompiledBlocks, census_backend, repeated_blocks
+from solrl_engine.sampling.rollouts import Pending, Scored
 from solrl_engine.store import checkpoint, rundir
 from solrl_engine.store.checkpoint import EXPORT_DIRS
 from solrl_engine.store.safe import json_text, open_append, write_atomic
 from solrl_engine.store.tracking import Tracker
 
 log = logging.getLogger("solrl_engine.rl")
+
+
+@dataclasses.dataclass
+class Explored:
+    """What the explore scored: the previews' rewards (weighted sums, [P, N]) and components, its reward seconds, and
+    the seconds it spent starting regenerations (`Trainer._explore_in_halves`), which are the regeneration's time."""
+
+    totals: torch.Tensor
+    components: dict[str, torch.Tensor]
+    reward_time: dict[str, float]
+    regen_s: float = 0.0
+
+
+@dataclasses.dataclass
+class Regen:
+    """A regeneration sampled, its scores possibly in flight; `states`: an SDE objective's window states."""
+
+    pending: Pending
+    states: list[torch.Tensor]
 
 
 class PromptSampler:
@@ -281,28 +302,29 @@ class Trainer:
 
         # 1. explore: N seeds per prompt, quantized previews (sol_rl, naive_quant) or the BF16 policy,
         # 2. and select the top K/2 and bottom K/2 seeds by (proxy) reward: the public Explorer's path
+        # (with a served reward, sol_rl runs 1-3 in two halves of the prompts: `_explore_in_halves`)
         with self.adapters.using(OLD):  # the policy explores with its "old" adapter when it explores
             # (a family that trains on what it explored explores with the objective's sampler)
-            sel = self.explorer.select(prompts, seeds, cond=cond, keep_samples=not rule.regenerate, nonfinite="defer",
-                                       window=None if rule.regenerate else window)  # fmt: skip
+            sel, explored, regens = self._explore(prompts, seeds, cond, window)
         r_all, idx, proxy = sel.all_rewards, sel.index, sel.proxy_rewards
-        totals_all = self.explorer.last_totals  # the weighted sums (what the metrics report; r_all ranks)
+        totals_all = explored.totals  # the weighted sums (what the metrics report; r_all ranks)
         flat_all = [p for p in prompts for _ in range(c.n)]
         check_finite("explore rewards", r_all.flatten(), flat_all, [x for row in seeds for x in row], dist)
-        comps = {k: v.gather(1, idx.cpu()).to(self.device) for k, v in self.explorer.last_components.items()}
+        comps = {k: v.gather(1, idx.cpu()).to(self.device) for k, v in explored.components.items()}
         sel_cond = cond.repeat_interleave(c.k)
-        reward_time = dict(self.rollouts.reward_time)  # the previews' reward seconds, hidden and exposed
+        reward_time = explored.reward_time  # the previews' reward seconds, hidden and exposed
         t1, o1 = time.perf_counter(), st.overhead_s
 
         # 3. regenerate the selected seeds in BF16 at the full step budget (sol_rl only), with the objective's sampler
         trace = sel.trace  # an SDE objective's rollout states (the explored ones, where the family trains on them)
         if rule.regenerate:
-            states: list[torch.Tensor] | None = [] if window is not None else None
             with self.adapters.using(OLD):  # scored batch by batch while the next is sampled, where scoring overlaps
-                x0, scored = self.rollouts.sample_scored(sel_cond, sel.flat_prompts, sel.flat_seeds, c.full_steps,
-                                                         *self._policy_rollout(), window, states)  # fmt: skip
-            trace = torch.cat(states) if states is not None else None
-            reward_time = {k: v + self.rollouts.reward_time[k] for k, v in reward_time.items()}
+                regens = regens or [self._start_regen(sel, sel_cond, window)]
+                done = [(*r.pending.result(), r.states) for r in regens]
+            x0, scored = torch.cat([d[0] for d in done]), Scored.join([d[1] for d in done])
+            trace = torch.cat([t for d in done for t in d[2]]) if window is not None else None
+            for r in regens:
+                reward_time = {k: v + r.pending.reward_time[k] for k, v in reward_time.items()}
             check_finite("regenerated latents", x0, sel.flat_prompts, sel.flat_seeds, dist)
             rewards, comps = scored.rewards, scored.components
             check_finite("rewards of the regenerated samples", rewards, sel.flat_prompts, sel.flat_seeds, dist)
@@ -355,8 +377,8 @@ class Trainer:
             **guard,
             "world_size": dist.world,
             # without compilation / graph capture, which time_compile_s reports in the iterations that had any
-            "time_explore_s": t1 - t0 - (o1 - o0),
-            "time_regen_s": t2 - t1 - (o2 - o1),
+            "time_explore_s": t1 - t0 - (o1 - o0) - explored.regen_s,
+            "time_regen_s": t2 - t1 - (o2 - o1) + explored.regen_s,
             "time_train_s": t3 - t2 - (o3 - o2),
             "time_total_s": t3 - t0 - (o3 - o0),
             # reward seconds of the explore and the regeneration: scored while the next batch was sampled (a
@@ -367,6 +389,57 @@ class Trainer:
             **stats,
         }
         return m
+
+    def _explore(self, prompts: list[str], seeds: list[list[int]], cond: Conditioning, window: tuple[int, int] | None
+                 ) -> tuple[Selection, Explored, list[Regen]]:  # fmt: skip
+        """The explore and the selection: the Selection, what it scored, and the regenerations already started
+        (`_explore_in_halves`; none here)."""
+        rule = self.rule
+        if rule.regenerate and self.rollouts.overlaps and len(prompts) > 1:
+            return self._explore_in_halves(prompts, seeds, cond, window)
+        sel = self.explorer.select(prompts, seeds, cond=cond, keep_samples=not rule.regenerate, nonfinite="defer",
+                                   window=None if rule.regenerate else window)  # fmt: skip
+        ex = self.explorer
+        return sel, Explored(ex.last_totals, ex.last_components, dict(self.rollouts.reward_time)), []
+
+    def _explore_in_halves(self, prompts: list[str], seeds: list[list[int]], cond: Conditioning,
+                           window: tuple[int, int] | None) -> tuple[Selection, Explored, list[Regen]]:  # fmt: skip
+        """With a served reward, Sol-RL's explore and regeneration in two halves of the prompts, so that every
+        phase's last scores arrive while something else is sampled: the second half's previews hide the first's
+        last scores, the first half's regeneration the second's, the second half's regeneration the first's. Each
+        prompt's selection and rollouts are its own, so the samples and rewards are those of the whole-batch order
+        (a batch of fewer rows computes each row as a full one does: tested)."""
+        h = (len(prompts) + 1) // 2
+        first, second = slice(0, h), slice(h, len(prompts))
+        kw: dict[str, Any] = dict(keep_samples=False, nonfinite="defer")
+        ex = self.explorer
+        a = ex.start(prompts[first], seeds[first], cond=cond[first], **kw)
+        b = ex.start(prompts[second], seeds[second], cond=cond[second], **kw)  # hides a's last scores
+        sel_a = a.finish()
+        totals, comps = [ex.last_totals], [ex.last_components]
+        st = self.rollouts.sampler.stats  # (compile seconds stay out of phase times: `_step`)
+        t, o = time.perf_counter(), st.overhead_s
+        regens = [self._start_regen(sel_a, cond[first].repeat_interleave(self.cfg.k), window)]  # hides b's
+        regen_s = time.perf_counter() - t - (st.overhead_s - o)
+        sel_b = b.finish()
+        totals.append(ex.last_totals)
+        comps.append(ex.last_components)
+        t, o = time.perf_counter(), st.overhead_s
+        regens.append(self._start_regen(sel_b, cond[second].repeat_interleave(self.cfg.k), window))  # hides a's
+        regen_s += time.perf_counter() - t - (st.overhead_s - o)
+        ex.last_totals = torch.cat(totals)
+        ex.last_components = {k: torch.cat([c[k] for c in comps]) for k in comps[0]}
+        reward_time = {k: a.pending.reward_time[k] + b.pending.reward_time[k] for k in ("hidden_s", "exposed_s")}
+        explored = Explored(ex.last_totals, ex.last_components, reward_time, regen_s)
+        return Selection.join([sel_a, sel_b]), explored, regens
+
+    def _start_regen(self, sel: Selection, sel_cond: Conditioning, window: tuple[int, int] | None) -> Regen:
+        """Sample `sel`'s seeds with the policy at the full step budget (the objective's sampler); scores may be
+        in flight (Rollouts.start_scored)."""
+        states: list[torch.Tensor] | None = [] if window is not None else None
+        pending = self.rollouts.start_scored(sel_cond, sel.flat_prompts, sel.flat_seeds, self.cfg.full_steps,
+                                             *self._policy_rollout(), window, states)  # fmt: skip
+        return Regen(pending, states or [])
 
     def _guard(self, g_proxy: torch.Tensor, g_rewards: torch.Tensor, sel: Any, cond: Conditioning) -> dict[str, Any]:
         """The proxy-drift guard's view of this iteration (guards.ProxyGuard). While it has exploration

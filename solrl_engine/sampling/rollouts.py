@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +56,47 @@ class Scored:
     rewards: torch.Tensor
     components: dict[str, torch.Tensor]
 
+    @classmethod
+    def join(cls, parts: Sequence[Scored]) -> Scored:
+        """Consecutive batches' scores as one."""
+        comps = {k: torch.cat([p.components[k] for p in parts]) for k in parts[0].components}
+        return cls(torch.cat([p.images for p in parts]), torch.cat([p.rewards for p in parts]), comps)
+
+
+class Pending:
+    """Latents sampled by `Rollouts.start_scored` whose scores may still be in flight; `result()` waits for them and
+    records the reward seconds hidden behind sampling and exposed (waited for) in `reward_time`, its own and the
+    rollouts' (the last result's)."""
+
+    def __init__(self, rollouts: Rollouts, x0: torch.Tensor | None, prompts: list[str]) -> None:
+        self.rollouts, self.x0, self.prompts = rollouts, x0, prompts
+        self.futures: list[Future[Scored]] = []  # one per sampled batch, where scoring overlaps
+        self.spent: list[float] = []  # each scored batch's seconds (decode and reward)
+        self.reward_time = {"hidden_s": 0.0, "exposed_s": 0.0}
+
+    def score(self, x: torch.Tensor, prompts: Sequence[str]) -> Scored:
+        """Score one batch (on the scoring thread), timed."""
+        t0 = time.perf_counter()
+        try:
+            with torch.no_grad():  # grad mode is per thread
+                return self.rollouts.score(x, prompts)
+        finally:
+            self.spent.append(time.perf_counter() - t0)
+
+    def result(self) -> tuple[torch.Tensor, Scored]:
+        """(latents, their images and rewards): waits for the scores (scoring them now where nothing overlaps)."""
+        assert self.x0 is not None
+        t = time.perf_counter()
+        if not self.futures:
+            scored = self.rollouts.score(self.x0, self.prompts)
+            self.reward_time = {"hidden_s": 0.0, "exposed_s": time.perf_counter() - t}
+        else:
+            scored = Scored.join([f.result() for f in self.futures])  # a reward's error surfaces here
+            exposed = time.perf_counter() - t
+            self.reward_time = {"hidden_s": max(0.0, sum(self.spent) - exposed), "exposed_s": exposed}
+        self.rollouts.reward_time = dict(self.reward_time)
+        return self.x0, scored
+
 
 def model_guidance(spec: ModelSpec, guidance_scale: float | None) -> float:
     """The guidance scale rollouts use: the given one, else the model's own default."""
@@ -74,6 +115,7 @@ class Rollouts:
         self.device, self.dtype = p.device, p.dtype
         self.cfg_guidance = model_guidance(spec, settings.guidance_scale) if spec.guidance == "cfg" else 1.0
         self._uncond: Conditioning | None = None
+        self._pool: ThreadPoolExecutor | None = None  # the scoring thread of a served reward (start_scored)
         self.autocast_cache = True  # False: no cached BF16 casts of trainable weights (sharded full fine-tuning)
         # compiled: on GPU + one CUDA graph per batch shape, on CPU through inductor (no graphs); both read
         # the weights in place, so updates need no re-capture or recompile
@@ -209,35 +251,27 @@ class Rollouts:
         the same latents and rewards; where scoring `overlaps`, batch by batch (the sampler's batch size), each
         batch scored on a worker thread while the next is sampled. `reward_time` keeps this call's reward seconds:
         hidden behind sampling and exposed (waited for after it). `window` and `trace`: as `sample`'s."""
+        return self.start_scored(cond, prompts, seeds, steps, transformer, tag, window, trace).result()
+
+    def start_scored(self, cond: Conditioning, prompts: Sequence[str], seeds: Sequence[int], steps: int,
+                     transformer: nn.Module | None = None, tag: str = "", window: tuple[int, int] | None = None,
+                     trace: list[torch.Tensor] | None = None) -> Pending:  # fmt: skip
+        """`sample_scored` in two halves: sample every batch now (where scoring `overlaps`, each batch goes to the
+        scoring thread as soon as it is sampled) and return before the last scores arrive; `Pending.result()`
+        waits for them. Work the caller does in between (sampling the next phase) hides the last batch's scoring.
+        Batches are scored in the order they were sampled, across calls (one scoring thread)."""
         if not self.overlaps:
-            x0 = self.sample(cond, seeds, steps, transformer, tag, window, trace)
-            t = time.perf_counter()
-            scored = self.score(x0, prompts)
-            self.reward_time = {"hidden_s": 0.0, "exposed_s": time.perf_counter() - t}
-            return x0, scored
+            return Pending(self, self.sample(cond, seeds, steps, transformer, tag, window, trace), list(prompts))
         b = max(1, self.settings.batch_size or len(seeds))
-        spent: list[float] = []
-
-        def score(x: torch.Tensor, ps: Sequence[str]) -> Scored:
-            t0 = time.perf_counter()
-            try:
-                with torch.no_grad():  # grad mode is per thread
-                    return self.score(x, ps)
-            finally:
-                spent.append(time.perf_counter() - t0)
-
-        xs, futures = [], []
-        with ThreadPoolExecutor(1, thread_name_prefix="solrl-reward") as pool:
-            for i in range(0, len(seeds), b):
-                xs.append(self.sample(cond[i : i + b], seeds[i : i + b], steps, transformer, tag, window, trace))
-                futures.append(pool.submit(score, xs[-1], list(prompts[i : i + b])))
-            t = time.perf_counter()
-            parts = [f.result() for f in futures]  # a reward's error surfaces here, for the batch it scored
-            exposed = time.perf_counter() - t
-        self.reward_time = {"hidden_s": max(0.0, sum(spent) - exposed), "exposed_s": exposed}
-        comps = {k: torch.cat([p.components[k] for p in parts]) for k in parts[0].components}
-        scored = Scored(torch.cat([p.images for p in parts]), torch.cat([p.rewards for p in parts]), comps)
-        return torch.cat(xs), scored
+        pending = Pending(self, None, list(prompts))
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="solrl-reward")
+        xs = []
+        for i in range(0, len(seeds), b):
+            xs.append(self.sample(cond[i : i + b], seeds[i : i + b], steps, transformer, tag, window, trace))
+            pending.futures.append(self._pool.submit(pending.score, xs[-1], list(prompts[i : i + b])))
+        pending.x0 = torch.cat(xs)
+        return pending
 
     def generate(
         self, prompts: Sequence[str], seeds: Sequence[int], steps: int | None = None, tag: str = ""
