@@ -1,6 +1,7 @@
 """Sol-RL and its baselines on FLUX.1-dev (512 px): `flux1_<family>_<reward>` for the families
 diffusionnft, naive_scaling, compile, naive_quant, sol_rl and the rewards imagereward, clipscore,
-pickscore, hpsv2, hpsv3, ocr (text rendering, on the ocr prompt sets), with the paper's hyper-parameters
+pickscore, hpsv2, hpsv3, ocr (text rendering, on the ocr prompt sets), vlm (a judge served by vLLM:
+docs/real-models-and-rewards.md), with the paper's hyper-parameters
 (solrl_engine/rl/presets.py).
 
     solrl train configs/flux1.py:flux1_sol_rl_hpsv2 --output runs/flux-hps --set model_path=/w/flux1-dev \\

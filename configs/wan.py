@@ -2,7 +2,7 @@
 model's published inference settings (solrl_engine/rl/presets.py): `wan13b_<family>_<reward>` (Wan2.1-T2V-1.3B,
 480 x 832, 81 frames), `wan14b_...` (Wan2.1-T2V-14B) and `wan22_5b_...` (Wan2.2-TI2V-5B, 704 x 1280, 121 frames),
 for the families diffusionnft, naive_scaling, compile, naive_quant, sol_rl and the rewards imagereward,
-clipscore, pickscore, hpsv2, hpsv3, ocr (each scored on 4 frames spread over the clip; docs/video.md).
+clipscore, pickscore, hpsv2, hpsv3, ocr, vlm (each scored on 4 frames spread over the clip; docs/video.md).
 
     solrl train configs/wan.py:wan13b_sol_rl_clipscore --output runs/wan13b --set model_path=/w/wan2.1-1.3b \\
         --set reward_args=clipscore.model=/w/clip-l --set full_steps=20 --set preview_steps=12

@@ -1,4 +1,4 @@
-"""The paper presets: all 90 <model>_<family>_<reward> functions load through load_config (the path a
+"""The paper presets: all 105 <model>_<family>_<reward> functions load through load_config (the path a
 user's `solrl train configs/<file>.py:<name>` takes) and validate without loading any weights, with the
 paper's hyper-parameters; overrides and unknown names behave."""
 
@@ -51,14 +51,14 @@ def _names(fname: str, prefix: str) -> list[str]:
     return str(e.value).split("it has: ", 1)[1].split(", ")
 
 
-def test_the_config_files_offer_exactly_the_ninety_presets():
+def test_the_config_files_offer_exactly_the_105_presets():
     seen = []
     for fname, prefix in FILES.values():
         expected = sorted(f"{prefix}_{f}_{r}" for f in FAMILIES for r in REWARDS)
         assert sorted(_names(fname, prefix)) == expected  # nothing else is listed (no helpers)
         assert sorted(_module(fname).__all__) == expected
         seen += expected
-    assert len(seen) == len(set(seen)) == 90  # 3 models x 5 families x 6 rewards
+    assert len(seen) == len(set(seen)) == 105  # 3 models x 5 families x 7 rewards
 
 
 @pytest.mark.parametrize("model", sorted(FILES))
@@ -71,6 +71,9 @@ def test_every_preset_validates_with_the_papers_settings(model):
             assert (cfg.name, cfg.model, cfg.family, cfg.reward) == (name, model, family, reward)
             own = dict(zip(("train_prompts", "eval_prompts"), REWARD_PROMPTS.get(reward, ()), strict=False))
             assert {k: getattr(cfg, k) for k in SHARED} == {**SHARED, **own}, name  # ocr: its own prompt sets
+            # vlm: the judge the docs serve (vllm serve Qwen/Qwen2.5-VL-7B-Instruct --port 8001)
+            assert cfg.reward_args == (("vlm.url=http://127.0.0.1:8001", "vlm.model=Qwen/Qwen2.5-VL-7B-Instruct")
+                                       if reward == "vlm" else ()), name  # fmt: skip
             assert {k: getattr(cfg, k) for k in PER_MODEL[model]} == PER_MODEL[model], name
             assert cfg.n == (24 if family == "diffusionnft" else 96)
             assert cfg.compiled_sampler is None  # auto: compiled + graph-captured with CUDA, eager on a CPU
@@ -115,7 +118,7 @@ def test_unknown_names_list_what_exists():
 def test_the_table_is_data():
     ns: dict = {}
     names = define_presets(ns, "sana", "demo")
-    assert set(names) == set(ns) and len(names) == 30 and all(n.startswith("demo_") for n in names)
+    assert set(names) == set(ns) and len(names) == 35 and all(n.startswith("demo_") for n in names)
     assert set(PAPER) == set(FILES) | set(WAN) | {"qwenimage"}
 
 

@@ -15,9 +15,12 @@ from typing import Any
 
 from solrl_engine.rl.config import FAMILIES, FAMILY_TABLE, ConfigError, RLConfig, unknown_key_error
 
-REWARDS = ("imagereward", "clipscore", "pickscore", "hpsv2", "hpsv3", "ocr")
+REWARDS = ("imagereward", "clipscore", "pickscore", "hpsv2", "hpsv3", "ocr", "vlm")
 # a reward with prompt sets of its own (train, eval): text rendering's prompts quote the text to render
 REWARD_PROMPTS = {"ocr": ("ocr/train", "ocr/test")}
+# a reward's default reward_args: the VLM judge as `vllm serve Qwen/Qwen2.5-VL-7B-Instruct --port 8001` serves it
+# (--set reward_args=... replaces them whole)
+REWARD_ARGS = {"vlm": ("vlm.url=http://127.0.0.1:8001", "vlm.model=Qwen/Qwen2.5-VL-7B-Instruct")}
 
 # What every paper run shares (official configs/sol_rl/base.py and the per-model _set_bon_combo):
 # 48 prompt groups per iteration, N = 96 explored ("num_image_per_prompt"), K = 24 trained on
@@ -196,6 +199,8 @@ def paper_config(model: str, family: str, reward: str, objective: str = "nft", *
         kw["kl_beta"] = OBJECTIVE_REWARD_KL[objective, reward]
     if reward in REWARD_PROMPTS:
         kw["train_prompts"], kw["eval_prompts"] = REWARD_PROMPTS[reward]
+    if reward in REWARD_ARGS:
+        kw["reward_args"] = REWARD_ARGS[reward]
     if FAMILY_TABLE[family].all_rollouts:  # DiffusionNFT trains on every rollout: N = K
         kw["n"] = kw["k"]
     # naive_quant and sol_rl quantize the model's default layers: explore_layers / explore_skip /
@@ -231,4 +236,5 @@ def define_presets(namespace: dict[str, Any], model: str, prefix: str) -> list[s
     return names
 
 
-__all__ = ["COMMON", "OBJECTIVE_PRESETS", "PAPER", "REWARDS", "REWARD_PROMPTS", "define_presets", "paper_config"]
+__all__ = ["COMMON", "OBJECTIVE_PRESETS", "PAPER", "REWARDS", "REWARD_ARGS", "REWARD_PROMPTS", "define_presets",
+           "paper_config"]
