@@ -110,18 +110,26 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--eval-every-s", type=float, default=20.0, help="evaluate after this much training time")
     ap.add_argument("--seeds", default="0", help="comma-separated run seeds (prompts, seeds, LoRA init)")
     ap.add_argument("--set", action="append", default=[], help="key=value for every family's config")
+    ap.add_argument("--set-family", action="append", default=[], metavar="FAMILY:KEY=VALUE",
+                    help="key=value for one family's config, e.g. sol_rl:preview_sde=True")
     ap.add_argument("--baseline", default="diffusionnft", help="the family sol_rl's convergence speedup is over")
     ap.add_argument("--tag", default="", help="a suffix of the record's name, e.g. flow_grpo")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args(argv)
     families = [f.strip() for f in args.families.split(",") if f.strip()]
+    own: dict[str, list[str]] = {f: [] for f in families}
+    for item in args.set_family:
+        fam, colon, kv = item.partition(":")
+        if not colon or fam not in own or "=" not in kv:
+            raise SystemExit(f"--set-family {item!r}: write FAMILY:KEY=VALUE with FAMILY one of {families}")
+        own[fam].append(kv)
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
     runs: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for seed in seeds:
             for fam in families:
-                runs[f"{fam}/seed{seed}"] = run_family(fam, args.set, seed, args.budget_s, args.eval_every_s,
-                                                       Path(tmp) / f"{fam}-{seed}")  # fmt: skip
+                runs[f"{fam}/seed{seed}"] = run_family(fam, [*args.set, *own[fam]], seed, args.budget_s,
+                                                       args.eval_every_s, Path(tmp) / f"{fam}-{seed}")  # fmt: skip
     ratios = {}
     if {"sol_rl", args.baseline} <= set(families):
         for seed in seeds:
@@ -141,6 +149,7 @@ def main(argv: list[str] | None = None) -> Path:
                     "torch": torch.__version__, "threads": torch.get_num_threads()},  # fmt: skip
         "budget_s": args.budget_s,
         "sets": args.set,
+        "family_sets": {f: v for f, v in own.items() if v},
         "runs": runs,
         "convergence": ratios,
     }

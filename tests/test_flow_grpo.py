@@ -242,3 +242,61 @@ def test_what_an_sde_objective_cannot_use_is_refused_with_the_choices():
         cfg(objective="flow_grpo_fast", sde_window_range=10).validate()
     cfg(objective="flow_grpo_fast", sde_window=3, sde_window_range=9).validate()
     RLConfig(name="t", model="tiny", sde_noise_level=0.0).validate()  # nft trains on final samples: no SDE needed
+
+
+def test_coupled_noise_is_the_fine_sdes_brownian_path():
+    """A preview's SDE noise on the regeneration's Brownian path (sampling.sde.coupled_noise): on the fine grid itself
+    it is the fine SDE's own noise; on a grid nested in it, each coarse step's increment is the sum of the fine ones it
+    spans, exactly; on any grid the noise is standard normal and uncorrelated across steps (the bridge), and the steps
+    outside a window get none, a step half inside half the variance."""
+    from solrl_engine.sampling.sde import coupled_noise
+
+    fine = [1 - k / 10 for k in range(11)]
+    shape = (3,)
+    n, w, sc = coupled_noise([7, 8], fine, fine, (0, 9), shape)
+    torch.testing.assert_close(n[:, :9], step_noise([7, 8], 10, shape)[:, :9], rtol=0, atol=1e-6)
+    assert w == (0, 9) and sc == [1.0] * 9 + [0.0]
+    nested = [1 - j / 5 for j in range(6)]  # every other fine time
+    n5, w5, _ = coupled_noise([7, 8], nested, fine, (0, 9), shape)
+    eps = step_noise([7, 8], 10, shape)
+    for j in range(4):
+        want = (math.sqrt(0.1) * (eps[:, 2 * j] + eps[:, 2 * j + 1])) / math.sqrt(0.2)
+        torch.testing.assert_close(n5[:, j], want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(n5[:, 4], eps[:, 8], rtol=0, atol=1e-5)  # its span ends at the window's end (0.1)
+    assert w5 == (0, 5)
+    coarse = [1.0, 0.83, 0.61, 0.47, 0.22, 0.0]  # no time shared with the fine grid but the first
+    many, _, sc2 = coupled_noise(list(range(4000)), coarse, fine, (0, 9), (1,))
+    x = many[:, :, 0]
+    assert x.mean(0).abs().max() < 0.06 and (x.std(0) - 1).abs().max() < 0.06
+    corr = torch.corrcoef(x.T)
+    assert (corr - torch.eye(5)).abs().max() < 0.06
+    assert sc2[-1] == pytest.approx(math.sqrt((0.22 - 0.1) / 0.22))  # the last step: partly past the window
+    # Flow-GRPO-Fast's window (2 fine steps, [0.7, 0.5]): coarse steps outside it get no noise
+    nf, wf, scf = coupled_noise([1, 2], coarse, fine, (3, 5), shape)
+    assert wf == (1, 3) and scf[0] == scf[3] == scf[4] == 0 and (nf[:, [0, 3, 4]] == 0).all()
+    assert scf[1] == pytest.approx(math.sqrt((0.7 - 0.61) / (0.83 - 0.61)))
+    assert scf[2] == pytest.approx(math.sqrt((0.61 - 0.5) / (0.61 - 0.47)))
+
+
+def test_coupled_previews_sample_through_the_rollouts_and_the_trainer(small_model, tmp_path):
+    """A coupled preview on the full grid is the regeneration's SDE sample itself; sol_rl with preview_sde trains;
+    preview_sde is refused where no SDE regeneration exists to couple to."""
+    from solrl_engine.rl.runtime import build_rollouts
+    from solrl_engine.rl.trainer import Trainer
+    from solrl_engine.sampling.sde import Coupling
+
+    cfg = _cfg(small_model, tmp_path / "c", objective="flow_grpo_fast", preview_sde=True, iterations=1)
+    ro = build_rollouts(cfg)
+    cond = ro.encode(["a red circle"] * 3)
+    with torch.no_grad():
+        final = ro.sample(cond, [1, 2, 3], 4, window=(1, 3))
+        same = ro.sample(cond, [1, 2, 3], 4, couple=Coupling(4, (1, 3)))
+        preview = ro.sample(cond, [1, 2, 3], 2, couple=Coupling(4, (1, 3)))
+    torch.testing.assert_close(same, final, rtol=0, atol=1e-5)
+    assert preview.shape == final.shape and torch.isfinite(preview).all()
+    m = Trainer(cfg, progress=False).step()
+    assert math.isfinite(m["loss"]) and m["objective"] == "flow_grpo_fast"
+    with pytest.raises(ConfigError, match=r"preview_sde = True: .*objective='nft'.*set preview_sde=False"):
+        RLConfig(name="t", model="tiny", preview_sde=True).validate()
+    with pytest.raises(ConfigError, match=r"preview_sde = True: .*family='naive_quant'"):
+        RLConfig(name="t", model="tiny", objective="flow_grpo", family="naive_quant", preview_sde=True).validate()

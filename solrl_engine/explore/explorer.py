@@ -25,6 +25,7 @@ from solrl_engine.nn import fast_path, requantize_
 from solrl_engine.sampling import seeded_noise
 from solrl_engine.sampling.rollouts import Pending, Rollouts, RolloutSettings
 from solrl_engine.sampling.sampler import SOLVERS
+from solrl_engine.sampling.sde import Coupling
 
 log = logging.getLogger("solrl_engine.explore")
 
@@ -302,6 +303,7 @@ class Explorer:
         keep_samples: bool = False,
         nonfinite: str = "raise",
         window: tuple[int, int] | None = None,
+        couple: Coupling | None = None,
     ) -> Selection:
         """Explore N seeds per prompt (given, or drawn from the explorer's seeded generator), score
         the previews, keep the most contrastive K. `keep_samples` keeps the selected previews'
@@ -309,8 +311,9 @@ class Explorer:
         preview rewards are never ranked: ValueError naming the prompts and seeds, or with
         `nonfinite="defer"` (a trainer with its own policy) the Selection keeps them unranked and says so
         in `nonfinite`. A `window` of steps explores with Flow-GRPO's SDE there (sampling.sde) and keeps the selected
-        rollouts' states in `trace`, for an objective that trains on the explored rollouts themselves."""
-        return self.start(prompts, seeds, cond, keep_samples, nonfinite, window).finish()
+        rollouts' states in `trace`, for an objective that trains on the explored rollouts themselves. `couple`: the
+        previews sample Flow-GRPO's SDE on the Brownian path of the regeneration's (sampling.sde.coupled_noise)."""
+        return self.start(prompts, seeds, cond, keep_samples, nonfinite, window, couple).finish()
 
     @torch.no_grad()
     def start(
@@ -321,6 +324,7 @@ class Explorer:
         keep_samples: bool = False,
         nonfinite: str = "raise",
         window: tuple[int, int] | None = None,
+        couple: Coupling | None = None,
     ) -> Exploring:
         """`select` in two halves: sample the previews now and return while the last ones may still be scored (a
         served reward: Rollouts.start_scored); `finish()` ranks them. Sampling something else in between hides
@@ -334,7 +338,7 @@ class Explorer:
         per_seed = [p for p in prompts for _ in range(self.n)]
         states: list[torch.Tensor] | None = [] if window is not None else None
         pending = self.rollouts.start_scored(cond.repeat_interleave(self.n), per_seed, flat, self.steps,
-                                             self.transformer, self.tag, window, states)  # fmt: skip
+                                             self.transformer, self.tag, window, states, couple)  # fmt: skip
         self._record_fast_path()
         return Exploring(self, prompts, seeds, pending, states, keep_samples, nonfinite)
 

@@ -34,9 +34,10 @@ from solrl_engine.nn.fast_path import fast_path
 from solrl_engine.nn.flops import group_name
 from solrl_engine.nn.quantize import plan_quantization
 from solrl_engine.rl.config import OBJECTIVES, RLConfig
-from solrl_engine.rl.objectives import rollout_window
+from solrl_engine.rl.objectives import preview_coupling, rollout_window
 from solrl_engine.rl.runtime import build_rollouts, plan_explore
 from solrl_engine.sampling.rollouts import Rollouts
+from solrl_engine.sampling.sde import Coupling
 
 log = logging.getLogger("solrl_engine.fidelity")
 
@@ -115,6 +116,7 @@ class _Setup:
     seeds: list[list[int]]
     oracle: torch.Tensor  # [P, N] full-step rewards
     time_full_s: float
+    couples: list[Coupling | None]  # per prompt: SDE previews' coupling to its final's noise (preview_coupling)
 
 
 def _setup(cfg: RLConfig, prompts: int, n: int, oracle_cache: str | Path | None, progress: bool) -> _Setup:
@@ -130,9 +132,10 @@ def _setup(cfg: RLConfig, prompts: int, n: int, oracle_cache: str | Path | None,
     cache = OracleCache(oracle_cache, _oracle_key(cfg, ro))
     # the finals as the trainer regenerates them: with the objective's sampler (Flow-GRPO: its SDE on its window)
     gen = torch.Generator().manual_seed(cfg.seed)
-    rewards, t_full = [], 0.0
+    rewards, t_full, couples = [], 0.0, []
     for p, s in zip(tqdm(chosen, disable=not progress, desc="oracle (full steps)"), seeds, strict=True):
         window = rollout_window(cfg, gen)  # drawn for every prompt, cached or not: the same windows either way
+        couples.append(preview_coupling(cfg, window))
         r = cache.get(p, s)
         if r is None:
             t0 = time.perf_counter()
@@ -142,7 +145,7 @@ def _setup(cfg: RLConfig, prompts: int, n: int, oracle_cache: str | Path | None,
             t_full += time.perf_counter() - t0
             cache.put(p, s, r)
         rewards.append(r)
-    return _Setup(ro, copy, cfg.preview_steps, chosen, seeds, torch.stack(rewards), t_full)
+    return _Setup(ro, copy, cfg.preview_steps, chosen, seeds, torch.stack(rewards), t_full, couples)
 
 
 @torch.no_grad()
@@ -152,10 +155,10 @@ def _proxy(st: _Setup, transformer: nn.Module | None, progress: bool, desc: str 
     built later may reuse a freed one's id, never its tag)."""
     ro, n = st.ro, len(st.seeds[0])
     out, t = [], 0.0
-    for p, s in zip(tqdm(st.prompts, disable=not progress, desc=desc), st.seeds, strict=True):
+    for p, s, couple in zip(tqdm(st.prompts, disable=not progress, desc=desc), st.seeds, st.couples, strict=True):
         t0 = time.perf_counter()
         x = ro.sample(ro.encode([p] * n), s, st.preview_steps, transformer=transformer,
-                      tag=tag if transformer is not None else "")  # fmt: skip
+                      tag=tag if transformer is not None else "", couple=couple)  # fmt: skip
         t += time.perf_counter() - t0
         out.append(ro.score(x, [p] * n).rewards.cpu())
     return torch.stack(out), t
@@ -204,6 +207,7 @@ def fidelity(
         "quantized_flop_share": flops.quantized_share(),
         "fast_path": record.summary(),
         "solver": cfg.solver,
+        "previews_coupled": any(c is not None for c in st.couples),  # SDE previews on their finals' noise path
         "preview_steps": cfg.preview_steps,
         "full_steps": cfg.full_steps,
         "prompts": len(st.prompts),

@@ -42,13 +42,14 @@ from solrl_engine.rl.export import save_trained
 from solrl_engine.rl.full import REF, FullWeights, TrainedWeights
 from solrl_engine.rl.guards import NonFiniteError, ProxyGuard, check_finite, check_resume_config
 from solrl_engine.rl.heldout import HeldOut
-from solrl_engine.rl.objectives import objective, rollout_window
+from solrl_engine.rl.objectives import objective, preview_coupling, rollout_window
 from solrl_engine.rl.ranking import group_advantages, kendall, spearman
 from solrl_engine.rl.runtime import Target, build_rollouts, explorer_for, resolve
 from solrl_engine.rl.sharding import shard_policy, sharded_bytes
 from solrl_engine.rl.update import UpdateBatch, fixed_predictions
 from solrl_engine.sampling.compile import Census, CompiledBlocks, census_backend, repeated_blocks
 from solrl_engine.sampling.rollouts import Pending, Scored
+from solrl_engine.sampling.sde import Coupling
 from solrl_engine.store import checkpoint, rundir
 from solrl_engine.store.checkpoint import EXPORT_DIRS
 from solrl_engine.store.safe import json_text, open_append, write_atomic
@@ -251,10 +252,11 @@ class Trainer:
         return self.rollouts.autocast()
 
     def _sample(
-        self, cond: Conditioning, seeds: list[int], steps: int, transformer: Any = None, tag: str = OLD
+        self, cond: Conditioning, seeds: list[int], steps: int, transformer: Any = None, tag: str = OLD,
+        couple: Coupling | None = None,
     ) -> torch.Tensor:
         """Rollouts of the policy (`tag` = its active adapter) or of the explore copy."""
-        return self.rollouts.sample(cond, seeds, steps, transformer=transformer, tag=tag)
+        return self.rollouts.sample(cond, seeds, steps, transformer=transformer, tag=tag, couple=couple)
 
     def _policy_rollout(self) -> tuple[Any, str]:
         """(transformer, tag) of the policy's full-precision rollouts: the merged copy, else the policy."""
@@ -341,7 +343,7 @@ class Trainer:
         #    rank: grouped by prompt text, divided by the global std
         g_rewards, g_proxy = dist.gather_rows(rewards), dist.gather_rows(proxy)
         proxy_stats = rule.regenerate  # previews (quantized, or the policy's own at preview_steps) vs regenerations
-        guard = self._guard(g_proxy, g_rewards, sel, cond) if proxy_stats else {}  # before the copy moves on
+        guard = self._guard(g_proxy, g_rewards, sel, cond, window) if proxy_stats else {}  # before the copy moves on
         adv = group_advantages(g_rewards, c.adv_clip, prompts=all_prompts)[mine].flatten()
         batch = UpdateBatch(x0, sel_cond, adv, self.rollouts.training_sigmas(), self.gen, len(all_prompts) * c.k,
                             mine.start * c.k, self.iteration, sel, trace, window, self.rollouts.uncond(),
@@ -398,7 +400,8 @@ class Trainer:
         if rule.regenerate and self.rollouts.overlaps and len(prompts) > 1:
             return self._explore_in_halves(prompts, seeds, cond, window)
         sel = self.explorer.select(prompts, seeds, cond=cond, keep_samples=not rule.regenerate, nonfinite="defer",
-                                   window=None if rule.regenerate else window)  # fmt: skip
+                                   window=None if rule.regenerate else window,
+                                   couple=preview_coupling(self.cfg, window))  # fmt: skip
         ex = self.explorer
         return sel, Explored(ex.last_totals, ex.last_components, dict(self.rollouts.reward_time)), []
 
@@ -411,7 +414,7 @@ class Trainer:
         (a batch of fewer rows computes each row as a full one does: tested)."""
         h = (len(prompts) + 1) // 2
         first, second = slice(0, h), slice(h, len(prompts))
-        kw: dict[str, Any] = dict(keep_samples=False, nonfinite="defer")
+        kw: dict[str, Any] = dict(keep_samples=False, nonfinite="defer", couple=preview_coupling(self.cfg, window))
         ex = self.explorer
         a = ex.start(prompts[first], seeds[first], cond=cond[first], **kw)
         b = ex.start(prompts[second], seeds[second], cond=cond[second], **kw)  # hides a's last scores
@@ -441,14 +444,17 @@ class Trainer:
                                              *self._policy_rollout(), window, states)  # fmt: skip
         return Regen(pending, states or [])
 
-    def _guard(self, g_proxy: torch.Tensor, g_rewards: torch.Tensor, sel: Any, cond: Conditioning) -> dict[str, Any]:
+    def _guard(self, g_proxy: torch.Tensor, g_rewards: torch.Tensor, sel: Any, cond: Conditioning,
+               window: tuple[int, int] | None) -> dict[str, Any]:  # fmt: skip
         """The proxy-drift guard's view of this iteration (guards.ProxyGuard). While it has exploration
-        in full precision, the quantized proxy is still measured on the selected seeds, so it can recover."""
+        in full precision, the quantized proxy is still measured on the selected seeds (as the previews sample them:
+        `window` couples SDE previews), so it can recover."""
         c = self.cfg
         if self.guard.fallback:
             copy, tag = (self.explore.transformer, "explore") if self.explore is not None else self._policy_rollout()
             with torch.no_grad():
-                x = self._sample(cond.repeat_interleave(c.k), sel.flat_seeds, c.preview_steps, copy, tag)
+                x = self._sample(cond.repeat_interleave(c.k), sel.flat_seeds, c.preview_steps, copy, tag,
+                                 preview_coupling(c, window))  # fmt: skip
                 g_proxy = self.dist.gather_rows(self._score(x, sel.flat_prompts)[0].view(len(sel.prompts), c.k))
         rho = spearman(g_proxy, g_rewards).mean().item()
         mean, event = self.guard.update(rho)

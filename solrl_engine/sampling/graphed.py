@@ -43,7 +43,7 @@ from solrl_engine.sampling.compile import (
     trainable,
 )
 from solrl_engine.sampling.sampler import SOLVERS, _solve, sample, sample_sde, schedule_pair, seeded_noise
-from solrl_engine.sampling.sde import SDE_SOLVERS, sde_window
+from solrl_engine.sampling.sde import SDE_SOLVERS, Coupling, sde_window
 
 log = logging.getLogger("solrl_engine.sampling")
 
@@ -186,15 +186,17 @@ class GraphedSampler:
         noise_level: float = 0.7,
         window: tuple[int, int] | None = None,
         trace: list[torch.Tensor] | None = None,
+        couple: Coupling | None = None,
     ) -> torch.Tensor:
         """Same contract as `solrl_engine.sampling.sample`; `tag` names state the graph cannot see
         (e.g. the active LoRA adapter). Flow-GRPO's SDE (solver flow_sde, or any solver given a `window` of SDE
-        steps) runs step by step, each forward through `predict`'s path (one graph per forward on a GPU: its
-        per-step noise is drawn on the host); `trace` receives each batch's window states (sampling.sde)."""
+        steps or a `couple`) runs step by step, each forward through `predict`'s path (one graph per forward on a
+        GPU: its per-step noise is drawn on the host); `trace` receives each batch's window states (sampling.sde);
+        `couple`: the noise of that finer SDE's Brownian path (sampling.sde.coupled_noise)."""
         device = cond.hidden.device
-        if solver in SDE_SOLVERS or window is not None:
+        if solver in SDE_SOLVERS or window is not None or couple is not None:
             return self._sample_sde(cond, seeds, steps, shift, batch_size, dtype, transformer, tag, guidance_scale,
-                                    uncond, noise_level, window, trace)  # fmt: skip
+                                    uncond, noise_level, window, trace, couple)  # fmt: skip
         if self.eager_policy and (transformer is None or transformer is self.model.transformer):
             return sample(self.model, cond, seeds, steps, shift, solver, guidance_scale, uncond, batch_size, dtype,
                           transformer)  # fmt: skip
@@ -239,7 +241,8 @@ class GraphedSampler:
     def _sample_sde(self, cond: Conditioning, seeds: Sequence[int], steps: int, shift: float | None,
                     batch_size: int | None, dtype: torch.dtype, transformer: nn.Module | None, tag: str,
                     guidance_scale: float, uncond: Conditioning | None, noise_level: float,
-                    window: tuple[int, int] | None, trace: list[torch.Tensor] | None) -> torch.Tensor:  # fmt: skip
+                    window: tuple[int, int] | None, trace: list[torch.Tensor] | None,
+                    couple: Coupling | None = None) -> torch.Tensor:  # fmt: skip
         """Flow-GRPO's SDE over batches of `batch_size` seeds, every velocity through `predict`."""
         if len(cond) != len(seeds):
             raise ValueError(f"{len(cond)} conditionings for {len(seeds)} seeds")
@@ -248,6 +251,7 @@ class GraphedSampler:
         device = cond.hidden.device
         _, host = schedule_pair(self.model, steps, shift, device)
         window = window or sde_window(steps, 0, None, None)
+        fine = (schedule_pair(self.model, couple.steps, shift, device)[1], couple.window) if couple else None
         bs = batch_size or len(seeds)
 
         def velocity(x: torch.Tensor, t: torch.Tensor, c: Conditioning) -> torch.Tensor:
@@ -258,7 +262,7 @@ class GraphedSampler:
             chunk = list(seeds[i : i + bs])
             x = seeded_noise(chunk, tuple(self.model.latent_shape), device, dtype)
             outs.append(sample_sde(velocity, x, cond[i : i + bs], chunk, host, window, noise_level, guidance_scale,
-                                   uncond, trace))  # fmt: skip
+                                   uncond, trace, fine))  # fmt: skip
         return torch.cat(outs)
 
     @torch.no_grad()

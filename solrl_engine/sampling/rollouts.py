@@ -25,6 +25,7 @@ from solrl_engine.nn.flops import LinearFlops, count_linear_flops
 from solrl_engine.sampling.compile import use_cache_dir
 from solrl_engine.sampling.graphed import GraphedSampler
 from solrl_engine.sampling.sampler import model_sigmas, sample
+from solrl_engine.sampling.sde import Coupling
 
 log = logging.getLogger("solrl_engine.sampling")
 
@@ -176,11 +177,13 @@ class Rollouts:
         tag: str = "",
         window: tuple[int, int] | None = None,
         trace: list[torch.Tensor] | None = None,
+        couple: Coupling | None = None,
     ) -> torch.Tensor:
         """Final latents for (cond[i], seeds[i]) with the policy (its active adapter, named by `tag`
         for the graph cache) or another copy of the denoiser (the explore copy). A `window` of steps samples with
         Flow-GRPO's SDE there (Euler elsewhere) whatever the solver, and `trace` receives its states per batch:
-        the rollouts an SDE objective trains on (sampling.sde)."""
+        the rollouts an SDE objective trains on (sampling.sde). `couple`: Flow-GRPO's SDE whose noise is the
+        Brownian path of the regeneration's (a preview coupled to its final: sampling.sde.coupled_noise)."""
         s = self.settings
         with self.autocast():
             return self.sampler.sample(
@@ -198,6 +201,7 @@ class Rollouts:
                 noise_level=s.sde_noise_level,
                 window=window,
                 trace=trace,
+                couple=couple,
             )
 
     def predict(self, x: torch.Tensor, t: torch.Tensor, cond: Conditioning, transformer: nn.Module | None = None,
@@ -246,29 +250,31 @@ class Rollouts:
 
     def sample_scored(self, cond: Conditioning, prompts: Sequence[str], seeds: Sequence[int], steps: int,
                       transformer: nn.Module | None = None, tag: str = "", window: tuple[int, int] | None = None,
-                      trace: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, Scored]:  # fmt: skip
+                      trace: list[torch.Tensor] | None = None, couple: Coupling | None = None
+                      ) -> tuple[torch.Tensor, Scored]:  # fmt: skip
         """(final latents, their images and rewards) for (cond[i], prompts[i], seeds[i]): `sample` then `score`,
         the same latents and rewards; where scoring `overlaps`, batch by batch (the sampler's batch size), each
         batch scored on a worker thread while the next is sampled. `reward_time` keeps this call's reward seconds:
-        hidden behind sampling and exposed (waited for after it). `window` and `trace`: as `sample`'s."""
-        return self.start_scored(cond, prompts, seeds, steps, transformer, tag, window, trace).result()
+        hidden behind sampling and exposed (waited for after it). `window`, `trace` and `couple`: as `sample`'s."""
+        return self.start_scored(cond, prompts, seeds, steps, transformer, tag, window, trace, couple).result()
 
     def start_scored(self, cond: Conditioning, prompts: Sequence[str], seeds: Sequence[int], steps: int,
                      transformer: nn.Module | None = None, tag: str = "", window: tuple[int, int] | None = None,
-                     trace: list[torch.Tensor] | None = None) -> Pending:  # fmt: skip
+                     trace: list[torch.Tensor] | None = None, couple: Coupling | None = None) -> Pending:  # fmt: skip
         """`sample_scored` in two halves: sample every batch now (where scoring `overlaps`, each batch goes to the
         scoring thread as soon as it is sampled) and return before the last scores arrive; `Pending.result()`
         waits for them. Work the caller does in between (sampling the next phase) hides the last batch's scoring.
         Batches are scored in the order they were sampled, across calls (one scoring thread)."""
         if not self.overlaps:
-            return Pending(self, self.sample(cond, seeds, steps, transformer, tag, window, trace), list(prompts))
+            x0 = self.sample(cond, seeds, steps, transformer, tag, window, trace, couple)
+            return Pending(self, x0, list(prompts))
         b = max(1, self.settings.batch_size or len(seeds))
         pending = Pending(self, None, list(prompts))
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="solrl-reward")
         xs = []
         for i in range(0, len(seeds), b):
-            xs.append(self.sample(cond[i : i + b], seeds[i : i + b], steps, transformer, tag, window, trace))
+            xs.append(self.sample(cond[i : i + b], seeds[i : i + b], steps, transformer, tag, window, trace, couple))
             pending.futures.append(self._pool.submit(pending.score, xs[-1], list(prompts[i : i + b])))
         pending.x0 = torch.cat(xs)
         return pending

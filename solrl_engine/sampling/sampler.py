@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from solrl_engine.models.base import Conditioning, FlowModel, sigma_schedule
-from solrl_engine.sampling.sde import SDE_SOLVERS, sde_window, solve_sde, step_noise
+from solrl_engine.sampling.sde import SDE_SOLVERS, Coupling, coupled_noise, sde_window, solve_sde, step_noise
 
 # euler; dpm2: DPM-Solver++ 2M (the stock SANA sampler); unipc: UniPC-bh2 order 2, which is DPM-Solver++ 2M plus
 # a corrector of each step's starting point (the stock Wan sampler), both in data prediction; flow_sde: Flow-GRPO's
@@ -165,11 +165,13 @@ def sample(
     dtype: torch.dtype = torch.float32,
     transformer: nn.Module | None = None,
     noise_level: float = 0.7,
+    couple: Coupling | None = None,
 ) -> torch.Tensor:
     """ODE from noise to x0 for each (cond[i], seeds[i]); returns the final latents [B, ...].
 
     `solver` is "euler", "dpm2" (DPM-Solver++ 2M, second order: fewer steps at equal quality), "unipc", or
-    "flow_sde" (Flow-GRPO's SDE at `noise_level` on every step but the last, its noise fixed by each seed).
+    "flow_sde" (Flow-GRPO's SDE at `noise_level` on every step but the last, its noise fixed by each seed; with
+    `couple`, its noise is the Brownian path of that finer SDE's: sampling.sde.coupled_noise).
     guidance_scale > 1 applies classifier-free guidance against `uncond` (one row, broadcast).
     The schedule is the model's own (`model.sigmas`); `shift` overrides its shift.
     `transformer` runs another copy of the denoiser (e.g. the quantized explore copy) with the
@@ -191,8 +193,10 @@ def sample(
             def velocity(x: torch.Tensor, t: torch.Tensor, c: Conditioning) -> torch.Tensor:
                 return model.velocity(x, t, c, transformer=transformer)
 
+            fine = (schedule_pair(model, couple.steps, shift, device)[1], couple.window) if couple else None
             outs.append(sample_sde(velocity, x, cond[i : i + bs], seeds[i : i + bs], host,
-                                   sde_window(steps, 0, None, None), noise_level, guidance_scale, uncond))  # fmt: skip
+                                   sde_window(steps, 0, None, None), noise_level, guidance_scale, uncond,
+                                   couple=fine))  # fmt: skip
             continue
         outs.append(_solve(model, x, cond[i : i + bs], sig, host, solver, guidance_scale, uncond, transformer))
     return torch.cat(outs)
@@ -201,8 +205,14 @@ def sample(
 def sample_sde(velocity: Callable[[torch.Tensor, torch.Tensor, Conditioning], torch.Tensor], x: torch.Tensor,
                cond: Conditioning, seeds: Sequence[int], host: list[float], window: tuple[int, int],
                noise_level: float, guidance_scale: float = 1.0, uncond: Conditioning | None = None,
-               trace: list[torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
+               trace: list[torch.Tensor] | None = None,
+               couple: tuple[list[float], tuple[int, int]] | None = None) -> torch.Tensor:  # fmt: skip
     """Flow-GRPO's SDE (sampling.sde.solve_sde) from the seeds' initial noise `x`, each step's noise drawn from the
-    same seeds: the SDE on `window`, Euler elsewhere; `trace` receives the window's states."""
+    same seeds: the SDE on `window`, Euler elsewhere; `trace` receives the window's states. `couple` (a finer
+    schedule's host floats and its SDE window): the noise is that SDE's Brownian path, on the steps that overlap
+    its window (sampling.sde.coupled_noise), in place of `window`."""
+    if couple is not None:
+        noise, window, scales = coupled_noise(seeds, host, couple[0], couple[1], tuple(x.shape[1:]), x.device)
+        return solve_sde(velocity, x, cond, host, noise, window, noise_level, guidance_scale, uncond, trace, scales)
     noise = step_noise(seeds, len(host) - 1, tuple(x.shape[1:]), x.device)
     return solve_sde(velocity, x, cond, host, noise, window, noise_level, guidance_scale, uncond, trace)

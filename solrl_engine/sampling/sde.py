@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -29,6 +30,15 @@ from solrl_engine.models.base import Conditioning
 
 # the solver names `sample` takes for this sampler (sampler.SOLVERS holds them beside the ODE ones)
 SDE_SOLVERS = ("flow_sde",)
+
+@dataclass(frozen=True)
+class Coupling:
+    """The SDE a preview's shares its Brownian path with (`coupled_noise`): the regeneration's step count (on the
+    same schedule family) and its SDE window, so a seed's preview and final follow one noise path."""
+
+    steps: int
+    window: tuple[int, int]
+
 
 # (x, t [B], cond) -> velocity: the model, a copy of it, or the compiled prediction path
 Velocity = Callable[[torch.Tensor, torch.Tensor, Conditioning], torch.Tensor]
@@ -78,6 +88,61 @@ def step_noise(seeds: Sequence[int], steps: int, shape: tuple[int, ...], device:
     return torch.stack(rows).to(device)
 
 
+def coupled_noise(seeds: Sequence[int], coarse: Sequence[float], fine: Sequence[float], window: tuple[int, int],
+                  shape: tuple[int, ...], device: torch.device | str = "cpu"
+                  ) -> tuple[torch.Tensor, tuple[int, int], list[float]]:  # fmt: skip
+    """The noise of an SDE on the `coarse` schedule (a preview's) that shares its Brownian path with the SDE on the
+    `fine` schedule and its `window` (the regeneration's, whose step k injects std sqrt(sigma_k - sigma_k+1)
+    eps_k with eps_k = step_noise's k-th draw): the path W accrues sqrt(dt) eps_k over each fine window step (none
+    outside the window); at a coarse time between two fine ones it is the Brownian bridge between them (its extra
+    normal drawn from the seed's generator after the fine noise). Coarse step j's noise is the path's increment over
+    it divided by sqrt of its span inside the window, so it is standard normal and independent across steps, as an
+    SDE's noise must be, while a coarse and a fine sample of one seed follow one path.
+
+    Returns (noise [B, len(coarse) - 1, *shape], the coarse steps (j0, j1) that overlap the window, and each step's
+    noise-level factor sqrt(share of its span inside the window): a step half inside injects half the variance)."""
+    k0, k1 = window
+    fine_steps, steps = len(fine) - 1, len(coarse) - 1
+    hi, lo = fine[k0], fine[k1]  # the window's span in flow time (sigma decreases along the schedule)
+    clipped = [min(max(c, lo), hi) for c in coarse]
+    share = [(clipped[j] - clipped[j + 1]) / (coarse[j] - coarse[j + 1]) for j in range(steps)]
+    inside = [j for j in range(steps) if share[j] > 0]
+    if not inside:
+        raise ValueError(f"the coarse schedule {list(coarse)} has no step inside the fine window's span "
+                         f"[{lo}, {hi}]")  # fmt: skip
+    rows = []
+    for seed in seeds:
+        g = torch.Generator(device="cpu").manual_seed(int(seed))
+        torch.randn(shape, generator=g, dtype=torch.float32)  # the initial noise: seeded_noise's draw
+        eps = [torch.randn(shape, generator=g, dtype=torch.float32) for _ in range(fine_steps)]
+        w = [torch.zeros(shape)]  # W at each fine time
+        for k in range(fine_steps):
+            dw = math.sqrt(fine[k] - fine[k + 1]) * eps[k] if k0 <= k < k1 else torch.zeros(shape)
+            w.append(w[-1] + dw)
+        at: list[torch.Tensor] = []  # W at each clipped coarse time, bridged in time order within a fine step
+        k, a, wa = 0, fine[0], w[0]
+        for c in clipped:
+            while k < fine_steps and c < fine[k + 1]:
+                k += 1
+                a, wa = fine[k], w[k]
+            b, wb = fine[min(k + 1, fine_steps)], w[min(k + 1, fine_steps)]
+            if a - b <= 0 or c >= a:
+                val = wa if c >= a else wb
+            elif c <= b:
+                val = wb
+            else:
+                z = torch.randn(shape, generator=g, dtype=torch.float32)
+                val = wa + (a - c) / (a - b) * (wb - wa) + math.sqrt((a - c) * (c - b) / (a - b)) * z
+            at.append(val)
+            a, wa = c, val
+        steps_noise = []
+        for j in range(steps):
+            span = clipped[j] - clipped[j + 1]
+            steps_noise.append((at[j + 1] - at[j]) / math.sqrt(span) if span > 0 else torch.zeros(shape))
+        rows.append(torch.stack(steps_noise))
+    return torch.stack(rows).to(device), (inside[0], inside[-1] + 1), [math.sqrt(x) for x in share]
+
+
 def sde_window(steps: int, size: int, high: int | None, gen: torch.Generator | None) -> tuple[int, int]:
     """The steps [k0, k1) the SDE runs on: size 0, every step but the last (Flow-GRPO; the last step's Gaussian is
     too sharp to train on); else `size` steps starting at random in [0, high - size] (Flow-GRPO-Fast; high None:
@@ -91,10 +156,12 @@ def sde_window(steps: int, size: int, high: int | None, gen: torch.Generator | N
 
 def solve_sde(velocity: Velocity, x: torch.Tensor, cond: Conditioning, host: list[float], noise: torch.Tensor,
               window: tuple[int, int], noise_level: float, guidance_scale: float = 1.0,
-              uncond: Conditioning | None = None, trace: list[torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
+              uncond: Conditioning | None = None, trace: list[torch.Tensor] | None = None,
+              scales: Sequence[float] | None = None) -> torch.Tensor:  # fmt: skip
     """The SDE from x (the initial noise) over the schedule `host` (steps + 1 host floats), the SDE on `window` and
-    Euler elsewhere, `noise` [B, steps, ...] each step's noise. `trace` (a list) receives [B, W + 1, ...] FP32: the
-    window's states, from step k0's input to step k1's output. Returns the final latents in x's dtype."""
+    Euler elsewhere, `noise` [B, steps, ...] each step's noise, `scales` each step's factor on noise_level (None:
+    1; a coupled preview's: coupled_noise). `trace` (a list) receives [B, W + 1, ...] FP32: the window's states,
+    from step k0's input to step k1's output. Returns the final latents in x's dtype."""
     dtype, (k0, k1) = x.dtype, window
     u = uncond.expand(len(cond)) if guidance_scale != 1.0 and uncond is not None else None
     sigma_max = host[1]
@@ -110,7 +177,8 @@ def solve_sde(velocity: Velocity, x: torch.Tensor, cond: Conditioning, host: lis
         if k == k0:
             states.append(xf)
         if k0 <= k < k1:
-            mean, scale = sde_transition(xf, v, t, torch.full_like(t, host[k + 1]), sigma_max, noise_level)
+            level = noise_level * (scales[k] if scales is not None else 1.0)
+            mean, scale = sde_transition(xf, v, t, torch.full_like(t, host[k + 1]), sigma_max, level)
             xf = mean + scale * noise[:, k].to(device=x.device, dtype=torch.float32)
         else:
             xf = xf + (host[k + 1] - host[k]) * v

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from solrl_engine.rl.config import OBJECTIVES
-from solrl_engine.sampling.sde import sde_window
+from solrl_engine.rl.config import FAMILY_TABLE, OBJECTIVES
+from solrl_engine.sampling.sde import SDE_SOLVERS, Coupling, sde_window
 
 
 @dataclass(frozen=True)
@@ -54,3 +54,14 @@ def rollout_window(cfg: Any, gen: torch.Generator | None) -> tuple[int, int] | N
     if spec.rollout != "sde":
         return None
     return sde_window(cfg.full_steps, cfg.sde_window if spec.window else 0, cfg.sde_window_range, gen)
+
+
+def preview_coupling(cfg: Any, window: tuple[int, int] | None) -> Coupling | None:
+    """How sol_rl's previews are coupled to an SDE objective's regeneration on `window` (rollout_window's): its
+    Brownian path, where the previews sample the SDE (preview_sde, or solver=flow_sde); None where they sample an ODE
+    or nothing is regenerated with an SDE."""
+    if window is None or not FAMILY_TABLE[cfg.family].regenerate:
+        return None
+    if not (cfg.preview_sde or cfg.solver in SDE_SOLVERS):
+        return None
+    return Coupling(cfg.full_steps, window)
