@@ -152,11 +152,13 @@ def test_the_finals_come_from_the_objectives_sampler(tmp_path, monkeypatch):
     from solrl_engine.sampling.rollouts import Rollouts
 
     windows: list = []
+    couples: list = []
     sample = Rollouts.sample
 
-    def spy(self, cond, seeds, steps, transformer=None, tag="", window=None, trace=None):  # noqa: ANN001, ANN202
+    def spy(self, cond, seeds, steps, transformer=None, tag="", window=None, trace=None, couple=None):  # noqa: ANN001, ANN202
         windows.append((steps, window))
-        return sample(self, cond, seeds, steps, transformer, tag, window, trace)
+        couples.append((steps, couple))
+        return sample(self, cond, seeds, steps, transformer, tag, window, trace, couple)
 
     monkeypatch.setattr(Rollouts, "sample", spy)
     cache = tmp_path / "oracle.json"
@@ -173,3 +175,12 @@ def test_the_finals_come_from_the_objectives_sampler(tmp_path, monkeypatch):
              progress=False)  # fmt: skip
     got = [w for s, w in windows if s == 4]
     assert len(got) == 3 and all(w[1] - w[0] == 1 and 0 <= w[0] <= 1 for w in got)  # 1 step in the first half
+    assert all(c is None for _, c in couples)  # ODE previews (solver dpm2): nothing coupled
+    couples.clear()
+    windows.clear()
+    coupled = fidelity(load_config(TINY, ["full_steps=4", "preview_steps=2", "explore_precision=nvfp4",
+                                          "objective=flow_grpo_fast", "sde_window=1", "preview_sde=True"]),
+                       prompts=3, n=6, k=2, progress=False)  # fmt: skip
+    # each prompt's previews on the Brownian path of that prompt's regeneration (its window)
+    assert [(c.steps, c.window) for s, c in couples if s == 2] == [(4, w) for s, w in windows if s == 4]
+    assert coupled["previews_coupled"] is True
