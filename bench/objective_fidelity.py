@@ -1,7 +1,9 @@
 """How faithfully Sol-RL's previews rank seeds for each objective: `solrl fidelity` (rl/fidelity.py) on the bundled
-model for every pairing of the previews' solver (the ODE `dpm2`, or Flow-GRPO's SDE `flow_sde`) with the finals the
-objective trains on (nft: the ODE at the full steps; flow_grpo: its SDE on every step but the last; flow_grpo_fast:
-its SDE on a window of 2 steps, Euler elsewhere). The previews run in the explore precision (NVFP4, the preset's
+model for every pairing of the previews (`dpm2`: the ODE; `flow_sde`: Flow-GRPO's SDE with its own noise;
+`flow_sde_coupled`: the SDE on the regeneration's Brownian path, preview_sde's default for an SDE objective) with the
+finals the objective trains on (nft: the ODE at the full steps; flow_grpo: its SDE on every step but the last;
+flow_grpo_fast: its SDE on a window of 2 steps, Euler elsewhere). Coupling needs an SDE regeneration: nft has no
+coupled row. The previews run in the explore precision (NVFP4, the preset's
 recipe) at preview_steps. On a random-weight-free but tiny model this measures the plumbing and the SDE's effect on
 ranking, not a real model's numbers.
 
@@ -28,7 +30,9 @@ sys.path.insert(0, str(ROOT))
 from solrl_engine.rl.config import load_config  # noqa: E402
 from solrl_engine.rl.fidelity import fidelity  # noqa: E402
 
-PREVIEWS = ("dpm2", "flow_sde")
+# the previews' settings per row
+PREVIEWS = {"dpm2": ["solver=dpm2", "preview_sde=False"], "flow_sde": ["solver=flow_sde", "preview_sde=False"],
+            "flow_sde_coupled": ["solver=dpm2"]}  # fmt: skip
 OBJECTIVES = ("nft", "flow_grpo", "flow_grpo_fast")
 KEEP = ("spearman_mean", "kendall_mean", "top_overlap_mean", "bottom_overlap_mean", "proxy_reward_mean",
         "full_reward_mean")  # fmt: skip
@@ -43,12 +47,15 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args(argv)
     rows = []
-    for solver in PREVIEWS:
+    for previews, sets in PREVIEWS.items():
         for obj in OBJECTIVES:
+            if previews == "flow_sde_coupled" and obj == "nft":
+                continue
             cfg = load_config(f"{ROOT}/configs/tiny.py:tiny_sol_rl_shapes",
-                              ["explore_precision=nvfp4", f"solver={solver}", f"objective={obj}", *args.set])
+                              ["explore_precision=nvfp4", *sets, f"objective={obj}", *args.set])
             res = fidelity(cfg, prompts=args.prompts, n=args.n, k=args.k, progress=False)
-            row = {"previews": solver, "objective": obj, **{k: res[k] for k in KEEP if k in res}}
+            row = {"previews": previews, "objective": obj, "coupled": res["previews_coupled"],
+                   **{k: res[k] for k in KEEP if k in res}}  # fmt: skip
             print(json.dumps(row), flush=True)
             rows.append(row)
     out = Path(args.out)

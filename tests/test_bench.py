@@ -156,8 +156,9 @@ def test_objective_fidelity_measures_every_previews_x_objective_pairing(tmp_path
     path = mod.main(["--prompts", "1", "--n", "4", "--k", "2", "--set", "full_steps=4", "--set", "preview_steps=1",
                      "--out", str(tmp_path)])  # fmt: skip
     rec = json.loads(path.read_text())
-    got = {(r["previews"], r["objective"]) for r in rec["pairings"]}
-    assert got == {(p, o) for p in ("dpm2", "flow_sde") for o in ("nft", "flow_grpo", "flow_grpo_fast")}
+    got = {(r["previews"], r["objective"], r["coupled"]) for r in rec["pairings"]}
+    assert got == {(p, o, False) for p in ("dpm2", "flow_sde") for o in ("nft", "flow_grpo", "flow_grpo_fast")} | {
+        ("flow_sde_coupled", o, True) for o in ("flow_grpo", "flow_grpo_fast")}  # fmt: skip
     assert all(-1 <= r["spearman_mean"] <= 1 for r in rec["pairings"])
     finals = {r["objective"]: r["full_reward_mean"] for r in rec["pairings"] if r["previews"] == "dpm2"}
     assert finals["flow_grpo"] != finals["nft"]  # the SDE's finals are other samples than the ODE's

@@ -170,17 +170,18 @@ def test_the_finals_come_from_the_objectives_sampler(tmp_path, monkeypatch):
     assert [w for s, w in windows if s == 2] == [(0, 1), (0, 1)] and sde["time_full_s"] > 0  # not the ODE's cache
     assert sde["full_reward_mean"] != pytest.approx(ode["full_reward_mean"], abs=1e-6)
     windows.clear()
+    couples.clear()
     fidelity(load_config(TINY, ["full_steps=4", "preview_steps=1", "explore_precision=nvfp4",
-                                "objective=flow_grpo_fast", "sde_window=1"]), prompts=3, n=6, k=2,
-             progress=False)  # fmt: skip
+                                "objective=flow_grpo_fast", "sde_window=1", "preview_sde=False"]), prompts=3, n=6,
+             k=2, progress=False)  # fmt: skip
     got = [w for s, w in windows if s == 4]
     assert len(got) == 3 and all(w[1] - w[0] == 1 and 0 <= w[0] <= 1 for w in got)  # 1 step in the first half
-    assert all(c is None for _, c in couples)  # ODE previews (solver dpm2): nothing coupled
+    assert all(c is None for _, c in couples)  # preview_sde=False: ODE previews (solver dpm2), nothing coupled
     couples.clear()
     windows.clear()
     coupled = fidelity(load_config(TINY, ["full_steps=4", "preview_steps=2", "explore_precision=nvfp4",
-                                          "objective=flow_grpo_fast", "sde_window=1", "preview_sde=True"]),
+                                          "objective=flow_grpo_fast", "sde_window=1"]),
                        prompts=3, n=6, k=2, progress=False)  # fmt: skip
-    # each prompt's previews on the Brownian path of that prompt's regeneration (its window)
+    # by default (auto): each prompt's previews on the Brownian path of that prompt's regeneration (its window)
     assert [(c.steps, c.window) for s, c in couples if s == 2] == [(4, w) for s, w in windows if s == 4]
     assert coupled["previews_coupled"] is True

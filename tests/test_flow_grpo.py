@@ -296,7 +296,13 @@ def test_coupled_previews_sample_through_the_rollouts_and_the_trainer(small_mode
     assert preview.shape == final.shape and torch.isfinite(preview).all()
     m = Trainer(cfg, progress=False).step()
     assert math.isfinite(m["loss"]) and m["objective"] == "flow_grpo_fast"
-    with pytest.raises(ConfigError, match=r"preview_sde = True: .*objective='nft'.*set preview_sde=False"):
+    # auto (None): coupled where sol_rl regenerates with an SDE; False: the previews sample `solver` as it is
+    from solrl_engine.rl.objectives import preview_coupling
+
+    assert preview_coupling(_cfg(small_model, tmp_path, objective="flow_grpo_fast"), (1, 3)) == Coupling(4, (1, 3))
+    assert preview_coupling(_cfg(small_model, tmp_path, objective="flow_grpo_fast", preview_sde=False), (1, 3)) is None
+    assert preview_coupling(_cfg(small_model, tmp_path, objective="flow_grpo", family="naive_quant"), (0, 3)) is None
+    with pytest.raises(ConfigError, match=r"preview_sde = True: .*objective='nft'.*leave preview_sde None \(auto\)"):
         RLConfig(name="t", model="tiny", preview_sde=True).validate()
     with pytest.raises(ConfigError, match=r"preview_sde = True: .*family='naive_quant'"):
         RLConfig(name="t", model="tiny", objective="flow_grpo", family="naive_quant", preview_sde=True).validate()

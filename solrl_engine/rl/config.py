@@ -122,8 +122,9 @@ class RLConfig:
     sde_window_range: int | None = None
     clip_range: float = 1e-4
     # sol_rl with an SDE objective: previews sample that SDE on the regeneration's Brownian path (a seed's preview and
-    # its final share their noise: sampling.sde.coupled_noise), not `solver`'s ODE (solver=flow_sde's previews too)
-    preview_sde: bool = False
+    # its final share their noise: sampling.sde.coupled_noise). None: on where that is so (they rank its finals far
+    # better than ODE previews: docs/training-and-configs.md); False: previews sample `solver` as it is
+    preview_sde: bool | None = None
     # the model: a family of solrl_engine.models.MODELS (tiny, sd3, flux, sana); model_path is a local
     # pipeline directory or a hub id (None: the family's default weights); resolution in pixels
     # (None: the family's default, the paper's: SD3.5-L 1024, FLUX 512, SANA 1024)
@@ -269,10 +270,11 @@ class RLConfig:
         """An SDE objective's keys: a noise that gives log-probabilities, a ratio clip, a window that fits."""
         spec = OBJECTIVES[self.objective]
         sde = tuple(n for n, o in OBJECTIVES.items() if o.rollout == "sde")
-        if self.preview_sde and (spec.rollout != "sde" or not FAMILY_TABLE[self.family].regenerate):
+        if self.preview_sde is True and (spec.rollout != "sde" or not FAMILY_TABLE[self.family].regenerate):
             raise bad("preview_sde", f"SDE previews coupled to the regeneration's noise rank the finals of an SDE "
                                      f"objective ({sde}) that Sol-RL regenerates (family sol_rl); here objective="
-                                     f"{self.objective!r}, family={self.family!r}: set preview_sde=False")  # fmt: skip
+                                     f"{self.objective!r}, family={self.family!r}: leave preview_sde None "
+                                     "(auto)")  # fmt: skip
         if spec.rollout != "sde":
             return
         if not self.sde_noise_level > 0:

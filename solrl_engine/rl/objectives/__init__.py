@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from solrl_engine.rl.config import FAMILY_TABLE, OBJECTIVES
-from solrl_engine.sampling.sde import SDE_SOLVERS, Coupling, sde_window
+from solrl_engine.sampling.sde import Coupling, sde_window
 
 
 @dataclass(frozen=True)
@@ -58,10 +58,8 @@ def rollout_window(cfg: Any, gen: torch.Generator | None) -> tuple[int, int] | N
 
 def preview_coupling(cfg: Any, window: tuple[int, int] | None) -> Coupling | None:
     """How sol_rl's previews are coupled to an SDE objective's regeneration on `window` (rollout_window's): its
-    Brownian path, where the previews sample the SDE (preview_sde, or solver=flow_sde); None where they sample an ODE
-    or nothing is regenerated with an SDE."""
-    if window is None or not FAMILY_TABLE[cfg.family].regenerate:
-        return None
-    if not (cfg.preview_sde or cfg.solver in SDE_SOLVERS):
+    Brownian path, unless preview_sde is False (then the previews sample `solver` as it is); None where nothing is
+    regenerated with an SDE."""
+    if window is None or not FAMILY_TABLE[cfg.family].regenerate or cfg.preview_sde is False:
         return None
     return Coupling(cfg.full_steps, window)
