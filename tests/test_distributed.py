@@ -94,7 +94,10 @@ def test_torchrun_two_ranks_match_one_process(small_model, tmp_path, dtype, mode
     assert wa.keys() == wb.keys()
     for k in wa:
         if dtype == torch.float32:
-            torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=1e-6)
+            # Flow-GRPO (coupled SDE previews since 2026-11-29, so other seeds than ODE previews select): the
+            # two runs' weights differ by up to 4e-6 (lora_B, |w| ~0.02), where ODE previews' stayed within 1e-6;
+            # the selection, losses and rewards agree within the tolerances above
+            torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=1e-5 if mode == "flow_grpo" else 1e-6)
         else:  # Adam steps from BF16 gradients: an element whose gradient is near zero may step otherwise,
             # and lora_B, zero at the start, is only four steps long (1-2% apart measured; 5% allowed)
             assert (wb[k] - wa[k]).norm() <= 5e-2 * wa[k].norm(), k
