@@ -183,6 +183,24 @@ def test_an_unreachable_server_is_waited_for_then_the_run_stops_naming_it(monkey
     assert 0.9 < time.monotonic() - t0 < 15
 
 
+def test_once_the_server_is_given_up_on_later_batches_fail_at_once(monkeypatch):
+    """After one request gave up (RewardServerLost), the next fails at once with the same message: batches queued
+    behind it on the scoring thread must not each wait reward_wait_s before the stopping run can exit."""
+    monkeypatch.delenv("SOLRL_REWARD_TOKEN", raising=False)
+    s = Server().start()
+    try:
+        r = RemoteReward("shapes", s.url, wait_s=1.0)
+    finally:
+        s.stop()
+    images = torch.rand(2, 3, 16, 16)
+    with pytest.raises(RewardServerLost, match="unreachable for") as first:
+        r(images, ["a red circle"] * 2)
+    t0 = time.monotonic()
+    with pytest.raises(RewardServerLost) as second:
+        r(images, ["a red circle"] * 2)
+    assert time.monotonic() - t0 < 0.5 and str(second.value) == str(first.value)
+
+
 def test_reward_url_is_checked_in_the_config():
     assert parse_reward_urls("a=http://h:1, b=https://x.y:443/") == {"a": "http://h:1", "b": "https://x.y:443"}
     for bad, why in (("shapes=127.0.0.1:8000", "name=http://host:port"), ("shapes=http://h", "name=http://host:port"),
@@ -338,3 +356,31 @@ def test_sol_rl_with_a_served_reward_explores_and_regenerates_in_halves(small_mo
     for key, want in metrics[False].items():
         if not (key.startswith("time") or key.endswith("_s")):
             assert metrics[True][key] == want, key
+
+
+def test_a_failed_batch_cancels_the_batches_queued_behind_it(small_model, tmp_path, monkeypatch):
+    """A served reward's error surfaces at Pending.result(), and the batches still queued for the scoring thread are
+    cancelled, not scored (the run is stopping)."""
+    from solrl_engine.rl.runtime import build_rollouts
+    from solrl_engine.sampling.rollouts import Rollouts
+
+    cfg = RLConfig(name="q", model_path=small_model, n=6, k=4, prompts_per_iter=2, preview_steps=1, full_steps=1,
+                   rollout_batch_size=2, output=str(tmp_path))  # fmt: skip
+    ro = build_rollouts(cfg)
+    calls = []
+
+    def slow_score(self, x0, prompts):  # noqa: ANN001, ANN202
+        calls.append(len(prompts))
+        time.sleep(0.5)
+        if len(calls) == 1:
+            raise RewardServerLost("gone")
+        return None  # never joined: the first batch failed
+
+    monkeypatch.setattr(Rollouts, "overlaps", property(lambda self: True))
+    monkeypatch.setattr(Rollouts, "score", slow_score)
+    pending = ro.start_scored(ro.encode(["a red circle"] * 6), ["a red circle"] * 6, list(range(6)), 1)
+    assert len(pending.futures) == 3
+    with pytest.raises(RewardServerLost, match="gone"):
+        pending.result()
+    time.sleep(0.8)  # the batch that had started finishes; the one behind it never starts
+    assert calls == [2, 2] and pending.futures[2].cancelled()

@@ -133,6 +133,7 @@ class RemoteReward:
         self.name, self.url, self.wait_s, self.timeout_s = name, url.rstrip("/"), float(wait_s), float(timeout_s)
         self.token = os.environ.get(TOKEN_ENV) or None
         self._slots = threading.BoundedSemaphore(max_in_flight)
+        self.lost: str | None = None  # set when the server was given up on: later calls fail at once (the run stops)
         self.info = self.handshake(expect or {})
         self.video = bool(self.info.get("video", False))
 
@@ -140,7 +141,11 @@ class RemoteReward:
         return f"RemoteReward({self.name!r} at {self.url})"
 
     def _request(self, path: str, body: bytes | None = None, content_type: str | None = None) -> Any:
-        """One request, retried while the server cannot be reached (or answers 503) for up to wait_s."""
+        """One request, retried while the server cannot be reached (or answers 503) for up to wait_s. Once one
+        request gave up, the others fail at once: the run is stopping, and batches still queued behind it must not
+        wait wait_s each before the process can exit."""
+        if self.lost is not None:
+            raise RewardServerLost(self.lost)
         start, delay, last = time.monotonic(), 0.25, ""
         while True:
             req = urllib.request.Request(self.url + path, data=body, headers=_headers(self.token, content_type),
@@ -156,12 +161,13 @@ class RemoteReward:
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as e:
                 last = f"{type(e).__name__}: {getattr(e, 'reason', e)}"
             waited = time.monotonic() - start
-            if waited >= self.wait_s:
-                raise RewardServerLost(
+            if waited >= self.wait_s or self.lost is not None:
+                self.lost = self.lost or (
                     f"reward server {self.url} ({self.name}) unreachable for {waited:.0f} s (reward_wait_s="
                     f"{self.wait_s:g}); last error: {last}. Start the server again, then rerun (a run stopped mid-way "
                     "continues with --resume; nothing of its unfinished iteration was recorded)"
                 )
+                raise RewardServerLost(self.lost)
             log.warning("reward server %s unreachable (%s); retrying for up to %.0f s more", self.url, last,
                         self.wait_s - waited)  # fmt: skip
             time.sleep(min(delay, max(0.0, self.wait_s - waited)))

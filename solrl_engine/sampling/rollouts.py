@@ -92,7 +92,11 @@ class Pending:
             scored = self.rollouts.score(self.x0, self.prompts)
             self.reward_time = {"hidden_s": 0.0, "exposed_s": time.perf_counter() - t}
         else:
-            scored = Scored.join([f.result() for f in self.futures])  # a reward's error surfaces here
+            try:
+                scored = Scored.join([f.result() for f in self.futures])  # a reward's error surfaces here
+            except BaseException:
+                self.rollouts.drop_queued()
+                raise
             exposed = time.perf_counter() - t
             self.reward_time = {"hidden_s": max(0.0, sum(self.spent) - exposed), "exposed_s": exposed}
         self.rollouts.reward_time = dict(self.reward_time)
@@ -257,6 +261,12 @@ class Rollouts:
         batch scored on a worker thread while the next is sampled. `reward_time` keeps this call's reward seconds:
         hidden behind sampling and exposed (waited for after it). `window`, `trace` and `couple`: as `sample`'s."""
         return self.start_scored(cond, prompts, seeds, steps, transformer, tag, window, trace, couple).result()
+
+    def drop_queued(self) -> None:
+        """Cancel the batches still waiting for the scoring thread (a reward failed: the run stops)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
 
     def start_scored(self, cond: Conditioning, prompts: Sequence[str], seeds: Sequence[int], steps: int,
                      transformer: nn.Module | None = None, tag: str = "", window: tuple[int, int] | None = None,
