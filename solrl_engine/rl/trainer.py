@@ -419,7 +419,7 @@ class Trainer:
         a = ex.start(prompts[first], seeds[first], cond=cond[first], **kw)
         b = ex.start(prompts[second], seeds[second], cond=cond[second], **kw)  # hides a's last scores
         sel_a = a.finish()
-        totals, comps = [ex.last_totals], [ex.last_components]
+        totals, comps = [ex.last_totals], [ex.last_components]  # each finish() overwrites them
         st = self.rollouts.sampler.stats  # (compile seconds stay out of phase times: `_step`)
         t, o = time.perf_counter(), st.overhead_s
         regens = [self._start_regen(sel_a, cond[first].repeat_interleave(self.cfg.k), window)]  # hides b's
@@ -430,10 +430,9 @@ class Trainer:
         t, o = time.perf_counter(), st.overhead_s
         regens.append(self._start_regen(sel_b, cond[second].repeat_interleave(self.cfg.k), window))  # hides a's
         regen_s += time.perf_counter() - t - (st.overhead_s - o)
-        ex.last_totals = torch.cat(totals)
-        ex.last_components = {k: torch.cat([c[k] for c in comps]) for k in comps[0]}
         reward_time = {k: a.pending.reward_time[k] + b.pending.reward_time[k] for k in ("hidden_s", "exposed_s")}
-        explored = Explored(ex.last_totals, ex.last_components, reward_time, regen_s)
+        explored = Explored(torch.cat(totals), {k: torch.cat([c[k] for c in comps]) for k in comps[0]}, reward_time,
+                            regen_s)  # fmt: skip
         return Selection.join([sel_a, sel_b]), explored, regens
 
     def _start_regen(self, sel: Selection, sel_cond: Conditioning, window: tuple[int, int] | None) -> Regen:

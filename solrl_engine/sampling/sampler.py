@@ -186,14 +186,14 @@ def sample(
     device = cond.hidden.device
     sig, host = schedule_pair(model, steps, shift, device)
     bs = batch_size or len(seeds)
+    fine = (schedule_pair(model, couple.steps, shift, device)[1], couple.window) if couple else None
     outs = []
     for i in range(0, len(seeds), bs):
         x = seeded_noise(seeds[i : i + bs], tuple(model.latent_shape), device, dtype)
-        if solver in SDE_SOLVERS:
+        if solver in SDE_SOLVERS or fine is not None:  # a coupled preview is an SDE sample, as the graphed path
             def velocity(x: torch.Tensor, t: torch.Tensor, c: Conditioning) -> torch.Tensor:
                 return model.velocity(x, t, c, transformer=transformer)
 
-            fine = (schedule_pair(model, couple.steps, shift, device)[1], couple.window) if couple else None
             outs.append(sample_sde(velocity, x, cond[i : i + bs], seeds[i : i + bs], host,
                                    sde_window(steps, 0, None, None), noise_level, guidance_scale, uncond,
                                    couple=fine))  # fmt: skip
