@@ -160,6 +160,12 @@ def test_hpsv3_batching_padding_and_sizes(tiny):
     wide = _images(2, (64, 112), seed=1)
     torch.testing.assert_close(reward(wide, PROMPTS[:2]), _by_the_package(proc, new, wide, PROMPTS[:2]),
                                atol=1e-4, rtol=1e-5)  # fmt: skip
+    # a NaN or inf image scores NaN (never a made-up score from its 8-bit rounding); the others are unchanged
+    bad = images.clone()
+    bad[1, 0, 3, 3], bad[2, 1, 0, 0] = float("nan"), float("inf")
+    got = reward(bad, PROMPTS)
+    assert got[1:].isnan().all()
+    torch.testing.assert_close(got[:1], together[:1], atol=1e-5, rtol=1e-5)  # scored alone: another padding
     bf16 = load_reward("hpsv3", _args(proc, new, dtype="bfloat16"))(images, PROMPTS)
     assert (bf16 - together).abs().max() < 0.05 * together.abs().max() + 0.05
 

@@ -308,11 +308,16 @@ class HPSv3:
 
     def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         """Rewards [B] float32 on the scorer's device (no gradients: the package's 8-bit PIL path is not
-        differentiable)."""
+        differentiable). An image with a NaN or inf pixel scores NaN, as in the other rewards: rounding it to 8 bits
+        would make up a finite score; the run's nonfinite_policy decides."""
         check_images(images, prompts)
+        out = torch.full((len(prompts),), float("nan"), device=self.device)
+        ok = torch.isfinite(images).flatten(1).all(dim=1).nonzero().flatten().tolist()
         with torch.no_grad():
-            return torch.cat([self._score(images[i : i + self.batch_size], list(prompts[i : i + self.batch_size]))
-                              for i in range(0, len(prompts), self.batch_size)])  # fmt: skip
+            for i in range(0, len(ok), self.batch_size):
+                rows = ok[i : i + self.batch_size]
+                out[rows] = self._score(images[rows], [prompts[j] for j in rows])
+        return out
 
     def __repr__(self) -> str:
         return f"HPSv3(device={self.device}, dtype={self.dtype})"
