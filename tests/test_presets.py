@@ -119,7 +119,7 @@ def test_the_table_is_data():
     ns: dict = {}
     names = define_presets(ns, "sana", "demo")
     assert set(names) == set(ns) and len(names) == 35 and all(n.startswith("demo_") for n in names)
-    assert set(PAPER) == set(FILES) | set(WAN) | {"qwenimage"}
+    assert set(PAPER) == set(FILES) | set(WAN) | {"qwenimage", "sana-video"}
 
 
 def test_the_wan_presets_take_each_models_published_settings():
@@ -131,7 +131,7 @@ def test_the_wan_presets_take_each_models_published_settings():
             assert cfg.model == "wan" and {k: getattr(cfg, k) for k in want} == want, (key, family)
             assert (cfg.solver, cfg.guidance_scale, cfg.full_steps, cfg.preview_steps) == ("unipc", 5.0, 50, 30)
             assert cfg.model_path.startswith("Wan-AI/") and cfg.gradient_checkpointing == "auto"
-    with pytest.raises(ConfigError, match="frames = 80: Wan takes 4k \\+ 1 frames"):
+    with pytest.raises(ConfigError, match="frames = 80: the Wan VAE takes 4k \\+ 1 frames"):
         load_config(f"{ROOT / 'configs' / 'wan.py'}:wan13b_sol_rl_clipscore", ["frames=80"])
     with pytest.raises(ConfigError, match="frames = 9: applies to video models"):
         load_config(f"{ROOT / 'configs' / 'sana.py'}:sana_sol_rl_clipscore", ["frames=9"])
@@ -146,6 +146,24 @@ def test_the_qwen_image_presets_take_the_model_cards_settings():
         assert cfg.model == "qwenimage" and {k: getattr(cfg, k) for k in QWEN} == QWEN, family
         assert cfg.preview_steps == 30 and cfg.gradient_checkpointing == "auto"
         assert cfg.n == (24 if family == "diffusionnft" else 96) and cfg.k == 24 and cfg.lora_targets is None
+
+
+def test_the_sana_video_presets_take_the_published_settings():
+    """SanaVideoPipeline's documented call: 480 x 832, 81 frames, 50 steps, guidance 6.0; DPM-Solver++ 2M on the
+    scheduler's own shift (8), the weights named by the family's default path."""
+    expected = sorted(f"sana_video_{f}_{r}" for f in FAMILIES for r in REWARDS)
+    assert sorted(_names("sana_video.py", "sana_video")) == expected
+    assert sorted(_module("sana_video.py").__all__) == expected
+    for family in FAMILIES:
+        cfg = load_config(f"{ROOT / 'configs' / 'sana_video.py'}:sana_video_{family}_clipscore")
+        assert cfg.model == "sana_video" and (cfg.resolution, cfg.width, cfg.frames) == (480, 832, 81), family
+        assert (cfg.solver, cfg.guidance_scale, cfg.shift, cfg.full_steps, cfg.preview_steps) == ("dpm2", 6.0, None,
+                                                                                                   50, 30)  # fmt: skip
+        assert cfg.model_path is None and cfg.decode_batch_size == 1
+    with pytest.raises(ConfigError, match="frames = 80: the Wan VAE takes 4k \\+ 1 frames"):
+        load_config(f"{ROOT / 'configs' / 'sana_video.py'}:sana_video_sol_rl_clipscore", ["frames=80"])
+    with pytest.raises(ConfigError, match="applies to video models \\(model=wan or sana_video\\)"):
+        load_config(f"{ROOT / 'configs' / 'sana.py'}:sana_sol_rl_clipscore", ["width=64"])
 
 
 @pytest.mark.parametrize("family", ["sol_rl", "naive_scaling", "diffusionnft"])

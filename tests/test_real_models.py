@@ -183,6 +183,25 @@ def test_the_model_follows_the_pipeline_schedule_latents_and_decode(name, pipes)
         torch.testing.assert_close(ours, stock(), rtol=1e-4, atol=1e-4)
 
 
+def test_sanas_guidance_contrasts_against_the_pipelines_negative_prompt(pipes):
+    """SanaPipeline encodes its negative prompt "" without the complex human instruction it puts before every
+    prompt: with guidance on, the engine's unconditional states are those, and its sample is the stock pipeline's.
+    (Against "" encoded with the instruction, the image differs: the check can fail.)"""
+    from solrl_engine.sampling import sample
+
+    model = load_model("sana", pipes["sana"], dtype=torch.float32, resolution=SIZES["sana"])
+    cond, g = model.encode_prompts(["a red apple"]), 4.5
+    g7 = torch.Generator().manual_seed(7)
+    stock = model.pipe("a red apple", num_inference_steps=3, height=SIZES["sana"], width=SIZES["sana"], generator=g7,
+                       output_type="pt", guidance_scale=g, use_resolution_binning=False).images.float()  # fmt: skip
+    ours = model.decode(sample(model, cond, [7], 3, solver="dpm2", guidance_scale=g,
+                               uncond=model.encode_unconditional()))  # fmt: skip
+    torch.testing.assert_close(ours, stock, rtol=1e-4, atol=1e-4)
+    wrong = model.decode(sample(model, cond, [7], 3, solver="dpm2", guidance_scale=g,
+                                uncond=model.encode_prompts([""])))  # fmt: skip
+    assert (wrong - stock).abs().max() > 1e-2
+
+
 def test_missing_model_path_fails_with_the_path_and_no_traceback(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["train", str(ROOT / PRESET["sd3"]), "--output", str(tmp_path / "o"),

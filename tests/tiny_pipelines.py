@@ -38,14 +38,15 @@ from typing import Any
 import torch
 from tiny_clip import build_clip_reward, clip_tokenizer
 
-SIZES = {"sd3": 64, "flux": 64, "sana": 128, "wan": 64, "qwenimage": 64}  # image (video: frame) side in pixels
+SIZES = {"sd3": 64, "flux": 64, "sana": 128, "wan": 64, "qwenimage": 64, "sana_video": 64}  # image (video: frame) side
 # pixels per latent cell (FLUX and Qwen-Image pack 2x2 cells on top)
-VAE_FACTOR = {"sd3": 8, "flux": 8, "sana": 32, "wan": 8, "qwenimage": 8}
-LATENT_CHANNELS = {"sd3": 16, "flux": 16, "sana": 32, "wan": 16, "qwenimage": 16}
+VAE_FACTOR = {"sd3": 8, "flux": 8, "sana": 32, "wan": 8, "qwenimage": 8, "sana_video": 8}
+LATENT_CHANNELS = {"sd3": 16, "flux": 16, "sana": 32, "wan": 16, "qwenimage": 16, "sana_video": 16}
 LATENT_SHAPES = {k: (LATENT_CHANNELS[k], SIZES[k] // VAE_FACTOR[k], SIZES[k] // VAE_FACTOR[k]) for k in SIZES}
 WAN_FRAMES = 9  # frames per tiny clip: 3 latent frames (the first, then 4 per latent frame)
-LATENT_SHAPES["wan"] = (16, 3, 8, 8)
-MAX_SEQUENCE_LENGTH = {"sd3": 32, "flux": 32, "sana": 32, "wan": 32}  # T5 / Gemma / UMT5 tokens (max_sequence_length)
+LATENT_SHAPES["wan"] = LATENT_SHAPES["sana_video"] = (16, 3, 8, 8)
+# T5 / Gemma / UMT5 tokens (max_sequence_length)
+MAX_SEQUENCE_LENGTH = {"sd3": 32, "flux": 32, "sana": 32, "wan": 32, "sana_video": 32}
 CLIP_TOKENS = 77  # CLIP's positions and tokenizer length, as the real CLIP-L / CLIP-G
 
 __all__ = [
@@ -59,6 +60,7 @@ __all__ = [
     "build_flux",
     "build_qwenimage",
     "build_sana",
+    "build_sana_video",
     "build_sd3",
     "build_wan",
 ]
@@ -243,6 +245,18 @@ def build_sana(path: str | Path, seed: int = 0) -> Path:
     return _save(pipe, path)
 
 
+def _wan_vae(seed: int) -> Any:
+    """The Wan2.1 VAE's layout at toy width (x8 spatial, x4 temporal, causal 3-D convolutions) with non-trivial
+    per-channel latent means and deviations, so a decode that skips them differs."""
+    from diffusers import AutoencoderKLWan
+
+    g = torch.Generator().manual_seed(seed)
+    mean = (torch.randn(16, generator=g) * 0.5).tolist()
+    std = (torch.rand(16, generator=g) + 0.5).tolist()
+    return AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1, latents_mean=mean,
+                            latents_std=std, temperal_downsample=[False, True, True]).eval()  # fmt: skip
+
+
 def build_wan(path: str | Path, seed: int = 0) -> Path:
     """Save a tiny WanPipeline (Wan2.1-T2V layout) into `path`.
 
@@ -252,20 +266,42 @@ def build_wan(path: str | Path, seed: int = 0) -> Path:
     deviations, so a decode that skips them differs; and the scheduler Wan ships with: UniPC (bh2, order 2) on
     flow sigmas, flow_prediction, flow_shift 3.
     """
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+    from diffusers import UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
 
     torch.manual_seed(seed)
     te, tok = _t5(32, MAX_SEQUENCE_LENGTH["wan"], umt5=True)
-    g = torch.Generator().manual_seed(seed + 1)
-    mean = (torch.randn(16, generator=g) * 0.5).tolist()
-    std = (torch.rand(16, generator=g) + 0.5).tolist()
-    vae = AutoencoderKLWan(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1, latents_mean=mean,
-                           latents_std=std, temperal_downsample=[False, True, True]).eval()  # fmt: skip
+    vae = _wan_vae(seed + 1)
     transformer = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16,
                                         in_channels=16, out_channels=16, text_dim=32, freq_dim=32, ffn_dim=64,
                                         num_layers=2, rope_max_seq_len=32)  # fmt: skip
     scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
     pipe = WanPipeline(tokenizer=tok, text_encoder=te, vae=vae, transformer=transformer, scheduler=scheduler)
+    return _save(pipe, path)
+
+
+def build_sana_video(path: str | Path, seed: int = 0) -> Path:
+    """Save a tiny SanaVideoPipeline (SANA-Video 2B 480p layout) into `path`.
+
+    Gemma-2 (48 wide) states with their mask; a SANA-Video transformer of 2 blocks, 2 heads of 16 (linear
+    self-attention with Wan's 3-D rope, cross-attention 2 x 16, RMS q/k norms), GLUMBTempConv FFN x3 (1x1
+    convolutions around a depthwise 3x3, then a temporal (3, 1) convolution), patch (1, 2, 2) over 16 x 3 x 8 x 8
+    latents (64 px, 9 frames: 48 tokens); the Wan2.1 VAE as in build_wan; and the scheduler SANA-Video ships
+    with: DPMSolverMultistepScheduler (DPM-Solver++ 2M) on flow sigmas, flow_prediction, flow_shift 8. Its
+    sample_size is the published 30 (the pipeline's resolution binning takes 30 or 22 only).
+    """
+    from diffusers import DPMSolverMultistepScheduler, SanaVideoPipeline, SanaVideoTransformer3DModel
+
+    torch.manual_seed(seed)
+    te, tok = _gemma(48)
+    transformer = SanaVideoTransformer3DModel(
+        in_channels=16, out_channels=16, num_attention_heads=2, attention_head_dim=16, num_layers=2,
+        num_cross_attention_heads=2, cross_attention_head_dim=16, cross_attention_dim=32, caption_channels=48,
+        mlp_ratio=3.0, sample_size=30, patch_size=(1, 2, 2), norm_elementwise_affine=False, norm_eps=1e-6,
+        qk_norm="rms_norm_across_heads", rope_max_seq_len=32,
+    )  # fmt: skip
+    scheduler = DPMSolverMultistepScheduler(flow_shift=8.0, use_flow_sigmas=True, prediction_type="flow_prediction")
+    pipe = SanaVideoPipeline(tokenizer=tok, text_encoder=te, vae=_wan_vae(seed + 1), transformer=transformer,
+                             scheduler=scheduler)  # fmt: skip
     return _save(pipe, path)
 
 

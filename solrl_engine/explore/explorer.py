@@ -153,9 +153,10 @@ class Selection:
         kw: dict[str, Any] = {"num_inference_steps": steps, "output_type": "pt", "height": ex.resolution,
                               "width": getattr(ex.model, "width", None) or ex.resolution,
                               "guidance_scale": ex.pipeline_guidance}  # fmt: skip
-        if getattr(ex.model, "frames", None):  # a video pipeline: its clip length, as the previews had it
-            kw["num_frames"] = ex.model.frames
-        if "use_resolution_binning" in inspect.signature(type(pipe).__call__).parameters:
+        takes = inspect.signature(type(pipe).__call__).parameters
+        if getattr(ex.model, "frames", None):  # a video pipeline: its clip length, as the previews had it, under the
+            kw["num_frames" if "num_frames" in takes else "frames"] = ex.model.frames  # pipeline's name (SANA-Video's)
+        if "use_resolution_binning" in takes:
             kw["use_resolution_binning"] = False
         kw.update(call_kwargs)
         prompts, images = self.flat_prompts, []

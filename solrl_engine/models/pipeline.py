@@ -16,10 +16,12 @@ the decode a user's run makes (Sol-RL decodes every preview it scores).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import math
 from collections import OrderedDict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -106,6 +108,7 @@ class PipelineFlowModel(nn.Module):
         self.decode_batch_size = decode_batch_size
         self.guidance_scale = guidance_scale
         self._cache: OrderedDict[str, Conditioning] = OrderedDict()
+        self._uncond: Conditioning | None = None
         self._cache_size = cache_size
         self.random = getattr(pipe, "random", False)
         factor = self.vae_factor
@@ -186,21 +189,25 @@ class PipelineFlowModel(nn.Module):
             if isinstance(getattr(self.pipe, n, None), nn.Module)
         ]  # fmt: skip
 
+    @contextlib.contextmanager
+    def _encoders_on_device(self) -> Iterator[None]:
+        """The text encoders on the device while encoding, back on the CPU after it (with offload)."""
+        encs = self._text_encoders() if self.offload and not self.random else []
+        for enc in encs:
+            enc.to(self.device_)
+        try:
+            yield
+        finally:
+            for enc in encs:
+                enc.to("cpu")
+
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> Conditioning:
         """Per-prompt conditioning, cached (the text encoders run once per new prompt)."""
         new = list(dict.fromkeys(p for p in prompts if p not in self._cache))
         if new:
-            encs = self._text_encoders()
-            if self.offload and not self.random:
-                for enc in encs:
-                    enc.to(self.device_)
-            try:
+            with self._encoders_on_device():
                 cond = self._standin_encode(new) if self.random else self._encode(new)
-            finally:
-                if self.offload and not self.random:
-                    for enc in encs:
-                        enc.to("cpu")
             for i, p in enumerate(new):
                 self._cache[p] = cond[i : i + 1].to("cpu")
                 while len(self._cache) > self._cache_size:
@@ -210,6 +217,16 @@ class PipelineFlowModel(nn.Module):
             self._cache.move_to_end(p)
             rows.append(self._cache[p])
         return Conditioning.cat(rows).to(self.device_)
+
+    @torch.no_grad()
+    def encode_unconditional(self) -> Conditioning:
+        """What classifier-free guidance contrasts against: the empty prompt, encoded as the family's stock pipeline
+        encodes its default negative prompt (SANA's leaves out the instruction it puts before every prompt)."""
+        if self._uncond is None:
+            with self._encoders_on_device():
+                cond = self._standin_encode([""]) if self.random else self._encode_negative()
+            self._uncond = cond.to("cpu")
+        return self._uncond.to(self.device_)
 
     def velocity(
         self, x: torch.Tensor, t: torch.Tensor, cond: Conditioning, transformer: nn.Module | None = None
@@ -276,6 +293,10 @@ class PipelineFlowModel(nn.Module):
 
     def _encode(self, prompts: list[str]) -> Conditioning:
         raise NotImplementedError
+
+    def _encode_negative(self) -> Conditioning:
+        """The empty negative prompt as the stock pipeline encodes it: like any prompt, unless a family says not."""
+        return self._encode([""])
 
     def _forward(self, net: nn.Module, x: torch.Tensor, t: torch.Tensor, cond: Conditioning) -> torch.Tensor:
         raise NotImplementedError

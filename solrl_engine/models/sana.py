@@ -2,7 +2,8 @@
 
 The text states come with an attention mask the transformer needs; prompts are encoded with the
 pipeline's own complex human instruction (what `pipe(prompt)` uses), so regenerating through the
-stock pipeline gives the same images. SANA's FFN (GLUMBConv) is made of 1x1 convolutions: the
+stock pipeline gives the same images; with guidance, the empty negative prompt is encoded without it,
+as the pipeline encodes a negative prompt. SANA's FFN (GLUMBConv) is made of 1x1 convolutions: the
 explore copy quantizes them as linears over channels, with the cross-attention key/value
 projections (the paper's SANA rule; Sol-RL had to swap in a Linear-FFN SANA for this).
 """
@@ -25,12 +26,62 @@ SANA_EXPLORE_RULE: dict[str, Any] = {
 }
 
 
-class SanaModel(PipelineFlowModel):
+class GemmaPrompts:
+    """SANA's text side and transformer call, shared with SANA-Video (models/sana_video.py): prompts encoded by
+    Gemma-2 after the pipeline's complex human instruction, with their mask; the empty negative prompt without it,
+    as the pipelines encode a negative prompt; the transformer takes the mask beside the text states."""
+
+    pipe: Any
+    device_: torch.device
+    dtype: torch.dtype
+    transformer: nn.Module
+    TEXT_TOKENS: ClassVar[int] = 300  # the pipelines' default max_sequence_length
+
+    def _instruction(self) -> list[str] | None:
+        """The complex human instruction the pipeline's __call__ uses by default."""
+        param = inspect.signature(type(self.pipe).__call__).parameters.get("complex_human_instruction")
+        return None if param is None else param.default
+
+    def _encode(self, prompts: list[str]) -> Conditioning:
+        hidden, mask, _, _ = self.pipe.encode_prompt(
+            prompts, do_classifier_free_guidance=False, device=self.device_, max_sequence_length=self._text_tokens(),
+            complex_human_instruction=self._instruction(),
+        )  # fmt: skip
+        return Conditioning(hidden.to(self.dtype), None, mask)
+
+    def _encode_negative(self) -> Conditioning:
+        """The pipeline's negative prompt "" (its `encode_prompt` encodes a negative without the instruction)."""
+        _, _, hidden, mask = self.pipe.encode_prompt(
+            [""], do_classifier_free_guidance=True, negative_prompt="", device=self.device_,
+            max_sequence_length=self._text_tokens(), complex_human_instruction=self._instruction(),
+        )  # fmt: skip
+        return Conditioning(hidden.to(self.dtype), None, mask)
+
+    def _text_tokens(self) -> int:
+        return int(getattr(self, "max_sequence_length", None) or self.TEXT_TOKENS)
+
+    def _standin_dims(self) -> tuple[int, int | None]:
+        return int(self.transformer.config.caption_channels), None
+
+    def _forward(self, net: nn.Module, x: torch.Tensor, t: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        scale = float(getattr(self.transformer.config, "timestep_scale", 1.0))
+        out = net(
+            x,
+            encoder_hidden_states=cond.hidden.to(x.dtype),
+            encoder_attention_mask=cond.mask,
+            timestep=self.model_timestep(t) * scale,
+            return_dict=False,
+        )[0]
+        if out.shape[1] == 2 * x.shape[1]:  # learned sigma: the first half is the prediction
+            out = out[:, : x.shape[1]]
+        return out
+
+
+class SanaModel(GemmaPrompts, PipelineFlowModel):
     MODEL = "sana"  # its name in solrl_engine.models.MODELS (the config key `model`)
     PIPELINE_CLASS = "SanaPipeline"
     TRANSFORMER_CLASS = "SanaTransformer2DModel"
     DEFAULT_RESOLUTION = 1024
-    TEXT_TOKENS = 300  # the pipeline's default max_sequence_length
     RANDOM_VAE_FACTOR = 32
     FULL_CONFIG: ClassVar[dict[str, Any]] = dict(
         in_channels=32, out_channels=32, num_attention_heads=70, attention_head_dim=32, num_layers=20,
@@ -61,34 +112,6 @@ class SanaModel(PipelineFlowModel):
     def _latent_shape(self) -> tuple[int, ...]:
         side = self.resolution // self.vae_factor
         return (int(self.transformer.config.in_channels), side, side)
-
-    def _standin_dims(self) -> tuple[int, int | None]:
-        return int(self.transformer.config.caption_channels), None
-
-    def _instruction(self) -> list[str] | None:
-        """The complex human instruction the pipeline's __call__ uses by default."""
-        param = inspect.signature(type(self.pipe).__call__).parameters.get("complex_human_instruction")
-        return None if param is None else param.default
-
-    def _encode(self, prompts: list[str]) -> Conditioning:
-        hidden, mask, _, _ = self.pipe.encode_prompt(
-            prompts, do_classifier_free_guidance=False, device=self.device_,
-            complex_human_instruction=self._instruction(),
-        )  # fmt: skip
-        return Conditioning(hidden.to(self.dtype), None, mask)
-
-    def _forward(self, net: nn.Module, x: torch.Tensor, t: torch.Tensor, cond: Conditioning) -> torch.Tensor:
-        scale = float(getattr(self.transformer.config, "timestep_scale", 1.0))
-        out = net(
-            x,
-            encoder_hidden_states=cond.hidden.to(x.dtype),
-            encoder_attention_mask=cond.mask,
-            timestep=self.model_timestep(t) * scale,
-            return_dict=False,
-        )[0]
-        if out.shape[1] == 2 * x.shape[1]:  # learned sigma: the first half is the prediction
-            out = out[:, : x.shape[1]]
-        return out
 
 
 

@@ -106,15 +106,15 @@ class WanModel(PipelineFlowModel):
         return {"flow_shift": shift}
 
     def _latent_shape(self) -> tuple[int, ...]:
-        f, patch = self.vae_factor, 2  # the transformer's spatial patch
+        f, patch = self.vae_factor, int(self.transformer.config.patch_size[-1])  # the transformer's spatial patch
         width = self.width or self.resolution
         for name, px in (("resolution (the height)", self.resolution), ("width", width)):
             if px % (f * patch):
                 raise ValueError(f"{type(self).__name__}: {name} {px} is not a multiple of {f * patch} (the VAE's "
-                                 f"{f} x the transformer's patch 2); pick a multiple")  # fmt: skip
+                                 f"{f} x the transformer's patch {patch}); pick a multiple")  # fmt: skip
         if (self.frames - 1) % TEMPORAL_FACTOR:
-            raise ValueError(f"{type(self).__name__}: frames = {self.frames}: Wan takes 4k + 1 frames (e.g. 9, 33, "
-                             "81, 121)")  # fmt: skip
+            raise ValueError(f"{type(self).__name__}: frames = {self.frames}: the Wan VAE takes 4k + 1 frames (e.g. "
+                             "9, 33, 81, 121)")  # fmt: skip
         t = (self.frames - 1) // TEMPORAL_FACTOR + 1
         return (int(self.transformer.config.in_channels), t, self.resolution // f, width // f)
 

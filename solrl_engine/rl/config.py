@@ -384,13 +384,14 @@ class RLConfig:
                                            "trained: use family naive_quant or sol_rl, or leave it at bf16")
         if self.resolution is not None and self.resolution < 16:
             raise bad("resolution", "must be a pixel size >= 16 (None: the model's default)")
-        from solrl_engine.models import model_spec
+        from solrl_engine.models import MODELS, model_spec
 
+        video = " or ".join(n for n in MODELS if model_spec(n).video)
         for key in ("frames", "width"):
             if getattr(self, key) is not None and not model_spec(self.model).video:
-                raise bad(key, f"applies to video models (model=wan); {self.model!r} draws images: leave it unset")
+                raise bad(key, f"applies to video models (model={video}); {self.model!r} draws images: leave it unset")
         if self.frames is not None and (self.frames < 1 or (self.frames - 1) % 4):
-            raise bad("frames", "Wan takes 4k + 1 frames (e.g. 9, 33, 81, 121)")
+            raise bad("frames", "the Wan VAE takes 4k + 1 frames (e.g. 9, 33, 81, 121)")
         if self.width is not None and self.width < 16:
             raise bad("width", "must be a pixel size >= 16 (None: the model's default)")
         if self.reward_frames < 1:

@@ -146,6 +146,18 @@ PAPER["qwenimage"] = dict(model="qwenimage", solver="euler", guidance_scale=4.0,
                           preview_steps=30, resolution=1328, timestep_fraction=0.6, grad_clip=1.0,
                           rollout_batch_size=4, decode_batch_size=1)  # fmt: skip
 
+# SANA-Video 2B (model="sana_video", configs/sana_video.py): the published inference settings, from the
+# SanaVideoPipeline docstring and diffusers' conversion of the official checkpoint: 480 x 832, 81 frames, 50
+# DPM-Solver++ 2M steps on flow sigmas with shift 8 (the scheduler's own: shift None), guidance 6.0. The pipeline's
+# example uses a long negative prompt and appends " motion score: 30." to every prompt; the engine guides against
+# the empty prompt (as the pipeline does by default) and takes prompts as the prompt set writes them. The explore /
+# select / train settings are Wan's (the image presets' N, K and LoRA; the preview 30 of 50 steps). A clip is
+# 32,760 tokens through a 2B linear-attention transformer: rollouts 4 at a time, the VAE one clip at a time, as
+# Wan2.1-1.3B's (estimates: no real weights have run).
+PAPER["sana-video"] = dict(model="sana_video", solver="dpm2", guidance_scale=6.0, shift=None, full_steps=50,
+                           preview_steps=30, resolution=480, width=832, frames=81, timestep_fraction=0.6,
+                           grad_clip=1.0, rollout_batch_size=4, decode_batch_size=1)  # fmt: skip
+
 # Per objective (rl/objectives/; `--set objective=NAME` on any preset passes it to the preset function, which takes
 # these settings, then the other --sets apply): nft is COMMON's. Flow-GRPO's from the official flow_grpo configs
 # (config/base.py: SDE noise_level 0.7, learning rate 3e-4, clip_range 1e-4, advantages clipped at 5; config/grpo.py:
@@ -165,7 +177,8 @@ OBJECTIVE_PRESETS: dict[str, dict[str, Any]] = {
 OBJECTIVE_REWARD_KL = {("flow_grpo", "pickscore"): 0.01, ("flow_grpo_fast", "pickscore"): 0.01}
 
 MODEL_NAMES = {"sd3": "SD3.5-Large", "flux": "FLUX.1-dev", "sana": "SANA-1.6B", "wan2.1-1.3b": "Wan2.1-T2V-1.3B",
-               "wan2.1-14b": "Wan2.1-T2V-14B", "wan2.2-5b": "Wan2.2-TI2V-5B", "qwenimage": "Qwen-Image"}  # fmt: skip
+               "wan2.1-14b": "Wan2.1-T2V-14B", "wan2.2-5b": "Wan2.2-TI2V-5B", "qwenimage": "Qwen-Image",
+               "sana-video": "SANA-Video-2B"}  # fmt: skip
 FAMILY_SUMMARY = {
     "diffusionnft": "DiffusionNFT: K BF16 rollouts per prompt, all trained on (N = K)",
     "naive_scaling": "naive scaling: N BF16 rollouts per prompt at the full step count, top/bottom K/2 trained on",

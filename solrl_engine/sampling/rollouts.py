@@ -168,8 +168,9 @@ class Rollouts:
         """The empty prompt's conditioning when classifier-free guidance is on, else None."""
         if self.cfg_guidance == 1.0:
             return None
-        if self._uncond is None:
-            self._uncond = self.encode([""])
+        if self._uncond is None:  # as the family's pipeline encodes its negative prompt, where the model says how
+            own = getattr(self.model, "encode_unconditional", None)
+            self._uncond = own() if own is not None else self.encode([""])
         return self._uncond
 
     def sample(
