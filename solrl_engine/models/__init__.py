@@ -57,6 +57,12 @@ class ModelSpec:
         FLUX only, as `_repeated_blocks`).
     producers: the explore copy's producers that emit their output's 8-bit codes (nn.producers): a module-name
         pattern -> the linears its output feeds, named from its parent (a block's norm1 -> attn.to_q, ...).
+    capturable: False where the denoiser's forward reads values on the host (Z-Image: each prompt's token count,
+        which sets its sequence and positions), which a CUDA graph would bake in: rollouts then sample without
+        captured graphs (the compile family included; on a CPU inductor still compiles, breaking the graph there).
+    pipeline_guidance_offset: the stock pipeline's `guidance_scale` is the engine's classifier-free guidance
+        scale minus this (Z-Image's pipeline guides as v_c + g (v_c - v_u), which is the engine's v_u + s (v_c -
+        v_u) at s = g + 1: offset 1); what a regeneration through the stock pipeline passes.
     """
 
     name: str
@@ -74,6 +80,8 @@ class ModelSpec:
     repeated_blocks: tuple[str, ...] = ()
     producers: dict[str, tuple[str, ...]] = field(default_factory=dict)
     video: bool = False  # decode gives videos [B, F, 3, H, W]; the config's `frames` and `width` apply
+    capturable: bool = True
+    pipeline_guidance_offset: float = 0.0
     # published parameter counts (billions) of the default weights' text encoders and VAE: the memory plan's
     # (rl/memplan.py) and bench/memory.py's, where nothing is loaded
     text_encoder_params_b: dict[str, float] = field(default_factory=dict)

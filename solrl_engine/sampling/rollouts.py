@@ -108,6 +108,21 @@ def model_guidance(spec: ModelSpec, guidance_scale: float | None) -> float:
     return float(spec.guidance_scale if guidance_scale is None else guidance_scale)
 
 
+def compiled_sampling(spec: ModelSpec, device: torch.device, compiled: bool | None) -> bool:
+    """Whether rollouts sample through the compiled sampler (`compiled` None: on with CUDA): on a GPU that is one
+    captured CUDA graph per batch shape, which a model whose forward reads values on the host cannot be
+    (`spec.capturable`): it samples eagerly there, and the log says why."""
+    cuda = device.type == "cuda"
+    graphed = compiled if compiled is not None else cuda
+    if graphed and device.type not in ("cuda", "cpu"):
+        log.info("compiled sampler: needs a CUDA device or the CPU; sampling eagerly on %s.", device.type)
+    if graphed and cuda and not spec.capturable:
+        log.info("compiled sampler: %s's forward reads values on the host, which a captured CUDA graph would "
+                 "freeze; sampling eagerly.", spec.name)  # fmt: skip
+        return False
+    return graphed
+
+
 class Rollouts:
     """A model (on its device, in its dtype), its family's spec, a reward and how to sample: see the module
     docstring."""
@@ -125,9 +140,7 @@ class Rollouts:
         # compiled: on GPU + one CUDA graph per batch shape, on CPU through inductor (no graphs); both read
         # the weights in place, so updates need no re-capture or recompile
         cuda = self.device.type == "cuda"
-        graphed = settings.compiled if settings.compiled is not None else cuda
-        if graphed and self.device.type not in ("cuda", "cpu"):
-            log.info("compiled sampler: needs a CUDA device or the CPU; sampling eagerly on %s.", self.device.type)
+        graphed = compiled_sampling(spec, self.device, settings.compiled)
         if graphed:
             use_cache_dir(settings.compile_cache_dir)
         regional = settings.compile_regional if settings.compile_regional is not None else cuda
@@ -140,7 +153,7 @@ class Rollouts:
         """The guidance_scale a stock pipeline call needs to match this sampling."""
         if self.spec.guidance == "embedded":
             return model_guidance(self.spec, self.settings.guidance_scale)
-        return self.cfg_guidance
+        return self.cfg_guidance - self.spec.pipeline_guidance_offset
 
     @property
     def forward_rows(self) -> int | None:
