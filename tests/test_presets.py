@@ -119,7 +119,7 @@ def test_the_table_is_data():
     ns: dict = {}
     names = define_presets(ns, "sana", "demo")
     assert set(names) == set(ns) and len(names) == 35 and all(n.startswith("demo_") for n in names)
-    assert set(PAPER) == set(FILES) | set(WAN) | {"qwenimage", "sana-video"}
+    assert set(PAPER) == set(FILES) | set(WAN) | {"qwenimage", "sana-video", "z-image"}
 
 
 def test_the_wan_presets_take_each_models_published_settings():
@@ -164,6 +164,18 @@ def test_the_sana_video_presets_take_the_published_settings():
         load_config(f"{ROOT / 'configs' / 'sana_video.py'}:sana_video_sol_rl_clipscore", ["frames=80"])
     with pytest.raises(ConfigError, match="applies to video models \\(model=wan or sana_video\\)"):
         load_config(f"{ROOT / 'configs' / 'sana.py'}:sana_sol_rl_clipscore", ["width=64"])
+
+
+def test_the_z_image_presets_take_the_model_cards_settings():
+    """Tongyi-MAI/Z-Image's call: 50 steps, guidance_scale 4 (the engine's 5: the pipeline guides at g + 1), the
+    scheduler's own shift; 1024 px."""
+    expected = sorted(f"z_image_{f}_{r}" for f in FAMILIES for r in REWARDS)
+    assert sorted(_names("z_image.py", "z_image")) == expected and sorted(_module("z_image.py").__all__) == expected
+    for family in FAMILIES:
+        cfg = load_config(f"{ROOT / 'configs' / 'z_image.py'}:z_image_{family}_clipscore")
+        assert cfg.model == "z_image" and cfg.resolution == 1024 and cfg.model_path is None, family
+        assert (cfg.solver, cfg.guidance_scale, cfg.shift, cfg.full_steps, cfg.preview_steps) == ("euler", 5.0, None,
+                                                                                                   50, 30)  # fmt: skip
 
 
 @pytest.mark.parametrize("family", ["sol_rl", "naive_scaling", "diffusionnft"])

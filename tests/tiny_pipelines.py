@@ -38,15 +38,16 @@ from typing import Any
 import torch
 from tiny_clip import build_clip_reward, clip_tokenizer
 
-SIZES = {"sd3": 64, "flux": 64, "sana": 128, "wan": 64, "qwenimage": 64, "sana_video": 64}  # image (video: frame) side
+# image (video: frame) side in pixels
+SIZES = {"sd3": 64, "flux": 64, "sana": 128, "wan": 64, "qwenimage": 64, "sana_video": 64, "z_image": 64}
 # pixels per latent cell (FLUX and Qwen-Image pack 2x2 cells on top)
-VAE_FACTOR = {"sd3": 8, "flux": 8, "sana": 32, "wan": 8, "qwenimage": 8, "sana_video": 8}
-LATENT_CHANNELS = {"sd3": 16, "flux": 16, "sana": 32, "wan": 16, "qwenimage": 16, "sana_video": 16}
+VAE_FACTOR = {"sd3": 8, "flux": 8, "sana": 32, "wan": 8, "qwenimage": 8, "sana_video": 8, "z_image": 8}
+LATENT_CHANNELS = {"sd3": 16, "flux": 16, "sana": 32, "wan": 16, "qwenimage": 16, "sana_video": 16, "z_image": 16}
 LATENT_SHAPES = {k: (LATENT_CHANNELS[k], SIZES[k] // VAE_FACTOR[k], SIZES[k] // VAE_FACTOR[k]) for k in SIZES}
 WAN_FRAMES = 9  # frames per tiny clip: 3 latent frames (the first, then 4 per latent frame)
 LATENT_SHAPES["wan"] = LATENT_SHAPES["sana_video"] = (16, 3, 8, 8)
 # T5 / Gemma / UMT5 tokens (max_sequence_length)
-MAX_SEQUENCE_LENGTH = {"sd3": 32, "flux": 32, "sana": 32, "wan": 32, "sana_video": 32}
+MAX_SEQUENCE_LENGTH = {"sd3": 32, "flux": 32, "sana": 32, "wan": 32, "sana_video": 32, "z_image": 32}
 CLIP_TOKENS = 77  # CLIP's positions and tokenizer length, as the real CLIP-L / CLIP-G
 
 __all__ = [
@@ -63,6 +64,7 @@ __all__ = [
     "build_sana_video",
     "build_sd3",
     "build_wan",
+    "build_z_image",
 ]
 
 _WORDS = ("a", "an", "the", "of", "on", "in", "with", "and", "red", "blue", "green", "apple", "car", "cat", "dog",
@@ -418,3 +420,42 @@ def linear_rows(model: Any) -> set[int]:
         for h in hooks:
             h.remove()
     return seen
+
+
+# Qwen3's chat template, cut to what ZImagePipeline uses: ChatML turns, the assistant's opening, and the empty think
+# block the real template adds only when thinking is switched off (the pipeline switches it on: no block)
+QWEN3_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}"
+    "<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+def build_z_image(path: str | Path, seed: int = 0) -> Path:
+    """Save a tiny ZImagePipeline (Tongyi-MAI/Z-Image layout) into `path`.
+
+    A Qwen3 encoder (32 wide, 3 layers: the pipeline reads the second-to-last hidden states) with the byte-level
+    Qwen2 tokenizer and a ChatML template; a Z-Image transformer 48 wide (SwiGLU 128, a multiple of 16 as the real
+    10240 is) of 2 main layers and 2 + 2 refiners, 2 heads of 24 (RoPE axes 8 / 8 / 8), caption width 32, patch 2
+    over 16 x 8 x 8 latents; FLUX.1's VAE layout (16 channels,
+    scaling 0.3611, shift 0.1159); and a static-shift FlowMatchEuler scheduler (shift 6).
+    """
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+    from transformers import Qwen3Config, Qwen3Model
+
+    torch.manual_seed(seed)
+    tok = _qwen_tokenizer()
+    tok.chat_template = QWEN3_CHAT_TEMPLATE
+    pad = tok.convert_tokens_to_ids("<|endoftext|>")
+    tok.pad_token = "<|endoftext|>"
+    te = Qwen3Model(Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=1024,
+                                pad_token_id=pad)).eval()  # fmt: skip
+    transformer = ZImageTransformer2DModel(
+        all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=48, n_layers=2, n_refiner_layers=2, n_heads=2,
+        n_kv_heads=2, cap_feat_dim=32, axes_dims=[8, 8, 8], axes_lens=[256, 64, 64],
+    )  # fmt: skip
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=6.0)
+    pipe = ZImagePipeline(scheduler=scheduler, vae=_vae_kl(16, 0.3611, 0.1159), text_encoder=te, tokenizer=tok,
+                          transformer=transformer)  # fmt: skip
+    return _save(pipe, path)

@@ -146,6 +146,18 @@ PAPER["qwenimage"] = dict(model="qwenimage", solver="euler", guidance_scale=4.0,
                           preview_steps=30, resolution=1328, timestep_fraction=0.6, grad_clip=1.0,
                           rollout_batch_size=4, decode_batch_size=1)  # fmt: skip
 
+# Z-Image (model="z_image", configs/z_image.py): the model card's call of Tongyi-MAI/Z-Image (the base model), 50
+# steps, guidance_scale 4 against the empty negative prompt, cfg_normalization off; its example draws 1280 x 720,
+# the presets 1024 x 1024 (the pipeline's default size, within the card's 512-2048 range). The pipeline's guidance
+# g is classifier-free guidance at g + 1 in the engine's convention (solrl_engine/models/z_image.py): 5.0 here. The
+# scheduler's own static shift (shift None). Explore / select / train settings as Qwen-Image's: the image presets'
+# N, K and LoRA (rank 32 on the attention projections of the main layers and both refiners), the preview 30 of 50
+# steps. A 6B transformer over 4,096 image tokens and the prompt's: rollouts 8 at a time on one 80 GB GPU, the VAE
+# 4 images at a time (estimates: no real weights have run).
+PAPER["z-image"] = dict(model="z_image", solver="euler", guidance_scale=5.0, shift=None, full_steps=50,
+                        preview_steps=30, resolution=1024, timestep_fraction=0.6, grad_clip=1.0, rollout_batch_size=8,
+                        decode_batch_size=4)  # fmt: skip
+
 # SANA-Video 2B (model="sana_video", configs/sana_video.py): the published inference settings, from the
 # SanaVideoPipeline docstring and diffusers' conversion of the official checkpoint: 480 x 832, 81 frames, 50
 # DPM-Solver++ 2M steps on flow sigmas with shift 8 (the scheduler's own: shift None), guidance 6.0. The pipeline's
@@ -178,7 +190,7 @@ OBJECTIVE_REWARD_KL = {("flow_grpo", "pickscore"): 0.01, ("flow_grpo_fast", "pic
 
 MODEL_NAMES = {"sd3": "SD3.5-Large", "flux": "FLUX.1-dev", "sana": "SANA-1.6B", "wan2.1-1.3b": "Wan2.1-T2V-1.3B",
                "wan2.1-14b": "Wan2.1-T2V-14B", "wan2.2-5b": "Wan2.2-TI2V-5B", "qwenimage": "Qwen-Image",
-               "sana-video": "SANA-Video-2B"}  # fmt: skip
+               "sana-video": "SANA-Video-2B", "z-image": "Z-Image"}  # fmt: skip
 FAMILY_SUMMARY = {
     "diffusionnft": "DiffusionNFT: K BF16 rollouts per prompt, all trained on (N = K)",
     "naive_scaling": "naive scaling: N BF16 rollouts per prompt at the full step count, top/bottom K/2 trained on",
