@@ -1,13 +1,15 @@
-"""The memory plans the docs quote (docs/scale.md), recorded in one run: `solrl plan` of the FLUX.1-dev and
-Qwen-Image Sol-RL presets, LoRA and full fine-tuning, replicated and FSDP2-sharded, on 80 GB GPUs. Fake tensors
-from the published configs: nothing is loaded or downloaded, and every number is an estimate that no GPU's
-measured peak has checked.
+"""The memory plans the docs quote (docs/scale.md, docs/video.md), recorded in one run: `solrl plan` of the
+FLUX.1-dev, Qwen-Image, SANA-Video and Wan2.1-14B Sol-RL presets, LoRA and full fine-tuning, replicated and
+FSDP2-sharded, on 80 GB GPUs. Fake tensors from the published configs: nothing is loaded or downloaded, and every
+number is an estimate that no GPU's measured peak has checked.
 
     python bench/memory_plans.py     # prints one line per plan, writes bench/results/<date>-memory-plans.json
+    python bench/memory_plans.py --only sana_video,wan14b    # those presets' plans: <date>-memory-plans-video.json
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import json
 from pathlib import Path
@@ -19,7 +21,9 @@ from solrl_engine.rl.memplan import PHASES, memory_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS = {"flux1": "configs/flux1.py:flux1_sol_rl_pickscore",
-           "qwenimage": "configs/qwenimage.py:qwenimage_sol_rl_pickscore"}
+           "qwenimage": "configs/qwenimage.py:qwenimage_sol_rl_pickscore",
+           "sana_video": "configs/sana_video.py:sana_video_sol_rl_clipscore",
+           "wan14b": "configs/wan.py:wan14b_sol_rl_clipscore"}
 # (name, preset, --set overrides, GPUs)
 PLANS = [
     ("flux1-lora-1gpu", "flux1", {}, 1),
@@ -35,12 +39,26 @@ PLANS = [
     ("qwenimage-full-8gpu-fsdp", "qwenimage", {"train_mode": "full", "sharding": "fsdp"}, 8),
     ("qwenimage-full-16gpu-fsdp", "qwenimage", {"train_mode": "full", "sharding": "fsdp"}, 16),
     ("qwenimage-full-32gpu-fsdp", "qwenimage", {"train_mode": "full", "sharding": "fsdp"}, 32),
+    # the video presets at their published 480 x 832, 81 frames (32,760 tokens a clip), whole clips on each GPU
+    ("sana_video-lora-1gpu", "sana_video", {}, 1),
+    ("sana_video-lora-8gpu-fsdp", "sana_video", {"sharding": "fsdp"}, 8),
+    ("sana_video-full-8gpu-fsdp", "sana_video", {"train_mode": "full", "sharding": "fsdp"}, 8),
+    ("wan14b-lora-1gpu", "wan14b", {}, 1),
+    ("wan14b-lora-8gpu-fsdp", "wan14b", {"sharding": "fsdp"}, 8),
 ]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", default="", help=f"comma-separated presets among {', '.join(PRESETS)}")
+    only = [p for p in ap.parse_args(argv).only.split(",") if p]
+    unknown = sorted(set(only) - set(PRESETS))
+    if unknown:
+        raise SystemExit(f"--only: unknown preset(s) {unknown}; choose among {', '.join(PRESETS)}")
     rows = {}
     for name, preset, sets, gpus in PLANS:
+        if only and preset not in only:
+            continue
         cfg = load_config(str(ROOT / PRESETS[preset]), [f"{k}={v}" for k, v in sets.items()])
         plan = memory_plan(cfg, gpus=gpus, gpu_gib=80.0)
         d = plan.to_dict()
@@ -50,9 +68,11 @@ def main() -> None:
         rows[name] = d
         print(f"{name:32s} peak {plan.peak_gib:6.1f} GiB ({plan.peak_phase}); "
               + ", ".join(f"{w} {plan.total(w):.1f}" for w in PHASES) + ("" if plan.fits else "  DOES NOT FIT"))
-    out = ROOT / "bench" / "results" / f"{dt.date.today().isoformat()}-memory-plans.json"
+    video = bool(only) and all(PRESETS[p].startswith(("configs/sana_video", "configs/wan")) for p in only)
+    tail = "-video" if video else "-" + "-".join(only) if only else ""
+    out = ROOT / "bench" / "results" / f"{dt.date.today().isoformat()}-memory-plans{tail}.json"
     out.write_text(json.dumps({
-        "what": "per-GPU memory plans (solrl plan) of the FLUX.1-dev and Qwen-Image Sol-RL presets on 80 GB GPUs, "
+        "what": f"per-GPU memory plans (solrl plan) of the {', '.join(only or PRESETS)} Sol-RL presets on 80 GB GPUs, "
                 "LoRA and full fine-tuning, replicated and FSDP2-sharded (sharding=fsdp); fake tensors from the "
                 "published configs, nothing loaded; estimates, never compared with a GPU's measured peak",
         "date": dt.date.today().isoformat(), "torch": torch.__version__, "rows": rows}, indent=1) + "\n")
