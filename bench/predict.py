@@ -50,7 +50,7 @@ OUT_JSON = RESULTS / "2026-11-25-speed-model.json"
 
 # rollout batch per family: the sizes bench/e2e.py's usage runs them at on one 80 GB GPU
 ROLLOUT_BATCH = {"sana-1.6b": 48, "flux-dev": 24, "sd35-large": 8, "wan2.1-1.3b": 4, "wan2.1-14b": 2, "z-image": 8,
-                 "sana-video-2b": 4}  # fmt: skip
+                 "flux2-klein-4b": 8, "sana-video-2b": 4}  # fmt: skip
 IMAGE_FAMILIES = ("sana-1.6b", "flux-dev", "sd35-large")  # the default run; Wan (480p, 81 frames) on request
 # the paper's setting: 48 prompts per iteration over 8 GPUs, N = 96 -> K = 24, 6 preview / 10 full steps; the
 # train batch and timestep fraction here are the fallbacks: each family's paper preset gives its timestep fraction
@@ -60,7 +60,7 @@ PAPER = dict(prompts_per_gpu=6, n=96, k=24, preview_steps=6, full_steps=10, time
 # left both at auto (a run now sizes its own from the GPU's memory plan); the speed model and the GPU session's
 # forwards stage time the update at these
 UPDATE_80GB = {"sd3": (2, False), "flux": (12, True), "sana": (16, False), "qwenimage": (1, True),
-               "z-image": (1, False), "sana-video": (1, True),
+               "z-image": (1, False), "flux2-klein": (2, False), "sana-video": (1, True),
                **dict.fromkeys(("wan2.1-1.3b", "wan2.1-14b", "wan2.2-5b"), (1, True))}  # fmt: skip
 
 
@@ -632,7 +632,8 @@ def summary_lines(res: dict[str, Any]) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--families", default=",".join(IMAGE_FAMILIES), help="sana-1.6b, sd35-large, flux-dev, z-image, "
-                    "and the video ones wan2.1-1.3b, wan2.1-14b, sana-video-2b (480 x 832, 81 frames)")  # fmt: skip
+                    "flux2-klein-4b, and the video ones wan2.1-1.3b, wan2.1-14b, sana-video-2b (480 x 832, 81 "
+                    "frames)")  # fmt: skip
     ap.add_argument("--batch", action="append", default=[], help="rollout batch of a family, e.g. flux-dev=16")
     ap.add_argument("--prompts-per-gpu", type=int, default=PAPER["prompts_per_gpu"])
     ap.add_argument("--n", type=int, default=PAPER["n"])

@@ -119,7 +119,7 @@ def test_the_table_is_data():
     ns: dict = {}
     names = define_presets(ns, "sana", "demo")
     assert set(names) == set(ns) and len(names) == 35 and all(n.startswith("demo_") for n in names)
-    assert set(PAPER) == set(FILES) | set(WAN) | {"qwenimage", "sana-video", "z-image"}
+    assert set(PAPER) == set(FILES) | set(WAN) | {"qwenimage", "sana-video", "z-image", "flux2-klein"}
 
 
 def test_the_wan_presets_take_each_models_published_settings():
@@ -175,6 +175,18 @@ def test_the_z_image_presets_take_the_model_cards_settings():
         cfg = load_config(f"{ROOT / 'configs' / 'z_image.py'}:z_image_{family}_clipscore")
         assert cfg.model == "z_image" and cfg.resolution == 1024 and cfg.model_path is None, family
         assert (cfg.solver, cfg.guidance_scale, cfg.shift, cfg.full_steps, cfg.preview_steps) == ("euler", 5.0, None,
+                                                                                                   50, 30)  # fmt: skip
+
+
+def test_the_flux2_klein_presets_take_the_pipelines_documented_settings():
+    """Flux2KleinPipeline's documented call of the base model: 50 steps, guidance 4.0; the scheduler's own shift;
+    1024 px."""
+    expected = sorted(f"flux2_klein_{f}_{r}" for f in FAMILIES for r in REWARDS)
+    assert sorted(_names("flux2.py", "flux2_klein")) == expected and sorted(_module("flux2.py").__all__) == expected
+    for family in FAMILIES:
+        cfg = load_config(f"{ROOT / 'configs' / 'flux2.py'}:flux2_klein_{family}_clipscore")
+        assert cfg.model == "flux2" and cfg.resolution == 1024 and cfg.model_path is None, family
+        assert (cfg.solver, cfg.guidance_scale, cfg.shift, cfg.full_steps, cfg.preview_steps) == ("euler", 4.0, None,
                                                                                                    50, 30)  # fmt: skip
 
 

@@ -39,15 +39,16 @@ import torch
 from tiny_clip import build_clip_reward, clip_tokenizer
 
 # image (video: frame) side in pixels
-SIZES = {"sd3": 64, "flux": 64, "sana": 128, "wan": 64, "qwenimage": 64, "sana_video": 64, "z_image": 64}
+SIZES = {"sd3": 64, "flux": 64, "sana": 128, "wan": 64, "qwenimage": 64, "sana_video": 64, "z_image": 64, "flux2": 64}
 # pixels per latent cell (FLUX and Qwen-Image pack 2x2 cells on top)
-VAE_FACTOR = {"sd3": 8, "flux": 8, "sana": 32, "wan": 8, "qwenimage": 8, "sana_video": 8, "z_image": 8}
-LATENT_CHANNELS = {"sd3": 16, "flux": 16, "sana": 32, "wan": 16, "qwenimage": 16, "sana_video": 16, "z_image": 16}
+VAE_FACTOR = {"sd3": 8, "flux": 8, "sana": 32, "wan": 8, "qwenimage": 8, "sana_video": 8, "z_image": 8, "flux2": 16}
+LATENT_CHANNELS = {"sd3": 16, "flux": 16, "sana": 32, "wan": 16, "qwenimage": 16, "sana_video": 16, "z_image": 16,
+                   "flux2": 128}  # FLUX.2: the VAE's 32 channels with 2x2 cells folded in
 LATENT_SHAPES = {k: (LATENT_CHANNELS[k], SIZES[k] // VAE_FACTOR[k], SIZES[k] // VAE_FACTOR[k]) for k in SIZES}
 WAN_FRAMES = 9  # frames per tiny clip: 3 latent frames (the first, then 4 per latent frame)
 LATENT_SHAPES["wan"] = LATENT_SHAPES["sana_video"] = (16, 3, 8, 8)
 # T5 / Gemma / UMT5 tokens (max_sequence_length)
-MAX_SEQUENCE_LENGTH = {"sd3": 32, "flux": 32, "sana": 32, "wan": 32, "sana_video": 32, "z_image": 32}
+MAX_SEQUENCE_LENGTH = {"sd3": 32, "flux": 32, "sana": 32, "wan": 32, "sana_video": 32, "z_image": 32, "flux2": 32}
 CLIP_TOKENS = 77  # CLIP's positions and tokenizer length, as the real CLIP-L / CLIP-G
 
 __all__ = [
@@ -59,6 +60,7 @@ __all__ = [
     "VAE_FACTOR",
     "build_clip_reward",
     "build_flux",
+    "build_flux2",
     "build_qwenimage",
     "build_sana",
     "build_sana_video",
@@ -458,4 +460,45 @@ def build_z_image(path: str | Path, seed: int = 0) -> Path:
     scheduler = FlowMatchEulerDiscreteScheduler(shift=6.0)
     pipe = ZImagePipeline(scheduler=scheduler, vae=_vae_kl(16, 0.3611, 0.1159), text_encoder=te, tokenizer=tok,
                           transformer=transformer)  # fmt: skip
+    return _save(pipe, path)
+
+
+def build_flux2(path: str | Path, seed: int = 0) -> Path:
+    """Save a tiny Flux2KleinPipeline (black-forest-labs/FLUX.2-klein-base-4B layout) into `path`.
+
+    A Qwen3 causal LM 16 wide with 27 layers (the pipeline stacks the hidden states of layers 9, 18 and 27: text
+    width 48) behind the byte-level Qwen2 tokenizer and a ChatML template; a FLUX.2 transformer of 1 double- and 2
+    single-stream blocks, 2 heads of 16 (RoPE axes 4 x 4), patch 1 over 128 x 4 x 4 latents (64 px: the 32-channel
+    VAE's cells folded 2x2); FLUX.2's VAE layout (32 channels, batch-norm statistics on the folded cells, set to
+    non-trivial values so a decode that skips them differs); and FlowMatchEuler with the dynamic shift the pipeline
+    drives by its empirical mu.
+    """
+    from diffusers import (
+        AutoencoderKLFlux2,
+        FlowMatchEulerDiscreteScheduler,
+        Flux2KleinPipeline,
+        Flux2Transformer2DModel,
+    )
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    tok = _qwen_tokenizer()
+    tok.chat_template = QWEN3_CHAT_TEMPLATE
+    tok.pad_token = "<|endoftext|>"
+    pad = tok.convert_tokens_to_ids("<|endoftext|>")
+    te = Qwen3ForCausalLM(Qwen3Config(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=27,
+                                      num_attention_heads=1, num_key_value_heads=1, head_dim=16,
+                                      max_position_embeddings=1024, pad_token_id=pad)).eval()  # fmt: skip
+    vae = AutoencoderKLFlux2(block_out_channels=(8, 8, 16, 16), layers_per_block=1, norm_num_groups=4,
+                             latent_channels=32, sample_size=64).eval()  # fmt: skip
+    g = torch.Generator().manual_seed(seed + 1)
+    vae.bn.running_mean.copy_(torch.randn(128, generator=g) * 0.5)
+    vae.bn.running_var.copy_(torch.rand(128, generator=g) + 0.5)
+    transformer = Flux2Transformer2DModel(
+        patch_size=1, in_channels=128, num_layers=1, num_single_layers=2, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=48, timestep_guidance_channels=32, mlp_ratio=3.0, axes_dims_rope=(4, 4, 4, 4),
+        guidance_embeds=False,
+    )  # fmt: skip
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True)
+    pipe = Flux2KleinPipeline(scheduler=scheduler, vae=vae, text_encoder=te, tokenizer=tok, transformer=transformer)
     return _save(pipe, path)

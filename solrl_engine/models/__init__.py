@@ -33,12 +33,14 @@ MODELS: dict[str, str] = {
     "qwenimage": "solrl_engine.models.qwenimage:SPEC",
     "sana_video": "solrl_engine.models.sana_video:SPEC",
     "z_image": "solrl_engine.models.z_image:SPEC",
+    "flux2": "solrl_engine.models.flux2:SPEC",
 }
 
 # The benchmarks' names for the full-size published architectures (random weights).
 ARCH_ALIASES: dict[str, str] = {"sd35-large": "sd3", "flux-dev": "flux", "sana-1.6b": "sana", "wan2.1-1.3b": "wan",
                                 "wan2.1-14b": "wan", "qwen-image": "qwenimage",
-                                "sana-video-2b": "sana_video", "z-image": "z_image"}  # fmt: skip
+                                "sana-video-2b": "sana_video", "z-image": "z_image",
+                                "flux2-klein-4b": "flux2"}  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -158,6 +158,17 @@ PAPER["z-image"] = dict(model="z_image", solver="euler", guidance_scale=5.0, shi
                         preview_steps=30, resolution=1024, timestep_fraction=0.6, grad_clip=1.0, rollout_batch_size=8,
                         decode_batch_size=4)  # fmt: skip
 
+# FLUX.2 [klein] base 4B (model="flux2", configs/flux2.py): the Flux2KleinPipeline docstring's call of the base
+# (undistilled) model, 50 steps at guidance 4.0 against the empty prompt, at the pipeline's default 1024 x 1024;
+# the scheduler's own dynamic shift (shift None; the pipeline's empirical mu of tokens and steps). Explore / select /
+# train settings as Qwen-Image's: the image presets' N, K and LoRA (rank 32 on both streams' attention projections
+# and the single blocks' fused qkv-MLP projection), the preview 30 of 50 steps, timestep fraction 0.6. A 3.9B
+# transformer over 4,096 image and 512 text tokens: rollouts 8 at a time on one 80 GB GPU, the VAE 4 at a time
+# (estimates: no real weights have run).
+PAPER["flux2-klein"] = dict(model="flux2", solver="euler", guidance_scale=4.0, shift=None, full_steps=50,
+                            preview_steps=30, resolution=1024, timestep_fraction=0.6, grad_clip=1.0,
+                            rollout_batch_size=8, decode_batch_size=4)  # fmt: skip
+
 # SANA-Video 2B (model="sana_video", configs/sana_video.py): the published inference settings, from the
 # SanaVideoPipeline docstring and diffusers' conversion of the official checkpoint: 480 x 832, 81 frames, 50
 # DPM-Solver++ 2M steps on flow sigmas with shift 8 (the scheduler's own: shift None), guidance 6.0. The pipeline's
@@ -190,7 +201,7 @@ OBJECTIVE_REWARD_KL = {("flow_grpo", "pickscore"): 0.01, ("flow_grpo_fast", "pic
 
 MODEL_NAMES = {"sd3": "SD3.5-Large", "flux": "FLUX.1-dev", "sana": "SANA-1.6B", "wan2.1-1.3b": "Wan2.1-T2V-1.3B",
                "wan2.1-14b": "Wan2.1-T2V-14B", "wan2.2-5b": "Wan2.2-TI2V-5B", "qwenimage": "Qwen-Image",
-               "sana-video": "SANA-Video-2B", "z-image": "Z-Image"}  # fmt: skip
+               "sana-video": "SANA-Video-2B", "z-image": "Z-Image", "flux2-klein": "FLUX.2-klein-base-4B"}  # fmt: skip
 FAMILY_SUMMARY = {
     "diffusionnft": "DiffusionNFT: K BF16 rollouts per prompt, all trained on (N = K)",
     "naive_scaling": "naive scaling: N BF16 rollouts per prompt at the full step count, top/bottom K/2 trained on",

@@ -1,0 +1,142 @@
+"""FLUX.2 [klein] (MMDiT with single-stream blocks): `Flux2KleinPipeline` with a Qwen3 text encoder and FLUX.2's
+32-channel VAE, for black-forest-labs/FLUX.2-klein-base-4B (the undistilled model, guidance 4.0 over 50 steps; the
+9B and the 4-step distilled variants load the same way).
+
+Prompts are encoded as `pipe(prompt)` encodes them: Qwen3's chat template (thinking off), padded to 512 tokens, the
+hidden states of layers 9, 18 and 27 side by side (3 x the encoder's width a token); no mask reaches the
+transformer, which attends to the padding as the pipeline's does. The transformer takes text ids (0, 0, 0, l) and
+image ids (0, h, w, 0), built on the device here.
+
+Latents: the pipeline draws its noise already patched, [128, H/16, W/16] (the VAE's 32 channels, 2x2 cells
+folded into channels), and packs it into one token per cell; a seed here is that tensor, and the forward packs and
+unpacks it. The transformer takes the flow time (the pipeline's timestep / 1000) and predicts the velocity. The
+schedule is the pipeline's: sigmas linspace(1, 1/N) under FLUX.2's empirical shift mu of the token count and the
+step count. Decoding undoes the VAE's batch-norm statistics, unpatches the 2x2 cells and decodes.
+
+Guidance: the base models' classifier-free guidance against the empty prompt, as the engine's (`pipe(prompt,
+guidance_scale=g)` is the engine's g). A distilled pipeline (`is_distilled`) ignores guidance; run it at 1.0.
+
+The explore copy quantizes the per-token linears of the double- and single-stream blocks: both streams' attention
+projections and MLPs, each single block's fused qkv-MLP projection and its output. The modulations (shared by all
+blocks, one vector per image), the embedders, `norm_out` and `proj_out` stay in BF16.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from solrl_engine.models import ModelSpec
+from solrl_engine.models.base import Conditioning
+from solrl_engine.models.pipeline import JOINT_ATTENTION_LORA_TARGETS, PackedLatentFlowModel
+
+FLUX2_LORA_TARGETS = (*JOINT_ATTENTION_LORA_TARGETS, "attn.to_qkv_mlp_proj")
+FLUX2_EXPLORE_RULE: dict[str, Any] = {"include": ("transformer_blocks.*", "single_transformer_blocks.*")}
+
+
+class Flux2KleinModel(PackedLatentFlowModel):
+    MODEL = "flux2"  # its name in solrl_engine.models.MODELS (the config key `model`)
+    PIPELINE_CLASS = "Flux2KleinPipeline"
+    TRANSFORMER_CLASS = "Flux2Transformer2DModel"
+    DEFAULT_RESOLUTION = 1024  # the pipeline's default size (default_sample_size 128 x the VAE's 8)
+    MAX_SEQUENCE_LENGTH = 512  # Flux2KleinPipeline.__call__'s default
+    TEXT_TOKENS = 512
+    RANDOM_VAE_FACTOR = 8
+    # FLUX.2-klein-base-4B's transformer (Black Forest Labs' Klein4BParams in diffusers' names): 5 double- and 20
+    # single-stream blocks, 24 heads of 128, text width 7680 (3 x Qwen3-4B's 2560)
+    FULL_CONFIG: ClassVar[dict[str, Any]] = dict(
+        patch_size=1, in_channels=128, num_layers=5, num_single_layers=20, attention_head_dim=128,
+        num_attention_heads=24, joint_attention_dim=7680, timestep_guidance_channels=256, mlp_ratio=3.0,
+        axes_dims_rope=(32, 32, 32, 32), rope_theta=2000, eps=1e-6, guidance_embeds=False,
+    )  # fmt: skip
+
+    def __init__(self, pipe: Any, *args: Any, max_sequence_length: int | None = None, **kwargs: Any) -> None:
+        """`max_sequence_length`: the text tokens a prompt is padded to (None: 512, `pipe(prompt)`'s)."""
+        self.max_sequence_length = max_sequence_length or self.MAX_SEQUENCE_LENGTH
+        super().__init__(pipe, *args, **kwargs)
+
+    @staticmethod
+    def default_scheduler() -> Any:
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        return FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True)
+
+    @property
+    def tokens_per_sample(self) -> int:
+        """One token per latent cell (the cells are patched already)."""
+        return math.prod(self.latent_shape[1:])
+
+    def _latent_shape(self) -> tuple[int, ...]:
+        side = self.resolution // self.vae_factor
+        return (int(self.transformer.config.in_channels), side, side)
+
+    def _timestep_kwargs(self, steps: int, sched: Any) -> dict[str, Any]:
+        import numpy as np
+        from diffusers.pipelines.flux2.pipeline_flux2_klein import compute_empirical_mu
+
+        flow = getattr(sched.config, "use_flow_sigmas", False)
+        kw: dict[str, Any] = {"sigmas": None if flow else np.linspace(1.0, 1 / steps, steps)}
+        kw["mu"] = compute_empirical_mu(image_seq_len=self.tokens_per_sample, num_steps=steps)
+        if flow:
+            kw["num_inference_steps"] = steps
+        return kw
+
+    def pipeline_latents(self, x: torch.Tensor) -> torch.Tensor:
+        return x  # the pipeline's `latents=` takes the patched [B, 128, H/16, W/16] and packs it itself
+
+    def _standin_dims(self) -> tuple[int, int | None]:
+        return int(self.transformer.config.joint_attention_dim), None
+
+    def _encode(self, prompts: list[str]) -> Conditioning:
+        hidden, _ = self.pipe.encode_prompt(prompt=list(prompts), device=self.device_,
+                                            max_sequence_length=self.max_sequence_length)  # fmt: skip
+        return Conditioning(hidden.to(self.dtype))
+
+    def _forward(self, net: nn.Module, x: torch.Tensor, t: torch.Tensor, cond: Conditioning) -> torch.Tensor:
+        b, c, h, w = x.shape
+        tokens = x.reshape(b, c, h * w).permute(0, 2, 1)  # the pipeline's _pack_latents
+        img_ids = torch.zeros(h, w, 4, device=x.device, dtype=torch.long)
+        img_ids[..., 1] = torch.arange(h, device=x.device)[:, None]
+        img_ids[..., 2] = torch.arange(w, device=x.device)[None, :]
+        txt_ids = torch.zeros(cond.hidden.shape[1], 4, device=x.device, dtype=torch.long)
+        txt_ids[:, 3] = torch.arange(cond.hidden.shape[1], device=x.device)
+        out = net(
+            hidden_states=tokens,
+            timestep=self.model_timestep(t, 1000.0).to(x.dtype) / 1000,  # the pipeline's, in the latents' dtype
+            guidance=None,
+            encoder_hidden_states=cond.hidden.to(x.dtype),
+            txt_ids=txt_ids,
+            img_ids=img_ids.reshape(-1, 4),
+            return_dict=False,
+        )[0]
+        return out[:, : h * w].permute(0, 2, 1).reshape(b, c, h, w)
+
+    def _decode_latents(self, x: torch.Tensor) -> torch.Tensor:
+        """The VAE's batch-norm statistics undone, the 2x2 cells unpatched, decoded: [B, 3, H, W] in [-1, 1]."""
+        vae = self.pipe.vae
+        z = x.to(vae.dtype)
+        mean = vae.bn.running_mean.view(1, -1, 1, 1).to(z.device, z.dtype)
+        std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(z.device, z.dtype)
+        z = z * std + mean
+        b, c, h, w = z.shape
+        z = z.reshape(b, c // 4, 2, 2, h, w).permute(0, 1, 4, 2, 5, 3).reshape(b, c // 4, 2 * h, 2 * w)
+        return vae.decode(z, return_dict=False)[0]
+
+
+SPEC = ModelSpec(
+    name="flux2",
+    adapter="solrl_engine.models.flux2:Flux2KleinModel",
+    pipeline="Flux2KleinPipeline",
+    default_path="black-forest-labs/FLUX.2-klein-base-4B",
+    resolution=1024,
+    lora_targets=FLUX2_LORA_TARGETS,
+    explore_rule=FLUX2_EXPLORE_RULE,
+    guidance="cfg",
+    guidance_scale=4.0,
+    repeated_blocks=("Flux2TransformerBlock", "Flux2SingleTransformerBlock"),
+    text_encoder_params_b={"Qwen3-4B": 4.02},
+    vae_params_b=0.084,
+)
