@@ -169,13 +169,26 @@ def compare_figure(cmp: Comparison, header: str = "", labels: tuple[str, str] = 
             return ""
         return "  [" + ", ".join(f"{k} {v[i].item():.3f}" for k, v in r.components.items()) + "]"
 
+    picked = [b.prompts[i] for i in pick]
+    sources = source_images(picked, tuple(b.images.shape[-2:])) if b.images.dim() == 4 else None  # edits' sources
     return pair_grid(
         frame_strips(b.images[pick]), frame_strips(t.images[pick]),
         [f"{b.rewards[i].item():.3f}{parts(b, i)}" for i in pick],
         [f"{t.rewards[i].item():.3f}  ({t.rewards[i].item() - b.rewards[i].item():+.3f}){parts(t, i)}" for i in pick],
-        [b.prompts[i] for i in pick], labels=labels, header=header,
+        picked, labels=labels, header=header, sources=sources,
         **({"pairs_per_row": 1, "tile": 512} if b.images.dim() == 5 else {}),
     )  # fmt: skip
+
+
+def source_images(prompts: Sequence[str], size: tuple[int, int]) -> torch.Tensor | None:
+    """[B, 3, H, W] in [0, 1]: each conditioned prompt's source image at `size`, for pictures that show an edit
+    beside its source; None when the prompts carry no images."""
+    from solrl_engine.data import prompt_images
+    from solrl_engine.rewards.edit import SourceImages
+
+    if not prompts or not all(prompt_images(p) for p in prompts):
+        return None
+    return SourceImages()(list(prompts), size, "compare.png")
 
 
 COMPARE_GIF = "compare.gif"

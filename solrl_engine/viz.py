@@ -124,9 +124,11 @@ def pair_grid(
     header: str = "",
     pairs_per_row: int = 4,
     tile: int = 192,
+    sources: torch.Tensor | None = None,
 ) -> Image:
     """Side-by-side pairs, left[i] | right[i] ([B, 3, H, W] in [0, 1]), each tile's caption under it
-    and the pair's caption (wrapped) under both: the one picture a reader compares at a glance.
+    and the pair's caption (wrapped) under both: the one picture a reader compares at a glance. With `sources`
+    (an edit's source images, the same size), each pair follows its source: source | left | right.
 
     Tiles are `tile` px: small images (the bundled 32 px model) upscaled by a whole factor
     (nearest: the pixels a reward saw), large ones (1024 px samples) downscaled (Lanczos)."""
@@ -139,17 +141,21 @@ def pair_grid(
         caps = f"{len(left_captions)}/{len(right_captions)}/{len(pair_captions)}"
         raise ValueError(f"pair_grid: {tuple(left.shape)} vs {tuple(right.shape)} images, {caps} captions: "
                          "give two images and three captions per pair")  # fmt: skip
+    if sources is not None and sources.shape != left.shape:
+        raise ValueError(f"pair_grid: sources {tuple(sources.shape)} vs images {tuple(left.shape)}: give one source "
+                         "of the images' size per pair")  # fmt: skip
     b, _, h, w = left.shape
     scale = max(1, tile // max(h, w)) if max(h, w) < tile else 0
     th, tw = (h * scale, w * scale) if scale else (tile * h // max(h, w), tile * w // max(h, w))
     font, small = _font(15), _font(13)
     pad, gap = 4, 14  # inside a pair / between pairs
-    wrap = max(12, (2 * tw + pad) // 7)  # characters of the 13 px font per line
+    first = 0 if sources is None else tw + pad  # where the pair starts inside its group (after the source)
+    wrap = max(12, (first + 2 * tw + pad) // 7)  # characters of the 13 px font per line
     lines = [textwrap.wrap(str(c), wrap)[:3] for c in pair_captions]
     cap_h = 18 + 17 * max(1, max((len(x) for x in lines), default=1)) + 6
     ncol = max(1, min(pairs_per_row, b))
     nrow = (b + ncol - 1) // ncol
-    pair_w = 2 * tw + pad
+    pair_w = first + 2 * tw + pad
     head_h = 26 if header else 0
     label_h = 20
     width = gap + ncol * (pair_w + gap)
@@ -160,8 +166,10 @@ def pair_grid(
         draw.text((gap, 5), header, fill=(0, 0, 0), font=font)
     for c in range(ncol):
         x = gap + c * (pair_w + gap)
-        draw.text((x + 2, head_h + 2), labels[0], fill=(90, 90, 90), font=small)
-        draw.text((x + tw + pad + 2, head_h + 2), labels[1], fill=(90, 90, 90), font=small)
+        if sources is not None:
+            draw.text((x + 2, head_h + 2), "source", fill=(90, 90, 90), font=small)
+        draw.text((x + first + 2, head_h + 2), labels[0], fill=(90, 90, 90), font=small)
+        draw.text((x + first + tw + pad + 2, head_h + 2), labels[1], fill=(90, 90, 90), font=small)
 
     def _tile(img: torch.Tensor) -> PILImage.Image:
         arr = (img.detach().float().clamp(0, 1).cpu().permute(1, 2, 0).numpy() * 255).round().astype("uint8")
@@ -170,10 +178,12 @@ def pair_grid(
     for i in range(b):
         r, c = divmod(i, ncol)
         x, y = gap + c * (pair_w + gap), head_h + label_h + r * (th + cap_h)
-        grid.paste(_tile(left[i]), (x, y))
-        grid.paste(_tile(right[i]), (x + tw + pad, y))
-        draw.text((x + 2, y + th + 2), left_captions[i], fill=(0, 0, 0), font=small)
-        draw.text((x + tw + pad + 2, y + th + 2), right_captions[i], fill=(0, 0, 0), font=small)
+        if sources is not None:
+            grid.paste(_tile(sources[i]), (x, y))
+        grid.paste(_tile(left[i]), (x + first, y))
+        grid.paste(_tile(right[i]), (x + first + tw + pad, y))
+        draw.text((x + first + 2, y + th + 2), left_captions[i], fill=(0, 0, 0), font=small)
+        draw.text((x + first + tw + pad + 2, y + th + 2), right_captions[i], fill=(0, 0, 0), font=small)
         draw.text((x + 2, y + th + 19), "\n".join(lines[i]), fill=(40, 40, 120), font=small, spacing=3)
     return grid
 

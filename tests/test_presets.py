@@ -119,7 +119,7 @@ def test_the_table_is_data():
     ns: dict = {}
     names = define_presets(ns, "sana", "demo")
     assert set(names) == set(ns) and len(names) == 35 and all(n.startswith("demo_") for n in names)
-    assert set(PAPER) == set(FILES) | set(WAN) | {"qwenimage", "sana-video", "z-image", "flux2-klein"}
+    assert set(PAPER) == set(FILES) | set(WAN) | {"qwenimage", "sana-video", "z-image", "flux2-klein", "flux-kontext"}
 
 
 def test_the_wan_presets_take_each_models_published_settings():
@@ -176,6 +176,23 @@ def test_the_z_image_presets_take_the_model_cards_settings():
         assert cfg.model == "z_image" and cfg.resolution == 1024 and cfg.model_path is None, family
         assert (cfg.solver, cfg.guidance_scale, cfg.shift, cfg.full_steps, cfg.preview_steps) == ("euler", 5.0, None,
                                                                                                    50, 30)  # fmt: skip
+
+
+def test_the_flux_kontext_presets_edit_the_bundled_set_with_the_editing_rewards():
+    """FluxKontextPipeline's call (28 steps, distilled guidance 2.5: the model's), Euler, 1024 px; the editing
+    rewards (edit = CLIP direction and preservation), the bundled editing prompt set."""
+    from solrl_engine.rl.presets import EDIT_REWARDS
+
+    expected = sorted(f"flux_kontext_{f}_{r}" for f in FAMILIES for r in EDIT_REWARDS)
+    assert sorted(_names("flux_kontext.py", "flux_kontext")) == expected
+    assert sorted(_module("flux_kontext.py").__all__) == expected
+    for family in FAMILIES:
+        cfg = load_config(f"{ROOT / 'configs' / 'flux_kontext.py'}:flux_kontext_{family}_edit")
+        assert cfg.model == "flux_kontext" and cfg.reward == "clip_direction:1.0,preserve:0.5", family
+        assert (cfg.solver, cfg.guidance_scale, cfg.full_steps, cfg.preview_steps) == ("euler", None, 28, 16)
+        assert (cfg.train_prompts, cfg.eval_prompts) == ("edit/train", "edit/test")
+    assert load_config(f"{ROOT / 'configs' / 'flux_kontext.py'}:flux_kontext_sol_rl_vlm").reward_args[0].startswith(
+        "vlm.url=")  # fmt: skip
 
 
 def test_the_flux2_klein_presets_take_the_pipelines_documented_settings():

@@ -32,10 +32,13 @@ SERVER = textwrap.dedent('''
             self.reply({"object": "list", "data": [{"id": "judge", "object": "model"}]})
         def do_POST(self):
             req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            text, image = req["messages"][0]["content"]
+            text, *images = req["messages"][0]["content"]
+            image = images[0]  # an edit's source comes first: the judge here rates the first image it gets
             png = base64.b64decode(image["image_url"]["url"].split(",", 1)[1])
             mean = np.asarray(Image.open(io.BytesIO(png))).mean() / 255
             answer = "it looks nice" if "MALFORMED" in text["text"] else f"{round(10 * mean)}"
+            if len(images) != 1 and "edited by the instruction" not in text["text"]:
+                answer = "two images without the editing template"
             self.reply({"choices": [{"message": {"role": "assistant", "content": answer}}]})
     HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 ''')
@@ -91,3 +94,19 @@ def test_a_judge_that_is_not_there_is_refused_at_start(judge_url):
         load_reward("vlm", {"vlm": {"url": f"http://127.0.0.1:{_free_port()}", "model": "judge", "timeout_s": "2"}})
     with pytest.raises(ValueError, match="must hold {prompt}"):
         load_reward("vlm", {"vlm": {"url": judge_url, "model": "judge", "template": "rate it"}})
+
+
+def test_an_edit_goes_to_the_judge_after_its_source_in_the_editing_template(judge_url, tmp_path):
+    """A conditioned prompt: the source image first, then the edit, in the editing template (this judge rates the
+    first image it gets, so the score is the source's brightness, not the edit's)."""
+    import numpy as np
+    from PIL import Image
+
+    from solrl_engine.data import ConditionedPrompt
+
+    Image.fromarray(np.full((24, 24, 3), 204, dtype=np.uint8)).save(tmp_path / "src.png")
+    judge = load_reward("vlm", {"vlm": {"url": judge_url, "model": "judge"}})
+    edit = torch.full((1, 3, 16, 16), 0.1)
+    got = judge(edit, [ConditionedPrompt("make it dark", [tmp_path / "src.png"])])
+    assert torch.allclose(got, torch.tensor([0.8]))  # round(10 x 204 / 255) / 10, the source's
+    assert torch.allclose(judge(edit, ["a dark square"]), torch.tensor([0.1]))  # a plain prompt: the image's own

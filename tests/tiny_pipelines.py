@@ -61,6 +61,7 @@ __all__ = [
     "build_clip_reward",
     "build_flux",
     "build_flux2",
+    "build_flux_kontext",
     "build_qwenimage",
     "build_sana",
     "build_sana_video",
@@ -158,7 +159,20 @@ def build_flux(path: str | Path, seed: int = 0) -> Path:
     16 latent channels packed 2x2 into 64 features; VAE factors 0.3611 / 0.1159 and the dynamic-shift
     FlowMatchEuler scheduler of FLUX.1-dev (mu from the image token count, 256 -> 0.5, 4096 -> 1.15).
     """
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from diffusers import FluxPipeline
+
+    return _save(FluxPipeline(**_flux_parts(seed)), path)
+
+
+def build_flux_kontext(path: str | Path, seed: int = 0) -> Path:
+    """Save a tiny FluxKontextPipeline (FLUX.1-Kontext-dev layout: FLUX.1-dev's parts, build_flux's) into `path`."""
+    from diffusers import FluxKontextPipeline
+
+    return _save(FluxKontextPipeline(**_flux_parts(seed)), path)
+
+
+def _flux_parts(seed: int) -> dict[str, Any]:
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
 
     torch.manual_seed(seed)
     te1, tok1 = _clip_text(16, projection=False)
@@ -172,11 +186,10 @@ def build_flux(path: str | Path, seed: int = 0) -> Path:
         shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
         max_image_seq_len=4096,
     )  # fmt: skip
-    pipe = FluxPipeline(
+    return dict(
         scheduler=scheduler, vae=_vae_kl(LATENT_CHANNELS["flux"], 0.3611, 0.1159), text_encoder=te1,
         tokenizer=tok1, text_encoder_2=te2, tokenizer_2=tok2, transformer=transformer,
     )  # fmt: skip
-    return _save(pipe, path)
 
 
 def _gemma(hidden: int) -> tuple[Any, Any]:

@@ -7,29 +7,126 @@
   other fields are ignored);
 - "DIR:train" / "DIR:test" (any split name): DIR/<split>.txt or DIR/<split>.jsonl, the layout of
   Flow-GRPO's and DiffusionNFT's prompt sets (dataset/pickscore/train.txt, test.txt).
+
+Conditioned prompt sets (an edit's source image, an image-to-video's first frame) are JSON lines with an image:
+`{"prompt": "make the sky red", "image": "src/0001.png"}` or `"images": [...]`, paths relative to the file. Each
+line becomes a `ConditionedPrompt`: a string wherever the engine passes prompts (caches, logs, rewards), carrying
+its images for the families and rewards that read them. Every image is opened at load, and a missing,
+unreadable, too small or unusable one is refused with its file and line, before any weights load. A set is
+either conditioned on every line or on none.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 BUNDLED = Path(__file__).parent / "prompts"
 SHAPES_SPLITS = ("train", "heldout")
 SAMPLE_SPLITS = ("train", "test")
 # prompts/<set>_<split>.txt or .jsonl: general prompts; text to render (the ocr reward's); GenEval-style composition
 # (objects, counts, colours, positions, with GenEval's metadata per line: ready for a detector reward)
-BUNDLED_SETS = ("sample", "ocr", "geneval")
+BUNDLED_SETS = ("sample", "ocr", "geneval", "edit")  # edit: instructions on images the project draws (data/edit.py)
 SPLIT_SUFFIXES = (".txt", ".jsonl")
 ACCEPTED = (
     "shapes/train, shapes/heldout, sample/train, sample/test, ocr/train, ocr/test, geneval/train, geneval/test, "
+    "edit/train, edit/test (conditioned on images), "
     "a .txt file (one prompt per line), "
-    'a .jsonl file ({"prompt": ...} per line), or DIR:SPLIT for DIR/SPLIT.txt or DIR/SPLIT.jsonl'
+    'a .jsonl file ({"prompt": ...} per line, with "image": PATH for a conditioned set), or DIR:SPLIT for '
+    "DIR/SPLIT.txt or DIR/SPLIT.jsonl"
 )
 
 
+# image modes a conditioned prompt's image may have: each converts to RGB without guessing (16-bit and float
+# images would need a scale the file does not state)
+IMAGE_MODES = ("RGB", "RGBA", "L", "LA", "P", "PA", "CMYK", "1")
+MIN_IMAGE_SIDE, MAX_IMAGE_SIDE = 16, 8192
+
+
+class ConditionedPrompt(str):
+    """A prompt and the images it is conditioned on: equal to another only with the same text and images (so two
+    edits of one instruction on different sources are two prompts to every cache), pickled with its images."""
+
+    images: tuple[Path, ...]
+
+    def __new__(cls, text: str, images: tuple[str | Path, ...] | list[str | Path]) -> ConditionedPrompt:
+        obj = super().__new__(cls, text)
+        obj.images = tuple(Path(p) for p in images)
+        return obj
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, ConditionedPrompt):
+            return str.__eq__(self, other) and self.images == other.images
+        return False if isinstance(other, str) else NotImplemented
+
+    def __ne__(self, other: object) -> bool:
+        eq = self.__eq__(other)
+        return eq if eq is NotImplemented else not eq
+
+    def __hash__(self) -> int:
+        return hash((str(self), self.images))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (ConditionedPrompt, (str(self), self.images))
+
+    def __repr__(self) -> str:
+        return f"ConditionedPrompt({str(self)!r}, images={[str(p) for p in self.images]})"
+
+    def open_images(self) -> list[Any]:
+        """Its images as RGB PIL images (read again each call: the cache of a family holds what it encodes)."""
+        from PIL import Image
+
+        out = []
+        for path in self.images:
+            with Image.open(path) as im:
+                out.append(im.convert("RGB"))
+        return out
+
+
+def prompt_images(prompt: str) -> tuple[Path, ...]:
+    """The images a prompt is conditioned on (none for a plain string)."""
+    return prompt.images if isinstance(prompt, ConditionedPrompt) else ()
+
+
+def _check_image(path: Path, where: str) -> None:
+    from PIL import Image, UnidentifiedImageError
+
+    if not path.is_file():
+        raise ValueError(f"{where}: image {path} does not exist (paths are relative to the prompt file)")
+    try:
+        with Image.open(path) as im:
+            im.verify()
+        with Image.open(path) as im:
+            mode, (w, h) = im.mode, im.size
+            im.load()
+    except (UnidentifiedImageError, OSError, SyntaxError) as e:
+        raise ValueError(f"{where}: image {path} cannot be read as an image ({e}): re-save it as PNG or JPEG") from None
+    if mode not in IMAGE_MODES:
+        raise ValueError(f"{where}: image {path} has mode {mode!r}, which has no agreed conversion to RGB (16-bit or "
+                         f"float data): save it as 8-bit RGB; accepted modes: {', '.join(IMAGE_MODES)}")  # fmt: skip
+    if min(w, h) < MIN_IMAGE_SIDE or max(w, h) > MAX_IMAGE_SIDE:
+        raise ValueError(f"{where}: image {path} is {w} x {h}: use sides between {MIN_IMAGE_SIDE} and "
+                         f"{MAX_IMAGE_SIDE} pixels")  # fmt: skip
+
+
+def _line_images(rec: dict[str, Any], path: Path, i: int) -> list[Path]:
+    if "image" in rec and "images" in rec:
+        raise ValueError(f'{path}:{i}: give "image" or "images", not both')
+    raw = [rec["image"]] if "image" in rec else rec.get("images", [])
+    if not isinstance(raw, list) or not all(isinstance(x, str) and x.strip() for x in raw):
+        raise ValueError(f'{path}:{i}: "image" is a path and "images" a list of paths; got {raw!r}')
+    if "images" in rec and not raw:
+        raise ValueError(f'{path}:{i}: "images" is empty: list at least one image, or drop the key')
+    images = [(path.parent / x).resolve() for x in raw]
+    for img in images:
+        _check_image(img, f"{path}:{i}")
+    return images
+
+
 def _read_jsonl(path: Path, text: str) -> list[str]:
-    prompts = []
+    prompts: list[str] = []
+    first: tuple[int, bool] | None = None  # (line, conditioned) of the first prompt
     for i, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
@@ -41,7 +138,15 @@ def _read_jsonl(path: Path, text: str) -> list[str]:
             raise ValueError(f'{path}:{i}: a JSON line needs a "prompt" string; got {line[:80]!r}')
         if not rec["prompt"].strip():
             raise ValueError(f'{path}:{i}: the "prompt" is empty')
-        prompts.append(rec["prompt"].strip())
+        images = _line_images(rec, path, i)
+        if first is None:
+            first = (i, bool(images))
+        elif bool(images) != first[1]:
+            has, lacks = (i, first[0]) if images else (first[0], i)
+            raise ValueError(f"{path}:{i}: line {has} is conditioned on an image and line {lacks} is not: a prompt set "
+                             "is conditioned on every line or on none; split it into two sets")  # fmt: skip
+        text_ = rec["prompt"].strip()
+        prompts.append(ConditionedPrompt(text_, images) if images else text_)
     return prompts
 
 
@@ -60,6 +165,18 @@ def read_prompt_file(path: str | Path) -> list[str]:
     if not prompts:
         raise ValueError(f"prompt file {path} has no prompts")
     return prompts
+
+
+def check_conditioning(prompts: list[str], conditioned: bool, model: str, key: str, spec: str) -> None:
+    """A conditioned family (an editor) takes a prompt set with an image per line, the others one without:
+    refused before any weight loads, naming the config key, the set and the fix."""
+    has = bool(prompts) and isinstance(prompts[0], ConditionedPrompt)
+    if conditioned and not has:
+        raise ValueError(f"{key}={spec!r}: model={model} edits images, and this prompt set has none: use JSON lines "
+                         '{"prompt": "...", "image": "PATH"} (paths relative to the file), e.g. the bundled edit/train')
+    if has and not conditioned:
+        raise ValueError(f"{key}={spec!r}: its prompts carry images, which model={model} does not take (it draws from "
+                         "text alone): pick an editing model (model=flux_kontext) or a prompt set without images")
 
 
 def _split_file(root: Path, split: str, spec: str) -> Path:

@@ -34,6 +34,7 @@ MODELS: dict[str, str] = {
     "sana_video": "solrl_engine.models.sana_video:SPEC",
     "z_image": "solrl_engine.models.z_image:SPEC",
     "flux2": "solrl_engine.models.flux2:SPEC",
+    "flux_kontext": "solrl_engine.models.flux_kontext:SPEC",
 }
 
 # The benchmarks' names for the full-size published architectures (random weights).
@@ -60,6 +61,8 @@ class ModelSpec:
         FLUX only, as `_repeated_blocks`).
     producers: the explore copy's producers that emit their output's 8-bit codes (nn.producers): a module-name
         pattern -> the linears its output feeds, named from its parent (a block's norm1 -> attn.to_q, ...).
+    conditioned: each prompt carries an image (a conditioned prompt set, solrl_engine/data): an editing family.
+        A prompt set without images is refused for it before any weight loads, and one with images for the others.
     capturable: False where the denoiser's forward reads values on the host (Z-Image: each prompt's token count,
         which sets its sequence and positions), which a CUDA graph would bake in: rollouts then sample without
         captured graphs (the compile family included; on a CPU inductor still compiles, breaking the graph there).
@@ -85,6 +88,7 @@ class ModelSpec:
     video: bool = False  # decode gives videos [B, F, 3, H, W]; the config's `frames` and `width` apply
     capturable: bool = True
     pipeline_guidance_offset: float = 0.0
+    conditioned: bool = False
     # published parameter counts (billions) of the default weights' text encoders and VAE: the memory plan's
     # (rl/memplan.py) and bench/memory.py's, where nothing is loaded
     text_encoder_params_b: dict[str, float] = field(default_factory=dict)

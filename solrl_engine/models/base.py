@@ -22,12 +22,14 @@ class Conditioning:
     """Encoded prompts, batch-first; sliceable so samplers can chunk a batch.
 
     hidden: per-token text states [B, L, D]; pooled: a pooled vector [B, P] (SD3, FLUX; None for
-    SANA); mask: the text attention mask [B, L] (SANA; None where the model attends to every token).
+    SANA); mask: the text attention mask [B, L] (SANA; None where the model attends to every token);
+    image: the encoded image a conditioned prompt carries, per row (an edit's source latents: FLUX.1 Kontext).
     """
 
     hidden: torch.Tensor
     pooled: torch.Tensor | None = None
     mask: torch.Tensor | None = None
+    image: torch.Tensor | None = None
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Conditioning:
         """The same conditioning with `fn` applied to every tensor it holds."""
@@ -35,10 +37,11 @@ class Conditioning:
             fn(self.hidden),
             None if self.pooled is None else fn(self.pooled),
             None if self.mask is None else fn(self.mask),
+            None if self.image is None else fn(self.image),
         )
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.hidden, self.pooled, self.mask) if t is not None]
+        return [t for t in (self.hidden, self.pooled, self.mask, self.image) if t is not None]
 
     def __getitem__(self, idx: slice | torch.Tensor) -> Conditioning:
         return self.map(lambda t: t[idx])
@@ -53,6 +56,7 @@ class Conditioning:
             self.hidden.to(*args, **kw),
             None if self.pooled is None else self.pooled.to(*args, **kw),
             None if self.mask is None else self.mask.to(*dev, **{k: v for k, v in kw.items() if k != "dtype"}),
+            None if self.image is None else self.image.to(*args, **kw),
         )
 
     def repeat_interleave(self, n: int) -> Conditioning:
@@ -66,10 +70,15 @@ class Conditioning:
     @staticmethod
     def cat(items: list[Conditioning]) -> Conditioning:
         first = items[0]
+        if first.image is not None and len({tuple(c.image.shape[1:]) for c in items}) > 1:  # type: ignore[union-attr]
+            sizes = sorted({tuple(c.image.shape[1:]) for c in items})  # type: ignore[union-attr]
+            raise ValueError(f"conditioned prompts of one batch encode to images of different sizes {sizes}: give "
+                             "the images of a prompt set one size")  # fmt: skip
         return Conditioning(
             torch.cat([c.hidden for c in items]),
             None if first.pooled is None else torch.cat([c.pooled for c in items]),
             None if first.mask is None else torch.cat([c.mask for c in items]),
+            None if first.image is None else torch.cat([c.image for c in items]),  # type: ignore[misc]
         )
 
 

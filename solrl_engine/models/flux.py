@@ -57,16 +57,35 @@ class FluxModel(PackedLatentFlowModel):
         hidden, pooled, _ = self.pipe.encode_prompt(prompt=prompts, prompt_2=None, device=self.device_)
         return Conditioning(hidden.to(self.dtype), pooled.to(self.dtype))
 
+    @classmethod
+    def spec(cls) -> ModelSpec:
+        """The family's ModelSpec (its default distilled guidance): FLUX.1's, or a subclass family's."""
+        from solrl_engine.models import model_spec
+
+        return model_spec(cls.MODEL)
+
+    @staticmethod
+    def image_ids(h: int, w: int, device: torch.device, dtype: torch.dtype, index: int = 0) -> torch.Tensor:
+        """The pipeline's position ids of a packed [h/2 x w/2] grid: (index, row, column) per token."""
+        ids = torch.zeros(h // 2, w // 2, 3, device=device, dtype=dtype)
+        ids[..., 0] = index
+        ids[..., 1] = torch.arange(h // 2, device=device, dtype=dtype)[:, None]
+        ids[..., 2] = torch.arange(w // 2, device=device, dtype=dtype)[None, :]
+        return ids.reshape(-1, 3)
+
+    def _image_tokens(self, x: torch.Tensor, cond: Conditioning) -> tuple[torch.Tensor, torch.Tensor]:
+        """The transformer's image tokens and their ids: the packed latents (a conditioned family appends its
+        condition's; the output keeps the first h/2 x w/2 tokens)."""
+        _, _, h, w = x.shape
+        return self.pipeline_latents(x), self.image_ids(h, w, x.device, x.dtype)
+
     def _forward(self, net: nn.Module, x: torch.Tensor, t: torch.Tensor, cond: Conditioning) -> torch.Tensor:
         b, c, h, w = x.shape
-        tokens = self.pipeline_latents(x)
-        ids = torch.zeros(h // 2, w // 2, 3, device=x.device, dtype=x.dtype)
-        ids[..., 1] = torch.arange(h // 2, device=x.device, dtype=x.dtype)[:, None]
-        ids[..., 2] = torch.arange(w // 2, device=x.device, dtype=x.dtype)[None, :]
+        tokens, ids = self._image_tokens(x, cond)
         txt_ids = torch.zeros(cond.hidden.shape[1], 3, device=x.device, dtype=x.dtype)
         guidance = None
         if getattr(net.config if hasattr(net, "config") else self.transformer.config, "guidance_embeds", False):
-            g = SPEC.guidance_scale if self.guidance_scale is None else self.guidance_scale
+            g = self.spec().guidance_scale if self.guidance_scale is None else self.guidance_scale
             guidance = torch.full((b,), float(g), device=x.device, dtype=torch.float32)
         out = net(
             hidden_states=tokens,
@@ -75,10 +94,10 @@ class FluxModel(PackedLatentFlowModel):
             pooled_projections=cond.pooled.to(x.dtype),  # type: ignore[union-attr]
             encoder_hidden_states=cond.hidden.to(x.dtype),
             txt_ids=txt_ids,
-            img_ids=ids.reshape(-1, 3),
+            img_ids=ids,
             return_dict=False,
         )[0]
-        return self.unpack(out, x.shape)
+        return self.unpack(out[:, : (h // 2) * (w // 2)], x.shape)
 
 
 

@@ -35,6 +35,8 @@ REWARDS: dict[str, str] = {
     "temporal": "solrl_engine.rewards.video:TemporalConsistency",  # videos only: consecutive frames agreeing
     "ocr": "solrl_engine.rewards.ocr:OCRReward",  # text rendering (Flow-GRPO's task): prompts quote the text
     "vlm": "solrl_engine.rewards.vlm:VLMJudge",  # a VLM judge on an OpenAI-compatible server (vLLM, SGLang)
+    "preserve": "solrl_engine.rewards.edit:Preservation",  # editing: how much of the source image an edit keeps
+    "clip_direction": "solrl_engine.rewards.clip_direction:CLIPDirection",  # editing: the edit's CLIP direction
 }
 
 

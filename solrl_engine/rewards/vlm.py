@@ -7,9 +7,14 @@ in [0, 1]. A malformed answer is asked again (`retries` times, the same request)
 gets NaN, never a made-up 0: the run's nonfinite_policy then skips or stops, the answer is logged, and
 `malformed` counts them. The judge's server is checked at start: it must list `model` at /v1/models.
 
+An edit (a conditioned prompt: an instruction with its source image, solrl_engine/data) goes to the judge as the
+source image, then the edit, in `edit_template`, which asks how well the edit follows the instruction while keeping
+the rest of the source.
+
 Arguments (reward_args): vlm.url=http://127.0.0.1:8000 (required), vlm.model=NAME (required), vlm.template=...
-(with {prompt}), vlm.max_score=10, vlm.retries=2, vlm.timeout_s=120, vlm.workers=8 (requests in flight). The API
-key, if the server wants one, comes from the environment variable named by vlm.api_key_env (OPENAI_API_KEY).
+(with {prompt}), vlm.edit_template=... (with {prompt}), vlm.max_score=10, vlm.retries=2, vlm.timeout_s=120,
+vlm.workers=8 (requests in flight). The API key, if the server wants one, comes from the environment variable
+named by vlm.api_key_env (OPENAI_API_KEY).
 """
 
 from __future__ import annotations
@@ -32,6 +37,9 @@ log = logging.getLogger("solrl_engine.rewards")
 
 TEMPLATE = ("This image was generated for the prompt: \"{prompt}\". Rate how well it matches the prompt and how good "
             "it looks, from 0 (not at all) to {max_score} (perfectly). Answer with the number only.")  # fmt: skip
+EDIT_TEMPLATE = ("The first image is a source image; the second is the source edited by the instruction: "
+                 "\"{prompt}\". Rate how well the edit follows the instruction while keeping the rest of the source "
+                 "unchanged, from 0 (not at all) to {max_score} (perfectly). Answer with the number only.")  # fmt: skip
 _NUMBER = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*\.?\s*")
 
 
@@ -61,6 +69,16 @@ def _png_data_url(image: torch.Tensor) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
+def _file_data_url(path: Any) -> str:
+    """An image file as the judge sees it: 8-bit RGB PNG (whatever the file's own format or mode)."""
+    from PIL import Image
+
+    buf = io.BytesIO()
+    with Image.open(path) as im:
+        im.convert("RGB").save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
 class VLMJudge:
     """Callable `(images [B, 3, H, W] in [0, 1], prompts) -> Tensor[B]`: the judge's score / max_score, NaN where
     its answer stayed malformed (see the module docstring)."""
@@ -69,10 +87,12 @@ class VLMJudge:
 
     def __init__(self, url: str | None = None, model: str | None = None, template: str = TEMPLATE,
                  max_score: float = 10.0, retries: int = 2, timeout_s: float = 120.0, workers: int = 8,
-                 api_key_env: str = "OPENAI_API_KEY") -> None:  # fmt: skip
+                 api_key_env: str = "OPENAI_API_KEY", edit_template: str = EDIT_TEMPLATE) -> None:  # fmt: skip
         check_weights(url, model)
-        if "{prompt}" not in template:
-            raise ValueError("reward argument vlm.template must hold {prompt} (where the image's prompt goes)")
+        for key, t in (("template", template), ("edit_template", edit_template)):
+            if "{prompt}" not in t:
+                raise ValueError(f"reward argument vlm.{key} must hold {{prompt}} (where the image's prompt goes)")
+        self.edit_template = edit_template
         if not (max_score > 0 and math.isfinite(max_score)) or retries < 0 or workers < 1:
             raise ValueError("reward arguments: vlm.max_score > 0, vlm.retries >= 0 and vlm.workers >= 1")
         self.url, self.model, self.template = str(url).rstrip("/"), str(model), template
@@ -98,10 +118,15 @@ class VLMJudge:
                              f"{self.model}) or fix vlm.url") from None  # fmt: skip
 
     def ask(self, image: torch.Tensor, prompt: str) -> str:
-        """The judge's answer for one image."""
-        text = self.template.replace("{prompt}", prompt).replace("{max_score}", f"{self.max_score:g}")
+        """The judge's answer for one image (an edit: its source, then the edit, in the editing template)."""
+        from solrl_engine.data import prompt_images
+
+        sources = prompt_images(prompt)[:1]
+        template = self.edit_template if sources else self.template
+        text = template.replace("{prompt}", str(prompt)).replace("{max_score}", f"{self.max_score:g}")
+        urls = [_file_data_url(p) for p in sources] + [_png_data_url(image)]
         body = {"model": self.model, "temperature": 0.0, "max_tokens": 16, "messages": [{"role": "user", "content": [
-            {"type": "text", "text": text}, {"type": "image_url", "image_url": {"url": _png_data_url(image)}}]}]}
+            {"type": "text", "text": text}, *({"type": "image_url", "image_url": {"url": u}} for u in urls)]}]}
         req = urllib.request.Request(self.url + "/v1/chat/completions", data=json.dumps(body).encode(),
                                      headers=self._headers(), method="POST")  # fmt: skip
         with urllib.request.urlopen(req, timeout=self.timeout_s) as r:

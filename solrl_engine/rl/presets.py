@@ -21,6 +21,10 @@ REWARD_PROMPTS = {"ocr": ("ocr/train", "ocr/test")}
 # a reward's default reward_args: the VLM judge as `vllm serve Qwen/Qwen2.5-VL-7B-Instruct --port 8001` serves it
 # (--set reward_args=... replaces them whole)
 REWARD_ARGS = {"vlm": ("vlm.url=http://127.0.0.1:8001", "vlm.model=Qwen/Qwen2.5-VL-7B-Instruct")}
+# an editing model's presets (a conditioned model: its prompts carry source images) take these rewards; "edit" is
+# the instruction's CLIP direction against how much of the source is kept (rewards/edit.py), the server-free pair
+EDIT_REWARDS = ("edit", "clip_direction", "vlm")
+REWARD_SPECS = {"edit": "clip_direction:1.0,preserve:0.5"}  # a preset's reward name -> the `reward` it runs
 
 # What every paper run shares (official configs/sol_rl/base.py and the per-model _set_bon_combo):
 # 48 prompt groups per iteration, N = 96 explored ("num_image_per_prompt"), K = 24 trained on
@@ -169,6 +173,18 @@ PAPER["flux2-klein"] = dict(model="flux2", solver="euler", guidance_scale=4.0, s
                             preview_steps=30, resolution=1024, timestep_fraction=0.6, grad_clip=1.0,
                             rollout_batch_size=8, decode_batch_size=4)  # fmt: skip
 
+# FLUX.1 Kontext [dev] (model="flux_kontext", configs/flux_kontext.py): image editing, the pipeline's call, 28 steps
+# at its distilled guidance 2.5 (FluxKontextPipeline.__call__'s defaults), Euler on the pipeline's sigmas, edits at
+# 1024 x 1024 with each source resized to that size (solrl_engine/models/flux_kontext.py). Prompts: the bundled
+# editing set (edit/train, edit/test: instructions on images the project draws; a real run brings its own JSONL).
+# No Sol-RL paper exists for editing: N, K, LoRA and the update are FLUX.1's presets' (timestep fraction 0.4, clip
+# 1.0), the preview runs 16 of the 28 steps (the 30-of-50 share of the video and Qwen-Image presets). Each edit is
+# 4,096 latent and 4,096 source tokens, twice FLUX.1's at 1024 px: rollouts 12 at a time, decodes 4 (estimates).
+PAPER["flux-kontext"] = dict(model="flux_kontext", solver="euler", guidance_scale=None, shift=None, full_steps=28,
+                             preview_steps=16, resolution=1024, timestep_fraction=0.4, grad_clip=1.0,
+                             rollout_batch_size=12, decode_batch_size=4, train_prompts="edit/train",
+                             eval_prompts="edit/test")  # fmt: skip
+
 # SANA-Video 2B (model="sana_video", configs/sana_video.py): the published inference settings, from the
 # SanaVideoPipeline docstring and diffusers' conversion of the official checkpoint: 480 x 832, 81 frames, 50
 # DPM-Solver++ 2M steps on flow sigmas with shift 8 (the scheduler's own: shift None), guidance 6.0. The pipeline's
@@ -201,7 +217,8 @@ OBJECTIVE_REWARD_KL = {("flow_grpo", "pickscore"): 0.01, ("flow_grpo_fast", "pic
 
 MODEL_NAMES = {"sd3": "SD3.5-Large", "flux": "FLUX.1-dev", "sana": "SANA-1.6B", "wan2.1-1.3b": "Wan2.1-T2V-1.3B",
                "wan2.1-14b": "Wan2.1-T2V-14B", "wan2.2-5b": "Wan2.2-TI2V-5B", "qwenimage": "Qwen-Image",
-               "sana-video": "SANA-Video-2B", "z-image": "Z-Image", "flux2-klein": "FLUX.2-klein-base-4B"}  # fmt: skip
+               "sana-video": "SANA-Video-2B", "z-image": "Z-Image", "flux2-klein": "FLUX.2-klein-base-4B",
+               "flux-kontext": "FLUX.1-Kontext-dev"}  # fmt: skip
 FAMILY_SUMMARY = {
     "diffusionnft": "DiffusionNFT: K BF16 rollouts per prompt, all trained on (N = K)",
     "naive_scaling": "naive scaling: N BF16 rollouts per prompt at the full step count, top/bottom K/2 trained on",
@@ -229,8 +246,8 @@ def paper_config(model: str, family: str, reward: str, objective: str = "nft", *
         if value not in known:
             raise ConfigError(f"no paper preset for {what} {value!r}; choose one of {known}")
     _check_overrides(overrides, f"{model}/{family}/{reward} preset")
-    kw: dict[str, Any] = {**COMMON, **PAPER[model], "family": family, "reward": reward, "objective": objective,
-                          **OBJECTIVE_PRESETS[objective]}  # fmt: skip
+    kw: dict[str, Any] = {**COMMON, **PAPER[model], "family": family, "reward": REWARD_SPECS.get(reward, reward),
+                          "objective": objective, **OBJECTIVE_PRESETS[objective]}  # fmt: skip
     if (objective, reward) in OBJECTIVE_REWARD_KL:
         kw["kl_beta"] = OBJECTIVE_REWARD_KL[objective, reward]
     if reward in REWARD_PROMPTS:
@@ -258,19 +275,21 @@ def _preset(model: str, family: str, reward: str, name: str) -> Callable[..., RL
     return preset
 
 
-def define_presets(namespace: dict[str, Any], model: str, prefix: str) -> list[str]:
-    """Write one config function `<prefix>_<family>_<reward>` per family and reward into `namespace` (a
-    config file's globals(), so `solrl train configs/<file>.py:<name>` finds them); returns the names."""
+def define_presets(namespace: dict[str, Any], model: str, prefix: str,
+                   rewards: tuple[str, ...] = REWARDS) -> list[str]:  # fmt: skip
+    """Write one config function `<prefix>_<family>_<reward>` per family and reward (`rewards`: an editing model's
+    EDIT_REWARDS) into `namespace` (a config file's globals(), so `solrl train configs/<file>.py:<name>` finds
+    them); returns the names."""
     if model not in PAPER:
         raise ValueError(f"no paper presets for model {model!r}; choose one of {tuple(PAPER)}")
     names = []
     for family in FAMILIES:
-        for reward in REWARDS:
+        for reward in rewards:
             name = f"{prefix}_{family}_{reward}"
             namespace[name] = _preset(model, family, reward, name)
             names.append(name)
     return names
 
 
-__all__ = ["COMMON", "OBJECTIVE_PRESETS", "PAPER", "REWARDS", "REWARD_ARGS", "REWARD_PROMPTS", "define_presets",
-           "paper_config"]
+__all__ = ["COMMON", "EDIT_REWARDS", "OBJECTIVE_PRESETS", "PAPER", "REWARDS", "REWARD_ARGS", "REWARD_PROMPTS",
+           "REWARD_SPECS", "define_presets", "paper_config"]

@@ -27,12 +27,13 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from solrl_engine.data import load_prompts
+from solrl_engine.data import check_conditioning, load_prompts
 from solrl_engine.explore.choice import POLICY, ExploreChoice
 from solrl_engine.explore.copy import ExploreCopy
 from solrl_engine.explore.explorer import Selection
 from solrl_engine.explore.plan import ExploreSpec
 from solrl_engine.hw import cpu_compile_available
+from solrl_engine.models import model_spec
 from solrl_engine.models.base import Conditioning
 from solrl_engine.rl import sizing
 from solrl_engine.rl.adapters import OLD, TRAIN, LoraAdapters
@@ -108,6 +109,13 @@ class Trainer:
         self.out = Path(cfg.output or f"runs/{cfg.name}")
         self.train_prompts = load_prompts(cfg.train_prompts)
         self.eval_prompts = load_prompts(cfg.eval_prompts)[: cfg.eval_prompt_count]
+        conditioned = model_spec(cfg.model).conditioned
+        for key, spec, prompts in (("train_prompts", cfg.train_prompts, self.train_prompts),
+                                   ("eval_prompts", cfg.eval_prompts, self.eval_prompts)):  # fmt: skip
+            try:
+                check_conditioning(prompts, conditioned, cfg.model, key, spec)
+            except ValueError as e:
+                raise ConfigError(f"config {cfg.name!r}: {e}") from None
         k_train = min(cfg.eval_train_prompt_count, len(self.train_prompts))  # a fixed sample, by the run's seed
         self.eval_train_prompts = random.Random(cfg.seed + 3).sample(self.train_prompts, k_train)
         on_gpu = cfg.device != "cpu" and torch.cuda.is_available()

@@ -238,7 +238,8 @@ class Rollouts:
     def linear_flops(self, transformer: nn.Module) -> LinearFlops:
         """Linear FLOPs of `transformer` (an explore copy, or the policy) per denoising step, by formats,
         counted on one eager step of one sample (the shares do not depend on the batch)."""
-        cond, s = self.encode(["a"]), self.settings
+        probe = getattr(self.model, "probe_prompt", None)  # a conditioned model's: an instruction with its image
+        cond, s = self.encode([probe() if probe is not None else "a"]), self.settings
 
         def step() -> None:  # eager: a replayed CUDA graph would run no hooks
             with autocast_for(self.device):
