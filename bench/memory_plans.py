@@ -4,7 +4,7 @@ FSDP2-sharded, on 80 GB GPUs. Fake tensors from the published configs: nothing i
 number is an estimate that no GPU's measured peak has checked.
 
     python bench/memory_plans.py     # prints one line per plan, writes bench/results/<date>-memory-plans.json
-    python bench/memory_plans.py --only sana_video,wan14b    # those presets' plans: <date>-memory-plans-video.json
+    python bench/memory_plans.py --only sana_video,wan14b,wan_i2v14b   # the video plans: <date>-memory-plans-video.json
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PRESETS = {"flux1": "configs/flux1.py:flux1_sol_rl_pickscore",
            "qwenimage": "configs/qwenimage.py:qwenimage_sol_rl_pickscore",
            "sana_video": "configs/sana_video.py:sana_video_sol_rl_clipscore",
-           "wan14b": "configs/wan.py:wan14b_sol_rl_clipscore"}
+           "wan14b": "configs/wan.py:wan14b_sol_rl_clipscore",
+           "wan_i2v14b": "configs/wan.py:wan_i2v14b_sol_rl_clipscore"}
 # (name, preset, --set overrides, GPUs)
 PLANS = [
     ("flux1-lora-1gpu", "flux1", {}, 1),
@@ -45,6 +46,7 @@ PLANS = [
     ("sana_video-full-8gpu-fsdp", "sana_video", {"train_mode": "full", "sharding": "fsdp"}, 8),
     ("wan14b-lora-1gpu", "wan14b", {}, 1),
     ("wan14b-lora-8gpu-fsdp", "wan14b", {"sharding": "fsdp"}, 8),
+    ("wan_i2v14b-lora-8gpu-fsdp", "wan_i2v14b", {"sharding": "fsdp"}, 8),
 ]
 
 

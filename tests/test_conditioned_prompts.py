@@ -90,9 +90,10 @@ def test_check_conditioning_names_the_key_the_set_and_the_fix():
     edit = load_prompts("edit/test")
     check_conditioning(edit, True, "flux_kontext", "train_prompts", "edit/test")
     check_conditioning(["a cat"], False, "flux", "train_prompts", "sample/train")
-    with pytest.raises(ValueError, match="train_prompts='sample/train': model=flux_kontext edits images.*JSON lines"):
+    with pytest.raises(ValueError, match="train_prompts='sample/train': model=flux_kontext takes an image.*JSON lines"):
         check_conditioning(["a cat"], True, "flux_kontext", "train_prompts", "sample/train")
-    with pytest.raises(ValueError, match="eval_prompts='edit/test': its prompts carry images.*model=flux_kontext"):
+    with pytest.raises(ValueError, match="eval_prompts='edit/test': its prompts carry images, which model=flux does "
+                                         "not.*flux_kontext"):  # fmt: skip
         check_conditioning(edit, False, "flux", "eval_prompts", "edit/test")
 
 
@@ -104,6 +105,9 @@ def test_the_bundled_editing_set_is_what_its_generator_draws(tmp_path):
         assert len(shipped) == n and [str(p) for p in shipped] == [str(p) for p in fresh]
         for a, b in zip(shipped, fresh, strict=True):
             assert np.array_equal(np.asarray(a.open_images()[0]), np.asarray(b.open_images()[0]))
+        motions, fresh_motions = load_prompts(f"i2v/{split}"), load_prompts(str(tmp_path / f"i2v_{split}.jsonl"))
+        assert [str(p) for p in motions] == [str(p) for p in fresh_motions] and len(motions) == n
+        assert [p.images for p in motions] == [p.images for p in shipped]  # the editing sources as first frames
     source, instruction, seed = edits("train")[0]
     assert np.asarray(render_source(source, seed)).shape == (128, 128, 3) and instruction.startswith("make the")
 
@@ -126,6 +130,9 @@ def test_preserve_is_one_minus_the_mean_absolute_difference_to_the_resized_sourc
     assert torch.isnan(reward(nan, [prompt]))[0]
     with pytest.raises(ValueError, match="preserve compares an edit with its source image.*has none"):
         reward(other[:1], ["a plain prompt"])
+    clips = torch.stack([torch.stack([same[0], other[0]]), torch.stack([other[1], same[0]])])  # [2, T=2, 3, H, W]
+    on_clips = reward(clips, [prompt] * 2)  # the first frame against the image the clip starts from
+    assert torch.allclose(on_clips, torch.stack([got[0], got[2]]), atol=1e-6)
 
 
 def rgb_of(path: Path) -> torch.Tensor:

@@ -142,8 +142,8 @@ def test_a_prompt_set_that_does_not_fit_the_model_is_refused_before_any_weights_
         raise AssertionError("a model was loaded")
 
     monkeypatch.setattr(models.ModelSpec, "build", no_load)
-    with pytest.raises(SystemExit, match="train_prompts='sample/train': model=flux_kontext edits images, and this "
-                                         "prompt set has none"):  # fmt: skip
+    with pytest.raises(SystemExit, match="train_prompts='sample/train': model=flux_kontext takes an image per "
+                                         "prompt"):  # fmt: skip
         main(_train_args(fk, clip, tmp_path / "a", "sol_rl", "train_prompts=sample/train"))
     with pytest.raises(SystemExit, match="eval_prompts='edit/test': its prompts carry images, which model=flux "):
         main(["train", f"{ROOT}/configs/flux1.py:flux1_sol_rl_clipscore", "--output", str(tmp_path / "b"),

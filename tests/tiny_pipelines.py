@@ -67,6 +67,7 @@ __all__ = [
     "build_sana_video",
     "build_sd3",
     "build_wan",
+    "build_wan_i2v",
     "build_z_image",
 ]
 
@@ -319,6 +320,30 @@ def build_sana_video(path: str | Path, seed: int = 0) -> Path:
     scheduler = DPMSolverMultistepScheduler(flow_shift=8.0, use_flow_sigmas=True, prediction_type="flow_prediction")
     pipe = SanaVideoPipeline(tokenizer=tok, text_encoder=te, vae=_wan_vae(seed + 1), transformer=transformer,
                              scheduler=scheduler)  # fmt: skip
+    return _save(pipe, path)
+
+
+def build_wan_i2v(path: str | Path, seed: int = 0) -> Path:
+    """Save a tiny WanImageToVideoPipeline (Wan2.1-I2V-14B layout) into `path`: build_wan's UMT5, VAE and UniPC;
+    a CLIP vision tower (16 wide, 32 px, patch 8: 17 tokens) with its image processor; a Wan transformer of 2
+    blocks taking 36 channels (16 noisy, 4 mask, 16 condition) with an image cross-attention from the CLIP width."""
+    from diffusers import UniPCMultistepScheduler, WanImageToVideoPipeline, WanTransformer3DModel
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    torch.manual_seed(seed)
+    te, tok = _t5(32, MAX_SEQUENCE_LENGTH["wan"], umt5=True)
+    image_encoder = CLIPVisionModel(CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                                     num_attention_heads=2, image_size=32, patch_size=8,
+                                                     projection_dim=16)).eval()  # fmt: skip
+    processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    transformer = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16,
+                                        in_channels=36, out_channels=16, text_dim=32, freq_dim=32, ffn_dim=64,
+                                        num_layers=2, rope_max_seq_len=32, image_dim=16,
+                                        added_kv_proj_dim=32)  # fmt: skip
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+    pipe = WanImageToVideoPipeline(tokenizer=tok, text_encoder=te, vae=_wan_vae(seed + 1), scheduler=scheduler,
+                                   image_processor=processor, image_encoder=image_encoder,
+                                   transformer=transformer)  # fmt: skip
     return _save(pipe, path)
 
 

@@ -27,11 +27,12 @@ SHAPES_SPLITS = ("train", "heldout")
 SAMPLE_SPLITS = ("train", "test")
 # prompts/<set>_<split>.txt or .jsonl: general prompts; text to render (the ocr reward's); GenEval-style composition
 # (objects, counts, colours, positions, with GenEval's metadata per line: ready for a detector reward)
-BUNDLED_SETS = ("sample", "ocr", "geneval", "edit")  # edit: instructions on images the project draws (data/edit.py)
+# edit, i2v: instructions on images the project draws, and motions from them as first frames (data/edit.py)
+BUNDLED_SETS = ("sample", "ocr", "geneval", "edit", "i2v")
 SPLIT_SUFFIXES = (".txt", ".jsonl")
 ACCEPTED = (
     "shapes/train, shapes/heldout, sample/train, sample/test, ocr/train, ocr/test, geneval/train, geneval/test, "
-    "edit/train, edit/test (conditioned on images), "
+    "edit/train, edit/test, i2v/train, i2v/test (conditioned on images), "
     "a .txt file (one prompt per line), "
     'a .jsonl file ({"prompt": ...} per line, with "image": PATH for a conditioned set), or DIR:SPLIT for '
     "DIR/SPLIT.txt or DIR/SPLIT.jsonl"
@@ -172,11 +173,14 @@ def check_conditioning(prompts: list[str], conditioned: bool, model: str, key: s
     refused before any weight loads, naming the config key, the set and the fix."""
     has = bool(prompts) and isinstance(prompts[0], ConditionedPrompt)
     if conditioned and not has:
-        raise ValueError(f"{key}={spec!r}: model={model} edits images, and this prompt set has none: use JSON lines "
-                         '{"prompt": "...", "image": "PATH"} (paths relative to the file), e.g. the bundled edit/train')
+        raise ValueError(f"{key}={spec!r}: model={model} takes an image per prompt (an edit's source, a clip's first "
+                         "frame), and this prompt set has none: use JSON lines "
+                         '{"prompt": "...", "image": "PATH"} (paths relative to the file), e.g. the bundled edit/train '
+                         "or i2v/train")
     if has and not conditioned:
         raise ValueError(f"{key}={spec!r}: its prompts carry images, which model={model} does not take (it draws from "
-                         "text alone): pick an editing model (model=flux_kontext) or a prompt set without images")
+                         "text alone): pick a model that takes them (flux_kontext, wan_i2v) or a prompt set without "
+                         "images")
 
 
 def _split_file(root: Path, split: str, spec: str) -> Path:

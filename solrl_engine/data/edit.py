@@ -1,10 +1,11 @@
 """The bundled editing prompt set, `edit/train` and `edit/test`: source images the project draws itself (the
 shapes world's renderer, enlarged to 128 px) and instructions that change one thing in them (a colour, a shape,
-an added object), as JSON lines `{"prompt": ..., "image": "edit/NNN.png"}`. It exists so an editing family runs
-offline end to end; it says nothing about real editing quality. The shipped files are what `write_edit_set`
-writes (a test redraws them and compares the pixels).
+an added object), as JSON lines `{"prompt": ..., "image": "edit/NNN.png"}`; and the image-to-video set
+`i2v/train`, `i2v/test`: the same images as first frames, each with a motion of its object. They exist so the
+editing and image-to-video families run offline end to end; they say nothing about real quality. The shipped
+files are what `write_edit_set` writes (a test redraws them and compares the pixels).
 
-    python -m solrl_engine.data.edit        # redraw solrl_engine/data/prompts/edit_*.jsonl and prompts/edit/
+    python -m solrl_engine.data.edit        # redraw prompts/edit_*.jsonl, prompts/i2v_*.jsonl and prompts/edit/
 """
 
 from __future__ import annotations
@@ -41,6 +42,17 @@ def edits(split: str) -> list[tuple[str, str, int]]:
     return out
 
 
+MOTIONS = ("slides to the left", "slides to the right", "rises slowly", "sinks slowly", "grows larger", "shrinks")
+
+
+def i2v_lines(split: str) -> list[tuple[str, str]]:
+    """(motion prompt, image name) per line of the image-to-video set `split`: each editing source as a first
+    frame, with a motion of its object."""
+    rng = random.Random({"train": 5, "test": 17}[split])
+    return [(f"the {source.split(' ', 2)[2]} {rng.choice(MOTIONS)}", f"edit/{split}_{i:02d}.png")
+            for i, (source, _, _) in enumerate(edits(split))]  # fmt: skip
+
+
 def render_source(source: str, seed: int) -> object:
     """The source image of one line: the shapes renderer's 32 px scene (its object sizes are set at 32 px),
     enlarged to SIDE px (bicubic), as an 8-bit PIL image."""
@@ -64,6 +76,9 @@ def write_edit_set(root: Path) -> list[Path]:
         path = root / f"edit_{split}.jsonl"
         path.write_text("\n".join(lines) + "\n")
         files.append(path)
+        motion = [json.dumps({"prompt": p, "image": name}) for p, name in i2v_lines(split)]
+        (root / f"i2v_{split}.jsonl").write_text("\n".join(motion) + "\n")
+        files.append(root / f"i2v_{split}.jsonl")
     return files
 
 

@@ -23,25 +23,34 @@ class Conditioning:
 
     hidden: per-token text states [B, L, D]; pooled: a pooled vector [B, P] (SD3, FLUX; None for
     SANA); mask: the text attention mask [B, L] (SANA; None where the model attends to every token);
-    image: the encoded image a conditioned prompt carries, per row (an edit's source latents: FLUX.1 Kontext).
+    image: the encoded image a conditioned prompt carries, per row (an edit's source latents: FLUX.1 Kontext; an
+    image-to-video's first frame as the model's condition channels: Wan I2V); image_states: that image's encoder
+    states (Wan I2V's CLIP tokens). Classifier-free guidance keeps both (`against`).
     """
 
     hidden: torch.Tensor
     pooled: torch.Tensor | None = None
     mask: torch.Tensor | None = None
     image: torch.Tensor | None = None
+    image_states: torch.Tensor | None = None
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Conditioning:
         """The same conditioning with `fn` applied to every tensor it holds."""
-        return Conditioning(
-            fn(self.hidden),
-            None if self.pooled is None else fn(self.pooled),
-            None if self.mask is None else fn(self.mask),
-            None if self.image is None else fn(self.image),
-        )
+        return Conditioning(*(None if t is None else fn(t) for t in self._fields()))  # type: ignore[arg-type]
+
+    def _fields(self) -> tuple[torch.Tensor | None, ...]:
+        return (self.hidden, self.pooled, self.mask, self.image, self.image_states)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.hidden, self.pooled, self.mask, self.image) if t is not None]
+        return [t for t in self._fields() if t is not None]
+
+    def against(self, cond: Conditioning) -> Conditioning:
+        """This unconditional row broadcast to `cond`'s rows, each with `cond`'s image: guidance drops the text,
+        never the image an edit or a clip starts from (the stock editing and image-to-video pipelines guide so)."""
+        u = self.expand(len(cond))
+        if cond.image is None and cond.image_states is None:
+            return u
+        return Conditioning(u.hidden, u.pooled, u.mask, cond.image, cond.image_states)
 
     def __getitem__(self, idx: slice | torch.Tensor) -> Conditioning:
         return self.map(lambda t: t[idx])
@@ -57,6 +66,7 @@ class Conditioning:
             None if self.pooled is None else self.pooled.to(*args, **kw),
             None if self.mask is None else self.mask.to(*dev, **{k: v for k, v in kw.items() if k != "dtype"}),
             None if self.image is None else self.image.to(*args, **kw),
+            None if self.image_states is None else self.image_states.to(*args, **kw),
         )
 
     def repeat_interleave(self, n: int) -> Conditioning:
@@ -74,12 +84,8 @@ class Conditioning:
             sizes = sorted({tuple(c.image.shape[1:]) for c in items})  # type: ignore[union-attr]
             raise ValueError(f"conditioned prompts of one batch encode to images of different sizes {sizes}: give "
                              "the images of a prompt set one size")  # fmt: skip
-        return Conditioning(
-            torch.cat([c.hidden for c in items]),
-            None if first.pooled is None else torch.cat([c.pooled for c in items]),
-            None if first.mask is None else torch.cat([c.mask for c in items]),
-            None if first.image is None else torch.cat([c.image for c in items]),  # type: ignore[misc]
-        )
+        return Conditioning(*(None if f is None else torch.cat([c._fields()[i] for c in items])  # type: ignore[misc]
+                              for i, f in enumerate(first._fields())))
 
 
 def input_dtype(net: torch.nn.Module) -> torch.dtype:

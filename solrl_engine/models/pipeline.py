@@ -184,8 +184,9 @@ class PipelineFlowModel(nn.Module):
         return math.prod(self.latent_shape[1:]) // area
 
     def _text_encoders(self) -> list[nn.Module]:
+        """The encoders a prompt runs through once (its text, and a conditioned prompt's image: Wan I2V's CLIP)."""
         return [
-            getattr(self.pipe, n) for n in ("text_encoder", "text_encoder_2", "text_encoder_3")
+            getattr(self.pipe, n) for n in ("text_encoder", "text_encoder_2", "text_encoder_3", "image_encoder")
             if isinstance(getattr(self.pipe, n, None), nn.Module)
         ]  # fmt: skip
 

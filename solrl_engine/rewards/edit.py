@@ -4,7 +4,7 @@
   the edit's size, bilinear, both in [0, 1]): 1 for an unchanged copy. Without an edit mask it cannot tell the
   region the instruction names from the rest: it is the term that stops a run from winning by drawing a new
   image, and an edit that ignores the instruction scores highest on it, so weight it against an
-  instruction-following term.
+  instruction-following term. On clips (image-to-video) it compares the first frame with the starting image.
 - `clip_direction` (rewards/clip_direction.py): CLIP's directional similarity, cos(E_img(edit) - E_img(source),
   E_txt(instruction) - E_txt("")): does the image move the way the instruction's text moves CLIP's space
   (InstructPix2Pix's measure, with the instruction against the empty text where that paper has captions before
@@ -50,12 +50,17 @@ class SourceImages:
 
 
 class Preservation:
-    """`preserve`: 1 - mean |edit - source| (see the module docstring)."""
+    """`preserve`: 1 - mean |edit - source| (see the module docstring); on clips [B, T, 3, H, W] (image-to-video) it
+    compares the first frame with the image the clip starts from: frame-0 consistency."""
+
+    video = True  # gets clips whole (not scored frame by frame): it reads their first frame
 
     def __init__(self) -> None:
         self.sources = SourceImages()
 
     def __call__(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        if images.dim() == 5:
+            images = images[:, 0]
         check_images(images, prompts)
         src = self.sources(prompts, tuple(images.shape[-2:]), "preserve").to(images.device)
         return 1.0 - (images.float() - src).abs().mean(dim=(1, 2, 3))

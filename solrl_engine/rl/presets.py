@@ -25,6 +25,9 @@ REWARD_ARGS = {"vlm": ("vlm.url=http://127.0.0.1:8001", "vlm.model=Qwen/Qwen2.5-
 # the instruction's CLIP direction against how much of the source is kept (rewards/edit.py), the server-free pair
 EDIT_REWARDS = ("edit", "clip_direction", "vlm")
 REWARD_SPECS = {"edit": "clip_direction:1.0,preserve:0.5"}  # a preset's reward name -> the `reward` it runs
+# an image-to-video model's presets: the image rewards on frames (text rendering has its own prompts, not clips
+# started from an image)
+I2V_REWARDS = tuple(r for r in REWARDS if r not in REWARD_PROMPTS)
 
 # What every paper run shares (official configs/sol_rl/base.py and the per-model _set_bon_combo):
 # 48 prompt groups per iteration, N = 96 explored ("num_image_per_prompt"), K = 24 trained on
@@ -130,6 +133,12 @@ PAPER["wan2.1-1.3b"] = dict(_WAN, model_path="Wan-AI/Wan2.1-T2V-1.3B-Diffusers",
                             shift=3.0, rollout_batch_size=4)  # fmt: skip
 PAPER["wan2.1-14b"] = dict(_WAN, model_path="Wan-AI/Wan2.1-T2V-14B-Diffusers", resolution=480, width=832, frames=81,
                            shift=3.0, rollout_batch_size=2)  # fmt: skip
+# Wan2.1-I2V-14B (model="wan_i2v", configs/wan.py:wan_i2v14b_*): the T2V 14B's settings at 480 x 832, 81 frames and
+# shift 3.0 (the 480P checkpoint's), each clip started from its prompt's image: the bundled image-to-video set
+# (i2v/train, i2v/test: motions from images the project draws; a real run brings its own JSONL)
+PAPER["wan2.1-i2v-14b"] = dict(_WAN, model="wan_i2v", model_path="Wan-AI/Wan2.1-I2V-14B-480P-Diffusers",
+                               resolution=480, width=832, frames=81, shift=3.0, rollout_batch_size=2,
+                               train_prompts="i2v/train", eval_prompts="i2v/test")  # fmt: skip
 PAPER["wan2.2-5b"] = dict(_WAN, model_path="Wan-AI/Wan2.2-TI2V-5B-Diffusers", resolution=704, width=1280, frames=121,
                           shift=5.0, rollout_batch_size=2)  # fmt: skip
 
@@ -218,7 +227,7 @@ OBJECTIVE_REWARD_KL = {("flow_grpo", "pickscore"): 0.01, ("flow_grpo_fast", "pic
 MODEL_NAMES = {"sd3": "SD3.5-Large", "flux": "FLUX.1-dev", "sana": "SANA-1.6B", "wan2.1-1.3b": "Wan2.1-T2V-1.3B",
                "wan2.1-14b": "Wan2.1-T2V-14B", "wan2.2-5b": "Wan2.2-TI2V-5B", "qwenimage": "Qwen-Image",
                "sana-video": "SANA-Video-2B", "z-image": "Z-Image", "flux2-klein": "FLUX.2-klein-base-4B",
-               "flux-kontext": "FLUX.1-Kontext-dev"}  # fmt: skip
+               "flux-kontext": "FLUX.1-Kontext-dev", "wan2.1-i2v-14b": "Wan2.1-I2V-14B"}  # fmt: skip
 FAMILY_SUMMARY = {
     "diffusionnft": "DiffusionNFT: K BF16 rollouts per prompt, all trained on (N = K)",
     "naive_scaling": "naive scaling: N BF16 rollouts per prompt at the full step count, top/bottom K/2 trained on",
@@ -291,5 +300,5 @@ def define_presets(namespace: dict[str, Any], model: str, prefix: str,
     return names
 
 
-__all__ = ["COMMON", "EDIT_REWARDS", "OBJECTIVE_PRESETS", "PAPER", "REWARDS", "REWARD_ARGS", "REWARD_PROMPTS",
-           "REWARD_SPECS", "define_presets", "paper_config"]
+__all__ = ["COMMON", "EDIT_REWARDS", "I2V_REWARDS", "OBJECTIVE_PRESETS", "PAPER", "REWARDS", "REWARD_ARGS",
+           "REWARD_PROMPTS", "REWARD_SPECS", "define_presets", "paper_config"]

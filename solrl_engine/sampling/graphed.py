@@ -377,7 +377,7 @@ class GraphedSampler:
                 t = torch.ones((), device=x.device)
                 self.model.velocity(x, t, c, transformer=mod)
                 if guidance_scale != 1.0 and uncond is not None:  # the guidance branch's expanded rows
-                    self.model.velocity(x, t, uncond.expand(len(c)), transformer=mod)
+                    self.model.velocity(x, t, uncond.against(c), transformer=mod)
             except Exception as e:  # noqa: BLE001 - any inductor/dynamo failure: sample this module eagerly
                 log.warning("torch.compile failed on the CPU (%s: %s); sampling this denoiser eagerly",
                             type(e).__name__, str(e).splitlines()[0] if str(e) else "")  # fmt: skip

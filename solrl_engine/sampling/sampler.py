@@ -76,7 +76,7 @@ def _solve(
     """
     dtype = x.dtype
     prev_x0: torch.Tensor | None = None
-    u = uncond.expand(len(cond)) if guidance_scale != 1.0 else None
+    u = uncond.against(cond) if guidance_scale != 1.0 else None
     unipc = _UniPC(host) if solver == "unipc" else None
     for k in range(len(host) - 1):
         t, t_next = host[k], host[k + 1]

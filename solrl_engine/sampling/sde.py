@@ -163,7 +163,7 @@ def solve_sde(velocity: Velocity, x: torch.Tensor, cond: Conditioning, host: lis
     1; a coupled preview's: coupled_noise). `trace` (a list) receives [B, W + 1, ...] FP32: the window's states,
     from step k0's input to step k1's output. Returns the final latents in x's dtype."""
     dtype, (k0, k1) = x.dtype, window
-    u = uncond.expand(len(cond)) if guidance_scale != 1.0 and uncond is not None else None
+    u = uncond.against(cond) if guidance_scale != 1.0 and uncond is not None else None
     sigma_max = host[1]
     states = []
     xf = x.float()

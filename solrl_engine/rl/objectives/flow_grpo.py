@@ -94,7 +94,7 @@ def _guided(velocity: Callable[[Conditioning], torch.Tensor], cond: Conditioning
     v = velocity(cond).float()
     if uncond is None or guidance == 1.0:
         return v
-    vu = velocity(uncond.expand(len(cond))).float()
+    vu = velocity(uncond.against(cond)).float()
     return vu + guidance * (v - vu)
 
 
