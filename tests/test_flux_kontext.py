@@ -76,7 +76,7 @@ def test_one_instruction_on_two_sources_is_two_prompts_to_the_cache(fk):
     m = _model(fk)
     cond = m.encode_prompts(same_text)
     assert torch.equal(cond.hidden[0], cond.hidden[1]) and not torch.equal(cond.image[0], cond.image[1])
-    with pytest.raises(ValueError, match="one source image per prompt.*conditioned"):
+    with pytest.raises(ValueError, match="FLUX.1 Kontext edits one image per prompt.*conditioned"):
         m.encode_prompts(["make it red"])
 
 

@@ -90,6 +90,25 @@ def prompt_images(prompt: str) -> tuple[Path, ...]:
     return prompt.images if isinstance(prompt, ConditionedPrompt) else ()
 
 
+def single_images(prompts: list[str], what: str) -> list[Any]:
+    """The one image each prompt carries, opened as RGB, for a family that takes one per prompt (`what` it does
+    with it); a prompt with none or several is refused, naming it and the prompt-set format."""
+    out = []
+    for p in prompts:
+        images = prompt_images(p)
+        if len(images) != 1:
+            raise ValueError(f"{what} one image per prompt; {p!r} has {len(images)}: use a conditioned prompt set, "
+                             'JSON lines {"prompt": ..., "image": PATH} (solrl_engine/data)')  # fmt: skip
+        out.append(p.open_images()[0])  # type: ignore[attr-defined]
+    return out
+
+
+def probe_prompt() -> ConditionedPrompt:
+    """A conditioned prompt for probes that need any conditioning of a model that takes images (the FLOP count of
+    one step): the bundled editing set's first instruction with its source."""
+    return load_prompts("edit/test")[0]  # type: ignore[return-value]
+
+
 def _check_image(path: Path, where: str) -> None:
     from PIL import Image, UnidentifiedImageError
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from solrl_engine.data import prompt_images
+from solrl_engine.data import probe_prompt, single_images
 from solrl_engine.models import ModelSpec
 from solrl_engine.models.base import Conditioning
 from solrl_engine.models.flux import FLUX_LORA_TARGETS, FluxModel
@@ -31,23 +31,12 @@ class FluxKontextModel(FluxModel):
 
     def _encode(self, prompts: list[str]) -> Conditioning:
         text = super()._encode(prompts)
-        sources = []
-        for p in prompts:
-            images = prompt_images(p)
-            if len(images) != 1:
-                raise ValueError(
-                    f"FLUX.1 Kontext edits one source image per prompt; {p!r} has {len(images)}: use a conditioned "
-                    'prompt set, JSON lines {"prompt": ..., "image": PATH} (solrl_engine/data)'
-                )
-            sources.append(p.open_images()[0])  # type: ignore[attr-defined]
+        sources = single_images(prompts, "FLUX.1 Kontext edits")
         return Conditioning(text.hidden, text.pooled, None, self._encode_sources(sources))
 
-    def probe_prompt(self) -> str:
-        """A prompt for probes that need any conditioning (the FLOP count of one step): the bundled editing set's
-        first instruction with its source."""
-        from solrl_engine.data import load_prompts
-
-        return load_prompts("edit/test")[0]
+    @staticmethod
+    def probe_prompt() -> str:
+        return probe_prompt()
 
     def _standin_encode(self, prompts: list[str]) -> Conditioning:
         """The stand-in text states of "random" and a stand-in source the size of the edit (random latents)."""

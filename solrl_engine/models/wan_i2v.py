@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from solrl_engine.data import prompt_images
+from solrl_engine.data import probe_prompt, single_images
 from solrl_engine.models import ModelSpec
 from solrl_engine.models.base import Conditioning
 from solrl_engine.models.wan import _COMMON, WAN_EXPLORE_RULE, WAN_LORA_TARGETS, WanModel
@@ -60,12 +60,9 @@ class WanI2VModel(WanModel):
         shape = super()._latent_shape()
         return (int(self.transformer.config.out_channels), *shape[1:])
 
-    def probe_prompt(self) -> str:
-        """A prompt for probes that need any conditioning (the FLOP count of one step): the bundled editing set's
-        first line, its image the first frame."""
-        from solrl_engine.data import load_prompts
-
-        return load_prompts("edit/test")[0]
+    @staticmethod
+    def probe_prompt() -> str:
+        return probe_prompt()
 
     def _encode_negative(self) -> Conditioning:
         """The empty prompt's text alone: guidance adds each row's image condition to it (Conditioning.against)."""
@@ -73,15 +70,7 @@ class WanI2VModel(WanModel):
 
     def _encode(self, prompts: list[str]) -> Conditioning:
         text = super()._encode(prompts)
-        frames = []
-        for p in prompts:
-            images = prompt_images(p)
-            if len(images) != 1:
-                raise ValueError(
-                    f"image-to-video starts each clip from one image; {p!r} has {len(images)}: use a conditioned "
-                    'prompt set, JSON lines {"prompt": ..., "image": PATH} (solrl_engine/data)'
-                )
-            frames.append(p.open_images()[0])  # type: ignore[attr-defined]
+        frames = single_images(prompts, "image-to-video starts each clip from")
         states = None
         if self.transformer.config.image_dim is not None:
             states = torch.cat([self.pipe.encode_image(im, self.device_) for im in frames]).to(self.dtype)
