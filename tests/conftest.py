@@ -32,11 +32,24 @@ except ImportError:  # the dev extra installs it; without it Triton tests are sk
     HAS_TRITON = False
 
 
+# The files that take longest on 2 CPU cores (pytest --durations, 2026-11-29), longest first. The README's test
+# command hands whole files to two workers (--dist loadfile) in collection order; starting the longest first keeps
+# one worker from finishing a 7-minute file alone after the other is done (longest-first scheduling).
+LONGEST_FIRST = (
+    "test_gpu_rehearsal.py", "test_distributed.py", "test_gpu_rehearsal_sm80.py", "test_compiled_explore.py",
+    "test_memplan.py", "test_fast_path.py", "test_producers.py", "test_run_plan.py", "test_sana_video.py",
+    "test_bench.py", "test_trust.py", "test_wan_i2v.py", "test_reward_server.py", "test_run_dirs.py",
+)  # fmt: skip
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_gpu)
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    # a stable sort: the longest files first, the rest in their own order, each file's tests in theirs
+    items.sort(key=lambda it: rank.get(it.path.name, len(LONGEST_FIRST)))
 
 
 @pytest.fixture

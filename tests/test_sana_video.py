@@ -134,16 +134,13 @@ def _run(sv: Path, clip: Path, out: Path, family: str, *extra: str) -> list[str]
     return args
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("family", ["sol_rl", "naive_scaling", "compile", "naive_quant", "diffusionnft"])
-def test_every_family_trains_a_saved_sana_video_pipeline_through_solrl_train(family, sv, clip, tmp_path,
-                                                                            monkeypatch):  # fmt: skip
+def _trained(sv: Path, clip: Path, out: Path, family: str, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """`solrl train` of `family` for 2 iterations into `out`, its records, grids and clips checked."""
     from solrl_engine import hw
     from solrl_engine.cli import main
 
     monkeypatch.chdir(Path(__file__).resolve().parents[1])
     monkeypatch.setattr(hw, "cxx_compiler", lambda *a, **k: None)  # the compile family samples eagerly here
-    out = tmp_path / family
     assert main(_run(sv, clip, out, family)) == 0
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["iter"] for r in recs] == [1, 2] and all(math.isfinite(r["loss"]) for r in recs)
@@ -155,19 +152,25 @@ def test_every_family_trains_a_saved_sana_video_pipeline_through_solrl_train(fam
     if family in ("sol_rl", "naive_quant"):
         quant = (out / "quantization.txt").read_text()
         assert "transformer_blocks.0.ff.conv_point" in quant and quant.startswith("quantize_model[nvfp4]")
+    return out
 
 
-def test_the_exported_lora_loads_into_the_stock_pipeline_as_the_engine_samples_it(sv, clip, tmp_path, monkeypatch):
-    """A sol_rl run's adapter, loaded by SanaVideoPipeline.load_lora_weights, changes the stock pipeline's video,
-    and the stock pipeline with it draws what the engine draws with the same adapter for the same seed."""
-    from solrl_engine import hw
-    from solrl_engine.cli import load_lora_into, main
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["naive_scaling", "compile", "naive_quant", "diffusionnft"])
+def test_every_other_family_trains_a_saved_sana_video_pipeline_through_solrl_train(family, sv, clip, tmp_path,
+                                                                                  monkeypatch):  # fmt: skip
+    _trained(sv, clip, tmp_path / family, family, monkeypatch)
+
+
+def test_sol_rl_trains_and_exports_a_lora_the_stock_pipeline_loads_as_the_engine_samples_it(sv, clip, tmp_path,
+                                                                                             monkeypatch):  # fmt: skip
+    """A sol_rl run through `solrl train` (records, grids, clips, the explore copy's layers); its adapter, loaded by
+    SanaVideoPipeline.load_lora_weights, changes the stock pipeline's video, and the stock pipeline with it draws
+    what the engine draws with the same adapter for the same seed."""
+    from solrl_engine.cli import load_lora_into
     from solrl_engine.rl.export import load_lora
 
-    monkeypatch.chdir(Path(__file__).resolve().parents[1])
-    monkeypatch.setattr(hw, "cxx_compiler", lambda *a, **k: None)
-    out = tmp_path / "run"
-    assert main(_run(sv, clip, out, "sol_rl", "iterations=1", "eval_every=5", "save_every=1")) == 0
+    out = _trained(sv, clip, tmp_path / "run", "sol_rl", monkeypatch)
     pipe = _stock(sv, torch.float32)
     before = _call(pipe, ["a red apple"], [5], 3, 6.0)
     load_lora(pipe, out / "lora")  # checked against its manifest, then pipe.load_lora_weights
