@@ -4,7 +4,7 @@ FSDP2-sharded, on 80 GB GPUs. Fake tensors from the published configs: nothing i
 number is an estimate that no GPU's measured peak has checked.
 
     python bench/memory_plans.py     # prints one line per plan, writes bench/results/<date>-memory-plans.json
-    python bench/memory_plans.py --only sana_video,wan14b,wan_i2v14b   # the video plans: <date>-memory-plans-video.json
+    python bench/memory_plans.py --only sana_video,wan14b,wan_i2v14b,wan22_a14b   # <date>-memory-plans-video.json
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ PRESETS = {"flux1": "configs/flux1.py:flux1_sol_rl_pickscore",
            "qwenimage": "configs/qwenimage.py:qwenimage_sol_rl_pickscore",
            "sana_video": "configs/sana_video.py:sana_video_sol_rl_clipscore",
            "wan14b": "configs/wan.py:wan14b_sol_rl_clipscore",
-           "wan_i2v14b": "configs/wan.py:wan_i2v14b_sol_rl_clipscore"}
+           "wan_i2v14b": "configs/wan.py:wan_i2v14b_sol_rl_clipscore",
+           "wan22_a14b": "configs/wan.py:wan22_a14b_sol_rl_clipscore"}
 # (name, preset, --set overrides, GPUs)
 PLANS = [
     ("flux1-lora-1gpu", "flux1", {}, 1),
@@ -47,6 +48,10 @@ PLANS = [
     ("wan14b-lora-1gpu", "wan14b", {}, 1),
     ("wan14b-lora-8gpu-fsdp", "wan14b", {"sharding": "fsdp"}, 8),
     ("wan_i2v14b-lora-8gpu-fsdp", "wan_i2v14b", {"sharding": "fsdp"}, 8),
+    # Wan2.2-T2V-A14B: two 14B experts, both on every GPU (LoRA on both, or on the high-noise one alone)
+    ("wan22_a14b-lora-1gpu", "wan22_a14b", {}, 1),
+    ("wan22_a14b-lora-8gpu-fsdp", "wan22_a14b", {"sharding": "fsdp"}, 8),
+    ("wan22_a14b-lora-high-8gpu-fsdp", "wan22_a14b", {"sharding": "fsdp", "lora_experts": "high"}, 8),
 ]
 
 

@@ -323,13 +323,16 @@ def test_a_bad_later_prompt_stops_the_start_before_anything_is_written(small_mod
     assert not out.exists()  # the lock's directory, made by this start, is gone again
 
 
-def test_a_two_expert_wan_pipeline_is_refused_with_the_reason():
+def test_a_two_expert_pipeline_without_its_high_noise_expert_is_refused():
+    """(Two-expert Wan itself samples and trains: tests/test_wan_experts.py.)"""
     from types import SimpleNamespace
 
-    from solrl_engine.models.wan import WanModel
+    from solrl_engine.models.experts import two_experts
 
-    with pytest.raises(ValueError, match="two experts .*transformer_2.*first expert only"):
-        WanModel(SimpleNamespace(transformer=torch.nn.Linear(1, 1), transformer_2=torch.nn.Linear(1, 1)))
+    pipe = SimpleNamespace(transformer=None, transformer_2=torch.nn.Linear(1, 1),
+                           config=SimpleNamespace(boundary_ratio=0.875))  # fmt: skip
+    with pytest.raises(ValueError, match="no high-noise one \\(transformer\\): load both experts"):
+        two_experts(pipe)
 
 
 def test_too_little_disk_for_the_checkpoints_is_refused_before_the_first_write(tmp_path, monkeypatch):

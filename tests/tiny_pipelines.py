@@ -275,8 +275,9 @@ def _wan_vae(seed: int) -> Any:
                             latents_std=std, temperal_downsample=[False, True, True]).eval()  # fmt: skip
 
 
-def build_wan(path: str | Path, seed: int = 0) -> Path:
-    """Save a tiny WanPipeline (Wan2.1-T2V layout) into `path`.
+def build_wan(path: str | Path, seed: int = 0, two_experts: bool = False) -> Path:
+    """Save a tiny WanPipeline (Wan2.1-T2V layout; `two_experts`: Wan2.2-T2V-A14B's, a second transformer of its own
+    random weights switched in at boundary_ratio 0.875) into `path`.
 
     A UMT5 encoder (32 wide); a Wan transformer of 2 blocks, 2 heads of 16 (rope splits 8 / 4 / 4 over time,
     height, width), FFN 64, patch (1, 2, 2) over 16 x 3 x 8 x 8 latents (64 px, 9 frames: 48 tokens); the Wan
@@ -293,7 +294,11 @@ def build_wan(path: str | Path, seed: int = 0) -> Path:
                                         in_channels=16, out_channels=16, text_dim=32, freq_dim=32, ffn_dim=64,
                                         num_layers=2, rope_max_seq_len=32)  # fmt: skip
     scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
-    pipe = WanPipeline(tokenizer=tok, text_encoder=te, vae=vae, transformer=transformer, scheduler=scheduler)
+    experts = {}
+    if two_experts:  # Wan2.2-A14B's layout: a low-noise expert of the same architecture, switched at 0.875 x 1000
+        experts = dict(transformer_2=WanTransformer3DModel.from_config(transformer.config), boundary_ratio=0.875)
+    pipe = WanPipeline(tokenizer=tok, text_encoder=te, vae=vae, transformer=transformer, scheduler=scheduler,
+                       **experts)  # fmt: skip
     return _save(pipe, path)
 
 

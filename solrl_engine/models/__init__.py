@@ -70,6 +70,8 @@ class ModelSpec:
     pipeline_guidance_offset: the stock pipeline's `guidance_scale` is the engine's classifier-free guidance
         scale minus this (Z-Image's pipeline guides as v_c + g (v_c - v_u), which is the engine's v_u + s (v_c -
         v_u) at s = g + 1: offset 1); what a regeneration through the stock pipeline passes.
+    two_experts: the family's pipelines may hold two experts switched at a boundary timestep (Wan2.2-A14B's
+        `transformer_2` and `boundary_ratio`; models/experts.py), sampled and trained as one module.
     """
 
     name: str
@@ -90,6 +92,7 @@ class ModelSpec:
     capturable: bool = True
     pipeline_guidance_offset: float = 0.0
     conditioned: bool = False
+    two_experts: bool = False  # its pipelines may hold two experts (Wan2.2-A14B): the config's lora_experts applies
     # published parameter counts (billions) of the default weights' text encoders and VAE: the memory plan's
     # (rl/memplan.py) and bench/memory.py's, where nothing is loaded
     text_encoder_params_b: dict[str, float] = field(default_factory=dict)

@@ -23,6 +23,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, ClassVar
 
 import torch
@@ -100,7 +101,7 @@ class PipelineFlowModel(nn.Module):
         """place=False leaves every module where the caller put it (a wrapped stock pipeline)."""
         super().__init__()
         self.pipe = pipe
-        self.transformer = pipe.transformer  # registered as a submodule: .to() and LoRA see it
+        self.transformer = self._denoiser(pipe)  # registered as a submodule: .to() and LoRA see it
         self.device_ = torch.device(device)
         self.dtype = dtype
         self.resolution = resolution or self.DEFAULT_RESOLUTION
@@ -136,8 +137,10 @@ class PipelineFlowModel(nn.Module):
             raise ValueError(f"{cls.__name__}: set model_path to a pipeline directory or a hub id")
         if str(path) in (RANDOM, RANDOM_VAE):  # `arch` overrides the published config (tests build small ones)
             # `transformer`: one built beforehand (the memory plan's, on fake tensors)
+            # `boundary_ratio`: two experts (Wan2.2-A14B's layout), the second `transformer_2` or built alike
             pipe = _RandomPipeline(cls, dtype, options.pop("arch", None), options.pop("transformer", None),
-                                   vae=str(path) == RANDOM_VAE)  # fmt: skip
+                                   vae=str(path) == RANDOM_VAE, boundary_ratio=options.pop("boundary_ratio", None),
+                                   transformer_2=options.pop("transformer_2", None))  # fmt: skip
             return cls(pipe, device=device, dtype=dtype, **options)
         check_model_path(path)
         import diffusers
@@ -283,6 +286,10 @@ class PipelineFlowModel(nn.Module):
 
     # --- family hooks -------------------------------------------------------------------------------
 
+    def _denoiser(self, pipe: Any) -> nn.Module:
+        """The module the sampler and the update call: the pipeline's transformer (Wan: its two experts as one)."""
+        return pipe.transformer
+
     def _shift_override(self, shift: float) -> dict[str, Any]:
         return {"shift": shift, "use_dynamic_shifting": False}
 
@@ -370,8 +377,12 @@ class _RandomPipeline:
     random = True
 
     def __init__(self, cls: type[PipelineFlowModel], dtype: torch.dtype, arch: dict[str, Any] | None = None,
-                 transformer: nn.Module | None = None, vae: bool = False) -> None:  # fmt: skip
+                 transformer: nn.Module | None = None, vae: bool = False, boundary_ratio: float | None = None,
+                 transformer_2: nn.Module | None = None) -> None:  # fmt: skip
         self.transformer = transformer if transformer is not None else build_transformer(cls, dtype, arch)
+        if boundary_ratio is not None:  # two experts of one architecture (models/experts.py)
+            self.transformer_2 = transformer_2 if transformer_2 is not None else build_transformer(cls, dtype, arch)
+            self.config = SimpleNamespace(boundary_ratio=boundary_ratio)
         self.scheduler = cls.default_scheduler()  # type: ignore[attr-defined]
         self.vae = build_vae(cls, dtype) if vae else None
         # the published VAE's spatial factor for this architecture (a family with several VAEs says which)

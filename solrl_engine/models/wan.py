@@ -1,5 +1,6 @@
-"""Wan (text-to-video): `WanPipeline` with the UMT5 text encoder and the Wan VAE, for Wan2.1-T2V-1.3B and -14B
-and Wan2.2-TI2V-5B (its own 48-channel VAE, 16x spatial), as diffusers ships them.
+"""Wan (text-to-video): `WanPipeline` with the UMT5 text encoder and the Wan VAE, for Wan2.1-T2V-1.3B and -14B,
+Wan2.2-TI2V-5B (its own 48-channel VAE, 16x spatial) and Wan2.2-T2V-A14B (two 14B experts switched at a boundary
+timestep, sampled and trained as one module: models/experts.py), as diffusers ships them.
 
 A clip of F frames at H x W is a latent of [C, (F-1)/4 + 1, H/s, W/s] (s = 8, 16 for the 5B); a seed draws
 that latent exactly as `pipe(latents=...)` takes it (and as the pipeline itself draws it from a list of seeded
@@ -25,10 +26,12 @@ from torch import nn
 
 from solrl_engine.models import ModelSpec
 from solrl_engine.models.base import Conditioning
+from solrl_engine.models.experts import two_experts
 from solrl_engine.models.pipeline import PipelineFlowModel
 
 WAN_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")  # both attentions of every block
-WAN_EXPLORE_RULE: dict[str, Any] = {"include": ("blocks.*",)}
+# the blocks, of the one transformer or of both experts (models/experts.py names them as the pipeline does)
+WAN_EXPLORE_RULE: dict[str, Any] = {"include": ("blocks.*", "transformer.blocks.*", "transformer_2.blocks.*")}
 TEMPORAL_FACTOR = 4  # frames per latent frame after the first (the Wan VAE's, fixed in its code)
 
 # published transformer configs (diffusers' conversion of the official Wan configs); all patch (1, 2, 2), heads of
@@ -60,19 +63,19 @@ class WanModel(PipelineFlowModel):
         "Wan-AI/Wan2.1-T2V-1.3B-Diffusers": ALIAS_CONFIGS["wan2.1-1.3b"],
         "Wan-AI/Wan2.1-T2V-14B-Diffusers": ALIAS_CONFIGS["wan2.1-14b"],
         "Wan-AI/Wan2.2-TI2V-5B-Diffusers": ALIAS_CONFIGS["wan2.2-5b"],
+        "Wan-AI/Wan2.2-T2V-A14B-Diffusers": ALIAS_CONFIGS["wan2.1-14b"],  # each of its two experts
     }
+    # the published two-expert pipelines' boundary_ratio (their model_index.json), for the memory plan of a config
+    # whose weights are not on this machine
+    HUB_EXPERTS: ClassVar[dict[str, float]] = {"Wan-AI/Wan2.2-T2V-A14B-Diffusers": 0.875}
 
     def __init__(self, pipe: Any, *args: Any, frames: int | None = None, width: int | None = None,
-                 max_sequence_length: int | None = None, **kwargs: Any) -> None:  # fmt: skip
+                 max_sequence_length: int | None = None, lora_experts: str = "both",
+                 **kwargs: Any) -> None:  # fmt: skip
         """`frames` (4k + 1) and `width` (None: 81 and 832, Wan2.1's 480p default; `resolution` is the height);
-        `max_sequence_length`: the UMT5 tokens (None: 512, what `pipe(prompt)` uses)."""
-        if getattr(pipe, "transformer_2", None) is not None:  # Wan2.2-A14B: two experts switched at boundary_ratio
-            raise ValueError(
-                "this Wan pipeline has two experts (transformer_2, boundary_ratio: the Wan2.2-A14B layout), and the "
-                "engine samples and trains one transformer: it would sample with the first expert only, which is not "
-                "the model. Two-expert Wan is not supported yet; use a one-transformer Wan (Wan2.1-T2V-1.3B/14B, "
-                "Wan2.2-TI2V-5B)"
-            )
+        `max_sequence_length`: the UMT5 tokens (None: 512, what `pipe(prompt)` uses); `lora_experts`: which experts
+        of a two-expert pipeline (Wan2.2-A14B) carry the trained LoRA (both, high, low)."""
+        self.lora_experts = lora_experts
         self.frames = frames or self.DEFAULT_FRAMES
         self.width = width
         self.max_sequence_length = max_sequence_length or self.TEXT_TOKENS
@@ -80,6 +83,11 @@ class WanModel(PipelineFlowModel):
         if width is None:
             self.width = self.DEFAULT_WIDTH if self.resolution == self.DEFAULT_RESOLUTION else self.resolution
             self.latent_shape = self._latent_shape()
+
+    def _denoiser(self, pipe: Any) -> nn.Module:
+        """Wan2.2-A14B's two experts, switched at its boundary timestep as the stock pipeline switches them, as one
+        module (models/experts.py); the one transformer otherwise."""
+        return two_experts(pipe, self.lora_experts) or pipe.transformer
 
     @staticmethod
     def random_vae_factor(arch: dict[str, Any]) -> int:
@@ -162,6 +170,7 @@ SPEC = ModelSpec(
     guidance_scale=5.0,
     repeated_blocks=("WanTransformerBlock",),
     video=True,
+    two_experts=True,
     # UMT5-XXL's encoder and the Wan2.1 VAE, counted on the meta device from their published configs
     # (bench/memory.py; Wan2.2-TI2V-5B's own VAE is 0.705B)
     text_encoder_params_b={"UMT5-XXL encoder": 5.68},

@@ -11,9 +11,9 @@ Both are cached with the prompt's text states (`Conditioning.image`, `image_stat
 guidance keeps them in the unconditional pass, as the pipeline's does. For a seed and an image the engine's clip
 is `pipe(image=..., prompt=..., height=H, width=W, num_frames=F)`'s.
 
-Not wired: Wan2.2's image-to-video (A14B: two experts, refused by the Wan adapter; TI2V-5B's `expand_timesteps`
-mode, which writes the first frame into the latent and gives it its own timestep), and a last frame
-(`last_image`).
+Wan2.2-I2V-A14B's two experts (`transformer_2`, `boundary_ratio`) are switched as the pipeline switches them, as
+for text-to-video (models/experts.py). Not wired: Wan2.2-TI2V-5B's `expand_timesteps` mode, which writes the first
+frame into the latent and gives it its own timestep, and a last frame (`last_image`).
 """
 
 from __future__ import annotations
@@ -43,7 +43,10 @@ class WanI2VModel(WanModel):
     HUB_CONFIGS: ClassVar[dict[str, dict[str, Any]]] = {
         "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers": WAN_I2V_14B,
         "Wan-AI/Wan2.1-I2V-14B-720P-Diffusers": WAN_I2V_14B,
+        # each of Wan2.2-I2V-A14B's two experts: the same blocks without the CLIP image cross-attention
+        "Wan-AI/Wan2.2-I2V-A14B-Diffusers": {**WAN_I2V_14B, "image_dim": None, "added_kv_proj_dim": None},
     }
+    HUB_EXPERTS: ClassVar[dict[str, float]] = {"Wan-AI/Wan2.2-I2V-A14B-Diffusers": 0.9}
     CLIP_TOKENS = 257  # CLIP ViT-H/14's tokens at 224 px: the stand-in image states of "random"
 
     def __init__(self, pipe: Any, *args: Any, **kwargs: Any) -> None:
@@ -128,6 +131,7 @@ SPEC = ModelSpec(
     repeated_blocks=("WanTransformerBlock",),
     video=True,
     conditioned=True,
+    two_experts=True,
     # UMT5-XXL's encoder and the CLIP ViT-H/14 vision tower (open_clip's, as the pipeline ships it), the Wan2.1 VAE
     text_encoder_params_b={"UMT5-XXL encoder": 5.68, "CLIP ViT-H/14 vision": 0.63},
     vae_params_b=0.127,

@@ -206,6 +206,9 @@ class RLConfig:
     lora_rank: int = 32
     lora_alpha: int = 64
     lora_targets: tuple[str, ...] | None = None  # None: the model's default LoRA targets
+    # a two-expert model (Wan2.2-A14B: models/experts.py): which experts carry the LoRA: both, high (the high-noise
+    # `transformer`) or low (`transformer_2`); the other samples with its base weights
+    lora_experts: str = "both"
     merge_lora: bool = True
     # under torchrun: "fsdp" shards the policy over the ranks with FSDP2 (fully_shard per repeated block): a LoRA
     # run's frozen base weights (the adapters stay whole on every rank), or every weight of a full fine-tuning
@@ -443,6 +446,18 @@ class RLConfig:
         if self.train_mode not in TRAIN_MODES:
             raise bad("train_mode", f"choose one of {TRAIN_MODES} (lora: adapters on the frozen base, the default; "
                                     "full: every weight of the transformer, docs/full-fine-tuning.md)")
+        from solrl_engine.models.experts import LORA_EXPERTS
+
+        if self.lora_experts not in LORA_EXPERTS:
+            raise bad("lora_experts", f"choose one of {sorted(LORA_EXPERTS)}: which experts of a two-expert model "
+                                      "(Wan2.2-A14B) carry the LoRA")  # fmt: skip
+        if self.lora_experts != "both" and not model_spec(self.model).two_experts:
+            experts = " or ".join(n for n in MODELS if model_spec(n).two_experts)
+            raise bad("lora_experts", f"applies to two-expert models (model={experts} over a Wan2.2-A14B pipeline); "
+                                      f"{self.model!r} has one transformer: leave it at 'both'")  # fmt: skip
+        if self.lora_experts != "both" and self.train_mode != "lora":
+            raise bad("lora_experts", "chooses where the LoRA goes; train_mode=full trains every weight: leave it at "
+                                      "'both'")  # fmt: skip
         if self.train_mode == "full" and FAMILY_TABLE[self.family].compiled:
             raise bad("family", "the compile family samples the policy through captured graphs, which read fixed "
                                 "weight addresses; full fine-tuning swaps whole weight sets, so the policy samples "

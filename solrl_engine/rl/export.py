@@ -5,7 +5,13 @@
     pipe.load_lora_weights("runs/mine/lora_ema")    # or its EMA (what the evaluation samples with)
 
 Written with the pipeline class's own `save_lora_weights`, with the adapter metadata (rank, alpha,
-targets) so a loader does not assume alpha = rank. Each directory is written under a temporary name,
+targets) so a loader does not assume alpha = rank. A two-expert model (Wan2.2-A14B) gets a file per trained expert:
+
+    pipe.load_lora_weights("runs/mine/lora")   # the high-noise `transformer`'s, as above
+    pipe.load_lora_weights("runs/mine/lora", weight_name="pytorch_lora_weights_transformer_2.safetensors",
+                           load_into_transformer_2=True)   # the low-noise expert's
+
+Each directory is written under a temporary name,
 sealed with a MANIFEST.json (each file's size and SHA-256, every file fsynced) and renamed into
 place, so a crash never leaves a half-written adapter where the last good one was and `solrl verify`
 can tell a damaged copy from a good one (docs/checkpoints.md).
@@ -29,6 +35,23 @@ from solrl_engine.store.safe import default_mode, fresh_dir
 from solrl_engine.store.sealed import MANIFEST, check_dir, commit, seal
 
 WEIGHT_NAME = "pytorch_lora_weights.safetensors"
+EXPERT = "transformer"  # the pipeline's name for its (first) denoiser
+
+
+def expert_weight_name(expert: str) -> str:
+    """The file of one expert's adapter: the (high-noise) `transformer`'s is diffusers' default name, which
+    `pipe.load_lora_weights(DIR)` reads; a two-expert model's `transformer_2` has its own, which
+    `pipe.load_lora_weights(DIR, weight_name=..., load_into_transformer_2=True)` reads."""
+    return WEIGHT_NAME if expert == EXPERT else f"pytorch_lora_weights_{expert}.safetensors"
+
+
+def adapter_files(directory: str | Path) -> dict[str, Path]:
+    """The adapter files in `directory`, by the expert each is for ("transformer", and "transformer_2" for a
+    two-expert model's low-noise expert)."""
+    from solrl_engine.models.experts import EXPERTS
+
+    found = {e: Path(directory) / expert_weight_name(e) for e in EXPERTS}
+    return {e: f for e, f in found.items() if f.is_file()}
 
 
 def _metadata(adapters: LoraAdapters) -> dict:
@@ -53,10 +76,12 @@ def save_lora(
     with ctx:
         state = get_peft_model_state_dict(adapters.transformer, adapter_name=TRAIN)
         state = {k: v.detach().float().cpu().clone() for k, v in state.items()}  # a copy: the context restores
-    resolve_pipeline_class(pipeline_class).save_lora_weights(
-        tmp, transformer_lora_layers=state, weight_name=WEIGHT_NAME,
-        transformer_lora_adapter_metadata=_metadata(adapters),
-    )  # fmt: skip
+    split = getattr(adapters.transformer, "split_lora", None)  # a two-expert model: a file per trained expert
+    for expert, part in (split(state) if split is not None else {EXPERT: state}).items():
+        resolve_pipeline_class(pipeline_class).save_lora_weights(
+            tmp, transformer_lora_layers=part, weight_name=expert_weight_name(expert),
+            transformer_lora_adapter_metadata=_metadata(adapters),
+        )  # fmt: skip
     for name, text in (extra or {}).items():
         (tmp / name).write_text(text)
     for f in tmp.iterdir():  # safetensors' save_file writes the weights with mode 0o600
@@ -168,7 +193,7 @@ def verify_adapter(directory: str | Path) -> bool:
     """Check an adapter directory against its MANIFEST.json: True when it verifies, False when it has no
     manifest (diffusers' own exports: nothing to check), DamagedAdapter naming what differs otherwise."""
     directory = Path(directory)
-    if not (directory / WEIGHT_NAME).is_file():
+    if not adapter_files(directory):
         raise FileNotFoundError(f"{directory}: no {WEIGHT_NAME} there; pass a run's lora/, lora_ema/ or "
                                 "lora_best/ directory (a full fine-tuning run's transformer*/ directories load with "
                                 "load_trained or `solrl eval --lora`)")  # fmt: skip
@@ -187,15 +212,25 @@ def load_lora(target: Any, directory: str | Path, adapter_name: str = "lora") ->
     altered weights, and one that does not parse is one line naming the file, not a SafetensorError."""
     directory = Path(directory)
     verify_adapter(directory)
+    files = adapter_files(directory)
+    experts = hasattr(target, "split_lora") or getattr(target, "transformer_2", None) is not None
+    if set(files) != {EXPERT} and not experts:
+        raise ValueError(f"adapter {directory} was trained on a two-expert model ({sorted(files)}: Wan2.2-A14B's "
+                         f"experts) and {type(target).__name__} has one transformer: load it into the two-expert "
+                         "pipeline it was trained on")  # fmt: skip
     try:
-        if hasattr(target, "load_lora_weights"):  # a pipeline
-            target.load_lora_weights(str(directory), weight_name=WEIGHT_NAME, adapter_name=adapter_name)
+        if hasattr(target, "load_lora_weights"):  # a pipeline: each expert's file as diffusers loads it
+            for expert, f in files.items():
+                into = {"load_into_transformer_2": True} if expert != EXPERT else {}
+                target.load_lora_weights(str(directory), weight_name=f.name, adapter_name=adapter_name, **into)
+        elif hasattr(target, "split_lora"):  # a two-expert module (models/experts.py)
+            target.load_lora_adapter(files, adapter_name=adapter_name, prefix=EXPERT)
         else:
-            target.load_lora_adapter(str(directory), prefix="transformer", adapter_name=adapter_name,
+            target.load_lora_adapter(str(directory), prefix=EXPERT, adapter_name=adapter_name,
                                      weight_name=WEIGHT_NAME)  # fmt: skip
     except Exception as e:  # safetensors' SafetensorError and whatever peft hits in a file that does not parse
         if type(e).__name__ != "SafetensorError" and not isinstance(e, OSError | EOFError):
             raise
         first = (str(e).splitlines() or [type(e).__name__])[0][:200]
-        raise DamagedAdapter(f"adapter {directory}: {WEIGHT_NAME} is unreadable ({type(e).__name__}: {first}); "
-                             "restore it from a copy or export it again") from None  # fmt: skip
+        raise DamagedAdapter(f"adapter {directory}: {', '.join(f.name for f in files.values())} is unreadable "
+                             f"({type(e).__name__}: {first}); restore it from a copy or export it again") from None

@@ -139,6 +139,13 @@ PAPER["wan2.1-14b"] = dict(_WAN, model_path="Wan-AI/Wan2.1-T2V-14B-Diffusers", r
 PAPER["wan2.1-i2v-14b"] = dict(_WAN, model="wan_i2v", model_path="Wan-AI/Wan2.1-I2V-14B-480P-Diffusers",
                                resolution=480, width=832, frames=81, shift=3.0, rollout_batch_size=2,
                                train_prompts="i2v/train", eval_prompts="i2v/test")  # fmt: skip
+# Wan2.2-T2V-A14B (configs/wan.py:wan22_a14b_*): two 14B experts switched at boundary_ratio 0.875 (models/experts.py),
+# with the official t2v_A14B config's 40 steps and shift 12.0 at 480 x 832, 81 frames; guidance 4.0, the high-noise
+# expert's (the official low-noise 3.0 is not applied: the engine guides both experts at one scale, as the stock
+# pipeline does when guidance_scale_2 is unset). The preview runs 24 of the 40 steps.
+PAPER["wan2.2-a14b"] = dict(_WAN, model_path="Wan-AI/Wan2.2-T2V-A14B-Diffusers", resolution=480, width=832, frames=81,
+                            shift=12.0, guidance_scale=4.0, full_steps=40, preview_steps=24,
+                            rollout_batch_size=2)  # fmt: skip
 PAPER["wan2.2-5b"] = dict(_WAN, model_path="Wan-AI/Wan2.2-TI2V-5B-Diffusers", resolution=704, width=1280, frames=121,
                           shift=5.0, rollout_batch_size=2)  # fmt: skip
 
@@ -227,7 +234,8 @@ OBJECTIVE_REWARD_KL = {("flow_grpo", "pickscore"): 0.01, ("flow_grpo_fast", "pic
 MODEL_NAMES = {"sd3": "SD3.5-Large", "flux": "FLUX.1-dev", "sana": "SANA-1.6B", "wan2.1-1.3b": "Wan2.1-T2V-1.3B",
                "wan2.1-14b": "Wan2.1-T2V-14B", "wan2.2-5b": "Wan2.2-TI2V-5B", "qwenimage": "Qwen-Image",
                "sana-video": "SANA-Video-2B", "z-image": "Z-Image", "flux2-klein": "FLUX.2-klein-base-4B",
-               "flux-kontext": "FLUX.1-Kontext-dev", "wan2.1-i2v-14b": "Wan2.1-I2V-14B"}  # fmt: skip
+               "flux-kontext": "FLUX.1-Kontext-dev", "wan2.1-i2v-14b": "Wan2.1-I2V-14B",
+               "wan2.2-a14b": "Wan2.2-T2V-A14B"}  # fmt: skip
 FAMILY_SUMMARY = {
     "diffusionnft": "DiffusionNFT: K BF16 rollouts per prompt, all trained on (N = K)",
     "naive_scaling": "naive scaling: N BF16 rollouts per prompt at the full step count, top/bottom K/2 trained on",

@@ -193,6 +193,7 @@ def build_rollouts(cfg: RLConfig, run: RunPlan | None = None) -> Rollouts:
         decode_batch_size=cfg.decode_batch_size,
         guidance_scale=model_guidance(spec, cfg.guidance_scale) if spec.guidance == "embedded" else None,
         **({"frames": cfg.frames, "width": cfg.width} if spec.video else {}),
+        **({"lora_experts": cfg.lora_experts} if spec.two_experts else {}),
     )
     model.requires_grad_(False)
     reward = load_reward(cfg.reward, reward_args, urls, cfg.reward_wait_s)

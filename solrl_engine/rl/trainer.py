@@ -199,6 +199,10 @@ class Trainer:
         dtype), or with train_mode=full every transformer weight (rl.full.FullWeights, FP32 too)."""
         cfg = self.cfg
         if cfg.train_mode == "full":
+            if hasattr(self.model.transformer, "split_lora"):
+                raise ConfigError(f"config {cfg.name!r}: train_mode=full on a two-expert model ({cfg.model_path}: "
+                                  "Wan2.2-A14B's experts) is not wired (its export would be two transformers): train "
+                                  "LoRA on them (train_mode=lora, lora_experts=both|high|low)")  # fmt: skip
             return FullWeights(self.model.transformer, sharded=cfg.sharding != "none")
         spec = self.rollouts.spec
         targets = spec.lora_targets if cfg.lora_targets is None else cfg.lora_targets

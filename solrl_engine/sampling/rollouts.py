@@ -108,15 +108,17 @@ def model_guidance(spec: ModelSpec, guidance_scale: float | None) -> float:
     return float(spec.guidance_scale if guidance_scale is None else guidance_scale)
 
 
-def compiled_sampling(spec: ModelSpec, device: torch.device, compiled: bool | None) -> bool:
+def compiled_sampling(spec: ModelSpec, device: torch.device, compiled: bool | None,
+                      transformer: torch.nn.Module | None = None) -> bool:  # fmt: skip
     """Whether rollouts sample through the compiled sampler (`compiled` None: on with CUDA): on a GPU that is one
     captured CUDA graph per batch shape, which a model whose forward reads values on the host cannot be
-    (`spec.capturable`): it samples eagerly there, and the log says why."""
+    (`spec.capturable`, or a denoiser's own `capturable`: two experts switched by the timestep): it samples eagerly
+    there, and the log says why."""
     cuda = device.type == "cuda"
     graphed = compiled if compiled is not None else cuda
     if graphed and device.type not in ("cuda", "cpu"):
         log.info("compiled sampler: needs a CUDA device or the CPU; sampling eagerly on %s.", device.type)
-    if graphed and cuda and not spec.capturable:
+    if graphed and cuda and not (spec.capturable and getattr(transformer, "capturable", True)):
         log.info("compiled sampler: %s's forward reads values on the host, which a captured CUDA graph would "
                  "freeze; sampling eagerly.", spec.name)  # fmt: skip
         return False
@@ -140,7 +142,7 @@ class Rollouts:
         # compiled: on GPU + one CUDA graph per batch shape, on CPU through inductor (no graphs); both read
         # the weights in place, so updates need no re-capture or recompile
         cuda = self.device.type == "cuda"
-        graphed = compiled_sampling(spec, self.device, settings.compiled)
+        graphed = compiled_sampling(spec, self.device, settings.compiled, model.transformer)
         if graphed:
             use_cache_dir(settings.compile_cache_dir)
         regional = settings.compile_regional if settings.compile_regional is not None else cuda

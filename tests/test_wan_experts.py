@@ -1,0 +1,173 @@
+"""Wan2.2-A14B's two experts through the engine, on a tiny random-weight WanPipeline of the real classes with a
+`transformer_2` of its own weights and the published boundary_ratio 0.875, saved and loaded as a user's weights
+are: the engine's clip is the stock pipeline's for a seed (both experts run, each at the pipeline's timesteps), rows
+on both sides of the boundary run their own expert, `solrl train` quantizes and trains both (or the one
+`lora_experts` names), and the exported adapter loads into the stock pipeline's two experts."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_pipelines import MAX_SEQUENCE_LENGTH, SIZES, WAN_FRAMES, build_wan
+
+from solrl_engine.models import load_model
+from solrl_engine.sampling.sampler import sample
+
+PROMPTS = ["a red apple", "a blue car"]
+SIDE, TOKENS = SIZES["wan"], MAX_SEQUENCE_LENGTH["wan"]
+OPTS = dict(resolution=SIDE, width=SIDE, frames=WAN_FRAMES, max_sequence_length=TOKENS)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def wan22(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_wan(tmp_path_factory.mktemp("wan22") / "wan", two_experts=True)
+
+
+def _stock(path: Path):  # noqa: ANN202 - a diffusers WanPipeline
+    from diffusers import WanPipeline
+
+    pipe = WanPipeline.from_pretrained(path, dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _clips(pipe, prompts: list[str], seeds: list[int], steps: int) -> torch.Tensor:  # noqa: ANN001
+    return pipe(prompt=prompts, generator=[torch.Generator().manual_seed(s) for s in seeds], height=SIDE, width=SIDE,
+                num_frames=WAN_FRAMES, num_inference_steps=steps, guidance_scale=5.0, output_type="pt",
+                max_sequence_length=TOKENS).frames.float()  # fmt: skip
+
+
+def _engine(m, prompts: list[str], seeds: list[int], steps: int, **kw) -> torch.Tensor:  # noqa: ANN001, ANN003
+    x = sample(m, m.encode_prompts(prompts), seeds, steps, solver="unipc", guidance_scale=5.0,
+               uncond=m.encode_prompts([""]), dtype=torch.float32, **kw)  # fmt: skip
+    return m.decode(x)
+
+
+def test_the_engines_clip_is_the_stock_pipelines_with_both_experts(wan22):
+    """4 UniPC steps at timesteps 1000, 900 (the high-noise expert, >= 875) and 750, 501 (the low-noise one): FP32
+    equal to 1e-5 (1.4e-6 measured); sampling with the first expert alone, what the engine did before, is 0.43 off."""
+    m = load_model("wan", wan22, "cpu", torch.float32, **OPTS)
+    experts = m.transformer.experts()
+    assert m.transformer.boundary == 875.0 and m.transformer.capturable is False
+    calls = dict.fromkeys(experts, 0)
+    for name, e in experts.items():
+        e.register_forward_hook(lambda *a, n=name: calls.__setitem__(n, calls[n] + 1))
+    ours = _engine(m, PROMPTS, [3, 11], 4)
+    assert calls == {"transformer": 4, "transformer_2": 4}  # two steps each, conditional and unconditional passes
+    theirs = _clips(_stock(wan22), PROMPTS, [3, 11], 4)
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+    first_only = _engine(m, PROMPTS, [3, 11], 4, transformer=experts["transformer"])
+    assert (first_only - theirs).abs().max() > 0.1
+
+
+def test_rows_on_both_sides_of_the_boundary_run_their_own_expert(wan22):
+    """The update's batches mix timesteps: each row's output is its own expert's, as if called alone."""
+    m = load_model("wan", wan22, "cpu", torch.float32, **OPTS)
+    net, e = m.transformer, m.transformer.experts()
+    x = torch.randn(3, *m.latent_shape)
+    ts = torch.tensor([950.0, 500.0, 875.0])  # high, low, high (the boundary itself is the high-noise expert's)
+    text = m.encode_prompts(["a", "b", "c"]).hidden
+    got = net(hidden_states=x, timestep=ts, encoder_hidden_states=text, return_dict=False)[0]
+    for i, name in enumerate(["transformer", "transformer_2", "transformer"]):
+        alone = e[name](hidden_states=x[i : i + 1], timestep=ts[i : i + 1], encoder_hidden_states=text[i : i + 1],
+                        return_dict=False)[0]  # fmt: skip
+        torch.testing.assert_close(got[i : i + 1], alone, atol=1e-6, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def clip(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tiny_pipelines import build_clip_reward
+
+    return build_clip_reward(tmp_path_factory.mktemp("wan22clip") / "clip")
+
+
+def _train(wan22: Path, clip: Path, out: Path, *extra: str) -> list[str]:
+    sets = [f"model_path={wan22}", f"resolution={SIDE}", f"width={SIDE}", f"frames={WAN_FRAMES}",
+            f"reward_args=clipscore.model={clip}", "n=4", "k=2", "prompts_per_iter=2", "iterations=1",
+            "preview_steps=1", "full_steps=2", "eval_prompt_count=2", "eval_seeds=1", "eval_every=5", "save_every=1",
+            "rollout_batch_size=8", "train_batch_size=2", "lora_rank=4", "lora_alpha=8", "lr=1e-2",
+            "explore_precision=nvfp4", "device=cpu", "decode_batch_size=4", "reward_frames=3", *extra]  # fmt: skip
+    args = ["train", f"{ROOT}/configs/wan.py:wan13b_sol_rl_clipscore", "--output", str(out)]
+    for s in sets:
+        args += ["--set", s]
+    return args
+
+
+def test_solrl_train_trains_both_experts_and_the_stock_pipeline_loads_them(wan22, clip, tmp_path, monkeypatch):
+    """A sol_rl iteration: the explore copy quantizes both experts' blocks, the adapter is one file per expert, and
+    the stock pipeline with both loaded (load_lora_weights, then with load_into_transformer_2) draws what the
+    engine draws with the same adapter."""
+    from solrl_engine import hw
+    from solrl_engine.cli import load_lora_into, main
+    from solrl_engine.rl.export import adapter_files, load_lora
+
+    monkeypatch.setattr(hw, "cxx_compiler", lambda *a, **k: None)
+    out = tmp_path / "run"
+    assert main(_train(wan22, clip, out)) == 0
+    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iter"] for r in recs] == [1] and math.isfinite(recs[0]["loss"])
+    quant = (out / "quantization.txt").read_text()
+    assert "transformer.blocks.0.ffn.net.2" in quant and "transformer_2.blocks.1.ffn.net.2" in quant
+    assert set(adapter_files(out / "lora")) == {"transformer", "transformer_2"}
+    pipe = _stock(wan22)
+    before = _clips(pipe, PROMPTS[:1], [5], 3)
+    load_lora(pipe, out / "lora")  # checked against its manifest, then each file into its expert
+    after = _clips(pipe, PROMPTS[:1], [5], 3)
+    assert (after - before).abs().max() > 1e-4
+    for expert in ("transformer", "transformer_2"):
+        assert any("lora_A" in n for n, _ in getattr(pipe, expert).named_parameters())
+    m = load_model("wan", wan22, "cpu", torch.float32, **OPTS)
+    load_lora_into(m.transformer, str(out / "lora"))
+    torch.testing.assert_close(_engine(m, PROMPTS[:1], [5], 3), after, atol=1e-4, rtol=0)
+    one = load_model("wan", build_wan(tmp_path / "one"), "cpu", torch.float32, **OPTS)
+    with pytest.raises(ValueError, match="trained on a two-expert model.*has one transformer"):
+        load_lora_into(one.transformer, str(out / "lora"))
+
+
+def test_lora_experts_low_puts_the_adapter_on_the_low_noise_expert_only(wan22, tmp_path):
+    from solrl_engine.rl.adapters import LoraAdapters
+    from solrl_engine.rl.export import adapter_files, save_lora
+
+    m = load_model("wan", wan22, "cpu", torch.float32, lora_experts="low", **OPTS)
+    lora = LoraAdapters(m.transformer, 4, 8, ("to_q", "to_k", "to_v", "to_out.0"))
+    assert lora.layers and all(n.startswith("transformer_2.blocks.") for n in lora.layers)
+    assert not any("lora_" in n for n, _ in m.transformer.experts()["transformer"].named_parameters())
+    assert set(adapter_files(save_lora(lora, tmp_path / "lora", "WanPipeline"))) == {"transformer_2"}
+
+
+def test_expert_choices_are_refused_where_there_are_no_experts(wan22, tmp_path):
+    from solrl_engine.rl.config import RLConfig
+
+    with pytest.raises(ValueError, match="lora_experts='high': this pipeline has one transformer"):
+        load_model("wan", build_wan(tmp_path / "one"), "cpu", torch.float32, lora_experts="high", **OPTS)
+    with pytest.raises(ValueError, match="lora_experts.*applies to two-expert models .*'sd3' has one transformer"):
+        RLConfig(model="sd3", lora_experts="low").validate()
+    with pytest.raises(ValueError, match="lora_experts.*choose one of"):
+        RLConfig(model="wan", lora_experts="middle").validate()
+    with pytest.raises(ValueError, match="lora_experts.*train_mode=full trains every weight"):
+        RLConfig(model="wan", lora_experts="low", train_mode="full", family="naive_scaling").validate()
+
+
+def test_the_memory_plan_counts_both_experts_and_the_lora_on_those_trained(wan22, tmp_path):
+    """From the saved pipeline's model_index.json (transformer_2 and boundary_ratio): both experts' weights, and LoRA
+    on the experts lora_experts names; a published hub id's experts come from the family's HUB_EXPERTS."""
+    from solrl_engine.rl import memplan
+    from solrl_engine.rl.config import RLConfig
+
+    def plan(path: Path, **kw: str):  # noqa: ANN202 - a MemoryPlan
+        cfg = RLConfig(name="w", model="wan", model_path=str(path), resolution=SIDE, width=SIDE, frames=WAN_FRAMES,
+                       train_batch_size=1, rollout_batch_size=2, **kw)  # fmt: skip
+        return memplan.memory_plan(cfg)
+
+    one, two, low = plan(build_wan(tmp_path / "one")), plan(wan22), plan(wan22, lora_experts="low")
+    assert two.transformer_params_b == pytest.approx(2 * one.transformer_params_b)
+    assert "two experts (boundary_ratio 0.875)" in two.transformer_source
+    rows = [{r.part: r.gib for r in p.rows} for p in (one, two, low)]
+    assert rows[1]["trained weights"] == pytest.approx(2 * rows[0]["trained weights"])  # LoRA on both experts
+    assert rows[2]["trained weights"] == pytest.approx(rows[0]["trained weights"])  # on the low-noise one
+    assert memplan._boundary_ratio("Wan-AI/Wan2.2-T2V-A14B-Diffusers", {"Wan-AI/Wan2.2-T2V-A14B-Diffusers": 0.875})
