@@ -120,14 +120,15 @@ def test_the_table_is_data():
     names = define_presets(ns, "sana", "demo")
     assert set(names) == set(ns) and len(names) == 35 and all(n.startswith("demo_") for n in names)
     assert set(PAPER) == set(FILES) | set(WAN) | {"qwenimage", "sana-video", "z-image", "flux2-klein", "flux-kontext",
-                                                  "wan2.1-i2v-14b"}
+                                                  "wan2.1-i2v-14b", "wan2.2-a14b"}
 
 
 def test_the_wan_presets_take_each_models_published_settings():
     from solrl_engine.rl.presets import I2V_REWARDS
 
     expected = sorted([f"{prefix}_{f}_{r}" for prefix, _ in WAN.values() for f in FAMILIES for r in REWARDS]
-                      + [f"wan_i2v14b_{f}_{r}" for f in FAMILIES for r in I2V_REWARDS])  # fmt: skip
+                      + [f"wan_i2v14b_{f}_{r}" for f in FAMILIES for r in I2V_REWARDS]
+                      + [f"wan22_a14b_{f}_{r}" for f in FAMILIES for r in REWARDS])  # fmt: skip
     assert sorted(_names("wan.py", "wan13b")) == expected and sorted(_module("wan.py").__all__) == expected
     for key, (prefix, want) in WAN.items():
         for family in FAMILIES:
@@ -139,6 +140,10 @@ def test_the_wan_presets_take_each_models_published_settings():
         cfg = load_config(f"{ROOT / 'configs' / 'wan.py'}:wan_i2v14b_{family}_clipscore")
         assert cfg.model == "wan_i2v" and (cfg.train_prompts, cfg.eval_prompts) == ("i2v/train", "i2v/test")
         assert (cfg.resolution, cfg.width, cfg.frames, cfg.shift) == (480, 832, 81, 3.0)
+    for family in FAMILIES:  # Wan2.2-T2V-A14B: two experts, the official t2v_A14B steps and shift
+        cfg = load_config(f"{ROOT / 'configs' / 'wan.py'}:wan22_a14b_{family}_clipscore")
+        assert cfg.model_path == "Wan-AI/Wan2.2-T2V-A14B-Diffusers" and cfg.lora_experts == "both"
+        assert (cfg.full_steps, cfg.preview_steps, cfg.shift, cfg.guidance_scale) == (40, 24, 12.0, 4.0)
     with pytest.raises(ConfigError, match="frames = 80: the Wan VAE takes 4k \\+ 1 frames"):
         load_config(f"{ROOT / 'configs' / 'wan.py'}:wan13b_sol_rl_clipscore", ["frames=80"])
     with pytest.raises(ConfigError, match="frames = 9: applies to video models"):
@@ -168,6 +173,10 @@ def test_the_sana_video_presets_take_the_published_settings():
         assert (cfg.solver, cfg.guidance_scale, cfg.shift, cfg.full_steps, cfg.preview_steps) == ("dpm2", 6.0, None,
                                                                                                    50, 30)  # fmt: skip
         assert cfg.model_path is None and cfg.decode_batch_size == 1
+    for family in FAMILIES:  # Wan2.2-T2V-A14B: two experts, the official t2v_A14B steps and shift
+        cfg = load_config(f"{ROOT / 'configs' / 'wan.py'}:wan22_a14b_{family}_clipscore")
+        assert cfg.model_path == "Wan-AI/Wan2.2-T2V-A14B-Diffusers" and cfg.lora_experts == "both"
+        assert (cfg.full_steps, cfg.preview_steps, cfg.shift, cfg.guidance_scale) == (40, 24, 12.0, 4.0)
     with pytest.raises(ConfigError, match="frames = 80: the Wan VAE takes 4k \\+ 1 frames"):
         load_config(f"{ROOT / 'configs' / 'sana_video.py'}:sana_video_sol_rl_clipscore", ["frames=80"])
     with pytest.raises(ConfigError, match="applies to video models \\(model=wan or sana_video or wan_i2v\\)"):
