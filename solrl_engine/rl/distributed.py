@@ -81,11 +81,15 @@ class Dist:
         if not params:
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = self.sum_(torch.cat([g.flatten().float() for g in grads]))
+        # and whether each had a gradient: one that none of the ranks' micro-batches reached (a two-expert model's
+        # expert whose timesteps no row drew) keeps none, so the optimizer skips it as one process would, rather
+        # than stepping on a zero gradient (AdamW's momentum and weight decay would still move it)
+        had = torch.tensor([float(p.grad is not None) for p in params], device=grads[0].device)
+        flat = self.sum_(torch.cat([g.flatten().float() for g in grads] + [had]))
         i = 0
-        for p, g in zip(params, grads, strict=True):
+        for p, g, seen in zip(params, grads, flat[-len(params):].tolist(), strict=True):
             n = g.numel()
-            p.grad = flat[i : i + n].view_as(g).to(g.dtype)
+            p.grad = flat[i : i + n].view_as(g).to(g.dtype) if seen else None
             i += n
 
     def most(self, n: int, device: torch.device | str = "cpu") -> int:
