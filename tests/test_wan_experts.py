@@ -207,3 +207,28 @@ def test_two_gloo_ranks_with_sharded_experts_match_one_process(wan22, clip, tmp_
         assert wa.keys() == wb.keys()
         for k in wa:
             torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=5e-5)
+
+
+def test_wan22_image_to_video_switches_its_experts_as_its_pipeline_does(tmp_path):
+    """Wan2.2-I2V-A14B's layout (no CLIP tower, boundary_ratio 0.9) through model=wan_i2v: the clip a seed and an
+    image give is the stock WanImageToVideoPipeline's (FP32), with both experts run."""
+    from tiny_pipelines import build_wan_i2v
+
+    from solrl_engine.data import load_prompts
+
+    path = build_wan_i2v(tmp_path / "wi22", two_experts=True)
+    m = load_model("wan_i2v", path, "cpu", torch.float32, **OPTS)
+    assert m.transformer.boundary == 900.0
+    prompt = load_prompts("i2v/train")[0]
+    cond = m.encode_prompts([prompt])
+    assert cond.image_states is None  # no image cross-attention in Wan2.2's I2V
+    x = sample(m, cond, [7], 4, solver="unipc", guidance_scale=5.0, uncond=m.encode_unconditional(),
+               dtype=torch.float32)  # fmt: skip
+    from diffusers import WanImageToVideoPipeline
+
+    pipe = WanImageToVideoPipeline.from_pretrained(path, dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    theirs = pipe(image=prompt.open_images()[0], prompt=str(prompt), height=SIDE, width=SIDE, num_frames=WAN_FRAMES,
+                  num_inference_steps=4, guidance_scale=5.0, generator=torch.Generator().manual_seed(7),
+                  output_type="pt", max_sequence_length=TOKENS).frames.float()  # fmt: skip
+    torch.testing.assert_close(m.decode(x), theirs, atol=1e-5, rtol=0)

@@ -328,10 +328,12 @@ def build_sana_video(path: str | Path, seed: int = 0) -> Path:
     return _save(pipe, path)
 
 
-def build_wan_i2v(path: str | Path, seed: int = 0) -> Path:
+def build_wan_i2v(path: str | Path, seed: int = 0, two_experts: bool = False) -> Path:
     """Save a tiny WanImageToVideoPipeline (Wan2.1-I2V-14B layout) into `path`: build_wan's UMT5, VAE and UniPC;
     a CLIP vision tower (16 wide, 32 px, patch 8: 17 tokens) with its image processor; a Wan transformer of 2
-    blocks taking 36 channels (16 noisy, 4 mask, 16 condition) with an image cross-attention from the CLIP width."""
+    blocks taking 36 channels (16 noisy, 4 mask, 16 condition) with an image cross-attention from the CLIP width.
+    `two_experts`: Wan2.2-I2V-A14B's layout instead, no CLIP tower and no image cross-attention, two transformers
+    of their own random weights switched at boundary_ratio 0.9."""
     from diffusers import UniPCMultistepScheduler, WanImageToVideoPipeline, WanTransformer3DModel
     from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
 
@@ -343,12 +345,14 @@ def build_wan_i2v(path: str | Path, seed: int = 0) -> Path:
     processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
     transformer = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16,
                                         in_channels=36, out_channels=16, text_dim=32, freq_dim=32, ffn_dim=64,
-                                        num_layers=2, rope_max_seq_len=32, image_dim=16,
-                                        added_kv_proj_dim=32)  # fmt: skip
+                                        num_layers=2, rope_max_seq_len=32,
+                                        **({} if two_experts else dict(image_dim=16, added_kv_proj_dim=32)))
     scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0)
+    parts: dict = dict(image_processor=processor, image_encoder=image_encoder)
+    if two_experts:
+        parts = dict(transformer_2=WanTransformer3DModel.from_config(transformer.config), boundary_ratio=0.9)
     pipe = WanImageToVideoPipeline(tokenizer=tok, text_encoder=te, vae=_wan_vae(seed + 1), scheduler=scheduler,
-                                   image_processor=processor, image_encoder=image_encoder,
-                                   transformer=transformer)  # fmt: skip
+                                   transformer=transformer, **parts)  # fmt: skip
     return _save(pipe, path)
 
 
