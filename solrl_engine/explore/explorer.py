@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from solrl_engine.data import prompt_images
 from solrl_engine.explore.copy import ExploreCopy, speed_bound
 from solrl_engine.explore.plan import ExploreSettings, ExploreSpec, plan
 from solrl_engine.explore.ranking import kendall, nk_problem, select_contrastive, spearman
@@ -143,7 +144,8 @@ class Selection:
     def regenerate(self, pipe: Any, steps: int = 10, batch_size: int = 8, **call_kwargs: Any) -> Regenerated:
         """Run the caller's pipeline on the selected seeds' noise (`latents=`) and score the images
         with the explorer's reward: the full-precision twins of the previews, for trainers that
-        train on ODE samples (DiffusionNFT-style)."""
+        train on ODE samples (DiffusionNFT-style). Conditioned prompts (an editing or image-to-video set) pass
+        their image, one prompt's seeds a call."""
         ex = self.explorer
         if ex is None:
             raise ValueError("this Selection has no explorer to take the resolution and reward from")
@@ -160,10 +162,13 @@ class Selection:
             kw["use_resolution_binning"] = False
         kw.update(call_kwargs)
         prompts, images = self.flat_prompts, []
-        for i in range(0, len(prompts), batch_size):
-            noise = self.noise[i : i + batch_size]
-            dtype = next(pipe.transformer.parameters()).dtype
-            out = pipe(prompt=prompts[i : i + batch_size], latents=noise.to(dtype), **kw)
+        inputs = getattr(ex.model, "pipeline_inputs", None)
+        dtype = next(pipe.transformer.parameters()).dtype
+        for i, j in _batches(prompts, batch_size):
+            # a conditioned prompt's image (an edit's source, a clip's first frame) as the pipeline takes it: one
+            # image a call, so a batch holds one prompt's seeds
+            extra = inputs(prompts[i]) if inputs is not None and prompt_images(prompts[i]) else {}
+            out = pipe(prompt=prompts[i:j], latents=self.noise[i:j].to(dtype), **{**kw, **extra})
             images.append((out.frames if hasattr(out, "frames") else out.images).float().cpu())  # videos: frames
         imgs = torch.cat(images)
         r = ex.reward(imgs, prompts)
@@ -402,3 +407,16 @@ class Explorer:
             return 0
         src = getattr(policy, "transformer", policy)
         return requantize_(self.transformer, source=src)
+
+
+def _batches(prompts: list[str], size: int) -> list[tuple[int, int]]:
+    """[i, j) ranges of at most `size` rows; rows of conditioned prompts are batched only with the same prompt's
+    (a stock editing or image-to-video pipeline takes one image a call)."""
+    out, i = [], 0
+    while i < len(prompts):
+        j = i + 1
+        while j < len(prompts) and j - i < size and (not prompt_images(prompts[i]) or prompts[j] == prompts[i]):
+            j += 1
+        out.append((i, j))
+        i = j
+    return out

@@ -16,6 +16,8 @@ explore copy, LoRA targets and repeated blocks are FLUX.1's.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from solrl_engine.data import probe_prompt, single_images
@@ -45,6 +47,12 @@ class FluxKontextModel(FluxModel):
         side = self.resolution // self.pipe.vae_scale_factor
         src = torch.randn(len(prompts), int(self.transformer.config.in_channels) // 4, side, side, generator=g)
         return Conditioning(text.hidden, text.pooled, text.mask, src.to(self.device_, self.dtype))
+
+    def pipeline_inputs(self, prompt: str) -> dict[str, Any]:
+        """The source resized to the edit's R x R, kept at that size by the pipeline (see the module docstring)."""
+        r = self.resolution
+        source = self.pipe.image_processor.resize(single_images([prompt], "FLUX.1 Kontext edits")[0], r, r)
+        return {"image": source, "max_area": r * r, "_auto_resize": False}
 
     def _encode_negative(self) -> Conditioning:
         return super()._encode([""])  # (unused: the guidance is distilled, no negative pass)

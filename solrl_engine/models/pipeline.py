@@ -286,6 +286,12 @@ class PipelineFlowModel(nn.Module):
 
     # --- family hooks -------------------------------------------------------------------------------
 
+    def pipeline_inputs(self, prompt: str) -> dict[str, Any]:
+        """What the stock pipeline's call takes besides the prompt, noise and sizes for `prompt` to sample as the
+        engine samples it (a regeneration through the caller's pipeline): nothing for a text prompt; the
+        conditioned families give the prompt's image (and what makes the pipeline encode it as the engine does)."""
+        return {}
+
     def _denoiser(self, pipe: Any) -> nn.Module:
         """The module the sampler and the update call: the pipeline's transformer (Wan: its two experts as one)."""
         return pipe.transformer

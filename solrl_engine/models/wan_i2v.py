@@ -108,6 +108,10 @@ class WanI2VModel(WanModel):
         return Conditioning(text.hidden, None, None, cond, None if states is None else states.to(self.device_,
                                                                                                self.dtype))  # fmt: skip
 
+    def pipeline_inputs(self, prompt: str) -> dict[str, Any]:
+        """The clip's first frame, which the pipeline resizes to the clip's size as the engine does."""
+        return {"image": single_images([prompt], "Wan image-to-video starts")[0]}
+
     def _forward(self, net: nn.Module, x: torch.Tensor, t: torch.Tensor, cond: Conditioning) -> torch.Tensor:
         if cond.image is None:
             raise ValueError("Wan image-to-video needs its first frame's condition in the conditioning (a conditioned "
