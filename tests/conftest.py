@@ -37,7 +37,8 @@ except ImportError:  # the dev extra installs it; without it Triton tests are sk
 # one worker from finishing a 7-minute file alone after the other is done (longest-first scheduling).
 LONGEST_FIRST = (
     "test_gpu_rehearsal.py", "test_distributed.py", "test_gpu_rehearsal_sm80.py", "test_compiled_explore.py",
-    "test_memplan.py", "test_fast_path.py", "test_producers.py", "test_run_plan.py", "test_sana_video.py",
+    "test_memplan.py", "test_context_parallel.py", "test_fast_path.py", "test_producers.py", "test_run_plan.py",
+    "test_sana_video.py",
     "test_bench.py", "test_trust.py", "test_wan_i2v.py", "test_reward_server.py", "test_run_dirs.py",
 )  # fmt: skip
 

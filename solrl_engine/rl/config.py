@@ -216,6 +216,11 @@ class RLConfig:
     # shard_group_size ranks (0: each node's, torchrun's LOCAL_WORLD_SIZE) and replicated across them
     sharding: str = "none"
     shard_group_size: int = 0
+    # under torchrun: groups of this many consecutive ranks split each forward's sequence (tokens) and hold the same
+    # samples (rl/context_parallel.py): ulysses (the heads split, an all-to-all), ring (keys and values passed
+    # around; GPU attention kernels only) or auto (ulysses where the degree divides the heads)
+    context_parallel: int = 1
+    context_parallel_mode: str = "auto"
     lr: float = 3e-4
     weight_decay: float = 1e-4
     grad_clip: float = 1.0
@@ -475,6 +480,22 @@ class RLConfig:
             raise bad("family", "the compile family samples the policy through captured graphs; a sharded policy "
                                 "gathers its weights block by block inside each forward, so it samples eagerly: "
                                 f"use sol_rl or naive_scaling with sharding={self.sharding}")
+        from solrl_engine.rl.context_parallel import CP_MODES
+
+        if isinstance(self.context_parallel, bool) or self.context_parallel < 1:
+            raise bad("context_parallel", "a number of ranks >= 1 that split each forward's sequence (1: none)")
+        if self.context_parallel_mode not in CP_MODES:
+            raise bad("context_parallel_mode", f"choose one of {CP_MODES} (auto: ulysses where the degree divides the "
+                                               "attention heads, else ring)")  # fmt: skip
+        if self.context_parallel > 1:
+            if FAMILY_TABLE[self.family].compiled or self.compiled_update or self.compiled_sampler:
+                raise bad("context_parallel", "a context-parallel forward is a collective in every attention, which "
+                                              "the compiled sampler's captured graphs and the compiled update do "
+                                              "not hold: use sol_rl, naive_scaling, naive_quant or diffusionnft, "
+                                              "and leave compiled_sampler and compiled_update unset")  # fmt: skip
+            if self.train_mode != "lora" or self.sharding == "hsdp":
+                raise bad("context_parallel", "is built for LoRA runs, whole or with sharding=fsdp: use "
+                                              "train_mode=lora and sharding=none or fsdp")  # fmt: skip
         if self.compiled_update and (self.train_mode != "lora" or self.sharding != "none"):
             raise bad("compiled_update", "the compiled update is built for LoRA runs that are not sharded (a sharded "
                                          "block gathers its weights in hooks, full fine-tuning swaps weight sets): "

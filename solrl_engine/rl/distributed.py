@@ -27,10 +27,23 @@ class Dist:
     # the policy's base weights are FSDP2-sharded (rl/sharding.py): every forward of the policy is a collective,
     # so every rank must run the same number of them (the update pads its micro-batches, rank 0 never samples alone)
     sharded: bool = False
+    # context parallelism (rl/context_parallel.py): groups of `cp` consecutive ranks split each forward's sequence
+    # and hold the same samples; the data is split over the groups (dp_rank of dp_world)
+    cp: int = 1
 
     @property
     def main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's share of the data: its context-parallel group's index."""
+        return self.rank // self.cp
+
+    @property
+    def dp_world(self) -> int:
+        """How many shares the data splits into: the number of context-parallel groups."""
+        return self.world // self.cp
 
     @staticmethod
     def from_env(device_type: str) -> Dist:
@@ -46,21 +59,28 @@ class Dist:
         return Dist(td.get_rank(), td.get_world_size(), int(os.environ.get("LOCAL_RANK", "0")))
 
     def shard(self, n: int) -> slice:
-        """This rank's contiguous share of n items (n must divide evenly)."""
-        if n % self.world:
-            raise ValueError(f"{n} items do not split evenly over {self.world} ranks")
-        per = n // self.world
-        return slice(self.rank * per, (self.rank + 1) * per)
+        """This rank's contiguous share of n items (n must divide evenly): its context-parallel group's share."""
+        if n % self.dp_world:
+            groups = f" ({self.dp_world} groups of {self.cp} context-parallel ranks)" if self.cp > 1 else ""
+            raise ValueError(f"{n} items do not split evenly over {self.world} ranks{groups}")
+        per = n // self.dp_world
+        return slice(self.dp_rank * per, (self.dp_rank + 1) * per)
 
     def gather_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """Every rank's rows, concatenated in rank order (equal row counts)."""
+        """Every share's rows, concatenated in rank order (equal row counts); a context-parallel group's rows once."""
         if self.world == 1:
             return x
         import torch.distributed as td
 
         parts = [torch.empty_like(x) for _ in range(self.world)]
         td.all_gather(parts, x.contiguous())
-        return torch.cat(parts)
+        return torch.cat(parts[:: self.cp])
+
+    def sum_data_(self, x: torch.Tensor) -> torch.Tensor:
+        """In-place sum over the data's shares (a statistic of the samples: each context-parallel group's copy of
+        its samples counted once). Gradients sum over every rank instead (`sum_grads_`): a context-parallel rank's
+        gradient is its part of the sequence's."""
+        return self.sum_(x).div_(self.cp) if self.cp > 1 else self.sum_(x)
 
     def sum_(self, x: torch.Tensor) -> torch.Tensor:
         """In-place sum over ranks."""

@@ -109,9 +109,10 @@ class HeldOut:
         with each one's prompt and reward."""
         dist = self.dist
         prompts = self.eval_prompts + self.train_prompts  # one pass: held-out first, then training
-        per = -(-len(prompts) // dist.world)  # each rank evaluates a contiguous share, the last one padded
-        padded = prompts + [prompts[-1]] * (per * dist.world - len(prompts))
-        mine = padded[dist.rank * per : (dist.rank + 1) * per]
+        # each share (a rank, or a context-parallel group) evaluates a contiguous part, the last one padded
+        per = -(-len(prompts) // dist.dp_world)
+        padded = prompts + [prompts[-1]] * (per * dist.dp_world - len(prompts))
+        mine = padded[dist.dp_rank * per : (dist.dp_rank + 1) * per]
         with self.adapters.ema_weights():
             res = evaluate_rollouts(self.rollouts, mine, self.seeds, tag=TRAIN)
         n = len(self.eval_prompts) * self.seeds

@@ -163,6 +163,8 @@ def resolve(cfg: RLConfig, target: Target | None = None, show: bool = False) -> 
 def rollout_settings(cfg: RLConfig) -> RolloutSettings:
     """How the config's rollouts sample; its family may force the compiled sampler (the `compile` family)."""
     compiled = True if FAMILY_TABLE[cfg.family].compiled else cfg.compiled_sampler
+    if cfg.context_parallel > 1:  # every attention a collective: sampled eagerly (no captured graphs)
+        compiled = False
     return RolloutSettings(full_steps=cfg.full_steps, shift=cfg.shift, solver=cfg.solver,
                            sde_noise_level=cfg.sde_noise_level,
                            batch_size=cfg.rollout_batch_size, guidance_scale=cfg.guidance_scale, compiled=compiled,

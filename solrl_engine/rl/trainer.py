@@ -38,6 +38,7 @@ from solrl_engine.models.base import Conditioning
 from solrl_engine.rl import sizing
 from solrl_engine.rl.adapters import OLD, TRAIN, LoraAdapters
 from solrl_engine.rl.config import FAMILY_TABLE, ConfigError, RLConfig
+from solrl_engine.rl.context_parallel import resolve_mode, split_context
 from solrl_engine.rl.distributed import Dist, local
 from solrl_engine.rl.export import save_trained
 from solrl_engine.rl.full import REF, FullWeights, TrainedWeights
@@ -122,10 +123,19 @@ class Trainer:
         self.dist = Dist.from_env("cuda" if on_gpu else "cpu")
         if on_gpu and self.dist.world > 1:
             torch.cuda.set_device(self.dist.local_rank)  # "cuda" is this rank's GPU from here on
-        if cfg.prompts_per_iter % self.dist.world:
+        if self.dist.world % cfg.context_parallel:
+            raise ConfigError(f"config {cfg.name!r}: context_parallel = {cfg.context_parallel} does not divide the "
+                              f"{self.dist.world} ranks into groups: start a multiple of it (torchrun "
+                              "--nproc_per_node)")  # fmt: skip
+        self.dist.cp = cfg.context_parallel
+        # a context-parallel forward is a collective, as a sharded one is: every rank runs as many (rl/distributed.py)
+        self.dist.sharded = cfg.context_parallel > 1
+        if cfg.prompts_per_iter % self.dist.dp_world:
+            groups = f" ({self.dist.dp_world} groups of {cfg.context_parallel})" if cfg.context_parallel > 1 else ""
             raise ConfigError(
                 f"config {cfg.name!r}: prompts_per_iter = {cfg.prompts_per_iter} does not split over {self.dist.world} "
-                "ranks: make it a multiple of the number of processes (it is the global number of prompts)"
+                f"ranks{groups}: make it a multiple of the number of processes divided by context_parallel (it is the "
+                "global number of prompts)"
             )
         if cfg.sharding != "none" and self.dist.world == 1:
             log.warning("sharding=%s in one process: there is nothing to shard over (start it under torchrun, e.g. "
@@ -150,6 +160,14 @@ class Trainer:
         merged = cfg.merge_lora and lora and not sharded
         self.policy_copy = ExploreCopy(self.model.transformer, POLICY, borrow=True) if merged else None
         self._explore_as(None)  # the explore pass planned (auto: timed, rank 0's answer) and its copy built
+        if cfg.context_parallel > 1:  # every forward's tokens split over groups of ranks, on the policy and its copies
+            copies = [c.transformer for c in (self.policy_copy, self.explore) if c is not None]
+            try:
+                mode = resolve_mode(self.model.transformer, cfg.context_parallel, cfg.context_parallel_mode,
+                                    self.device, getattr(self.model, "tokens_per_sample", None))  # fmt: skip
+            except ValueError as e:
+                raise ConfigError(f"config {cfg.name!r}: {e}") from None
+            split_context([self.model.transformer, *copies], self.dist, cfg.context_parallel, mode, self.device)
         self.reward = self.rollouts.reward
         # fail early: every training and held-out prompt the reward could reject, and the reward itself on one image
         if (check := getattr(self.reward, "check_prompts", None)) is not None:
@@ -218,7 +236,7 @@ class Trainer:
         """The policy's repeated blocks compiled for the update's gradient micro-batches (compiled_update; None: on
         with CUDA for LoRA runs that are not sharded), else None: the update runs eagerly."""
         cfg, on_gpu = self.cfg, self.device.type == "cuda"
-        eligible = cfg.train_mode == "lora" and cfg.sharding == "none"
+        eligible = cfg.train_mode == "lora" and cfg.sharding == "none" and cfg.context_parallel == 1
         if not (cfg.compiled_update if cfg.compiled_update is not None else on_gpu and eligible):
             return None
         if not on_gpu and not (ok := cpu_compile_available())[0]:
@@ -542,10 +560,11 @@ class Trainer:
         self.guard.load_state(st["proxy_guard"])
         then, now = st.get("explore_precision"), self.explore_spec
         if then is not None and now is not None and then != now.precision:
-            if self.dist.sharded and self.dist.world > 1:  # the copy was built from the whole base, before sharding
+            # the copy was built from the whole base, before sharding (or before the context-parallel split)
+            if (self.dist.sharded and self.dist.world > 1) or self.cfg.context_parallel > 1:
                 raise ConfigError(f"cannot resume: the checkpoint explored in {then}, this start's "
-                                  f"explore_precision=auto chose {now.precision}, and a sharded run cannot rebuild "
-                                  f"its explore copy: resume with --set explore_precision={then}")  # fmt: skip
+                                  f"explore_precision=auto chose {now.precision}, and a sharded or context-parallel "
+                                  f"run cannot rebuild its explore copy: resume with --set explore_precision={then}")
             log.info("resuming with the checkpoint's explore precision %s (this start chose %s)", then, now.precision)
             why = "the checkpoint's (explore_precision=auto, timed at its start)"
             # built from the base as loaded (full fine-tuning: not its FP32 trained set), then refreshed below

@@ -113,7 +113,7 @@ def awm_update(model: FlowModel, adapters: TrainedWeights, opt: torch.optim.Opti
     with training_attention():
         gn, groups = optimizer_groups(adapters, opt, batch, dist, c.updates_per_iter, c.grad_clip, c.ema_decay_max,
                                       accumulate)  # fmt: skip
-    totals = dist.sum_(totals).cpu()
+    totals = dist.sum_data_(totals).cpu()
     d = adapters.update_old((batch.iteration + 1) * groups, c.old_decay_rate, c.old_decay_max)
     loss, policy, kl = totals.tolist()
     return {"loss": loss, "policy_loss": policy, "kl": kl, "grad_norm": gn, "old_decay": d}

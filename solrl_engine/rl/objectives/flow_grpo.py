@@ -179,7 +179,7 @@ def _update(model: FlowModel, adapters: TrainedWeights, opt: torch.optim.Optimiz
 
     gn, _ = optimizer_groups(adapters, opt, batch, dist, c.updates_per_iter, c.grad_clip, c.ema_decay_max,
                              accumulate)  # fmt: skip
-    totals = dist.sum_(totals).cpu()
+    totals = dist.sum_data_(totals).cpu()
     adapters.update_old(0, 0.0, 0.0)  # on-policy: the next rollouts sample the policy as trained now
     loss, policy, kl, approx_kl, clipfrac = totals.tolist()
     return {"loss": loss, "policy_loss": policy, "kl": kl, "approx_kl": approx_kl, "clipfrac": clipfrac,

@@ -179,7 +179,7 @@ def _nft_update(model: FlowModel, adapters: TrainedWeights, opt: torch.optim.Opt
 
     gn, groups = optimizer_groups(adapters, opt, batch, dist, c.updates_per_iter, c.grad_clip, c.ema_decay_max,
                                   accumulate)  # fmt: skip
-    totals = dist.sum_(totals).cpu()
+    totals = dist.sum_data_(totals).cpu()
     d = adapters.update_old((iteration + 1) * groups, c.old_decay_rate, c.old_decay_max)
     loss, policy, kl = totals.tolist()
     return {"loss": loss, "policy_loss": policy, "kl": kl, "grad_norm": gn, "old_decay": d}
