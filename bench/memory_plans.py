@@ -52,6 +52,9 @@ PLANS = [
     ("wan22_a14b-lora-1gpu", "wan22_a14b", {}, 1),
     ("wan22_a14b-lora-8gpu-fsdp", "wan22_a14b", {"sharding": "fsdp"}, 8),
     ("wan22_a14b-lora-high-8gpu-fsdp", "wan22_a14b", {"sharding": "fsdp", "lora_experts": "high"}, 8),
+    # context parallelism: each clip's 32,760 tokens over 4 ranks (2 groups of 4 on 8 GPUs)
+    ("wan14b-lora-8gpu-fsdp-cp4", "wan14b", {"sharding": "fsdp", "context_parallel": "4"}, 8),
+    ("wan22_a14b-lora-8gpu-fsdp-cp4", "wan22_a14b", {"sharding": "fsdp", "context_parallel": "4"}, 8),
 ]
 
 

@@ -137,3 +137,17 @@ def test_what_context_parallelism_cannot_split_is_refused(setup, tmp_path):
         resolve_mode(m.transformer, 2, "ulysses", cpu, 47)
     with pytest.raises(SystemExit, match="context_parallel = 2 does not divide the 1 ranks"):
         main(_args(wan22, setup[1], tmp_path / "x", "context_parallel=2"))
+
+
+def test_the_memory_plan_splits_a_samples_activations_over_the_group(setup):
+    from solrl_engine.rl import memplan
+    from solrl_engine.rl.config import RLConfig
+
+    def acts(cp: int) -> dict[str, float]:
+        cfg = RLConfig(name="w", model="wan", model_path=str(setup[0]), resolution=SIDE, width=SIDE,
+                       frames=WAN_FRAMES, train_batch_size=1, rollout_batch_size=2, context_parallel=cp)  # fmt: skip
+        return {r.part: r for r in memplan.memory_plan(cfg, gpus=2).rows if r.part.endswith("activations")}
+
+    one, two = acts(1), acts(2)
+    for part in ("update activations", "rollout activations"):
+        assert two[part].gib == pytest.approx(one[part].gib / 2) and "its tokens over 2 ranks" in two[part].note

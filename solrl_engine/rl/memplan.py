@@ -412,6 +412,12 @@ def memory_plan(cfg: RLConfig, gpus: int = 1, gpu_gib: float = 80.0, explore: Se
         act_plain = _measure(model, train_bs, train=True, checkpointing=False, cond=conds[train_bs])
         act_ckpt = _measure(model, train_bs, train=True, checkpointing=True, cond=conds[train_bs])
         act_roll = _measure(model, roll_bs, train=False, checkpointing=False, cond=conds[roll_bs])
+    # context_parallel=N: each rank holds 1/N of every sample's tokens through the blocks (an estimate: the
+    # embeddings before the split, the output gathered after it and Ulysses' all-to-all buffers are not counted)
+    cp = cfg.context_parallel
+    act_plain, act_ckpt, act_roll = act_plain / cp, act_ckpt / cp, act_roll / cp
+    over = f", its tokens over {cp} ranks (context_parallel)" if cp > 1 else ""
+
     def copy_of(full: bool, sharded: bool) -> tuple[ExploreSpec, float, int, str] | None:
         """The largest explore copy the run may end with: (its spec, its bytes, layers quantized, how)."""
         if not copies:
@@ -492,8 +498,8 @@ def memory_plan(cfg: RLConfig, gpus: int = 1, gpu_gib: float = 80.0, explore: Se
         act = act_plain - (k / len(sizes_b) * (act_plain - act_ckpt) if sizes_b else 0.0)
         how = "" if not k else (", gradient checkpointing" if k == len(sizes_b) else f", {k} of {len(sizes_b)} "
                                                                                       "blocks recomputed")
-        rows.append(PlanRow("update activations", act / GIB, "update", f"train_batch_size {train_bs}{how}"))
-        rows.append(PlanRow("rollout activations", act_roll / GIB, "rollout", f"rollout_batch_size {roll_bs}"))
+        rows.append(PlanRow("update activations", act / GIB, "update", f"train_batch_size {train_bs}{how}{over}"))
+        rows.append(PlanRow("rollout activations", act_roll / GIB, "rollout", f"rollout_batch_size {roll_bs}{over}"))
         text = sum(spec.text_encoder_params_b.values()) * 1e9 * b / GIB
         if text:
             where = ("on the GPU only while new prompts are encoded" if cfg.offload_text_encoders
