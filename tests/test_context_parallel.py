@@ -24,13 +24,24 @@ SIDE = SIZES["wan"]
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
-    """The pipeline, the CLIP reward and the one-process run every layout is compared with."""
+    """The pipeline, the CLIP reward and the one-process run every unsharded layout is compared with."""
     tmp = tmp_path_factory.mktemp("cp")
     wan22 = build_wan(tmp / "wan", two_experts=True)
     clip = build_clip_reward(tmp / "clip")
     one = tmp / "one"
     assert main(_args(wan22, clip, one)) == 0
     return wan22, clip, one
+
+
+@pytest.fixture(scope="module")
+def one_sharded(setup: tuple[Path, Path, Path]) -> Path:
+    """The one-process run of sharding=fsdp, which the sharded layouts are compared with: a sharded LoRA policy
+    samples its adapter unmerged, an unsharded one through a merged copy (FP32 rounding apart, enough to flip a
+    close selection under other library versions)."""
+    wan22, clip, one = setup
+    out = one.with_name("one_fsdp")
+    assert main(_args(wan22, clip, out, "sharding=fsdp")) == 0
+    return out
 
 
 def _args(wan22: Path, clip: Path, out: Path, *extra: str) -> list[str]:
@@ -87,23 +98,23 @@ def test_two_ranks_splitting_each_clips_tokens_match_one_process(setup, tmp_path
     _same_run(one, tmp_path / "cp", [2, 2])
 
 
-def test_two_data_groups_of_two_context_parallel_ranks_with_fsdp_match_one_process(setup, tmp_path):
+def test_two_data_groups_of_two_context_parallel_ranks_with_fsdp_match_one_process(setup, one_sharded, tmp_path):
     """4 ranks: the data over 2 groups, each clip's tokens over the 2 ranks of a group, both experts' base weights
     FSDP-sharded over all 4. A micro-batch whose rows all drew one expert's timesteps leaves the other's LoRA without
     a gradient: summed over ranks it stays without one, so AdamW skips it as one process does (it used to get a zero
     gradient and step: 7e-3 apart in the high-noise adapter)."""
-    wan22, clip, one = setup
+    wan22, clip, _ = setup
     out = _torchrun(4, _args(wan22, clip, tmp_path / "cp4", "context_parallel=2", "sharding=fsdp"), tmp_path)
     assert out.stderr.count("the data over 2 groups") == 4
     assert out.stderr.count("sharding=fsdp: 4 blocks over 4 ranks") == 4  # both experts' two blocks
-    _same_run(one, tmp_path / "cp4", [4, 4])
+    _same_run(one_sharded, tmp_path / "cp4", [4, 4])
 
 
-def test_sharded_experts_on_two_ranks_match_one_process(setup, tmp_path):
-    wan22, clip, one = setup
+def test_sharded_experts_on_two_ranks_match_one_process(setup, one_sharded, tmp_path):
+    wan22, clip, _ = setup
     out = _torchrun(2, _args(wan22, clip, tmp_path / "fsdp", "sharding=fsdp"), tmp_path)
     assert out.stderr.count("sharding=fsdp: 4 blocks over 2 ranks") == 2
-    _same_run(one, tmp_path / "fsdp", [2, 2])
+    _same_run(one_sharded, tmp_path / "fsdp", [2, 2])
 
 
 def test_a_context_parallel_checkpoint_resumes_in_one_process(setup, tmp_path):
