@@ -49,7 +49,7 @@ def _args(wan22: Path, clip: Path, out: Path, *extra: str) -> list[str]:
             f"reward_args=clipscore.model={clip}", "n=4", "k=2", "prompts_per_iter=2", "iterations=2",
             "preview_steps=1", "full_steps=2", "eval_prompt_count=2", "eval_seeds=1", "eval_every=2", "save_every=1",
             "rollout_batch_size=8", "train_batch_size=2", "lora_rank=4", "lora_alpha=8", "lr=1e-2",
-            "explore_precision=nvfp4", "device=cpu", "decode_batch_size=4", "reward_frames=3", "policy_dtype=float32",
+            "explore_precision=int8", "device=cpu", "decode_batch_size=4", "reward_frames=3", "policy_dtype=float32",
             *extra]  # fmt: skip
     args = ["train", f"{ROOT}/configs/wan.py:wan13b_sol_rl_clipscore", "--output", str(out)]
     for s in sets:
@@ -77,15 +77,19 @@ def _same_run(one: Path, other: Path, ranks: list[int]) -> None:
         assert ra["selection_digest"] == rb["selection_digest"]  # the same seeds selected for every prompt
         for key in ("reward_mean", "reward_std", "loss", "grad_norm"):
             assert rb[key] == pytest.approx(ra[key], rel=1e-4, abs=1e-6), key
-        # NVFP4 previews: each rank's per-tensor activation scales see its part of the tokens or of the prompts, so
-        # previews differ by a rounding (1% in the mean measured); the seeds they select are the same (above)
-        assert rb["explore_reward_mean"] == pytest.approx(ra["explore_reward_mean"], rel=3e-2, abs=1e-4)
+        # INT8 previews: row-wise activation scales, the same whatever part of the tokens or prompts a rank holds
+        # (NVFP4's per-tensor scales see each rank's part, which moved the previews' mean by 1% and, on the floors'
+        # library versions, flipped a close selection)
+        assert rb["explore_reward_mean"] == pytest.approx(ra["explore_reward_mean"], rel=1e-3, abs=1e-5)
     assert b[-1]["heldout_reward"] == pytest.approx(a[-1]["heldout_reward"], rel=1e-4, abs=1e-6)
     for expert in ("transformer", "transformer_2"):
         wa, wb = (load_file(d / "lora" / expert_weight_name(expert)) for d in (one, other))
         assert wa.keys() == wb.keys()
         for k in wa:
-            torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=5e-5)
+            # Adam normalises each step: an element whose gradient is near zero may step a little otherwise when the
+            # sums run in another order (7.6e-5 of the lr's 1e-2 seen once), the rest agree to rounding
+            torch.testing.assert_close(wb[k], wa[k], rtol=1e-4, atol=5e-4)
+            assert (wb[k] - wa[k]).abs().mean() < 2e-5, k
 
 
 def test_two_ranks_splitting_each_clips_tokens_match_one_process(setup, tmp_path):

@@ -53,11 +53,6 @@ class Flux2KleinModel(PackedLatentFlowModel):
         axes_dims_rope=(32, 32, 32, 32), rope_theta=2000, eps=1e-6, guidance_embeds=False,
     )  # fmt: skip
 
-    def __init__(self, pipe: Any, *args: Any, max_sequence_length: int | None = None, **kwargs: Any) -> None:
-        """`max_sequence_length`: the text tokens a prompt is padded to (None: 512, `pipe(prompt)`'s)."""
-        self.max_sequence_length = max_sequence_length or self.MAX_SEQUENCE_LENGTH
-        super().__init__(pipe, *args, **kwargs)
-
     @staticmethod
     def default_scheduler() -> Any:
         from diffusers import FlowMatchEulerDiscreteScheduler

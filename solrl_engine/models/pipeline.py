@@ -85,6 +85,9 @@ class PipelineFlowModel(nn.Module):
     # the published VAE as (its diffusers class, its config): what "random+vae" builds with random weights
     RANDOM_VAE_CONFIG: ClassVar[tuple[str, dict[str, Any]] | None] = None
     DEFAULT_RESOLUTION: ClassVar[int] = 1024
+    # the text tokens a prompt is encoded to, as `pipe(prompt)` does it (its __call__'s max_sequence_length); None for
+    # the families whose encoding the adapter fixes itself (no max_sequence_length option)
+    MAX_SEQUENCE_LENGTH: ClassVar[int | None] = None
 
     def __init__(
         self,
@@ -97,8 +100,15 @@ class PipelineFlowModel(nn.Module):
         cache_size: int = 4096,
         guidance_scale: float | None = None,
         place: bool = True,
+        max_sequence_length: int | None = None,
     ) -> None:
-        """place=False leaves every module where the caller put it (a wrapped stock pipeline)."""
+        """place=False leaves every module where the caller put it (a wrapped stock pipeline); `max_sequence_length`:
+        the text tokens a prompt keeps (None: MAX_SEQUENCE_LENGTH, what `pipe(prompt)` uses), where the family has
+        one."""
+        if max_sequence_length is not None and self.MAX_SEQUENCE_LENGTH is None:
+            raise TypeError(f"{type(self).__name__} takes no max_sequence_length: its prompts are encoded as its "
+                            "pipeline encodes them by default")  # fmt: skip
+        self.max_sequence_length = max_sequence_length or self.MAX_SEQUENCE_LENGTH
         super().__init__()
         self.pipe = pipe
         self.transformer = self._denoiser(pipe)  # registered as a submodule: .to() and LoRA see it

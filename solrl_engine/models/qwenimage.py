@@ -69,9 +69,7 @@ class QwenImageModel(PackedLatentFlowModel):
         joint_attention_dim=3584, guidance_embeds=False, axes_dims_rope=(16, 56, 56),
     )  # fmt: skip
 
-    def __init__(self, pipe: Any, *args: Any, max_sequence_length: int | None = None, **kwargs: Any) -> None:
-        """`max_sequence_length`: the most text tokens a prompt keeps (None: 512, what `pipe(prompt)` uses)."""
-        self.max_sequence_length = max_sequence_length or self.MAX_SEQUENCE_LENGTH
+    def __init__(self, pipe: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(pipe, *args, **kwargs)
         # diffusers 0.35 / 0.36: RoPE takes the text lengths (`txt_seq_lens`, deprecated from 0.37, which reads the
         # length off the text states as `max_txt_seq_len`) and the mask is not applied in attention

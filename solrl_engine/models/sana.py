@@ -58,7 +58,7 @@ class GemmaPrompts:
         return Conditioning(hidden.to(self.dtype), None, mask)
 
     def _text_tokens(self) -> int:
-        return int(getattr(self, "max_sequence_length", None) or self.TEXT_TOKENS)
+        return int(self.max_sequence_length or self.TEXT_TOKENS)
 
     def _standin_dims(self) -> tuple[int, int | None]:
         return int(self.transformer.config.caption_channels), None

@@ -41,6 +41,7 @@ class SanaVideoModel(GemmaPrompts, WanModel):
     PIPELINE_CLASS = "SanaVideoPipeline"
     TRANSFORMER_CLASS = "SanaVideoTransformer3DModel"
     TEXT_TOKENS = 300  # SanaVideoPipeline's max_sequence_length
+    MAX_SEQUENCE_LENGTH = 300
     FULL_CONFIG: ClassVar[dict[str, Any]] = SANA_VIDEO_2B
     ALIAS_CONFIGS: ClassVar[dict[str, dict[str, Any]]] = {"sana-video-2b": SANA_VIDEO_2B}
     HUB_CONFIGS: ClassVar[dict[str, dict[str, Any]]] = {

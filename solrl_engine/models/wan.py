@@ -53,6 +53,7 @@ class WanModel(PipelineFlowModel):
     DEFAULT_WIDTH = 832
     DEFAULT_FRAMES = 81
     TEXT_TOKENS = 512  # what WanPipeline.__call__ encodes (its encode_prompt alone defaults to 226)
+    MAX_SEQUENCE_LENGTH = 512
     RANDOM_VAE_FACTOR = 8
     FULL_CONFIG: ClassVar[dict[str, Any]] = {**_COMMON, **WAN_CONFIGS["wan2.1-1.3b"]}
     # the benchmarks' names (models.ARCH_ALIASES) of the published transformers this adapter builds with random
@@ -70,15 +71,13 @@ class WanModel(PipelineFlowModel):
     HUB_EXPERTS: ClassVar[dict[str, float]] = {"Wan-AI/Wan2.2-T2V-A14B-Diffusers": 0.875}
 
     def __init__(self, pipe: Any, *args: Any, frames: int | None = None, width: int | None = None,
-                 max_sequence_length: int | None = None, lora_experts: str = "both",
-                 **kwargs: Any) -> None:  # fmt: skip
+                 lora_experts: str = "both", **kwargs: Any) -> None:  # fmt: skip
         """`frames` (4k + 1) and `width` (None: 81 and 832, Wan2.1's 480p default; `resolution` is the height);
-        `max_sequence_length`: the UMT5 tokens (None: 512, what `pipe(prompt)` uses); `lora_experts`: which experts
-        of a two-expert pipeline (Wan2.2-A14B) carry the trained LoRA (both, high, low)."""
+        `lora_experts`: which experts of a two-expert pipeline (Wan2.2-A14B) carry the trained LoRA (both, high,
+        low)."""
         self.lora_experts = lora_experts
         self.frames = frames or self.DEFAULT_FRAMES
         self.width = width
-        self.max_sequence_length = max_sequence_length or self.TEXT_TOKENS
         super().__init__(pipe, *args, **kwargs)
         if width is None:
             self.width = self.DEFAULT_WIDTH if self.resolution == self.DEFAULT_RESOLUTION else self.resolution

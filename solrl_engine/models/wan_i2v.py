@@ -18,15 +18,16 @@ frame into the latent and gives it its own timestep, and a last frame (`last_ima
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from solrl_engine.data import probe_prompt, single_images
-from solrl_engine.models import ModelSpec
 from solrl_engine.models.base import Conditioning
-from solrl_engine.models.wan import _COMMON, WAN_EXPLORE_RULE, WAN_LORA_TARGETS, WanModel
+from solrl_engine.models.wan import _COMMON, WanModel
+from solrl_engine.models.wan import SPEC as WAN_SPEC
 
 # Wan2.1-I2V-14B's transformer (diffusers' conversion of the official config): the T2V 14B's blocks, 36 input
 # channels (16 noisy + 4 mask + 16 condition) and a CLIP ViT-H image cross-attention (1280 -> 5120)
@@ -122,21 +123,14 @@ class WanI2VModel(WanModel):
                    return_dict=False)[0]  # fmt: skip
 
 
-SPEC = ModelSpec(
+# Wan's spec (its LoRA targets, explore rule, guidance, blocks, two experts) with its own pipeline and encoders
+SPEC = dataclasses.replace(
+    WAN_SPEC,
     name="wan_i2v",
     adapter="solrl_engine.models.wan_i2v:WanI2VModel",
     pipeline="WanImageToVideoPipeline",
     default_path="Wan-AI/Wan2.1-I2V-14B-480P-Diffusers",
-    resolution=480,
-    lora_targets=WAN_LORA_TARGETS,
-    explore_rule=WAN_EXPLORE_RULE,
-    guidance="cfg",
-    guidance_scale=5.0,
-    repeated_blocks=("WanTransformerBlock",),
-    video=True,
     conditioned=True,
-    two_experts=True,
     # UMT5-XXL's encoder and the CLIP ViT-H/14 vision tower (open_clip's, as the pipeline ships it), the Wan2.1 VAE
     text_encoder_params_b={"UMT5-XXL encoder": 5.68, "CLIP ViT-H/14 vision": 0.63},
-    vae_params_b=0.127,
 )

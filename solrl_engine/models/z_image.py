@@ -57,11 +57,6 @@ class ZImageModel(PackedLatentFlowModel):
         axes_dims=[32, 48, 48], axes_lens=[1024, 512, 512],
     )  # fmt: skip
 
-    def __init__(self, pipe: Any, *args: Any, max_sequence_length: int | None = None, **kwargs: Any) -> None:
-        """`max_sequence_length`: the most tokens a prompt keeps, template included (None: 512, `pipe(prompt)`'s)."""
-        self.max_sequence_length = max_sequence_length or self.MAX_SEQUENCE_LENGTH
-        super().__init__(pipe, *args, **kwargs)
-
     @staticmethod
     def default_scheduler() -> Any:
         from diffusers import FlowMatchEulerDiscreteScheduler
