@@ -98,13 +98,15 @@ def test_check_conditioning_names_the_key_the_set_and_the_fix():
 
 
 def test_the_bundled_editing_set_is_what_its_generator_draws(tmp_path):
-    """The shipped JSONL and PNGs equal a fresh write_edit_set (pixels, not bytes: PNG encoders differ)."""
+    """The shipped JSONL and PNGs equal a fresh write_edit_set (pixels, not bytes: PNG encoders differ; within one
+    level on 1% of the pixels: Pillow 13 rounds an ellipse's edge otherwise than the Pillow 12 that drew them)."""
     write_edit_set(tmp_path)
     for split, n in SPLITS.items():
         shipped, fresh = load_prompts(f"edit/{split}"), load_prompts(str(tmp_path / f"edit_{split}.jsonl"))
         assert len(shipped) == n and [str(p) for p in shipped] == [str(p) for p in fresh]
         for a, b in zip(shipped, fresh, strict=True):
-            assert np.array_equal(np.asarray(a.open_images()[0]), np.asarray(b.open_images()[0]))
+            diff = np.abs(np.asarray(a.open_images()[0]).astype(int) - np.asarray(b.open_images()[0]).astype(int))
+            assert diff.max() <= 1 and (diff.max(-1) > 0).mean() <= 0.01, str(a)
         motions, fresh_motions = load_prompts(f"i2v/{split}"), load_prompts(str(tmp_path / f"i2v_{split}.jsonl"))
         assert [str(p) for p in motions] == [str(p) for p in fresh_motions] and len(motions) == n
         assert [p.images for p in motions] == [p.images for p in shipped]  # the editing sources as first frames
