@@ -149,6 +149,9 @@ def test_expert_choices_are_refused_where_there_are_no_experts(wan22, tmp_path):
         RLConfig(model="sd3", lora_experts="low").validate()
     with pytest.raises(ValueError, match="lora_experts.*choose one of"):
         RLConfig(model="wan", lora_experts="middle").validate()
+    with pytest.raises(ValueError, match="lora_experts.*holds one transformer .*model_index.json"):
+        RLConfig(model="wan", model_path=str(build_wan(tmp_path / "one2")), lora_experts="low").validate()
+    RLConfig(model="wan", model_path=str(wan22), lora_experts="low").validate()  # two experts: taken
     with pytest.raises(ValueError, match="lora_experts.*train_mode=full trains every weight"):
         RLConfig(model="wan", lora_experts="low", train_mode="full", family="naive_scaling").validate()
 
@@ -170,7 +173,9 @@ def test_the_memory_plan_counts_both_experts_and_the_lora_on_those_trained(wan22
     rows = [{r.part: r.gib for r in p.rows} for p in (one, two, low)]
     assert rows[1]["trained weights"] == pytest.approx(2 * rows[0]["trained weights"])  # LoRA on both experts
     assert rows[2]["trained weights"] == pytest.approx(rows[0]["trained weights"])  # on the low-noise one
-    assert memplan._boundary_ratio("Wan-AI/Wan2.2-T2V-A14B-Diffusers", {"Wan-AI/Wan2.2-T2V-A14B-Diffusers": 0.875})
+    from solrl_engine.models.experts import boundary_ratio
+
+    assert boundary_ratio("Wan-AI/Wan2.2-T2V-A14B-Diffusers", {"Wan-AI/Wan2.2-T2V-A14B-Diffusers": 0.875})
 
 
 def test_wan22_image_to_video_switches_its_experts_as_its_pipeline_does(tmp_path):

@@ -15,6 +15,8 @@ rollouts sample eagerly (for a 14B video forward the launch overhead a graph rem
 
 from __future__ import annotations
 
+import contextlib
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -152,3 +154,25 @@ def two_experts(pipe: Any, lora_experts: str = "both") -> TimestepExperts | None
                          "load both experts")  # fmt: skip
     steps = int(getattr(pipe.scheduler.config, "num_train_timesteps", 1000))
     return TimestepExperts(pipe.transformer, low, float(ratio) * steps, lora_experts)
+
+
+def boundary_ratio(path: str | Path | None, by_hub: dict[str, float]) -> float | None:
+    """A two-expert pipeline's boundary_ratio from its model_index.json (a local directory, the Hugging Face cache's
+    copy) or, for a hub id not on this machine, `by_hub` (a family's published ones); None for one transformer or
+    an unknown one. Read before any weight loads: the memory plan and the config's checks."""
+    if not path:
+        return None
+    index: dict[str, Any] | None = None
+    if (Path(path) / "model_index.json").is_file():
+        index = json.loads((Path(path) / "model_index.json").read_text())
+    else:
+        with contextlib.suppress(Exception):
+            from huggingface_hub import try_to_load_from_cache
+
+            hit = try_to_load_from_cache(str(path), "model_index.json")
+            if isinstance(hit, str):
+                index = json.loads(Path(hit).read_text())
+    if index is None:
+        return by_hub.get(str(path))
+    two = (index.get("transformer_2") or [None])[0] is not None and index.get("boundary_ratio") is not None
+    return float(index["boundary_ratio"]) if two else None

@@ -460,6 +460,13 @@ class RLConfig:
             experts = " or ".join(n for n in MODELS if model_spec(n).two_experts)
             raise bad("lora_experts", f"applies to two-expert models (model={experts} over a Wan2.2-A14B pipeline); "
                                       f"{self.model!r} has one transformer: leave it at 'both'")  # fmt: skip
+        if self.lora_experts != "both" and self.model_path and Path(self.model_path).is_dir():
+            from solrl_engine.models.experts import boundary_ratio
+
+            if boundary_ratio(self.model_path, {}) is None:  # a local pipeline with one transformer: before loading
+                raise bad("lora_experts", f"{self.model_path} holds one transformer (no transformer_2 and "
+                                          "boundary_ratio in its model_index.json, the Wan2.2-A14B layout): leave "
+                                          "it at 'both'")  # fmt: skip
         if self.lora_experts != "both" and self.train_mode != "lora":
             raise bad("lora_experts", "chooses where the LoRA goes; train_mode=full trains every weight: leave it at "
                                       "'both'")  # fmt: skip

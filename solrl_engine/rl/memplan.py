@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from solrl_engine.models.experts import boundary_ratio
 from solrl_engine.rl.config import FAMILY_TABLE, ConfigError, RLConfig
 from solrl_engine.rl.sizing import AUTO, HEADROOM, NothingFits, UpdateSizes, defaults, recompute_count, size_update
 
@@ -184,27 +185,6 @@ def _local_transformer_config(path: str | None) -> tuple[dict[str, Any] | None, 
     return None, ""
 
 
-def _boundary_ratio(path: str | None, by_hub: dict[str, float]) -> float | None:
-    """A two-expert pipeline's boundary_ratio (its model_index.json: a local directory, the Hugging Face cache's copy,
-    or the published one of a hub id); None for one transformer."""
-    if not path:
-        return None
-    index: dict[str, Any] | None = None
-    if (Path(path) / "model_index.json").is_file():
-        index = json.loads((Path(path) / "model_index.json").read_text())
-    else:
-        with contextlib.suppress(Exception):
-            from huggingface_hub import try_to_load_from_cache
-
-            hit = try_to_load_from_cache(str(path), "model_index.json")
-            if isinstance(hit, str):
-                index = json.loads(Path(hit).read_text())
-    if index is None:
-        return by_hub.get(str(path))
-    two = (index.get("transformer_2") or [None])[0] is not None and index.get("boundary_ratio") is not None
-    return float(index["boundary_ratio"]) if two else None
-
-
 def _import_outside(transformer_class: str) -> None:
     """Import diffusers' (lazily imported) modules of `transformer_class` before the fake mode is entered: a module
     first imported under FakeTensorMode keeps fake tensors in its globals, which corrupts the heap at exit."""
@@ -256,7 +236,7 @@ def _fake_model(cfg: RLConfig, dtype: torch.dtype, fake: Any) -> tuple[Any, str]
     with fake:
         net = build_transformer(adapter, dtype, arch)
     options: dict[str, Any] = {"resolution": cfg.resolution, "transformer": net, "arch": arch, "place": False}
-    ratio = _boundary_ratio(cfg.model_path, getattr(adapter, "HUB_EXPERTS", {}))
+    ratio = boundary_ratio(cfg.model_path, getattr(adapter, "HUB_EXPERTS", {}))
     if ratio is not None:  # two experts (Wan2.2-A14B): both on the GPU, both quantized, LoRA on those trained
         with fake:
             options.update(boundary_ratio=ratio, transformer_2=build_transformer(adapter, dtype, arch),
