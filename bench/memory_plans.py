@@ -55,6 +55,11 @@ PLANS = [
     # context parallelism: each clip's 32,760 tokens over 4 ranks (2 groups of 4 on 8 GPUs)
     ("wan14b-lora-8gpu-fsdp-cp4", "wan14b", {"sharding": "fsdp", "context_parallel": "4"}, 8),
     ("wan22_a14b-lora-8gpu-fsdp-cp4", "wan22_a14b", {"sharding": "fsdp", "context_parallel": "4"}, 8),
+    # 720p (720 x 1280, 81 frames: 75,600 tokens a clip), the other size the A14B models are published for
+    ("wan14b-lora-8gpu-fsdp-cp4-720p", "wan14b", {"sharding": "fsdp", "context_parallel": "4", "resolution": "720",
+                                                  "width": "1280"}, 8),
+    ("wan22_a14b-lora-8gpu-fsdp-cp4-720p", "wan22_a14b", {"sharding": "fsdp", "context_parallel": "4",
+                                                          "resolution": "720", "width": "1280"}, 8),
 ]
 
 

@@ -164,5 +164,8 @@ def test_the_memory_plan_splits_a_samples_activations_over_the_group(setup):
         return {r.part: r for r in memplan.memory_plan(cfg, gpus=2).rows if r.part.endswith("activations")}
 
     one, two = acts(1), acts(2)
+    with pytest.raises(ValueError, match="context_parallel = 2 does not divide 3 GPUs"):
+        memplan.memory_plan(RLConfig(name="w", model="wan", model_path=str(setup[0]), resolution=SIDE, width=SIDE,
+                                     frames=WAN_FRAMES, context_parallel=2), gpus=3)  # fmt: skip
     for part in ("update activations", "rollout activations"):
         assert two[part].gib == pytest.approx(one[part].gib / 2) and "its tokens over 2 ranks" in two[part].note

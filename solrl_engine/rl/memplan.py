@@ -338,6 +338,9 @@ def memory_plan(cfg: RLConfig, gpus: int = 1, gpu_gib: float = 80.0, explore: Se
     from solrl_engine.nn import plan_quantization
     from solrl_engine.quant.recipe import get_recipe
     cfg = cfg.validate()
+    if gpus % cfg.context_parallel:
+        raise ConfigError(f"config {cfg.name!r}: context_parallel = {cfg.context_parallel} does not divide {gpus} GPUs "
+                          "into groups: plan a multiple of it (--gpus)")  # fmt: skip
     resolved = sizes
     if resolved is None and AUTO in (cfg.train_batch_size, cfg.gradient_checkpointing):  # sized for these GPUs
         try:
