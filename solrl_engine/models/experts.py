@@ -59,10 +59,6 @@ class TimestepExperts(nn.Module):
     def _keep_in_fp32_modules(self) -> Any:
         return getattr(self.transformer, "_keep_in_fp32_modules", None)
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.transformer.dtype
-
     # --- the forward ------------------------------------------------------------------------------------------------
 
     def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, **kwargs: Any) -> Any:
