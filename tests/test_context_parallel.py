@@ -111,6 +111,7 @@ def test_two_data_groups_of_two_context_parallel_ranks_with_fsdp_match_one_proce
     out = _torchrun(4, _args(wan22, clip, tmp_path / "cp4", "context_parallel=2", "sharding=fsdp"), tmp_path)
     assert out.stderr.count("the data over 2 groups") == 4
     assert out.stderr.count("sharding=fsdp: 4 blocks over 4 ranks") == 4  # both experts' two blocks
+    assert out.stderr.count("staged start-up: the base loaded on the CPU") == 4  # (rl/runtime.staged)
     _same_run(one_sharded, tmp_path / "cp4", [4, 4])
 
 

@@ -68,6 +68,8 @@ def test_torchrun_two_ranks_match_one_process(small_model, tmp_path, dtype, mode
         held = re.findall(r"sharding=fsdp: 1 blocks over 2 ranks; this rank holds ([\d.]+) of ([\d.]+) MiB of "
                           + ("trained" if mode == "full-fsdp" else "base"), out.stderr)
         assert len(held) == 2 and all(float(a) < 0.6 * float(b) for a, b in held), out.stderr[-2000:]
+    if mode in ("fsdp", "full-fsdp", "full-hsdp"):  # every rank's start-up staged (on a CPU nothing needs moving)
+        assert out.stderr.count("staged start-up: the base loaded on the CPU") == 2, out.stderr[-2000:]
     if mode == "full-hsdp":  # what ran: a 2-D mesh, each rank a group of one holding everything, two replicas
         held = re.findall(r"sharding=hsdp: 1 blocks over groups of 1 of the 2 ranks; this rank holds ([\d.]+) of "
                           r"([\d.]+) MiB of trained", out.stderr)

@@ -114,9 +114,14 @@ def test_a_sharded_lora_plan_splits_the_base_weights_and_keeps_no_merged_copy():
     assert "merged policy copy" in prow and "merged policy copy" not in rows
     assert rows["explore copy"].gib > prow["explore copy"].gib  # its unquantized tensors are its own
     assert shard.sharding == "fsdp" and "sharding=fsdp" in shard.render()
-    # start-up: each rank loads the whole base before sharding; the copies are built on the base's own storage
-    # (ExploreCopy(borrow=True)), so no "being built" row; a refresh holds one block's merged weights at a time
-    assert rows["base before sharding"].gib == pytest.approx(2 * params * 3 / 4 / 2**30)
+    # start-up, staged (rl/runtime.staged): each rank loads the base on the CPU and FSDP2 moves one block whole to
+    # the GPU at a time as it shards it; the copies are built on the base's own storage (ExploreCopy(borrow=True)), so
+    # no "being built" row; a refresh holds one block's merged weights at a time
+    block = rows["a block being sharded"]
+    assert block.when == "start" and "host memory" in block.note and "base before sharding" not in rows
+    # one of the tiny model's two equal repeated blocks (a sharded forward gathers two at a time), far less than
+    # the whole base, which each rank used to hold on its GPU before sharding it
+    assert block.gib == pytest.approx(rows["gathered blocks"].gib / 2) and block.gib < 2 * params / 2 / 2**30
     assert not any("being built" in r.part for r in [*shard.rows, *plain.rows])
     assert 0 < prow["refresh, one block's weights"].gib < prow["transformer (base)"].gib
     assert shard.total("start") == pytest.approx(sum(r.gib for r in shard.rows if r.when in ("always", "start")))
@@ -137,13 +142,14 @@ def test_a_sharded_full_fine_tuning_plan_divides_every_trained_tensor():
     for part in ("trained weights", "old + EMA policies", "AdamW state", "gradients", "transformer (base)"):
         assert rows[part].gib == pytest.approx(prow[part].gib / 4), part
     assert rows["trained weights' stash"].gib == pytest.approx(4 * params / 4 / 2**30)
-    assert rows["base before sharding"].gib == pytest.approx(2 * params * 3 / 4 / 2**30)  # BF16: upcast per block
+    # staged: one block whole on the GPU at start, upcast to FP32 on the CPU just before FSDP2 moves and shards it
+    assert rows["a block being sharded"].gib == pytest.approx(rows["gathered blocks"].gib / 2)  # one block, FP32
     assert "gradient all-reduce" in prow and "gradient all-reduce" not in rows
     assert shard.peak_gib < plain.peak_gib and plain.sharded_peak_gib == pytest.approx(shard.peak_gib)
     # HSDP: split over a group (a node), replicated across groups: 16 GPUs in groups of 4 hold what fsdp on 4 does
     hsdp = memplan.memory_plan(RLConfig(**cfg, sharding="hsdp", shard_group_size=4), gpus=16)
     hrows = {r.part: r for r in hsdp.rows}
-    for part in ("trained weights", "AdamW state", "transformer (base)", "base before sharding"):
+    for part in ("trained weights", "AdamW state", "transformer (base)", "a block being sharded"):
         assert hrows[part].gib == pytest.approx(rows[part].gib), part
     assert hsdp.sharding == "hsdp" and "sharding=hsdp" in hsdp.render()
 

@@ -129,6 +129,7 @@ class ExploreCopy:
         changes: Mapping[str, Any] | None = None,
         borrow: bool = False,
         producers: Mapping[str, tuple[str, ...]] | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         self.te = isinstance(recipe, str) and recipe == "te_nvfp4"  # Transformer Engine's NVFP4, a peer
         self.full_precision = isinstance(recipe, str) and recipe == POLICY  # the policy's precision, LoRA merged
@@ -146,15 +147,21 @@ class ExploreCopy:
         self.transformer = (_borrowing_copy(base_transformer) if lend
                             else copy.deepcopy(base_transformer)).eval().requires_grad_(False)  # fmt: skip
         _merge_lora_into_copy(self.transformer)  # a caller's transformer may already carry a LoRA
+        # `device`: where the copy lives when the base is elsewhere (a sharded start-up's base, on the CPU until
+        # sharding moves it: rl/sharding.py): each layer is quantized there, one whole at a time, then the rest moved
         if self.te:
             from solrl_engine.nn.te import TEAutocast, to_te_
 
+            if device is not None:  # (Transformer Engine's layers are built on the GPU they run on)
+                self.transformer.to(device)
             self.report: QuantReport = to_te_(self.transformer, self.quant_recipe)
             self.transformer = TEAutocast(self.transformer)
         elif self.full_precision:
             self.report = QuantReport(self.quant_recipe)  # nothing quantized
         else:
-            self.report = quantize_model(self.transformer, self.quant_recipe)
+            self.report = quantize_model(self.transformer, self.quant_recipe, device=device)
+        if device is not None:
+            self.transformer.to(device)
         # the producers (ModelSpec.producers) that emit their output's row-wise codes for the linears they feed
         self.producers = fuse_producers(self.transformer, producers or {}) if not self.te else None
         self.merge = True
@@ -162,12 +169,14 @@ class ExploreCopy:
         self.attention = "bf16"
 
     @classmethod
-    def from_spec(cls, transformer: nn.Module, spec: ExploreSpec | None, borrow: bool = False) -> ExploreCopy | None:
+    def from_spec(cls, transformer: nn.Module, spec: ExploreSpec | None, borrow: bool = False,
+                  device: torch.device | str | None = None) -> ExploreCopy | None:  # fmt: skip
         """The copy an ExploreSpec asks for (its precision, full layer rule and attention), None where the policy
-        itself explores (POLICY) or there is no spec; `borrow` as ExploreCopy's."""
+        itself explores (POLICY) or there is no spec; `borrow` and `device` as ExploreCopy's."""
         if spec is None or not spec.quantized:
             return None
-        copy = cls(transformer, spec.precision, changes=dict(spec.rule), borrow=borrow, producers=spec.producers)
+        copy = cls(transformer, spec.precision, changes=dict(spec.rule), borrow=borrow, producers=spec.producers,
+                   device=device)  # fmt: skip
         if spec.attention != "bf16":
             copy.set_attention(spec.attention)
         return copy

@@ -101,10 +101,12 @@ class PipelineFlowModel(nn.Module):
         guidance_scale: float | None = None,
         place: bool = True,
         max_sequence_length: int | None = None,
+        transformer_on_cpu: bool = False,
     ) -> None:
         """place=False leaves every module where the caller put it (a wrapped stock pipeline); `max_sequence_length`:
         the text tokens a prompt keeps (None: MAX_SEQUENCE_LENGTH, what `pipe(prompt)` uses), where the family has
-        one."""
+        one; `transformer_on_cpu`: a sharded start-up's (rl/sharding.py), the transformer left on the CPU, where
+        the pipeline loads it, for sharding to move it to `device` a block at a time (no GPU ever holds it whole)."""
         if max_sequence_length is not None and self.MAX_SEQUENCE_LENGTH is None:
             raise TypeError(f"{type(self).__name__} takes no max_sequence_length: its prompts are encoded as its "
                             "pipeline encodes them by default")  # fmt: skip
@@ -131,7 +133,7 @@ class PipelineFlowModel(nn.Module):
         self.latent_shape = self._latent_shape()
         self.integer_timesteps = self._integer_timesteps()
         if place:
-            self.transformer.to(self.device_)
+            self.transformer.to("cpu" if transformer_on_cpu else self.device_)
             if getattr(pipe, "vae", None) is not None:
                 pipe.vae.to(self.device_)
             for enc in self._text_encoders():

@@ -191,13 +191,16 @@ def plan_quantization(model: nn.Module, recipe: str | QuantRecipe = "nvfp4") -> 
 
 
 @torch.no_grad()
-def quantize_model(model: nn.Module, recipe: str | QuantRecipe = "nvfp4", keep_master: bool = False) -> QuantReport:
+def quantize_model(model: nn.Module, recipe: str | QuantRecipe = "nvfp4", keep_master: bool = False,
+                   device: torch.device | str | None = None) -> QuantReport:  # fmt: skip
     """Replace eligible nn.Linear layers (and, with `recipe.convs_1x1`, 1x1 nn.Conv2d layers) of
     `model` by QuantLinear / QuantConv1x1, in place; report every decision.
 
     `recipe` is a QuantRecipe or a name from solrl_engine.quant.RECIPES ("nvfp4", "fp8", ...).
     With `keep_master=True` each QuantLinear remembers the nn.Linear weight it came from, so that
-    `requantize_(model)` can refresh it after that weight is updated.
+    `requantize_(model)` can refresh it after that weight is updated. `device`: each layer is moved there
+    just before it is quantized (a copy built from a base still on the CPU, at a sharded start-up: the
+    device holds one layer whole at a time); the layers it does not quantize stay where they are.
     """
     recipe = get_recipe(recipe)
     if isinstance(model, nn.Linear):
@@ -206,6 +209,8 @@ def quantize_model(model: nn.Module, recipe: str | QuantRecipe = "nvfp4", keep_m
     decisions = [d for d in report.layers if d.quantized]
     for (parent, child_name, child), d in zip(targets, decisions, strict=True):
         cls = QuantConv1x1 if isinstance(child, nn.Conv2d) else QuantLinear
+        if device is not None:
+            child.to(device)
         q = cls.from_linear(child, recipe, keep_master=keep_master)
         q.kernel_tag = f"{d.name}#{q.kernel_tag.partition('#')[2]}"  # the fast-path record names the layer
         setattr(parent, child_name, q)

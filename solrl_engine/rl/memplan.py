@@ -18,8 +18,9 @@ Every rank of a torchrun job holds all of this unless `sharding=fsdp` (or `hsdp`
 them): then a LoRA run's frozen base weights are 1/gpus per rank, plus the two largest repeated blocks gathered at
 a time, and no merged policy copy is kept; the explore copy and the adapters stay whole on every rank. Full fine-
 tuning sharded divides every trained tensor (weights, old, EMA, the stash, AdamW's moments, gradients) and the
-reference by the GPUs, and gathers its blocks in FP32; at start each rank loads the whole base and upcasts it to
-FP32 block by block as it shards it.
+reference by the GPUs, and gathers its blocks in FP32. A sharded start-up is staged: each rank loads the base on
+the CPU, builds the explore copy on its GPU a layer at a time, and FSDP2 moves the base to the GPU a block at a
+time as it shards it (upcast to FP32 just before, for full fine-tuning), so the start-up peak is one block whole.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("solrl_engine.rl")
 GIB = 2**30
-# "refresh": the copies following the updated policy; "start": each rank's whole base before it is sharded
+# "refresh": the copies following the updated policy; "start": what building the run holds only while it starts
 PHASES = ("update", "rollout", "encode", "refresh", "start")
 
 
@@ -117,9 +118,6 @@ class MemoryPlan:
         if merged is not None:
             out.append((merged.gib, f"--set merge_lora=false (no merged policy copy: {merged.gib:.2f} GiB less; "
                                     "full-precision rollouts then run PEFT's unmerged LoRA)"))  # fmt: skip
-        if phase == "start":
-            out.append((0.0, "the peak is at start, while each rank holds the whole base before sharding it: loading "
-                             "it on the CPU first is not built yet"))  # fmt: skip
         enc = by.get("text encoders")
         if enc is not None and enc.when == "always":
             out.append((enc.gib, f"--set offload_text_encoders=true ({enc.gib:.1f} GiB off the GPU between encodes)"))
@@ -473,10 +471,11 @@ def memory_plan(cfg: RLConfig, gpus: int = 1, gpu_gib: float = 80.0, explore: Se
             rows.append(PlanRow("refresh, one block's weights", (sizes[0] if sizes else params) * (4 if full else b)
                                 / GIB, "refresh", "the copies refresh a block at a time: its merged (or gathered) "
                                 "weights"))  # fmt: skip
-        if sharded and shards > 1:
-            rows.append(PlanRow("base before sharding", params * b * (1 - 1 / shards) / GIB, "start",
-                                "each rank loads the whole base, then shards it"
-                                + (" block by block, each upcast to FP32 just before" if full else "")))  # fmt: skip
+        if sharded and shards > 1:  # a staged start-up (rl/runtime.staged): the base loads on the CPU
+            rows.append(PlanRow("a block being sharded", (sizes[0] if sizes else params) * (4 if full else b) / GIB,
+                                "start", f"each rank loads the base on the CPU ({params * b / GIB:.1f} GiB of host "
+                                "memory), and FSDP2 moves it here a block at a time as it shards it"
+                                + (", each upcast to FP32 just before" if full else "")))  # fmt: skip
         k = recompute_count(cfg.gradient_checkpointing, len(sizes_b))
         act = act_plain - (k / len(sizes_b) * (act_plain - act_ckpt) if sizes_b else 0.0)
         how = "" if not k else (", gradient checkpointing" if k == len(sizes_b) else f", {k} of {len(sizes_b)} "

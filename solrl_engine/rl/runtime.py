@@ -172,6 +172,13 @@ def rollout_settings(cfg: RLConfig) -> RolloutSettings:
                            compile_cache_dir=cfg.compile_cache_dir, reward_name=cfg.reward)  # fmt: skip
 
 
+def staged(cfg: RLConfig, world: int) -> bool:
+    """Whether a run's start-up is staged on the CPU: sharded over several ranks, each rank loads the base on the
+    CPU, builds the explore copy on its device a layer at a time, and FSDP2 moves the policy to the device a block
+    at a time as it shards it (rl/sharding.py), so no GPU holds the whole base."""
+    return cfg.sharding != "none" and world > 1
+
+
 def build_rollouts(cfg: RLConfig, run: RunPlan | None = None) -> Rollouts:
     """The config's model (on its device, in its policy dtype, frozen) and reward, behind one Rollouts: as `run`
     resolved them (the trainer's plan), else resolved here. A missing reward weight fails before any model loads."""
@@ -196,6 +203,8 @@ def build_rollouts(cfg: RLConfig, run: RunPlan | None = None) -> Rollouts:
         guidance_scale=model_guidance(spec, cfg.guidance_scale) if spec.guidance == "embedded" else None,
         **({"frames": cfg.frames, "width": cfg.width} if spec.video else {}),
         **({"lora_experts": cfg.lora_experts} if spec.two_experts else {}),
+        # a sharded start-up: the transformer stays on the CPU until sharding moves it a block at a time
+        **({"transformer_on_cpu": True} if run is not None and staged(cfg, run.target.world) else {}),
     )
     model.requires_grad_(False)
     reward = load_reward(cfg.reward, reward_args, urls, cfg.reward_wait_s)
@@ -215,7 +224,8 @@ def build_explorer(ro: Rollouts, spec: ExploreSpec | None, n: int, k: int, steps
     """An Explorer over the rollouts: with the copy `spec` asks for, or the policy itself (spec None, or
     POLICY). The copy is built from the rollouts' transformer as it is now. `rng` draws seeds when the
     caller gives none (the trainer always gives them)."""
-    copy = ExploreCopy.from_spec(ro.model.transformer, spec, borrow=True)  # no second whole copy at start
+    # no second whole copy at start; on the rollouts' device (a staged start-up's base is still on the CPU)
+    copy = ExploreCopy.from_spec(ro.model.transformer, spec, borrow=True, device=ro.device)
     return Explorer.from_rollouts(ro, copy, spec, n, k, steps, rng)
 
 

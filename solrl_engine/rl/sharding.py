@@ -83,6 +83,64 @@ def shard_policy(transformer: nn.Module, blocks: Sequence[str], keep: Iterable[n
     return len(found)
 
 
+def settle_(modules: Iterable[nn.Module], device: torch.device, extra: list[torch.Tensor] | None = None) -> int:
+    """After a staged start-up (rl/runtime.staged: the base loaded on the CPU, FSDP2 moving each block to `device` as
+    it shards it), move what FSDP2 left where it was (the LoRA matrices it leaves out, buffers outside its blocks, and
+    the tensors in `extra`, replaced in the list) to `device`, each parameter keeping its identity (the optimizer
+    and the copies hold them); then check that every tensor of `modules` is on `device`, so a stray one fails here,
+    naming it, rather than mid-run. Returns how many tensors moved."""
+    from torch.distributed.tensor import DTensor
+
+    def there(t: torch.Tensor) -> bool:
+        return _on(t.device, device)
+
+    moved = 0
+    with torch.no_grad():
+        for module in modules:
+            for m in module.modules():
+                for _, p in m.named_parameters(recurse=False):
+                    if not isinstance(p, DTensor) and not there(p):
+                        new = p.data.to(device)
+                        if torch._has_compatible_shallow_copy_type(p.data, new):  # as nn.Module.to moves one
+                            p.data = new
+                        else:  # (another tensor type, as the meta device's: the same object, swapped)
+                            torch.utils.swap_tensors(p, nn.Parameter(new, requires_grad=p.requires_grad))
+                        moved += 1
+                for name, b in m.named_buffers(recurse=False):
+                    if not isinstance(b, DTensor) and not there(b):
+                        m._buffers[name] = b.to(device)
+                        moved += 1
+        for i, t in enumerate(extra or []):
+            if not there(t):
+                extra[i] = t.to(device)  # type: ignore[index]
+                moved += 1
+    stray = elsewhere(modules, device)
+    if stray:
+        raise RuntimeError(f"after sharding, {len(stray)} tensors are not on {device}: {', '.join(stray[:4])}; this is "
+                           "a bug of the staged start-up (rl/sharding.py): report it, and meanwhile set "
+                           "sharding=none")  # fmt: skip
+    return moved
+
+
+def elsewhere(modules: Iterable[nn.Module], device: torch.device) -> list[str]:
+    """"<name> (<device>)" of every parameter and buffer of `modules` (a sharded one: its local part) that is not on
+    `device` (a device without an index: any of that type)."""
+    from torch.distributed.tensor import DTensor
+
+    out = []
+    for module in modules:
+        for n, t in [*module.named_parameters(), *module.named_buffers()]:
+            d = (t.to_local() if isinstance(t, DTensor) else t).device
+            if not _on(d, device):
+                out.append(f"{n} ({d})")
+    return out
+
+
+def _on(d: torch.device, device: torch.device) -> bool:
+    """Whether `d` is `device` (one without an index: any device of its type)."""
+    return d.type == device.type and (device.index is None or d.index in (None, device.index))
+
+
 def sharded_bytes(transformer: nn.Module) -> tuple[int, int]:
     """(bytes of this rank's shards, bytes the same parameters hold whole): what sharding saved on this rank."""
     from torch.distributed.tensor import DTensor

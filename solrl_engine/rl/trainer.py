@@ -46,8 +46,8 @@ from solrl_engine.rl.guards import NonFiniteError, ProxyGuard, check_finite, che
 from solrl_engine.rl.heldout import HeldOut
 from solrl_engine.rl.objectives import objective, preview_coupling, rollout_window
 from solrl_engine.rl.ranking import group_advantages, kendall, spearman
-from solrl_engine.rl.runtime import Target, build_rollouts, explorer_for, resolve
-from solrl_engine.rl.sharding import shard_policy, sharded_bytes
+from solrl_engine.rl.runtime import Target, build_rollouts, explorer_for, resolve, staged
+from solrl_engine.rl.sharding import settle_, shard_policy, sharded_bytes
 from solrl_engine.rl.update import UpdateBatch, fixed_predictions
 from solrl_engine.sampling.compile import Census, CompiledBlocks, census_backend, repeated_blocks
 from solrl_engine.sampling.rollouts import Pending, Scored
@@ -191,6 +191,13 @@ class Trainer:
                      if cfg.sharding == "hsdp" else 0)  # fmt: skip
             blocks = shard_policy(self.model.transformer, self.rollouts.spec.repeated_blocks, keep, self.dist,
                                   self.device, upcast=not lora, group=group)  # fmt: skip
+            if staged(cfg, self.dist.world):  # the base was loaded on the CPU: FSDP2 moved the blocks it sharded
+                held = [c.transformer for c in (self.explore, self.policy_copy) if c is not None]
+                ema = list(self.adapters.ema)  # (the LoRA matrices it left out, their EMA, and any stray buffer)
+                moved = settle_([self.model.transformer, *held], self.device, ema)
+                self.adapters.ema[:] = ema
+                log.info("staged start-up: the base loaded on the CPU and moved to %s a block at a time as it was "
+                         "sharded; %d tensors left out of FSDP2 moved after", self.device, moved)  # fmt: skip
             if not lora:
                 self.adapters.shard()  # its weight sets made as this rank's shards
                 self._follow_explore()  # the explore copy refreshed from them, gathered a weight at a time
