@@ -26,11 +26,13 @@ def _args(small_model: str, out: Path, dtype: torch.dtype, mode: str = "lora") -
             "lora_alpha=8", "lr=1e-2", "rollout_batch_size=16", "train_batch_size=4",
             "timestep_fraction=0.5", "explore_precision=nvfp4", "updates_per_iter=2",
             "eval_train_prompt_count=3", f"policy_dtype={str(dtype).removeprefix('torch.')}"]  # fmt: skip
-    if mode in ("full", "full-fsdp", "full-hsdp"):  # every weight trained (rl/full.py), at a full FT's rate
+    if mode in ("full", "full-fsdp", "full-hsdp", "full-fsdp-xs"):  # every weight trained (rl/full.py), at a full FT's rate
         sets += ["train_mode=full", "lr=1e-3"]
-    if mode in ("fsdp", "full-fsdp"):  # FSDP2-sharded over the ranks (rl/sharding.py); one process: same paths
-        sets += ["sharding=fsdp"]
-    if mode == "full-fsdp":  # with gradient checkpointing: each block's forward recomputed (and gathered) in backward
+    if mode in ("fsdp", "full-fsdp", "fsdp-xs", "full-fsdp-xs"):  # FSDP2-sharded over the ranks (rl/sharding.py)
+        sets += ["sharding=fsdp"]  # (one process: the same paths, nothing to shard over)
+    if mode.endswith("-xs"):  # the explore copy's blocks split over the ranks too, gathered in its forwards
+        sets += ["explore_sharding=shard"]
+    if mode in ("full-fsdp", "full-fsdp-xs"):  # with gradient checkpointing: each block's forward recomputed (and gathered) in backward
         sets += ["gradient_checkpointing=true"]
     if mode == "full-hsdp":  # HSDP: groups of one rank ("nodes" of one GPU), replicated across the two
         sets += ["sharding=hsdp", "shard_group_size=1"]
@@ -45,9 +47,11 @@ def _args(small_model: str, out: Path, dtype: torch.dtype, mode: str = "lora") -
 @pytest.mark.parametrize(("dtype", "mode"), [(torch.float32, "lora"), (torch.bfloat16, "lora"),
                                              (torch.float32, "full"), (torch.float32, "fsdp"),
                                              (torch.float32, "full-fsdp"), (torch.float32, "full-hsdp"),
-                                             (torch.float32, "flow_grpo")],
+                                             (torch.float32, "flow_grpo"), (torch.float32, "fsdp-xs"),
+                                             (torch.float32, "full-fsdp-xs")],
                          ids=["fp32", "bf16", "full-fp32", "fsdp-fp32", "full-fsdp-fp32",
-                              "full-hsdp-fp32", "flow-grpo-fp32"])  # fmt: skip
+                              "full-hsdp-fp32", "flow-grpo-fp32", "fsdp-explore-sharded-fp32",
+                              "full-fsdp-explore-sharded-fp32"])  # fmt: skip
 def test_torchrun_two_ranks_match_one_process(small_model, tmp_path, dtype, mode):
     """Both policy dtypes the CPU's detection can pick (set explicitly: the ranks are other processes),
     with tolerances set by the dtype (tests/cpu_branches.py): BF16 sums in another order differ by
@@ -64,9 +68,13 @@ def test_torchrun_two_ranks_match_one_process(small_model, tmp_path, dtype, mode
            *_args(small_model, two, dtype, mode)]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-4000:]
-    if mode in ("fsdp", "full-fsdp"):  # what ran: every rank holds half of the base (or trained) weights
+    if mode in ("fsdp", "full-fsdp", "fsdp-xs", "full-fsdp-xs"):  # what ran: each rank holds half of the weights
         held = re.findall(r"sharding=fsdp: 1 blocks over 2 ranks; this rank holds ([\d.]+) of ([\d.]+) MiB of "
-                          + ("trained" if mode == "full-fsdp" else "base"), out.stderr)
+                          + ("trained" if mode.startswith("full") else "base"), out.stderr)
+        assert len(held) == 2 and all(float(a) < 0.6 * float(b) for a, b in held), out.stderr[-2000:]
+    if mode.endswith("-xs"):  # and half of the explore copy's blocks, gathered for each forward and refresh
+        held = re.findall(r"explore_sharding=shard: the explore copy's \d+ blocks over 2 ranks; this rank holds "
+                          r"([\d.]+) of ([\d.]+) MiB", out.stderr)
         assert len(held) == 2 and all(float(a) < 0.6 * float(b) for a, b in held), out.stderr[-2000:]
     if mode in ("fsdp", "full-fsdp", "full-hsdp"):  # every rank's start-up staged (on a CPU nothing needs moving)
         assert out.stderr.count("staged start-up: the base loaded on the CPU") == 2, out.stderr[-2000:]
@@ -109,7 +117,9 @@ FILES = {"lora": "lora/pytorch_lora_weights.safetensors", "fsdp": "lora/pytorch_
          "flow_grpo": "lora/pytorch_lora_weights.safetensors",
          "full": "transformer/diffusion_pytorch_model.safetensors",
          "full-fsdp": "transformer/diffusion_pytorch_model.safetensors",
-         "full-hsdp": "transformer/diffusion_pytorch_model.safetensors"}  # what each mode exports
+         "full-hsdp": "transformer/diffusion_pytorch_model.safetensors",
+         "fsdp-xs": "lora/pytorch_lora_weights.safetensors",
+         "full-fsdp-xs": "transformer/diffusion_pytorch_model.safetensors"}  # what each mode exports
 
 
 def _torchrun(args: list[str], cwd: Path) -> subprocess.CompletedProcess:

@@ -15,9 +15,10 @@ other tensor is the policy's own.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -167,6 +168,9 @@ class ExploreCopy:
         self.merge = True
         self.shared_bytes = 0
         self.attention = "bf16"
+        # a copy split over the ranks (rl/sharding.ShardedCopy.whole): the blocks holding some names gathered whole
+        # while the refresh writes them
+        self.whole_blocks: Callable[[list[str]], contextlib.AbstractContextManager[None]] | None = None
 
     @classmethod
     def from_spec(cls, transformer: nn.Module, spec: ExploreSpec | None, borrow: bool = False,
@@ -292,9 +296,11 @@ class ExploreCopy:
         quant = sum(k.endswith(".weight") and isinstance(mods.get(k.removesuffix(".weight")), QuantLinear)
                     for k in merged)  # fmt: skip
         done = 0  # a block at a time ("transformer_blocks.3..."): one block's merged weights live at once
-        for _, names in itertools.groupby(merged, key=lambda k: ".".join(k.split(".")[:2])):
-            part = {k: merged[k] for k in names}  # high-precision layers copied too
-            done += requantize_(self.transformer, source=part, strict=False)
+        for _, group in itertools.groupby(merged, key=lambda k: ".".join(k.split(".")[:2])):
+            names = list(group)
+            with self.whole_blocks(names) if self.whole_blocks is not None else contextlib.nullcontext():
+                part = {k: merged[k] for k in names}  # high-precision layers copied too
+                done += requantize_(self.transformer, source=part, strict=False)
         if done != quant:  # cannot happen once check_follows passed; a guard against silent partial refreshes
             raise RuntimeError(f"refreshed {done} of the {quant} quantized LoRA layers of the explore copy")
         return len(merged)

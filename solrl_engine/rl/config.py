@@ -62,6 +62,7 @@ TRAIN_MODES = ("lora", "full")  # what the update trains: LoRA adapters, or ever
 # the policy replicated on every rank, FSDP2-sharded over all ranks, or HSDP: sharded within each group of
 # shard_group_size ranks (a node's GPUs by default), replicated across the groups (nodes)
 SHARDING = ("none", "fsdp", "hsdp")
+EXPLORE_SHARDING = ("auto", "none", "shard")  # the explore copy of a sharded run: split over the ranks, or whole
 
 
 @dataclass(frozen=True)
@@ -216,6 +217,10 @@ class RLConfig:
     # shard_group_size ranks (0: each node's, torchrun's LOCAL_WORLD_SIZE) and replicated across them
     sharding: str = "none"
     shard_group_size: int = 0
+    # with sharding: the explore copy's blocks split over the ranks too (rl/sharding.ShardedCopy), gathered block by
+    # block in its forwards, which then run eagerly (no captured graphs): "shard", "none" (each rank holds it
+    # whole), or "auto": shard only where the run's memory plan does not fit with the copy whole
+    explore_sharding: str = "auto"
     # under torchrun: groups of this many consecutive ranks split each forward's sequence (tokens) and hold the same
     # samples (rl/context_parallel.py): ulysses (the heads split, an all-to-all), ring (keys and values passed
     # around; GPU attention kernels only) or auto (ulysses where the degree divides the heads)
@@ -483,6 +488,16 @@ class RLConfig:
         if self.shard_group_size < 0 or (self.shard_group_size and self.sharding != "hsdp"):
             raise bad("shard_group_size", "it is sharding=hsdp's group of ranks sharing one copy (0: a node's); "
                                           "set sharding=hsdp, or leave it at 0")  # fmt: skip
+        if self.explore_sharding not in EXPLORE_SHARDING:
+            raise bad("explore_sharding", f"choose one of {EXPLORE_SHARDING} (shard: the explore copy split over the "
+                                          "ranks; auto: only where a whole copy does not fit)")  # fmt: skip
+        if self.explore_sharding == "shard" and (self.sharding == "none" or not FAMILY_TABLE[self.family].
+                                                 quantized_explore):  # fmt: skip
+            raise bad("explore_sharding", "splits a quantized explore copy over the ranks of a sharded run: set "
+                                          "sharding=fsdp (or hsdp) with sol_rl or naive_quant, or leave it at auto")
+        if self.explore_sharding == "shard" and self.explore_precision == "te_nvfp4":
+            raise bad("explore_sharding", "Transformer Engine's layers keep their weights their own way: use "
+                                          "explore_precision=nvfp4 (the engine's, the same numerics)")  # fmt: skip
         if self.sharding != "none" and FAMILY_TABLE[self.family].compiled:
             raise bad("family", "the compile family samples the policy through captured graphs; a sharded policy "
                                 "gathers its weights block by block inside each forward, so it samples eagerly: "

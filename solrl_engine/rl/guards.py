@@ -18,6 +18,7 @@ SAFE_TO_CHANGE_ON_RESUME = {
     "compiled_sampler", "compile_mode", "compile_regional", "compile_cache_dir",
     "rollout_batch_size", "decode_batch_size", "offload_text_encoders", "gradient_checkpointing", "memory_check",
     "train_batch_size", "compiled_update", "context_parallel", "context_parallel_mode",
+    "explore_sharding",
     "proxy_floor", "proxy_window", "proxy_fallback", "nonfinite_policy",
 }  # fmt: skip
 

@@ -455,7 +455,16 @@ def memory_plan(cfg: RLConfig, gpus: int = 1, gpu_gib: float = 80.0, explore: Se
                                 "the largest two repeated blocks whole (one computing, the next gathered)"))
         if copy is not None:
             copy_spec, copy_gib, n_q, how = copy
-            rows.append(PlanRow("explore copy", copy_gib / GIB, "always", f"{n_q} layers quantized ({how})"))
+            if sharded and gpus > 1 and cfg.explore_sharding == "shard":  # its blocks over every rank (ShardedCopy)
+                rows.append(PlanRow("explore copy", copy_gib / gpus / GIB, "always", f"{n_q} layers quantized ({how}); "
+                                    f"split over {gpus} GPUs (explore_sharding=shard)"))  # fmt: skip
+                rows.append(PlanRow("explore copy, gathered blocks", copy_gib * gathered / params / GIB, "rollout",
+                                    "its largest two blocks whole while they compute (an estimate: the copy's "
+                                    "share of them)"))  # fmt: skip
+                rows.append(PlanRow("explore copy, before it is split", copy_gib * (1 - 1 / gpus) / GIB, "start",
+                                    "built whole on each GPU, a layer at a time, then split"))  # fmt: skip
+            else:
+                rows.append(PlanRow("explore copy", copy_gib / GIB, "always", f"{n_q} layers quantized ({how})"))
         if cfg.merge_lora and not full and not sharded:
             rows.append(PlanRow("merged policy copy", lora_all * b / GIB, "always",
                                 "the LoRA layers merged, for full-precision rollouts"))  # fmt: skip

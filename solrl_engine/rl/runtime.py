@@ -11,6 +11,7 @@ session read one RunPlan instead of re-deriving its parts.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 from collections.abc import Callable
@@ -139,6 +140,10 @@ def resolve(cfg: RLConfig, target: Target | None = None, show: bool = False) -> 
             key = ExploreSettings.key(name)
             raise ConfigError(f"config {cfg.name!r}: {key} = {getattr(cfg, key)!r}: {why}")
     dtype, why = resolve_policy_dtype(cfg, target.device)
+    gpu = target.device.type == "cuda"
+    explore = (foresee(cfg.explore_settings(), model_spec(cfg.model), target.capability, gpu=gpu)
+               if FAMILY_TABLE[cfg.family].quantized_explore else ())  # fmt: skip
+    cfg = resolve_explore_sharding(cfg, target, explore)
     try:
         sizes = memplan.resolve_update_sizes(cfg, target.world, target.gpu_gib)
     except NothingFits as e:
@@ -146,9 +151,6 @@ def resolve(cfg: RLConfig, target: Target | None = None, show: bool = False) -> 
             raise
         sizes = e.smallest()
     cfg = sizes.apply(cfg)
-    gpu = target.device.type == "cuda"
-    explore = (foresee(cfg.explore_settings(), model_spec(cfg.model), target.capability, gpu=gpu)
-               if FAMILY_TABLE[cfg.family].quantized_explore else ())  # fmt: skip
     mem = None
     if target.gpu_gib is not None and (show or cfg.memory_check):
         try:
@@ -158,6 +160,33 @@ def resolve(cfg: RLConfig, target: Target | None = None, show: bool = False) -> 
                 raise
             log.warning("memory plan not made (%s: %s); starting without it", type(e).__name__, str(e)[:200])
     return RunPlan(cfg, target, dtype, why, sizes, rollout_settings(cfg), settings_of(cfg), explore, mem)
+
+
+def resolve_explore_sharding(cfg: RLConfig, target: Target, explore: tuple[ExploreSpec, ...]) -> RLConfig:
+    """explore_sharding=auto resolved for `target`: "shard" only where the run is sharded over several GPUs, explores
+    through a quantized copy, and its memory plan does not fit with the copy whole but fits (or peaks lower) with it
+    split; else "none" (a whole copy samples through captured graphs, a split one eagerly). A plan that cannot be
+    made keeps it whole."""
+    if cfg.explore_sharding != "auto":
+        return cfg
+    choice, why = "none", "the run is not sharded over several GPUs, or explores with the policy"
+    if cfg.sharding != "none" and target.world > 1 and target.gpu_gib is not None and any(e.quantized
+                                                                                          for e in explore):
+        try:
+            whole = memplan.memory_plan(dataclasses.replace(cfg, explore_sharding="none"), target.world,
+                                        target.gpu_gib, explore=explore)  # fmt: skip
+            split = None if whole.fits else memplan.memory_plan(dataclasses.replace(cfg, explore_sharding="shard"),
+                                                                target.world, target.gpu_gib, explore=explore)
+        except Exception as e:  # noqa: BLE001 - advice: a plan that cannot be made keeps the copy whole
+            whole, split = None, None
+            why = f"no memory plan ({type(e).__name__}: {str(e)[:120]}): kept whole"
+        if whole is not None and whole.fits:
+            why = f"the copy whole fits (peak {whole.peak_gib:.1f} GiB)"
+        elif whole is not None and split is not None and split.peak_gib < whole.peak_gib:
+            choice = "shard"
+            why = f"peak {whole.peak_gib:.1f} GiB with the copy whole, {split.peak_gib:.1f} split over the GPUs"
+    log.info("explore_sharding=auto: %s (%s)", choice, why)
+    return dataclasses.replace(cfg, explore_sharding=choice)
 
 
 def rollout_settings(cfg: RLConfig) -> RolloutSettings:

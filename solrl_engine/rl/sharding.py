@@ -23,7 +23,8 @@ before sharding and refreshed from weights gathered one layer at a time (rl/adap
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import contextlib
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -151,3 +152,102 @@ def sharded_bytes(transformer: nn.Module) -> tuple[int, int]:
             local += p.to_local().numel() * p.element_size()
             full += p.numel() * p.element_size()
     return local, full
+
+
+class ShardedCopy:
+    """The explore copy's repeated blocks split over the ranks (explore_sharding=shard): each tensor of a block (a
+    quantized layer's codes and scales, a kept layer's weight) keeps this rank's rows only, and the whole block is
+    gathered just before its forward (one all-gather of its bytes) and dropped after, as FSDP2 does for the policy.
+    For when the whole copy does not fit beside the sharded policy (Wan2.2-A14B's two experts quantized: about
+    26 GiB on each GPU, 3.3 on 8): its forwards are collectives, so it samples eagerly (no captured graph or compiled
+    region can hold a gather; its `gathers` flag tells the sampler), and every rank runs as many of them as a sharded
+    policy's. Tensors with fewer rows than ranks (a scalar scale) and the tensors outside the blocks stay whole.
+    `whole(names)` gathers the blocks holding those names and keeps what is written into them (the refresh)."""
+
+    def __init__(self, root: nn.Module, blocks: Sequence[str], dist: Dist) -> None:
+        self.dist = dist
+        found = repeated_blocks(root, blocks)
+        if not found:
+            raise ValueError(f"explore_sharding shards the copy by its repeated blocks {tuple(blocks)}, and none was "
+                             f"found in {type(root).__name__}")  # fmt: skip
+        names = {id(m): n for n, m in root.named_modules()}
+        self.blocks = {names[id(b)]: b for b in found}
+        # per block: (owning module, tensor name, is a parameter, whole shape, dtype) and this rank's rows
+        self._parts: dict[str, list[tuple[nn.Module, str, bool, torch.Size, torch.dtype]]] = {}
+        self._local: dict[str, list[torch.Tensor]] = {}
+        self.local_bytes = self.whole_bytes = 0
+        for name, b in self.blocks.items():
+            self._parts[name], self._local[name] = [], []
+            for m in b.modules():
+                for key, t in [*m._parameters.items(), *m._buffers.items()]:
+                    if t is None or t.dim() == 0 or t.shape[0] < dist.world:
+                        continue
+                    self._parts[name].append((m, key, key in m._parameters, t.shape, t.dtype))
+                    self.whole_bytes += t.numel() * t.element_size()
+            self._reshard(name, [self._tensor(m, k) for m, k, *_ in self._parts[name]])
+            self.local_bytes += sum(t.numel() * t.element_size() for t in self._local[name])
+            b.register_forward_pre_hook(lambda _m, _a, name=name: self._gather(name))
+            b.register_forward_hook(lambda _m, _a, _o, name=name: self._drop(name))
+        root.gathers = True  # (graphed.GraphedSampler: sampled eagerly)
+
+    @staticmethod
+    def _tensor(m: nn.Module, key: str) -> torch.Tensor:
+        return m._parameters[key] if key in m._parameters else m._buffers[key]
+
+    @staticmethod
+    def _put(m: nn.Module, key: str, param: bool, t: torch.Tensor) -> None:
+        if param:
+            m._parameters[key].data = t
+        else:
+            m._buffers[key] = t
+
+    def _rows(self, n: int) -> int:
+        return -(-n // self.dist.world)  # this rank's rows of n, the last rank's padded
+
+    def _reshard(self, name: str, whole: list[torch.Tensor]) -> None:
+        """Keep this rank's rows of each whole tensor (padded to equal parts) and drop the rest."""
+        local = []
+        for (m, key, param, shape, _), t in zip(self._parts[name], whole, strict=True):
+            per = self._rows(shape[0])
+            part = t.detach()[self.dist.rank * per : (self.dist.rank + 1) * per]
+            pad = per - part.shape[0]
+            if pad:
+                part = torch.cat([part, part.new_zeros((pad, *part.shape[1:]))])
+            local.append(part.contiguous().clone())
+            self._put(m, key, param, t.new_empty((0, *shape[1:])))
+        self._local[name] = local
+
+    def _gather(self, name: str) -> None:
+        """Every rank's rows of the block's tensors, in one all-gather of their bytes, put back whole."""
+        import torch.distributed as td
+
+        local = self._local[name]
+        if not local:
+            return
+        flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in local])
+        parts = [torch.empty_like(flat) for _ in range(self.dist.world)]
+        td.all_gather(parts, flat)
+        offset = 0
+        for (m, key, param, shape, dtype), t in zip(self._parts[name], local, strict=True):
+            n = t.numel() * t.element_size()
+            rows = [p[offset : offset + n].view(dtype).view(t.shape) for p in parts]
+            self._put(m, key, param, torch.cat(rows)[: shape[0]])
+            offset += n
+
+    def _drop(self, name: str) -> None:
+        for m, key, param, shape, _ in self._parts[name]:
+            self._put(m, key, param, self._tensor(m, key).new_empty((0, *shape[1:])))
+
+    @contextlib.contextmanager
+    def whole(self, names: Iterable[str]) -> Iterator[None]:
+        """The blocks holding any of `names` (the copy's tensor names) gathered whole; what is written into them is
+        kept (each rank keeps its rows of it). A collective: every rank calls it with the same names."""
+        names = list(names)
+        hit = [b for b in self.blocks if any(n == b or n.startswith(b + ".") for n in names)]
+        for b in hit:
+            self._gather(b)
+        try:
+            yield
+        finally:
+            for b in hit:
+                self._reshard(b, [self._tensor(m, k) for m, k, *_ in self._parts[b]])

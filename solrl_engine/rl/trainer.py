@@ -47,7 +47,7 @@ from solrl_engine.rl.heldout import HeldOut
 from solrl_engine.rl.objectives import objective, preview_coupling, rollout_window
 from solrl_engine.rl.ranking import group_advantages, kendall, spearman
 from solrl_engine.rl.runtime import Target, build_rollouts, explorer_for, resolve, staged
-from solrl_engine.rl.sharding import settle_, shard_policy, sharded_bytes
+from solrl_engine.rl.sharding import ShardedCopy, settle_, shard_policy, sharded_bytes
 from solrl_engine.rl.update import UpdateBatch, fixed_predictions
 from solrl_engine.sampling.compile import Census, CompiledBlocks, census_backend, repeated_blocks
 from solrl_engine.sampling.rollouts import Pending, Scored
@@ -198,6 +198,12 @@ class Trainer:
                 self.adapters.ema[:] = ema
                 log.info("staged start-up: the base loaded on the CPU and moved to %s a block at a time as it was "
                          "sharded; %d tensors left out of FSDP2 moved after", self.device, moved)  # fmt: skip
+            if cfg.explore_sharding == "shard" and self.explore is not None and self.dist.world > 1:
+                split = ShardedCopy(self.explore.transformer, self.rollouts.spec.repeated_blocks, self.dist)
+                self.explore.whole_blocks = split.whole  # (its refresh gathers the blocks it rewrites)
+                log.info("explore_sharding=shard: the explore copy's %d blocks over %d ranks; this rank holds %.1f of "
+                         "%.1f MiB of them", len(split.blocks), self.dist.world, split.local_bytes / 2**20,
+                         split.whole_bytes / 2**20)  # fmt: skip
             if not lora:
                 self.adapters.shard()  # its weight sets made as this rank's shards
                 self._follow_explore()  # the explore copy refreshed from them, gathered a weight at a time

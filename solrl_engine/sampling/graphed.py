@@ -146,6 +146,13 @@ class GraphedSampler:
         # fine-tuning swaps whole weight sets), which a captured graph, reading fixed addresses, would not see
         self.eager_policy = False
 
+    def _samples_eagerly(self, transformer: nn.Module | None) -> bool:
+        """Whether `transformer` (None: the policy) samples eagerly: the policy with `eager_policy` (full fine-tuning
+        or sharded), and a module whose forwards gather its weights from the other ranks (`gathers`: a sharded
+        explore copy, rl/sharding.ShardedCopy), which neither a captured graph nor a compiled region can hold."""
+        policy = transformer is None or transformer is self.model.transformer
+        return (self.eager_policy and policy) or bool(getattr(transformer, "gathers", False))
+
     def _module(self, transformer: nn.Module | None) -> Any:
         """The compiled form of `transformer` (default the model's). Regional (the default): a rollout
         copy's repeated blocks compiled in place; a module that trains, its blocks compiled only while
@@ -197,7 +204,7 @@ class GraphedSampler:
         if solver in SDE_SOLVERS or window is not None or couple is not None:
             return self._sample_sde(cond, seeds, steps, shift, batch_size, dtype, transformer, tag, guidance_scale,
                                     uncond, noise_level, window, trace, couple)  # fmt: skip
-        if self.eager_policy and (transformer is None or transformer is self.model.transformer):
+        if self._samples_eagerly(transformer):
             return sample(self.model, cond, seeds, steps, shift, solver, guidance_scale, uncond, batch_size, dtype,
                           transformer)  # fmt: skip
         if self.cpu_compile and device.type == "cpu":
@@ -285,9 +292,8 @@ class GraphedSampler:
         if len(x) != len(t) or len(x) != len(cond):
             raise ValueError(f"predict: {len(x)} rows of x, {len(t)} flow times, {len(cond)} conditionings")
         device, bs = x.device, batch_size or len(x)
-        policy = transformer is None or transformer is self.model.transformer
         mod_eager = transformer if transformer is not None else self.model.transformer
-        if not self.enabled or (self.eager_policy and policy) or device.type != "cuda":
+        if not self.enabled or self._samples_eagerly(transformer) or device.type != "cuda":
             return torch.cat([self.model.velocity(x[i : i + bs], t[i : i + bs], cond[i : i + bs], transformer)
                               for i in range(0, len(x), bs)])  # fmt: skip
         mod = self._module(transformer)
