@@ -41,6 +41,9 @@ PLANS = [
     ("qwenimage-full-8gpu-fsdp", "qwenimage", {"train_mode": "full", "sharding": "fsdp"}, 8),
     ("qwenimage-full-16gpu-fsdp", "qwenimage", {"train_mode": "full", "sharding": "fsdp"}, 16),
     ("qwenimage-full-32gpu-fsdp", "qwenimage", {"train_mode": "full", "sharding": "fsdp"}, 32),
+    # the explore copy split over the GPUs too (explore_sharding=shard; auto picks it where a whole copy does not fit)
+    ("qwenimage-full-16gpu-fsdp-explore-sharded", "qwenimage", {"train_mode": "full", "sharding": "fsdp",
+                                                                "explore_sharding": "shard"}, 16),
     # the video presets at their published 480 x 832, 81 frames (32,760 tokens a clip), whole clips on each GPU
     ("sana_video-lora-1gpu", "sana_video", {}, 1),
     ("sana_video-lora-8gpu-fsdp", "sana_video", {"sharding": "fsdp"}, 8),
@@ -52,6 +55,7 @@ PLANS = [
     ("wan22_a14b-lora-1gpu", "wan22_a14b", {}, 1),
     ("wan22_a14b-lora-8gpu-fsdp", "wan22_a14b", {"sharding": "fsdp"}, 8),
     ("wan22_a14b-lora-high-8gpu-fsdp", "wan22_a14b", {"sharding": "fsdp", "lora_experts": "high"}, 8),
+    ("wan22_a14b-lora-8gpu-fsdp-explore-sharded", "wan22_a14b", {"sharding": "fsdp", "explore_sharding": "shard"}, 8),
     # context parallelism: each clip's 32,760 tokens over 4 ranks (2 groups of 4 on 8 GPUs)
     ("wan14b-lora-8gpu-fsdp-cp4", "wan14b", {"sharding": "fsdp", "context_parallel": "4"}, 8),
     ("wan22_a14b-lora-8gpu-fsdp-cp4", "wan22_a14b", {"sharding": "fsdp", "context_parallel": "4"}, 8),
@@ -88,7 +92,8 @@ def main(argv: list[str] | None = None) -> None:
     out = ROOT / "bench" / "results" / f"{dt.date.today().isoformat()}-memory-plans{tail}.json"
     out.write_text(json.dumps({
         "what": f"per-GPU memory plans (solrl plan) of the {', '.join(only or PRESETS)} Sol-RL presets on 80 GB GPUs, "
-                "LoRA and full fine-tuning, replicated and FSDP2-sharded (sharding=fsdp); fake tensors from the "
+                "LoRA and full fine-tuning, replicated and FSDP2-sharded (sharding=fsdp; start-up staged on the CPU), the "
+                "explore copy whole or split (explore_sharding); fake tensors from the "
                 "published configs, nothing loaded; estimates, never compared with a GPU's measured peak",
         "date": dt.date.today().isoformat(), "torch": torch.__version__, "rows": rows}, indent=1) + "\n")
     print(f"wrote {out}")

@@ -26,13 +26,13 @@ def _args(small_model: str, out: Path, dtype: torch.dtype, mode: str = "lora") -
             "lora_alpha=8", "lr=1e-2", "rollout_batch_size=16", "train_batch_size=4",
             "timestep_fraction=0.5", "explore_precision=nvfp4", "updates_per_iter=2",
             "eval_train_prompt_count=3", f"policy_dtype={str(dtype).removeprefix('torch.')}"]  # fmt: skip
-    if mode in ("full", "full-fsdp", "full-hsdp", "full-fsdp-xs"):  # every weight trained (rl/full.py), at a full FT's rate
+    if mode.startswith("full"):  # every weight trained (rl/full.py), at a full FT's rate
         sets += ["train_mode=full", "lr=1e-3"]
     if mode in ("fsdp", "full-fsdp", "fsdp-xs", "full-fsdp-xs"):  # FSDP2-sharded over the ranks (rl/sharding.py)
         sets += ["sharding=fsdp"]  # (one process: the same paths, nothing to shard over)
     if mode.endswith("-xs"):  # the explore copy's blocks split over the ranks too, gathered in its forwards
         sets += ["explore_sharding=shard"]
-    if mode in ("full-fsdp", "full-fsdp-xs"):  # with gradient checkpointing: each block's forward recomputed (and gathered) in backward
+    if mode.startswith("full-fsdp"):  # gradient checkpointing: each block recomputed (and gathered) in backward
         sets += ["gradient_checkpointing=true"]
     if mode == "full-hsdp":  # HSDP: groups of one rank ("nodes" of one GPU), replicated across the two
         sets += ["sharding=hsdp", "shard_group_size=1"]

@@ -99,16 +99,17 @@ def _train(wan22: Path, clip: Path, out: Path, *extra: str) -> list[str]:
 
 
 def test_solrl_train_trains_both_experts_and_the_stock_pipeline_loads_them(wan22, clip, tmp_path, monkeypatch):
-    """A sol_rl iteration: the explore copy quantizes both experts' blocks, the adapter is one file per expert, and
-    the stock pipeline with both loaded (load_lora_weights, then with load_into_transformer_2) draws what the
-    engine draws with the same adapter."""
+    """A sol_rl iteration (each expert guided at its own scale): the explore copy quantizes both experts' blocks, the
+    adapter is one file per expert, and the stock pipeline with both loaded (load_lora_weights, then with
+    load_into_transformer_2) draws what the engine draws with the same adapter."""
     from solrl_engine import hw
     from solrl_engine.cli import load_lora_into, main
     from solrl_engine.rl.export import adapter_files, load_lora
 
     monkeypatch.setattr(hw, "cxx_compiler", lambda *a, **k: None)
     out = tmp_path / "run"
-    assert main(_train(wan22, clip, out)) == 0
+    assert main(_train(wan22, clip, out, "guidance_scale_2=3.0")) == 0  # (the high-noise expert's: wan's 5.0)
+    assert json.loads((out / "config.json").read_text())["guidance_scale_2"] == 3.0
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["iter"] for r in recs] == [1] and math.isfinite(recs[0]["loss"])
     quant = (out / "quantization.txt").read_text()
@@ -201,3 +202,76 @@ def test_wan22_image_to_video_switches_its_experts_as_its_pipeline_does(tmp_path
                   num_inference_steps=4, guidance_scale=5.0, generator=torch.Generator().manual_seed(7),
                   output_type="pt", max_sequence_length=TOKENS).frames.float()  # fmt: skip
     torch.testing.assert_close(m.decode(x), theirs, atol=1e-5, rtol=0)
+
+
+def test_each_expert_guided_at_its_own_scale_as_the_stock_pipeline_guides_it(wan22, tmp_path):
+    """guidance_scale 5.0 for the high-noise expert and guidance_scale_2 2.0 for the low-noise one (the official A14B
+    pair is 4.0 / 3.0): the engine's clip equals WanPipeline(guidance_scale=5.0, guidance_scale_2=2.0)'s in FP32, and
+    differs from the one-scale clip. The rollouts carry both scales as one float (ExpertGuidance), and a regeneration
+    through the stock pipeline gets both."""
+    from solrl_engine.models import model_spec
+    from solrl_engine.models.experts import ExpertGuidance, expert_guidance, guidance_at
+    from solrl_engine.sampling.rollouts import Rollouts, RolloutSettings
+
+    m = load_model("wan", wan22, "cpu", torch.float32, **OPTS)
+    g = expert_guidance(m, 5.0, 2.0)
+    assert isinstance(g, ExpertGuidance) and float(g) == 5.0 and g != 1.0
+    assert [g.at(t) for t in (1.0, 0.9, 0.875, 0.8749, 0.5)] == [5.0, 5.0, 5.0, 2.0, 2.0]  # as the experts switch
+    rows = guidance_at(g, torch.tensor([0.95, 0.5]), like=torch.zeros(2, 3, 4))
+    assert rows.shape == (2, 1, 1) and rows.flatten().tolist() == [5.0, 2.0]  # Flow-GRPO's update: one per row
+    assert guidance_at(5.0, 0.5) == 5.0 and expert_guidance(m, 5.0, 5.0) == 5.0
+    x = sample(m, m.encode_prompts(PROMPTS), [3, 11], 4, solver="unipc", guidance_scale=g,
+               uncond=m.encode_prompts([""]), dtype=torch.float32)  # fmt: skip
+    ours = m.decode(x)
+    pipe = _stock(wan22)
+    theirs = pipe(prompt=PROMPTS, generator=[torch.Generator().manual_seed(s) for s in (3, 11)], height=SIDE,
+                  width=SIDE, num_frames=WAN_FRAMES, num_inference_steps=4, guidance_scale=5.0, guidance_scale_2=2.0,
+                  output_type="pt", max_sequence_length=TOKENS).frames.float()  # fmt: skip
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+    assert (_engine(m, PROMPTS, [3, 11], 4) - theirs).abs().max() > 1e-3  # one scale for both: another clip
+    ro = Rollouts(m, model_spec("wan"), lambda im, p: im.mean((1, 2, 3)), RolloutSettings(guidance_scale=5.0,
+                                                                                          guidance_scale_2=2.0))
+    assert isinstance(ro.cfg_guidance, ExpertGuidance) and (ro.pipeline_guidance, ro.pipeline_guidance_2) == (5.0, 2.0)
+    one = load_model("wan", build_wan(tmp_path / "one-expert"), "cpu", torch.float32, **OPTS)
+    with pytest.raises(ValueError, match="guidance_scale_2.*one transformer"):
+        expert_guidance(one, 5.0, 2.0)
+    with pytest.raises(ValueError, match="both use classifier-free guidance"):
+        ExpertGuidance(1.0, 3.0, 875.0, True)
+
+
+def test_guidance_scale_2_is_refused_where_it_means_nothing(tmp_path):
+    from solrl_engine.rl.config import ConfigError, RLConfig
+
+    with pytest.raises(ConfigError, match="guidance_scale_2.*two-expert model"):
+        RLConfig(model="sana", guidance_scale_2=3.0).validate()
+    with pytest.raises(ConfigError, match="guidance_scale_2.*holds one transformer"):
+        RLConfig(model="wan", model_path=str(build_wan(tmp_path / "one")), guidance_scale_2=3.0).validate()
+    with pytest.raises(ConfigError, match="guidance_scale_2.*neither does"):
+        RLConfig(model="wan", guidance_scale=1.0, guidance_scale_2=3.0).validate()
+    with pytest.raises(ConfigError, match="guidance_scale_2.*>= 0"):
+        RLConfig(model="wan", guidance_scale_2=-1.0).validate()
+    RLConfig(model="wan", guidance_scale=4.0, guidance_scale_2=3.0).validate()
+
+
+def test_flow_grpo_trains_two_experts_each_guided_at_its_own_scale(wan22, clip, tmp_path, monkeypatch):
+    """Flow-GRPO recomputes the guided velocity of the SDE steps it trains on, rows of several timesteps in one
+    batch: each row gets the scale of the expert its timestep runs (the objective's own `_guided`, on velocities whose
+    guided value is the scale itself), and `solrl train` runs the objective end to end on two experts guided apart."""
+    from solrl_engine import hw
+    from solrl_engine.cli import main
+    from solrl_engine.models.experts import expert_guidance
+    from solrl_engine.rl.objectives.flow_grpo import _guided
+
+    m = load_model("wan", wan22, "cpu", torch.float32, **OPTS)
+    cond = m.encode_prompts(PROMPTS)
+    t = torch.tensor([0.95, 0.5])  # the high-noise expert's row, then the low-noise one's
+    v = _guided(lambda c: torch.full((2, 3), 0.0 if c is not cond else 1.0), cond, m.encode_prompts([""]),
+                expert_guidance(m, 4.0, 3.0), t)  # (conditional 1, unconditional 0: the guided value is the scale)
+    assert v[:, 0].tolist() == [4.0, 3.0]
+    monkeypatch.setattr(hw, "cxx_compiler", lambda *a, **k: None)
+    out = tmp_path / "grpo"
+    sets = ("guidance_scale_2=3.0", "objective=flow_grpo", "family=naive_scaling", "full_steps=3", "kl_beta=0.04",
+            "policy_dtype=float32", "updates_per_iter=1")  # fmt: skip
+    assert main(_train(wan22, clip, out, *sets)) == 0
+    rec = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    assert math.isfinite(rec["loss"]) and rec["objective"] == "flow_grpo", rec

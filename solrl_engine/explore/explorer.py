@@ -156,6 +156,8 @@ class Selection:
                               "width": getattr(ex.model, "width", None) or ex.resolution,
                               "guidance_scale": ex.pipeline_guidance}  # fmt: skip
         takes = inspect.signature(type(pipe).__call__).parameters
+        if (low := ex.rollouts.pipeline_guidance_2) is not None and "guidance_scale_2" in takes:  # two experts apart
+            kw["guidance_scale_2"] = low
         if getattr(ex.model, "frames", None):  # a video pipeline: its clip length, as the previews had it, under the
             kw["num_frames" if "num_frames" in takes else "frames"] = ex.model.frames  # pipeline's name (SANA-Video's)
         if "use_resolution_binning" in takes:
@@ -223,7 +225,8 @@ class Explorer:
     pipeline is never changed. `reward` is any
     `(images [B, 3, H, W] in [0, 1], prompts) -> Tensor[B]`; a video pipeline (WanPipeline) hands it videos
     [B, F, 3, H, W] (solrl_engine.rewards' WeightedReward scores image rewards on frames of them), and takes
-    `frames` and `width` (`resolution` is then the height; None: the pipeline's defaults).
+    `frames` and `width` (`resolution` is then the height; None: the pipeline's defaults). A two-expert pipeline
+    (Wan2.2-A14B) takes `guidance_scale_2`, its low-noise expert's guidance, as WanPipeline does.
     """
 
     def __init__(
@@ -242,6 +245,7 @@ class Explorer:
         seed: int = 0,
         frames: int | None = None,
         width: int | None = None,
+        guidance_scale_2: float | None = None,
     ) -> None:
         video = {k: v for k, v in (("frames", frames), ("width", width)) if v is not None}
         model, name = wrap_pipeline(pipeline_or_model, resolution=resolution, guidance_scale=guidance_scale, **video)
@@ -249,7 +253,8 @@ class Explorer:
         _check_args(n, k, preview_steps, solver, guidance_scale, batch_size, settings)
         spec_m = model_spec(name)
         how = RolloutSettings(full_steps=max(preview_steps, 10), solver=solver, guidance_scale=guidance_scale,
-                              batch_size=batch_size, reward_name=getattr(reward, "__name__", "reward"))  # fmt: skip
+                              guidance_scale_2=guidance_scale_2, batch_size=batch_size,
+                              reward_name=getattr(reward, "__name__", "reward"))  # fmt: skip
         ro = Rollouts(model, spec_m, reward, how)
         spec = None
         if explore_precision != "bf16":  # bf16: the caller's policy explores, no copy

@@ -172,3 +172,60 @@ def boundary_ratio(path: str | Path | None, by_hub: dict[str, float]) -> float |
         return by_hub.get(str(path))
     two = (index.get("transformer_2") or [None])[0] is not None and index.get("boundary_ratio") is not None
     return float(index["boundary_ratio"]) if two else None
+
+
+class ExpertGuidance(float):
+    """A two-expert model's classifier-free guidance: its value (a float, everywhere a scale is passed) is the
+    high-noise expert's scale, and `at(t)` the scale of the expert that runs at flow time t (`guidance_scale_2` below
+    the boundary), as WanPipeline applies `guidance_scale` and `guidance_scale_2`. Carried as a float so the one
+    scale every sampler, objective and graph key passes needs no second argument; `guidance_at` reads it."""
+
+    low: float
+    boundary: float
+    integer: bool
+
+    def __new__(cls, high: float, low: float, boundary: float, integer: bool) -> ExpertGuidance:
+        if (float(high) == 1.0) != (float(low) == 1.0):
+            raise ValueError(f"guidance {high} for the high-noise expert and {low} for the low-noise one: both use "
+                             "classifier-free guidance (!= 1) or neither does (1.0)")  # fmt: skip
+        g = super().__new__(cls, high)
+        g.low, g.boundary, g.integer = float(low), float(boundary), integer
+        return g
+
+    def __repr__(self) -> str:  # (a captured graph's key: another low-noise scale is another graph)
+        return f"ExpertGuidance({float(self)!r}, {self.low!r}, boundary={self.boundary!r})"
+
+    def at(self, t: float | torch.Tensor) -> float | torch.Tensor:
+        """The scale at flow time `t` (a host float: a float; a tensor of rows: one scale per row, shaped to
+        broadcast over each row's velocity): the expert TimestepExperts runs there, by the same timestep."""
+        if isinstance(t, torch.Tensor):
+            ts = t.float() * 1000.0
+            ts = ts.floor() if self.integer else ts
+            return torch.where(ts >= self.boundary, float(self), self.low)
+        ts = torch.tensor(t, dtype=torch.float32) * 1000.0  # (in FP32, as the model's timestep is computed)
+        ts = ts.floor() if self.integer else ts
+        return float(self) if float(ts) >= self.boundary else self.low
+
+
+def guidance_at(scale: float, t: float | torch.Tensor, like: torch.Tensor | None = None) -> float | torch.Tensor:
+    """The guidance scale at flow time `t`: `scale` itself, or for an ExpertGuidance the running expert's; a per-row
+    scale is shaped to broadcast over `like` (the velocity it multiplies)."""
+    if not isinstance(scale, ExpertGuidance):
+        return scale
+    g = scale.at(t)
+    if isinstance(g, torch.Tensor) and like is not None:
+        g = g.to(like.device).reshape(-1, *([1] * (like.dim() - 1)))
+    return g
+
+
+def expert_guidance(model: Any, high: float, low: float) -> float:
+    """`model`'s guidance with `low` for its low-noise expert (an ExpertGuidance; `high` alone where both are equal),
+    switched where its experts switch. A model with one transformer is refused: guidance_scale_2 is a two-expert
+    model's."""
+    net = getattr(model, "transformer", None)
+    if not isinstance(net, TimestepExperts):
+        raise ValueError(f"guidance_scale_2 = {low} is the low-noise expert's scale of a two-expert model "
+                         f"(Wan2.2-A14B); this {type(model).__name__} has one transformer: leave it unset")  # fmt: skip
+    if float(low) == float(high):
+        return float(high)
+    return ExpertGuidance(high, low, net.boundary, bool(getattr(model, "integer_timesteps", False)))

@@ -161,6 +161,9 @@ class RLConfig:
     solver: str = "dpm2"
     shift: float | None = None  # sigma-schedule shift; None: the model's own schedule (its scheduler config)
     guidance_scale: float | None = None  # None: the model's default (CFG for sd3/sana, distilled for flux)
+    # a two-expert model's (Wan2.2-A14B) low-noise expert's guidance, as WanPipeline's guidance_scale_2 (None: the
+    # same as guidance_scale); guidance_scale is then the high-noise expert's
+    guidance_scale_2: float | None = None
     explore_precision: str = "auto"
     # Which layers the explore copy quantizes: None takes the model's rule (models/, the paper's choice);
     # explore_layers are include patterns, explore_skip extra patterns kept in high precision,
@@ -472,6 +475,24 @@ class RLConfig:
                 raise bad("lora_experts", f"{self.model_path} holds one transformer (no transformer_2 and "
                                           "boundary_ratio in its model_index.json, the Wan2.2-A14B layout): leave "
                                           "it at 'both'")  # fmt: skip
+        if self.guidance_scale_2 is not None:
+            if self.guidance_scale_2 < 0:
+                raise bad("guidance_scale_2", "must be >= 0 (None: the same as guidance_scale)")
+            if not model_spec(self.model).two_experts:
+                experts = " or ".join(n for n in MODELS if model_spec(n).two_experts)
+                raise bad("guidance_scale_2", f"is the low-noise expert's guidance of a two-expert model (model="
+                                              f"{experts} over a Wan2.2-A14B pipeline); {self.model!r} has one "
+                                              "transformer: leave it unset")  # fmt: skip
+            if self.model_path and Path(self.model_path).is_dir():
+                from solrl_engine.models.experts import boundary_ratio
+
+                if boundary_ratio(self.model_path, {}) is None:
+                    raise bad("guidance_scale_2", f"{self.model_path} holds one transformer (no transformer_2 and "
+                                                  "boundary_ratio in its model_index.json): leave it unset")
+            high = self.guidance_scale if self.guidance_scale is not None else model_spec(self.model).guidance_scale
+            if (high == 1.0) != (self.guidance_scale_2 == 1.0):
+                raise bad("guidance_scale_2", f"{self.guidance_scale_2} with guidance_scale {high}: both experts use "
+                                              "classifier-free guidance (!= 1) or neither does (1.0)")  # fmt: skip
         if self.lora_experts != "both" and self.train_mode != "lora":
             raise bad("lora_experts", "chooses where the LoRA goes; train_mode=full trains every weight: leave it at "
                                       "'both'")  # fmt: skip

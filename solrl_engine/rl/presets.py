@@ -140,11 +140,11 @@ PAPER["wan2.1-i2v-14b"] = dict(_WAN, model="wan_i2v", model_path="Wan-AI/Wan2.1-
                                resolution=480, width=832, frames=81, shift=3.0, rollout_batch_size=2,
                                train_prompts="i2v/train", eval_prompts="i2v/test")  # fmt: skip
 # Wan2.2-T2V-A14B (configs/wan.py:wan22_a14b_*): two 14B experts switched at boundary_ratio 0.875 (models/experts.py),
-# with the official t2v_A14B config's 40 steps and shift 12.0 at 480 x 832, 81 frames; guidance 4.0, the high-noise
-# expert's (the official low-noise 3.0 is not applied: the engine guides both experts at one scale, as the stock
-# pipeline does when guidance_scale_2 is unset). The preview runs 24 of the 40 steps.
+# with the official t2v_A14B config's 40 steps and shift 12.0 at 480 x 832, 81 frames, and its guidance per expert:
+# 4.0 for the high-noise expert, 3.0 for the low-noise one (guidance_scale_2, as WanPipeline takes them). The preview
+# runs 24 of the 40 steps.
 PAPER["wan2.2-a14b"] = dict(_WAN, model_path="Wan-AI/Wan2.2-T2V-A14B-Diffusers", resolution=480, width=832, frames=81,
-                            shift=12.0, guidance_scale=4.0, full_steps=40, preview_steps=24,
+                            shift=12.0, guidance_scale=4.0, guidance_scale_2=3.0, full_steps=40, preview_steps=24,
                             rollout_batch_size=2)  # fmt: skip
 PAPER["wan2.2-5b"] = dict(_WAN, model_path="Wan-AI/Wan2.2-TI2V-5B-Diffusers", resolution=704, width=1280, frames=121,
                           shift=5.0, rollout_batch_size=2)  # fmt: skip

@@ -196,7 +196,8 @@ def rollout_settings(cfg: RLConfig) -> RolloutSettings:
         compiled = False
     return RolloutSettings(full_steps=cfg.full_steps, shift=cfg.shift, solver=cfg.solver,
                            sde_noise_level=cfg.sde_noise_level,
-                           batch_size=cfg.rollout_batch_size, guidance_scale=cfg.guidance_scale, compiled=compiled,
+                           batch_size=cfg.rollout_batch_size, guidance_scale=cfg.guidance_scale,
+                           guidance_scale_2=cfg.guidance_scale_2, compiled=compiled,
                            compile_mode=cfg.compile_mode, compile_regional=cfg.compile_regional,
                            compile_cache_dir=cfg.compile_cache_dir, reward_name=cfg.reward)  # fmt: skip
 

@@ -21,6 +21,7 @@ from torch import nn
 from solrl_engine.hw import autocast_for
 from solrl_engine.models import ModelSpec
 from solrl_engine.models.base import Conditioning, FlowModel, RewardFn
+from solrl_engine.models.experts import ExpertGuidance, expert_guidance
 from solrl_engine.nn.flops import LinearFlops, count_linear_flops
 from solrl_engine.sampling.compile import use_cache_dir
 from solrl_engine.sampling.graphed import GraphedSampler
@@ -42,6 +43,7 @@ class RolloutSettings:
     sde_noise_level: float = 0.7  # Flow-GRPO's SDE (solver flow_sde, and an SDE objective's rollouts): its eta
     batch_size: int | None = None
     guidance_scale: float | None = None
+    guidance_scale_2: float | None = None  # a two-expert model's low-noise expert's (None: guidance_scale)
     compiled: bool | None = None
     compile_mode: str | None = None
     compile_regional: bool | None = None
@@ -136,6 +138,8 @@ class Rollouts:
         p = next(model.transformer.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.cfg_guidance = model_guidance(spec, settings.guidance_scale) if spec.guidance == "cfg" else 1.0
+        if settings.guidance_scale_2 is not None and spec.guidance == "cfg":  # each expert its own (ExpertGuidance)
+            self.cfg_guidance = expert_guidance(model, self.cfg_guidance, settings.guidance_scale_2)
         self._uncond: Conditioning | None = None
         self._pool: ThreadPoolExecutor | None = None  # the scoring thread of a served reward (start_scored)
         self.autocast_cache = True  # False: no cached BF16 casts of trainable weights (sharded full fine-tuning)
@@ -156,6 +160,13 @@ class Rollouts:
         if self.spec.guidance == "embedded":
             return model_guidance(self.spec, self.settings.guidance_scale)
         return self.cfg_guidance - self.spec.pipeline_guidance_offset
+
+    @property
+    def pipeline_guidance_2(self) -> float | None:
+        """The guidance_scale_2 (a two-expert pipeline's low-noise expert's) a stock pipeline call needs, where the
+        experts are guided apart; else None."""
+        g = self.cfg_guidance
+        return g.low - self.spec.pipeline_guidance_offset if isinstance(g, ExpertGuidance) else None
 
     @property
     def forward_rows(self) -> int | None:

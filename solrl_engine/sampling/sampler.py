@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from solrl_engine.models.base import Conditioning, FlowModel, sigma_schedule
+from solrl_engine.models.experts import guidance_at
 from solrl_engine.sampling.sde import SDE_SOLVERS, Coupling, coupled_noise, sde_window, solve_sde, step_noise
 
 # euler; dpm2: DPM-Solver++ 2M (the stock SANA sampler); unipc: UniPC-bh2 order 2, which is DPM-Solver++ 2M plus
@@ -83,7 +84,7 @@ def _solve(
         v = model.velocity(x, sig[k], cond, transformer=transformer).float()
         if u is not None:
             vu = model.velocity(x, sig[k], u, transformer=transformer).float()
-            v = vu + guidance_scale * (v - vu)
+            v = vu + guidance_at(guidance_scale, t) * (v - vu)  # (a two-expert model: the running expert's)
         xf = x.float()
         if unipc is not None:
             x = unipc.step(k, xf, xf - t * v).to(dtype)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from solrl_engine.models.base import Conditioning
+from solrl_engine.models.experts import guidance_at
 
 # the solver names `sample` takes for this sampler (sampler.SOLVERS holds them beside the ODE ones)
 SDE_SOLVERS = ("flow_sde",)
@@ -173,7 +174,7 @@ def solve_sde(velocity: Velocity, x: torch.Tensor, cond: Conditioning, host: lis
         v = velocity(xin, t, cond).float()
         if u is not None:
             vu = velocity(xin, t, u).float()
-            v = vu + guidance_scale * (v - vu)
+            v = vu + guidance_at(guidance_scale, host[k]) * (v - vu)  # (a two-expert model: the running expert's)
         if k == k0:
             states.append(xf)
         if k0 <= k < k1:

@@ -30,6 +30,7 @@ import torch
 
 from solrl_engine.hw import training_attention
 from solrl_engine.models.base import Conditioning, FlowModel
+from solrl_engine.models.experts import guidance_at
 from solrl_engine.rl.adapters import OLD
 from solrl_engine.rl.distributed import Dist
 from solrl_engine.rl.full import REF, TrainedWeights
@@ -89,13 +90,14 @@ def flow_grpo_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantage
 
 
 def _guided(velocity: Callable[[Conditioning], torch.Tensor], cond: Conditioning, uncond: Conditioning | None,
-            guidance: float) -> torch.Tensor:  # fmt: skip
-    """The velocity as the rollouts sampled it: with classifier-free guidance against `uncond` when scale != 1."""
+            guidance: float, t: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """The velocity as the rollouts sampled it: with classifier-free guidance against `uncond` when scale != 1 (a
+    two-expert model's: each row's expert's scale at its flow time `t`)."""
     v = velocity(cond).float()
     if uncond is None or guidance == 1.0:
         return v
     vu = velocity(uncond.against(cond)).float()
-    return vu + guidance * (v - vu)
+    return vu + guidance_at(guidance, t, like=v) * (v - vu)
 
 
 def flow_grpo_update(model: FlowModel, adapters: TrainedWeights, opt: torch.optim.Optimizer, batch: UpdateBatch,
@@ -137,7 +139,7 @@ def _update(model: FlowModel, adapters: TrainedWeights, opt: torch.optim.Optimiz
         fixed = {}
         for name in c.fixed:
             v = _guided(lambda cc, name=name: predict(name, x.to(dtype), t.to(device), cc), cond[rd], batch.uncond,
-                        batch.guidance)  # fmt: skip
+                        batch.guidance, t)  # fmt: skip
             fixed[name] = sde_transition(x, v, t, t_next, sigma_max, c.sde_noise_level)
         mean_old, scale = fixed[OLD]
         old_lp = sde_log_prob(x_next, mean_old, scale)
@@ -158,7 +160,7 @@ def _update(model: FlowModel, adapters: TrainedWeights, opt: torch.optim.Optimiz
                     xs, ts = x[s : s + tbs].to(dtype), t[s : s + tbs].to(device)
                     with autocast():
                         v = _guided(lambda cc, xs=xs, ts=ts: model.velocity(xs, ts, cc), cond[ixd], batch.uncond,
-                                    batch.guidance)  # fmt: skip
+                                    batch.guidance, ts)  # fmt: skip
                     if n <= 0:  # padding only: the backward's collectives, adding exact zeros
                         (v.sum() * 0.0).backward()
                         continue
