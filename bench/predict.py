@@ -156,6 +156,9 @@ class OpCost:
     weight_elems: float = 0.0
     out_elems: float = 0.0
     layers: set[str] = field(default_factory=set)
+    # attention only: the bytes of q, k, v and the output of its self-attention calls (queries and keys of one
+    # sequence), what context parallelism's Ulysses all-to-alls move; a cross-attention's text keys are not split
+    self_bytes: float = 0.0
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -240,6 +243,8 @@ class _Attention(TorchFunctionMode):
         c.flops += 2 * 2 * heads * q.shape[-2] * k.shape[-2] * q.shape[-1]
         c.bytes += sum(_nbytes(t) for t in (q, k, v, out)) + (_nbytes(a["attn_mask"]) if isinstance(
             a.get("attn_mask"), torch.Tensor) else 0)  # fmt: skip
+        if q.shape[-2] == k.shape[-2]:
+            c.self_bytes += sum(_nbytes(t) for t in (q, k, v, out))
         c.ops += 1
         return out
 
@@ -392,6 +397,26 @@ def forward_seconds(ops: list[OpCost], dev: Device, precision: str, quantized: s
     return sum(v["s"] for v in group_times(ops, dev, precision, quantized, fused, attention).values())
 
 
+# the GPU-to-GPU bandwidth one rank's all-to-all moves its bytes at, per direction (ASSUMED: NVLink's published
+# per-GPU figure, H100/H200 NVLink 4 and B200 NVLink 5 halved for one direction, A100 NVLink 3), never measured here
+LINK_BANDWIDTH = {"H100": 450e9, "A100": 300e9, "B200": 900e9}
+
+
+def context_parallel(ops: list[OpCost], dev: Device, precision: str, quantized: set[str], cp: int,
+                     fused: bool = False) -> dict[str, float]:  # fmt: skip
+    """One forward split over `cp` ranks by Ulysses (rl/context_parallel.py): each rank computes 1/cp of every op
+    (its tokens through the linears, its heads through attention) and, around each self-attention call, all-to-alls
+    q, k, v in and the output back: (cp - 1) / cp of its share of those bytes, at the assumed link bandwidth, not
+    overlapped with compute (a cross-attention's queries stay with their rank: no exchange). Returns the rank's
+    compute and communication seconds, the forward's, and its efficiency: the unsplit forward's seconds over cp
+    ranks' seconds (1.0: the split costs nothing)."""
+    whole = forward_seconds(ops, dev, precision, quantized, fused)
+    compute = whole / cp
+    comm = sum(c.self_bytes / cp * (cp - 1) / cp for c in ops if c.kind == "attention") / LINK_BANDWIDTH[dev.name]
+    return {"compute_s": compute, "comm_s": comm, "forward_s": compute + comm,
+            "efficiency": whole / (cp * (compute + comm)), "comm_share": comm / (compute + comm)}
+
+
 def kind_shares(times: dict[str, dict[str, float]]) -> dict[str, float]:
     """Share of the forward's time per kind of work (for the summary)."""
     tot = sum(v["s"] for v in times.values()) or 1.0
@@ -523,6 +548,13 @@ def predict(families: list[str], devices: list[Device], batches: dict[str, int],
                     "ratios": {f: {"rollout_vs_naive_scaling": base["rollout"] / r["rollout"],
                                    "e2e_vs_naive_scaling": base["total"] / r["total"]} for f, r in it.items()},
                 }  # fmt: skip
+                if settings.get("context_parallel", 1) > 1:  # each forward over cp ranks (Ulysses), per precision
+                    cp = settings["context_parallel"]
+                    entry[mode]["context_parallel"] = {"degree": cp, "bf16": context_parallel(ops, dev, "bf16", set(),
+                                                                                              cp, fused),
+                                                       prec: context_parallel(ops, dev, prec, quantized, cp, fused),
+                                                       "train": context_parallel(profiles[tb], dev, "bf16", set(), cp,
+                                                                                 fused)}  # fmt: skip
                 if "fp8" in dev.rates:  # the option of FP8 attention in the explore forward only (priced, not built)
                     t_qa = forward_seconds(ops, dev, prec, quantized, fused, attention="fp8")
                     ita = iteration_seconds(t_bf16, t_qa, t_train, refresh, batch=b, train_batch=tb, **loop)
@@ -585,6 +617,10 @@ ASSUMPTIONS = [
     "train batch, over K x P samples and int(full_steps x timestep_fraction) timesteps; LoRA branches ignored.",
     "Text encoding, VAE decode and reward scoring are left out (the random-weight models have stand-ins); "
     "refresh = reading BF16 and writing the quantized width of every quantized weight once per iteration.",
+    "Context parallelism (--context-parallel N, Ulysses): each rank does 1/N of every op, plus all-to-alls of "
+    "q, k, v and the self-attention output ((N - 1) / N of each rank's share of their bytes) at an ASSUMED NVLink "
+    "bandwidth per direction (" + ", ".join(f"{k} {v / 1e9:.0f} GB/s" for k, v in LINK_BANDWIDTH.items()) + "), "
+    "not overlapped with compute; the embeddings before the split and the gathered output are not priced.",
     "Rollout batches: "
     + ", ".join(f"{k} {v}" for k, v in ROLLOUT_BATCH.items())
     + " (bench/e2e.py's usage); a partial last chunk costs a full batch.",
@@ -620,6 +656,15 @@ def summary_lines(res: dict[str, Any]) -> list[str]:
             opt = e.get("attention_fp8_explore")
             got = f"{opt['sol_rl_rollout_vs_naive_scaling']:.2f} (vs {e['ratios']['sol_rl']['rollout_vs_naive_scaling']:.2f})" if opt else "- (no FP8 rate)"  # noqa: E501
             lines.append(f"{fam:<12}{name + ('' if d['measured_rates'] else '*'):<6}{share:>36.0%}{got:>56}")
+    cps = [(fam, name, d) for fam, f in res["families"].items() for name, d in f["devices"].items()
+           if "context_parallel" in d["eager"]]  # fmt: skip
+    if cps:
+        lines.append(f"{'model':<12}{'gpu':<6}{'context parallel (eager): bf16 forward ms per rank, comm share, efficiency':>76}")  # noqa: E501
+    for fam, name, d in cps:
+        c = d["eager"]["context_parallel"]
+        b = c["bf16"]
+        lines.append(f"{fam:<12}{name + ('' if d['measured_rates'] else '*'):<6}{'cp ' + str(c['degree']):>24}"
+                     f"{b['forward_s'] * 1e3:>14.0f}{b['comm_share']:>16.0%}{b['efficiency']:>22.2f}")  # fmt: skip
     for c in res["measured_vs_predicted"]:
         lines.append(
             f"measured {c['model']} {c['family']} ({c['precision']}, {'compiled' if c['compiled'] else 'eager'}, "
@@ -642,6 +687,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--full-steps", type=int, default=PAPER["full_steps"])
     ap.add_argument("--train-batch", type=int, default=None, help="every family's train batch (default: each "
                     "family's paper preset: SD3.5-L 2, FLUX 12, SANA 16)")  # fmt: skip
+    ap.add_argument("--context-parallel", type=int, default=1, help="also price each forward split over this many "
+                    "ranks (Ulysses: 1/N of the work per rank plus the all-to-alls around attention)")  # fmt: skip
     ap.add_argument("--kernels", default=str(KERNELS_JSON), help="a bench/kernels.py record of the H100")
     ap.add_argument("--measured", action="append", default=[], help="bench/e2e.py records to compare with")
     ap.add_argument("--out", default=str(OUT_JSON))
@@ -658,8 +705,8 @@ def main(argv: list[str] | None = None, arch: dict[str, dict[str, Any]] | None =
         name, _, val = item.partition("=")
         batches[name] = int(val)
     settings = dict(prompts_per_gpu=args.prompts_per_gpu, n=args.n, k=args.k, preview_steps=args.preview_steps,
-                    full_steps=args.full_steps, timestep_fraction=None,
-                    train_batch=args.train_batch)  # fmt: skip  (None: each family's paper preset)
+                    full_steps=args.full_steps, timestep_fraction=None, train_batch=args.train_batch,
+                    context_parallel=args.context_parallel)  # fmt: skip  (None: each family's paper preset)
     h100, taken = h100_from_kernels(Path(args.kernels))
     devices = [h100, assumed_device("A100", h100, taken), assumed_device("B200", h100, taken)]
     measured = measured_runs([Path(p) for p in (args.measured or MEASURED_E2E)])

@@ -128,3 +128,21 @@ def test_script_writes_the_json_with_its_assumptions(predict, tmp_path, capsys):
         assert r["rollout_vs_naive_scaling"] == pytest.approx(it["naive_scaling"]["rollout"] / it["sol_rl"]["rollout"])
     assert [c["model"] for c in rec["measured_vs_predicted"]] == ["sana-1.6b", "sana-1.6b"]
     assert "sd35-large" in capsys.readouterr().out
+
+
+def test_context_parallel_splits_the_work_and_prices_the_self_attention_all_to_alls(predict, monkeypatch):
+    """Ulysses over cp ranks: each rank's compute is 1/cp of the forward, and only the self-attention calls (queries
+    and keys of one sequence) exchange bytes, (cp - 1) / cp of each rank's share of q, k, v and the output, at the
+    link bandwidth; a cross-attention (text keys) exchanges nothing."""
+    ops = [predict.OpCost("blocks.*.attn1", "attention", flops=4e12, bytes=8e9, self_bytes=8e9),
+           predict.OpCost("blocks.*.attn2", "attention", flops=1e12, bytes=2e9),
+           predict.OpCost("blocks.*.ffn", "linear", flops=8e12, bytes=1e9)]  # fmt: skip
+    dev = predict.Device("H100", {"bf16": 1e12}, 1e12, {}, "fp8", False, "test")
+    monkeypatch.setitem(predict.LINK_BANDWIDTH, "H100", 1e10)
+    whole = predict.forward_seconds(ops, dev, "bf16", set())
+    assert whole == pytest.approx(13.0)
+    got = predict.context_parallel(ops, dev, "bf16", set(), 4)
+    assert got["compute_s"] == pytest.approx(13.0 / 4)
+    assert got["comm_s"] == pytest.approx(8e9 / 4 * 3 / 4 / 1e10)  # attn2's bytes not exchanged
+    assert got["efficiency"] == pytest.approx(13.0 / (4 * (13.0 / 4 + 0.15)))
+    assert predict.context_parallel(ops, dev, "bf16", set(), 1)["comm_s"] == 0.0
