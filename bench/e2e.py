@@ -9,6 +9,8 @@ strongest baseline) and `naive_scaling` (eager BF16), all measured in the same r
     python bench/e2e.py --model flux-dev --prompts 1 --rollout-batch 24  # FLUX.1-dev size, 512 px
     python bench/e2e.py --model sd35-large --prompts 1 --rollout-batch 8
     python bench/e2e.py --model sana-1.6b --prompts 2 --rollout-batch 48
+    python bench/e2e.py --model wan2.1-1.3b --preset configs/wan.py:wan13b --vae --n 16 --k 4 --prompts 1 \
+        --set full_steps=10 --set preview_steps=6                      # video: 480 x 832, 81 frames
 
 Full-size models have random weights and stand-in text encoder / VAE (model_path="random" of the
 family adapters in solrl_engine/models/):
@@ -37,17 +39,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernels import _device_info  # noqa: E402 - bench/ scripts share helpers without being a package
 
 from solrl_engine.models import ARCH_ALIASES  # noqa: E402
-from solrl_engine.rl.config import FAMILY_TABLE, RLConfig, load_config  # noqa: E402
+from solrl_engine.rl.config import FAMILY_TABLE, RLConfig, apply_overrides, load_config  # noqa: E402
 from solrl_engine.rl.trainer import Trainer  # noqa: E402
 
+ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = ("naive_scaling", "compile", "naive_quant", "sol_rl")
 PHASES = ("time_explore_s", "time_regen_s", "time_train_s", "time_total_s")
 
 
 def family_config(family: str, args: argparse.Namespace, out: str) -> RLConfig:
     """The run of one family; everything but the family is the same across families."""
-    if args.model == "tiny":
-        spec = f"{Path(__file__).resolve().parents[1]}/configs/tiny.py:tiny_{family}_shapes"
+    if args.preset:  # the family's preset (its model's published settings), on the benchmark's weights
+        file, _, prefix = args.preset.rpartition(":")
+        base = load_config(f"{ROOT / file}:{prefix}_{family}_{args.reward or 'pickscore'}")
+        base = dataclasses.replace(base, model_path=args.model_path or ("random+vae" if args.vae else "random"))
+    elif args.model == "tiny":
+        spec = f"{ROOT}/configs/tiny.py:tiny_{family}_shapes"
         base = load_config(spec, [f"paper_scale={str(args.paper_scale).lower()}"])
     else:
         # the family's published architecture with random weights (solrl_engine/models/<family>.py)
@@ -70,7 +77,7 @@ def family_config(family: str, args: argparse.Namespace, out: str) -> RLConfig:
         over["reward_args"] = tuple(a for a in args.reward_args.split(",") if a)
     if FAMILY_TABLE[family].all_rollouts:  # diffusionnft trains on every rollout: N = K
         over["n"] = over.get("k", base.k)
-    return dataclasses.replace(base, **over)
+    return apply_overrides(dataclasses.replace(base, **over), args.sets)
 
 
 def run_family(cfg: RLConfig, warmup: int) -> dict[str, object]:
@@ -143,6 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--vae", action="store_true",
                     help="full-size models: the family's published VAE with random weights (model_path=random+vae), "
                          "so the decode a run makes is timed; default: a stand-in decode")  # fmt: skip
+    ap.add_argument("--preset", default=None, help="configs/FILE.py:PREFIX: each family runs its preset "
+                    "PREFIX_<family>_<reward> (a model's published settings, e.g. configs/wan.py:wan13b), on the "
+                    "benchmark's weights (random, or --vae, or --model-path)")  # fmt: skip
+    ap.add_argument("--model-path", default=None, help="with --preset: the weights (default: random)")
+    ap.add_argument("--set", dest="sets", action="append", default=[], help="KEY=VALUE on every family's config, "
+                    "after the other options (e.g. full_steps=10)")  # fmt: skip
     ap.add_argument("--reward", default=None, help="the reward (default: the config's)")
     ap.add_argument("--reward-args", default=None, help="reward_args, comma-separated (e.g. pickscore.model=DIR)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))

@@ -79,6 +79,8 @@ CALLS = {
     3: ("ceilings", "forwards:sana-1.6b", "forwards:flux-dev", "forwards:sd35-large"),
     # ceilings:attention adds the attention peers (ours and SageAttention v1) at Wan2.1-1.3B's attention shape
     4: ("ceilings:attention", "forwards:wan2.1-1.3b", "forwards:wan2.1-14b"),
+    # video's whole iteration: the real trainer on Wan2.1-1.3B at 480 x 832, 81 frames, N = 16, K = 4
+    5: ("trainer:wan2.1-1.3b",),
 }
 BUDGET = 540.0  # of a device command's 600 s: the rest is the wheels' install and the imports
 # seconds each kind of stage may run (its hard deadline, and what must be left for it to start); each call's
@@ -86,7 +88,7 @@ BUDGET = 540.0  # of a device command's 600 s: the rest is the wheels' install a
 ALLOWANCE = {
     "gpu": {"preflight": 45.0, "ceilings": 20.0, "gpu-tests": 160.0, "trainer": 290.0, "forwards": 170.0,
             # a 12B model's three families, each after a warm-up iteration: what a call holds after the imports
-            "trainer:flux-dev": 500.0, "ceilings:attention": 60.0},
+            "trainer:flux-dev": 500.0, "trainer:wan2.1-1.3b": 520.0, "ceilings:attention": 60.0},
     # smoke: generous, on a loaded 2-core CPU the trainer stage's inductor compiles alone take a minute or more
     "smoke": {"preflight": 180.0, "ceilings": 30.0, "gpu-tests": 300.0, "trainer": 600.0, "forwards": 240.0,
               "ceilings:attention": 90.0},
@@ -97,6 +99,11 @@ SMOKE_BUDGET = 1800.0
 # --- Sol-RL's headline: real trainer iterations -------------------------------------------------------
 
 TRAINER_FAMILIES = ("sol_rl", "naive_scaling", "compile")  # in this order: the headline pair first
+# video trainer stages: the model's preset (configs/wan.py), N = 16, K = 4, 10 full and 6 preview steps (the image
+# papers' ratio; the preset's 50 / 30 would not fit one device call), one iteration each, no warm-up (the sampler's
+# compile and capture are timed apart: time_compile_s); compile last, kept only if the call has time for it
+TRAINER_VIDEO = {"wan2.1-1.3b": "configs/wan.py:wan13b"}
+VIDEO_TRAINER_SETTINGS = ("--n", "16", "--k", "4", "--set", "full_steps=10", "--set", "preview_steps=6")
 
 
 def trainer_stage(alias: str, device: torch.device, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -107,21 +114,31 @@ def trainer_stage(alias: str, device: torch.device, cfg: dict[str, Any]) -> dict
     one warm-up iteration (compile, capture). Each family's result is written as it finishes, so a stage cut off
     keeps the families that ran. Smoke: the bundled model and its decode, a tiny CLIP of the same class."""
     smoke = cfg["smoke"]
-    model = "tiny" if smoke else alias
-    argv = ["--model", model, "--iterations", "1", "--warmup", "1", "--prompts", "1"]
+    video = alias in TRAINER_VIDEO  # (its preset; smoke: a tiny WanPipeline of the real classes, saved and loaded)
+    model = alias if video else "tiny" if smoke else alias
+    argv = ["--model", model, "--iterations", "1", "--warmup", "0" if video else "1", "--prompts", "1"]
     rollout_batch = cfg["batch"].get(alias, ROLLOUT_BATCH[alias])
+    if video:
+        argv += ["--preset", TRAINER_VIDEO[alias], *VIDEO_TRAINER_SETTINGS]
     # the update's micro-batch and recompute: sized by the trainer from the GPU's memory (train_batch_size and
     # gradient_checkpointing auto); smoke (a CPU, where auto recomputes nothing) recomputes, to rehearse that path
     argv += (["--n", "4", "--k", "2", "--rollout-batch", "4", "--train-batch", "2"] if smoke else
              ["--rollout-batch", str(rollout_batch)])  # fmt: skip
     out: dict[str, Any] = {"model": model, "families": {}}
     with tempfile.TemporaryDirectory() as tmp:
+        if video and smoke:
+            import tiny_pipelines
+
+            path = tiny_pipelines.build_wan(Path(tmp) / "wan")
+            side = tiny_pipelines.SIZES["wan"]
+            argv += ["--model-path", str(path), "--set", f"resolution={side}", "--set", f"width={side}", "--set",
+                     f"frames={tiny_pipelines.WAN_FRAMES}", "--set", "preview_steps=1", "--set", "full_steps=2"]
         t0 = time.perf_counter()
         clip = tiny_clip.build_clip_reward(Path(tmp) / "pickscore", published=None if smoke else tiny_clip.VIT_H_14,
                                            device=str(device))  # fmt: skip
         out["reward_build_s"] = time.perf_counter() - t0
         argv += ["--reward", "pickscore", "--reward-args", f"pickscore.model={clip},pickscore.processor={clip}"]
-        argv += [] if smoke else ["--vae"]
+        argv += [] if smoke else ["--vae"]  # (a video preset's: the Wan VAE, random weights, decoding 81 frames)
         out["argv"] = argv
         args = e2e.build_parser().parse_args(argv)
         for fam in TRAINER_FAMILIES:
@@ -129,7 +146,7 @@ def trainer_stage(alias: str, device: torch.device, cfg: dict[str, Any]) -> dict
             c = dataclasses.replace(c, gradient_checkpointing=True) if smoke else c
             out["families"][fam] = {"running": True}
             try:
-                res = e2e.run_family(c, warmup=1)
+                res = e2e.run_family(c, warmup=args.warmup)
                 res["settings"] = {k: getattr(c, k) for k in (
                     "n", "k", "prompts_per_iter", "preview_steps", "full_steps", "rollout_batch_size",
                     "timestep_fraction")} | {k: v for k, v in res["update_sizes"].items() if k != "reason"}  # fmt: skip
@@ -279,10 +296,11 @@ def stage_deadline(seconds: float, stage: str) -> Iterator[None]:
 def stage_kind(stage: str) -> str:
     """preflight | ceilings | gpu-tests | trainer | forwards: what a stage name asks for."""
     kind = stage.split(":", 1)[0]
-    takes = {"trainer": MODELS, "forwards": MODELS + VIDEO_MODELS}
+    takes = {"trainer": MODELS + tuple(TRAINER_VIDEO), "forwards": MODELS + VIDEO_MODELS}
     if kind not in ("preflight", "ceilings", "gpu-tests", "trainer", "forwards"):
         raise ValueError(f"unknown stage {stage!r}: use preflight, ceilings, gpu-tests, trainer:MODEL (MODEL one of "
-                         f"{', '.join(MODELS)}) or forwards:MODEL (also {', '.join(VIDEO_MODELS)})")  # fmt: skip
+                         f"{', '.join(takes['trainer'])}) or forwards:MODEL (MODEL one of "
+                         f"{', '.join(takes['forwards'])})")  # fmt: skip
     if kind in takes and stage.partition(":")[2] not in takes[kind]:
         raise ValueError(f"stage {stage!r} names no model it takes: write {kind}:MODEL with MODEL one of "
                          f"{', '.join(takes[kind])}")  # fmt: skip

@@ -92,9 +92,9 @@ def main(argv: list[str] | None = None) -> None:
     out = ROOT / "bench" / "results" / f"{dt.date.today().isoformat()}-memory-plans{tail}.json"
     out.write_text(json.dumps({
         "what": f"per-GPU memory plans (solrl plan) of the {', '.join(only or PRESETS)} Sol-RL presets on 80 GB GPUs, "
-                "LoRA and full fine-tuning, replicated and FSDP2-sharded (sharding=fsdp; start-up staged on the CPU), the "
-                "explore copy whole or split (explore_sharding); fake tensors from the "
-                "published configs, nothing loaded; estimates, never compared with a GPU's measured peak",
+                "LoRA and full fine-tuning, replicated and FSDP2-sharded (sharding=fsdp; start-up staged on the "
+                "CPU), the explore copy whole or split (explore_sharding); fake tensors from the published configs, "
+                "nothing loaded; estimates, never compared with a GPU's measured peak",
         "date": dt.date.today().isoformat(), "torch": torch.__version__, "rows": rows}, indent=1) + "\n")
     print(f"wrote {out}")
 

@@ -30,7 +30,9 @@ def _why(d: dict[str, Any]) -> str:
 def trainer_lines(key: str, s: dict[str, Any]) -> list[str]:
     """A trainer stage in a few lines: each family's measured seconds per iteration, Sol-RL's ratios, and
     measured over predicted (1.0: the iteration table's formula accounts for the whole iteration)."""
-    lines = [f"{key} ({' '.join(s.get('argv', [])[2:])}): one iteration after a warm-up"]
+    argv = s.get("argv", [])
+    cold = "--warmup" in argv and argv[argv.index("--warmup") + 1 :][:1] == ["0"]  # (a video stage: no warm-up)
+    lines = [f"{key} ({' '.join(argv[2:])}): one iteration" + ("" if cold else " after a warm-up")]
     pred = s.get("predicted_from_forwards", {})
     for fam, m in s.get("families", {}).items():
         if "time_rollout_s" not in m:

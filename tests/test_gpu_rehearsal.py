@@ -1,7 +1,7 @@
 """The GPU session rehearsed on the CPU exactly as the lent machine runs it: a copy of the working tree as the
 device tool sends it (tracked and untracked-not-ignored files), the project NOT installed (`python -S`: no .pth
 file, so no editable install, only site-packages on PYTHONPATH), the device command itself
-(`bash bench/device_call.sh 1|2|3|4`), at a simulated sm_90 and sm_80 with Triton interpreted (the video call 4
+(`bash bench/device_call.sh 1|2|3|4|5`), at a simulated sm_90 and sm_80 with Triton interpreted (the video calls 4, 5
 at sm_90), every stage of each call at smoke shapes. No error, timeout or failed capture anywhere in the JSON is
 allowed."""
 
@@ -86,7 +86,7 @@ def _bad(obj: object, path: str = "") -> list[str]:
 
 
 # sm_90 here; sm_80's calls in test_gpu_rehearsal_sm80.py, so that pytest-xdist runs the two rehearsals side by side
-CASES = [(1, "90"), (2, "90"), (3, "90"), (4, "90")]
+CASES = [(1, "90"), (2, "90"), (3, "90"), (4, "90"), (5, "90")]
 FORWARDS = {3: ["sana-1.6b", "flux-dev", "sd35-large"], 4: ["wan2.1-1.3b", "wan2.1-14b"]}  # the calls with forwards
 
 
@@ -268,3 +268,17 @@ def test_forwards_time_the_torchao_peer_on_the_same_layers(rehearse):
         assert ao["layers"] + len(ao["ours_not_in_peer"]) == len(p["int8"]["quantized_layers"])
     if not installed:
         pytest.skip("torchao is not installed (pip install -e '.[peers]'): its peers are skipped, as checked")
+
+
+@pytest.mark.slow
+def test_call_5_runs_videos_whole_iteration_per_family(rehearse):
+    """The video trainer stage on a tiny WanPipeline of the real classes, saved and loaded: every family's iteration,
+    each clip decoded by its Wan VAE and scored by the stage's PickScore on frames, no warm-up."""
+    _, rec, log = rehearse(5, "90")
+    s = rec["stages"]["trainer:wan2.1-1.3b"]
+    assert s["model"] == "wan2.1-1.3b" and "--preset" in s["argv"]
+    for fam in ("sol_rl", "naive_scaling", "compile"):
+        m = s["families"][fam]
+        assert m["time_total_s"] >= m["time_rollout_s"] > 0 and m["time_train_s"] > 0 and len(m["raw"]) == 1
+        assert m["decode"] == "AutoencoderKLWan" and m["reward"] == "1 * pickscore"
+    assert "sol_rl vs naive_scaling: rollout" in log and "one iteration after" not in log

@@ -39,12 +39,30 @@ def test_each_call_fits_its_budget_and_puts_the_headline_first(session):
     assert {"forwards:sana-1.6b", "forwards:flux-dev", "forwards:sd35-large"} <= set(session.CALLS[3])
     assert session.TRAINER_FAMILIES[:2] == ("sol_rl", "naive_scaling")
     assert set(session.CALLS[4]) == {"ceilings:attention", "forwards:wan2.1-1.3b", "forwards:wan2.1-14b"}
+    assert session.CALLS[5] == ("trainer:wan2.1-1.3b",)  # video's whole iteration, a call of its own
+
+
+def test_the_video_trainer_stage_runs_the_wan_preset_at_its_published_clip(session):
+    """trainer:wan2.1-1.3b's families run configs/wan.py's wan13b presets on the published transformer and VAE
+    (random weights) at 480 x 832 and 81 frames, N = 16, K = 4, at 10 full and 6 preview steps."""
+    e2e = load_bench("e2e")
+    argv = ["--model", "wan2.1-1.3b", "--iterations", "1", "--warmup", "0", "--prompts", "1", "--preset",
+            session.TRAINER_VIDEO["wan2.1-1.3b"], *session.VIDEO_TRAINER_SETTINGS, "--rollout-batch", "4", "--vae",
+            "--reward", "pickscore"]  # fmt: skip
+    args = e2e.build_parser().parse_args(argv)
+    for fam in session.TRAINER_FAMILIES:
+        c = e2e.family_config(fam, args, "/tmp/x")
+        assert (c.family, c.model, c.model_path) == (fam, "wan", "random+vae")
+        assert (c.resolution, c.width, c.frames, c.n, c.k, c.prompts_per_iter) == (480, 832, 81, 16, 4, 1)
+        assert (c.full_steps, c.preview_steps, c.solver, c.rollout_batch_size) == (10, 6, "unipc", 4)
+        assert c.reward == "pickscore" and c.iterations == 1
 
 
 def test_a_stage_names_a_model_it_takes(session):
     assert session.stage_kind("forwards:wan2.1-14b") == "forwards"
-    with pytest.raises(ValueError, match="trainer:MODEL with MODEL one of sana-1.6b, sd35-large, flux-dev"):
-        session.stage_kind("trainer:wan2.1-14b")  # the trainer stage runs image models only
+    assert session.stage_kind("trainer:wan2.1-1.3b") == "trainer"
+    with pytest.raises(ValueError, match="MODEL one of sana-1.6b, sd35-large, flux-dev, wan2.1-1.3b"):
+        session.stage_kind("trainer:wan2.1-14b")  # a 14B video model's iteration does not fit a device call
     with pytest.raises(ValueError, match="unknown stage 'forward:sana-1.6b'"):
         session.stage_kind("forward:sana-1.6b")
 

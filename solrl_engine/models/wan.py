@@ -55,6 +55,9 @@ class WanModel(PipelineFlowModel):
     TEXT_TOKENS = 512  # what WanPipeline.__call__ encodes (its encode_prompt alone defaults to 226)
     MAX_SEQUENCE_LENGTH = 512
     RANDOM_VAE_FACTOR = 8
+    # model_path="random+vae" (the GPU session's video trainer stage): Wan2.1's VAE, whose published config is
+    # AutoencoderKLWan's defaults (base_dim 96, z_dim 16, its latents' means and deviations), random weights
+    RANDOM_VAE_CONFIG: ClassVar[tuple[str, dict[str, Any]] | None] = ("AutoencoderKLWan", {})
     FULL_CONFIG: ClassVar[dict[str, Any]] = {**_COMMON, **WAN_CONFIGS["wan2.1-1.3b"]}
     # the benchmarks' names (models.ARCH_ALIASES) of the published transformers this adapter builds with random
     # weights, beside FULL_CONFIG's 1.3B
