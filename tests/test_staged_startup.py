@@ -40,7 +40,7 @@ def test_only_sharded_multi_rank_runs_are_staged():
     assert not staged(RLConfig(model="tiny"), 8)  # replicated: every rank holds the whole base on its GPU anyway
 
 
-def test_a_staged_pipeline_keeps_its_transformer_on_the_cpu_and_the_rest_on_the_device(wan22):
+def test_a_staged_pipeline_keeps_its_transformer_on_the_cpu_and_the_rest_on_the_device(wan22, monkeypatch):
     """Both experts of a saved two-expert WanPipeline stay on the CPU; the VAE goes to the run's device, as it would
     without staging (and the text encoder to the CPU, offloaded between encodes)."""
     m = load_model("wan", wan22, META, torch.float32, transformer_on_cpu=True, **OPTS)
@@ -49,6 +49,24 @@ def test_a_staged_pipeline_keeps_its_transformer_on_the_cpu_and_the_rest_on_the_
     assert {p.device.type for p in m.pipe.vae.parameters()} == {"meta"}
     plain = load_model("wan", wan22, META, torch.float32, **OPTS)
     assert {p.device.type for p in plain.transformer.parameters()} == {"meta"}
+    # the rollouts run on the model's device, not where its transformer waits: the explore copy, the noise and the
+    # update are made there (the rollouts once read the device off the transformer's first weight: the CPU)
+    from solrl_engine.models import model_spec
+    from solrl_engine.sampling.rollouts import Rollouts, RolloutSettings
+
+    ro = Rollouts(m, model_spec("wan"), lambda im, p: im.mean((1, 2, 3)), RolloutSettings(compiled=False))
+    assert ro.device == META and ro.dtype == torch.float32
+    # and the trainer's explorer builds its copy there, from the transformer on the CPU (the speed bound, a real
+    # forward with the text encoder, is what the meta device cannot run: left out here)
+    import solrl_engine.explore.explorer as explorer
+    from solrl_engine.explore.plan import ExploreSettings, plan
+    from solrl_engine.rl.runtime import build_explorer
+
+    monkeypatch.setattr(explorer, "speed_bound", lambda *a: None)
+    spec = plan(ExploreSettings(precision="fp8"), model_spec("wan"), ro.device, ro.dtype, m.transformer)
+    ex = build_explorer(ro, spec, 4, 2, 2)
+    assert ex.copy.report.quantized and not elsewhere([ex.copy.transformer], META)
+    assert {p.device.type for p in m.transformer.parameters()} == {"cpu"}
 
 
 @pytest.mark.parametrize("recipe", ["fp8", "int8", "nvfp4"])

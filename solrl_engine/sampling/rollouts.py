@@ -136,7 +136,10 @@ class Rollouts:
     def __init__(self, model: FlowModel, spec: ModelSpec, reward: RewardFn, settings: RolloutSettings) -> None:
         self.model, self.spec, self.reward, self.settings = model, spec, reward, settings
         p = next(model.transformer.parameters())
-        self.device, self.dtype = p.device, p.dtype
+        # the model's device (a pipeline model's own: a staged start-up's transformer is still on the CPU until
+        # sharding moves it, rl/sharding.py), else its transformer's
+        dev = getattr(model, "device_", None)
+        self.device, self.dtype = (torch.device(dev) if dev is not None else p.device), p.dtype
         self.cfg_guidance = model_guidance(spec, settings.guidance_scale) if spec.guidance == "cfg" else 1.0
         if settings.guidance_scale_2 is not None and spec.guidance == "cfg":  # each expert its own (ExpertGuidance)
             self.cfg_guidance = expert_guidance(model, self.cfg_guidance, settings.guidance_scale_2)
