@@ -103,7 +103,9 @@ def test_the_plan_splits_the_copy_and_auto_splits_it_only_where_a_whole_copy_doe
     assert memplan.memory_plan(RLConfig(**cfg, explore_sharding="auto"), gpus=4).rows == whole.rows  # auto: whole
     assert split.peak_gib < whole.peak_gib
     tight = (whole.peak_gib + split.peak_gib) / 2 / memplan.HEADROOM  # a whole copy does not fit, a split one does
-    assert resolve(RLConfig(**cfg), Target.gpu(tight, world=4)).cfg.explore_sharding == "shard"
+    run = resolve(RLConfig(**cfg), Target.gpu(tight, world=4))
+    assert run.cfg.explore_sharding == "shard" and run.memory.fits
+    assert any("explore copy: split over the 4 GPUs" in line for line in run.lines())  # what `solrl plan` prints
     assert resolve(RLConfig(**cfg), Target.gpu(80.0, world=4)).cfg.explore_sharding == "none"  # fits whole
     assert resolve(RLConfig(**{**cfg, "sharding": "none"}), Target.gpu(tight, world=4)).cfg.explore_sharding == "none"
     assert resolve(RLConfig(**cfg), Target.gpu(tight, world=1)).cfg.explore_sharding == "none"  # one GPU

@@ -108,11 +108,13 @@ class RunPlan:
             explore = f"{self.explore[0].precision} ({self.explore[0].reason})"
         else:
             explore = f"one of {', '.join(e.precision for e in self.explore)} ({self.explore[0].reason})"
+        split = ([f"  explore copy: split over the {self.target.world} GPUs (explore_sharding=shard: gathered block by "
+                  "block, sampled eagerly)"] if self.cfg.explore_sharding == "shard" and self.explore else [])
         return [f"run plan for {self.cfg.name} on {self.target.describe()}",
                 f"  policy dtype: {dtype} ({self.dtype_reason})",
                 f"  update sizes: train_batch_size {self.sizes.train_batch_size}, gradient_checkpointing "
                 f"{self.sizes.recompute} ({self.sizes.reason})",
-                f"  explore: {explore}"]  # fmt: skip
+                f"  explore: {explore}", *split]  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
         """The plan as JSON values (`solrl plan --json`, the GPU session's records)."""
