@@ -144,6 +144,7 @@ def test_the_wan_presets_take_each_models_published_settings():
         cfg = load_config(f"{ROOT / 'configs' / 'wan.py'}:wan22_a14b_{family}_clipscore")
         assert cfg.model_path == "Wan-AI/Wan2.2-T2V-A14B-Diffusers" and cfg.lora_experts == "both"
         assert (cfg.full_steps, cfg.preview_steps, cfg.shift, cfg.guidance_scale) == (40, 24, 12.0, 4.0)
+        assert cfg.guidance_scale_2 == 3.0  # the official low-noise expert's guidance
     with pytest.raises(ConfigError, match="frames = 80: the Wan VAE takes 4k \\+ 1 frames"):
         load_config(f"{ROOT / 'configs' / 'wan.py'}:wan13b_sol_rl_clipscore", ["frames=80"])
     with pytest.raises(ConfigError, match="frames = 9: applies to video models"):
