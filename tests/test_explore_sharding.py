@@ -65,13 +65,66 @@ def _rank(rank: int, path: str, init: str) -> None:
             for p in adapters.params(OLD):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.5)
         whole.refresh(adapters)
+        asked: list[list[str]] = []
+        split.whole_blocks = lambda names: (asked.append(list(names)), sharded.whole(names))[1]
         split.refresh(adapters)
+        # one block's weights at a time (each of the 4: a two-expert name "transformer_2.blocks.1..." is its block's)
+        assert len(asked) == 4 and all(len({".".join(n.split(".")[:3]) for n in names}) == 1 for names in asked)
         for t in (0.95, 0.3):
             a, b = both(t)
             assert torch.equal(a, b), (t, (a - b).abs().max())
         assert (both(0.3)[0] - before).abs().max() > 1e-3  # the refresh changed what the copies compute
     finally:
         td.destroy_process_group()
+
+
+class Blk(torch.nn.Module):
+    """A block whose first tensor has an odd number of bytes per rank (6 uint8 over 2 ranks: 3 each), as NVFP4's
+    1-D swizzled scales have on 6 or 24 ranks, followed by FP32 and BF16 ones that must each start aligned."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.register_buffer("codes", torch.randint(0, 255, (6,), dtype=torch.uint8, generator=g))
+        self.lin = torch.nn.Linear(4, 5)
+        self.register_buffer("scale", torch.rand(3, 2, generator=g).to(torch.bfloat16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.codes.float().mean() + self.scale.float().sum()
+
+
+def _rank_odd(rank: int, init: str) -> None:
+    import torch.distributed as td
+
+    from solrl_engine.rl.distributed import Dist
+    from solrl_engine.rl.sharding import ShardedCopy
+
+    td.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        import copy
+
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(Blk(1), Blk(2))
+        ref = copy.deepcopy(net)  # the whole copy
+        x = torch.randn(3, 4)
+
+        def run(m: torch.nn.Module) -> torch.Tensor:
+            with torch.no_grad():
+                return m[1](m[0](x)[:, :4])
+
+        split = ShardedCopy(net, ("Blk",), Dist(rank, 2))
+        assert net[0].codes.shape == (0,) and net[0].lin.weight.shape == (0, 4)  # split: each rank's rows only
+        assert torch.equal(run(net), run(ref))
+        with split.whole(["1.lin.weight"]):  # a refresh's write into one block is kept, each rank its rows
+            net[1].lin.weight.data.mul_(2.0)
+        ref[1].lin.weight.data.mul_(2.0)
+        assert torch.equal(run(net), run(ref))
+    finally:
+        td.destroy_process_group()
+
+
+def test_a_split_block_with_odd_byte_shares_gathers_every_tensor_aligned(tmp_path: Path):
+    mp.spawn(_rank_odd, args=(f"file://{tmp_path / 'store'}",), nprocs=2, join=True)
 
 
 def test_a_split_copy_computes_what_the_whole_copy_does_before_and_after_a_refresh(tmp_path: Path):

@@ -220,6 +220,12 @@ def test_each_expert_guided_at_its_own_scale_as_the_stock_pipeline_guides_it(wan
     rows = guidance_at(g, torch.tensor([0.95, 0.5]), like=torch.zeros(2, 3, 4))
     assert rows.shape == (2, 1, 1) and rows.flatten().tolist() == [5.0, 2.0]  # Flow-GRPO's update: one per row
     assert guidance_at(5.0, 0.5) == 5.0 and expert_guidance(m, 5.0, 5.0) == 5.0
+    import copy
+    import pickle
+
+    for twin in (copy.deepcopy(g), pickle.loads(pickle.dumps(g))):  # both scales survive a copy (a config's, a rank's)
+        assert isinstance(twin, ExpertGuidance) and twin == g and twin.at(0.5) == 2.0
+    assert g != expert_guidance(m, 5.0, 2.5) and g == 5.0 and {g: 1}[5.0] == 1  # another low scale is another
     x = sample(m, m.encode_prompts(PROMPTS), [3, 11], 4, solver="unipc", guidance_scale=g,
                uncond=m.encode_prompts([""]), dtype=torch.float32)  # fmt: skip
     ours = m.decode(x)

@@ -263,6 +263,8 @@ class ExploreCopy:
             src = policy.get(name)
             if owner in quant or owner in exclude or src is None or src.shape != p.shape or src.dtype != p.dtype:
                 continue
+            if type(src).__name__ == "DTensor":  # a sharded policy's (a staged start-up attaches after sharding): its
+                continue  # shards are no whole weight to compute with, so the copy keeps its own
             if src.device == p.device:  # (a copy built borrowing already points there)
                 saved += p.numel() * p.element_size()
                 if src.data_ptr() != p.data_ptr():
@@ -296,7 +298,7 @@ class ExploreCopy:
         quant = sum(k.endswith(".weight") and isinstance(mods.get(k.removesuffix(".weight")), QuantLinear)
                     for k in merged)  # fmt: skip
         done = 0  # a block at a time ("transformer_blocks.3..."): one block's merged weights live at once
-        for _, group in itertools.groupby(merged, key=lambda k: ".".join(k.split(".")[:2])):
+        for _, group in itertools.groupby(merged, key=_block_of):
             names = list(group)
             with self.whole_blocks(names) if self.whole_blocks is not None else contextlib.nullcontext():
                 part = {k: merged[k] for k in names}  # high-precision layers copied too
@@ -304,6 +306,17 @@ class ExploreCopy:
         if done != quant:  # cannot happen once check_follows passed; a guard against silent partial refreshes
             raise RuntimeError(f"refreshed {done} of the {quant} quantized LoRA layers of the explore copy")
         return len(merged)
+
+
+def _block_of(name: str) -> str:
+    """The block a weight's name belongs to: its name up to the block's index ("transformer_blocks.3",
+    "transformer_2.blocks.17" of a two-expert model), else its first two parts (the root's own layers): what a
+    refresh merges, and a split copy gathers, at a time."""
+    parts = name.split(".")
+    for i, p in enumerate(parts):
+        if p.isdigit():
+            return ".".join(parts[: i + 1])
+    return ".".join(parts[:2])
 
 
 def speed_bound(ro: Any, copy: ExploreCopy, spec: ExploreSpec) -> dict[str, Any] | None:

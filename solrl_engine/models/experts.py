@@ -195,6 +195,22 @@ class ExpertGuidance(float):
     def __repr__(self) -> str:  # (a captured graph's key: another low-noise scale is another graph)
         return f"ExpertGuidance({float(self)!r}, {self.low!r}, boundary={self.boundary!r})"
 
+    def __eq__(self, other: object) -> bool:
+        """Two of them are equal when both experts' scales and the switch are; against a plain number, as the float
+        it is (so `scale != 1.0`, "guidance on", reads the same for both)."""
+        if isinstance(other, ExpertGuidance):
+            return (float(self), self.low, self.boundary, self.integer) == (float(other), other.low, other.boundary,
+                                                                          other.integer)  # fmt: skip
+        return float(self) == other
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    __hash__ = float.__hash__  # (equal to the plain float it equals: the contract holds; others may share a hash)
+
+    def __reduce__(self) -> tuple[Any, tuple[float, float, float, bool]]:  # copy, deepcopy, pickle keep both scales
+        return ExpertGuidance, (float(self), self.low, self.boundary, self.integer)
+
     def at(self, t: float | torch.Tensor) -> float | torch.Tensor:
         """The scale at flow time `t` (a host float: a float; a tensor of rows: one scale per row, shaped to
         broadcast over each row's velocity): the expert TimestepExperts runs there, by the same timestep."""

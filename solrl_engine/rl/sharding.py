@@ -224,15 +224,19 @@ class ShardedCopy:
         local = self._local[name]
         if not local:
             return
-        flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in local])
-        parts = [torch.empty_like(flat) for _ in range(self.dist.world)]
-        td.all_gather(parts, flat)
+        # each tensor's bytes padded to 16, so every tensor starts where a view of its dtype may (a rank's share of
+        # NVFP4's 1-D swizzled scales can be an odd number of bytes on 6 or 24 ranks)
+        sizes = [t.numel() * t.element_size() for t in local]
+        flat = torch.cat([x for t, n in zip(local, sizes, strict=True)
+                          for x in (t.reshape(-1).view(torch.uint8), t.new_zeros(-n % 16, dtype=torch.uint8))])
+        out = flat.new_empty(self.dist.world * flat.numel())
+        td.all_gather_into_tensor(out, flat)  # (one buffer, rank after rank: no copy out of a list)
+        parts = out.view(self.dist.world, flat.numel())
         offset = 0
-        for (m, key, param, shape, dtype), t in zip(self._parts[name], local, strict=True):
-            n = t.numel() * t.element_size()
-            rows = [p[offset : offset + n].view(dtype).view(t.shape) for p in parts]
-            self._put(m, key, param, torch.cat(rows)[: shape[0]])
-            offset += n
+        for (m, key, param, shape, dtype), t, n in zip(self._parts[name], local, sizes, strict=True):
+            rows = parts[:, offset : offset + n].reshape(-1).view(dtype).view(-1, *t.shape[1:])
+            self._put(m, key, param, rows[: shape[0]])
+            offset += n + (-n % 16)
 
     def _drop(self, name: str) -> None:
         for m, key, param, shape, _ in self._parts[name]:

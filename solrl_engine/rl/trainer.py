@@ -182,16 +182,17 @@ class Trainer:
         sizing.recompute_blocks(self.model.transformer, self.rollouts.spec.repeated_blocks, cfg.gradient_checkpointing)
         self.update_census: Census | None = None  # the compiled update's graphs (compiled_update)
         self.compiled_update = self._compiled_update()
-        if lora or not sharded:  # (sharded full fine-tuning has an old set to follow once sharded, below)
+        staging = staged(cfg, self.dist.world)  # the base on the CPU until sharding moves it (rl/runtime.staged)
+        if not staging and (lora or not sharded):  # (sharded full fine-tuning and a staged start-up follow below)
             self._follow_explore()
-        if sharded:  # after the explore copy is built from (and attached to) the whole base weights
+        if sharded:  # after the explore copy is built from the whole base weights (attached to them unless staged)
             # LoRA: the base sharded, the adapters left whole; full fine-tuning: every (FP32 trained) weight sharded
             keep = self.adapters.params(TRAIN) + self.adapters.params(OLD) if lora else []
             group = (cfg.shard_group_size or int(os.environ.get("LOCAL_WORLD_SIZE", self.dist.world))
                      if cfg.sharding == "hsdp" else 0)  # fmt: skip
             blocks = shard_policy(self.model.transformer, self.rollouts.spec.repeated_blocks, keep, self.dist,
                                   self.device, upcast=not lora, group=group)  # fmt: skip
-            if staged(cfg, self.dist.world):  # the base was loaded on the CPU: FSDP2 moved the blocks it sharded
+            if staging:  # the base was loaded on the CPU: FSDP2 moved the blocks it sharded
                 held = [c.transformer for c in (self.explore, self.policy_copy) if c is not None]
                 ema = list(self.adapters.ema)  # (the LoRA matrices it left out, their EMA, and any stray buffer)
                 moved = settle_([self.model.transformer, *held], self.device, ema)
@@ -206,7 +207,8 @@ class Trainer:
                          split.whole_bytes / 2**20)  # fmt: skip
             if not lora:
                 self.adapters.shard()  # its weight sets made as this rank's shards
-                self._follow_explore()  # the explore copy refreshed from them, gathered a weight at a time
+            if staging or not lora:  # the copies refreshed from the sharded policy, gathered a weight at a time on
+                self._follow_explore()  # the device (a staged LoRA run's first merge would otherwise run on the CPU)
             local, full = sharded_bytes(self.model.transformer)
             over = f"groups of {group} of the {self.dist.world} ranks" if group else f"{self.dist.world} ranks"
             log.info("sharding=%s: %d blocks over %s; this rank holds %.1f of %.1f MiB of %s weights", cfg.sharding,
