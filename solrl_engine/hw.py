@@ -110,6 +110,20 @@ def cpu_compile_available(compiler: str | None = "") -> tuple[bool, str]:
 # --- the run's device, policy dtype and autocast ---------------------------------------------------------
 
 
+def host_memory_available_gib(meminfo: str | None = None) -> float | None:
+    """The host memory the kernel says can be had without swapping (/proc/meminfo's MemAvailable), in GiB; None where
+    it does not say (not Linux). A staged start-up loads the base there on every rank of a node at once."""
+    if meminfo is None:
+        try:
+            meminfo = Path("/proc/meminfo").read_text()
+        except OSError:
+            return None
+    for line in meminfo.splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) / 2**20  # kB
+    return None
+
+
 def pick_device(setting: str = "auto") -> torch.device:
     """The device a `device` setting names ("auto": a GPU when there is one); a CUDA device that is not
     there is a ValueError saying why and what to set, before any model loads (not torch's assertion)."""

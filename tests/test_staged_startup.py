@@ -110,3 +110,25 @@ def test_settle_moves_what_fsdp_left_behind_keeping_each_parameter(wan22):
     stray = torch.nn.Linear(2, 2)
     assert elsewhere([stray], META) == ["weight (cpu)", "bias (cpu)"]
     assert elsewhere([stray], torch.device("cpu")) == []
+
+
+def test_the_plan_counts_each_ranks_host_memory_and_the_trainer_warns_where_a_node_lacks_it():
+    """A staged start-up holds the base on the CPU on every rank of a node at once: the plan says how much per rank
+    (and the offloaded text encoders beside it), and `host_shortfall` says what to do where MemAvailable is less."""
+    from solrl_engine.hw import host_memory_available_gib
+    from solrl_engine.models.tiny.model import load_tiny
+    from solrl_engine.rl import memplan
+
+    params = sum(p.numel() for p in load_tiny().transformer.parameters())
+    cfg = dict(name="t", model="tiny", policy_dtype="bfloat16", train_batch_size=2, gradient_checkpointing=False)
+    staged_plan = memplan.memory_plan(RLConfig(**cfg, sharding="fsdp"), gpus=4)
+    assert staged_plan.host_gib == pytest.approx(2 * params / 2**30)  # the tiny model has no text encoder to offload
+    assert "host memory per rank" in staged_plan.render() and "sharded start-up" in staged_plan.host_note
+    assert memplan.memory_plan(RLConfig(**cfg), gpus=4).host_gib == 0.0  # replicated: loaded straight to the GPU
+    need = staged_plan.host_gib * 8
+    short = memplan.host_shortfall(staged_plan, 8, need / 2)
+    assert short is not None and "--nproc_per_node" in short and f"{need:.0f} GiB" in short
+    assert memplan.host_shortfall(staged_plan, 8, need * 2) is None
+    assert memplan.host_shortfall(staged_plan, 8, None) is None  # not known: nothing said
+    assert host_memory_available_gib("MemTotal: 100 kB\nMemAvailable:   2097152 kB\n") == pytest.approx(2.0)
+    assert host_memory_available_gib("MemTotal: 100 kB\n") is None

@@ -80,6 +80,10 @@ class MemoryPlan:
     sharded_peak_gib: float | None = None  # an unsharded plan's peak with sharding=fsdp on these GPUs
     blocks: int = 0  # the transformer's repeated blocks (what gradient_checkpointing recomputes, one by one)
     update_sizes: str = ""  # how train_batch_size and gradient_checkpointing were resolved (rl/sizing.py)
+    # host memory per rank: the base while a staged start-up holds it on the CPU (rl/runtime.staged), and the text
+    # encoders offloaded there between encodes; every rank of a node holds its own
+    host_gib: float = 0.0
+    host_note: str = ""  # what host_gib holds
 
     def total(self, when: str) -> float:
         return sum(r.gib for r in self.rows if r.when == "always") + sum(r.gib for r in self.rows if r.when == when)
@@ -154,6 +158,9 @@ class MemoryPlan:
                      f"{self.gpu_gib:g} GiB = {HEADROOM * self.gpu_gib:.1f} GiB")  # fmt: skip
         lines.append("  not counted: the reward model's weights, the VAE decode's activations (decode_batch_size), "
                      "CUDA's context")
+        if self.host_gib:
+            lines.append(f"  host memory per rank: {self.host_gib:.1f} GiB ({self.host_note}); every rank of a node "
+                         "holds its own")
         lines += [f"  - {t}" for t in self.advice()]
         return "\n".join(lines)
 
@@ -502,8 +509,13 @@ def memory_plan(cfg: RLConfig, gpus: int = 1, gpu_gib: float = 80.0, explore: Se
         return rows
 
     def plan_for(mode: str, sharded: bool, **more: Any) -> MemoryPlan:
+        text_host = sum(spec.text_encoder_params_b.values()) * 1e9 * b if cfg.offload_text_encoders else 0.0
+        base_host = params * b if sharded and gpus > 1 else 0.0  # (a staged start-up: rl/runtime.staged)
+        what = [w for w, n in (("the base, while the sharded start-up holds it on the CPU", base_host),
+                               ("the text encoders, offloaded there between encodes", text_host)) if n]  # fmt: skip
         return MemoryPlan(cfg.name, cfg.model, mode, gpus, gpu_gib, params / 1e9, source, rows_for(mode, sharded),
-                          sharding=cfg.sharding if sharded else "none", **more)  # fmt: skip
+                          sharding=cfg.sharding if sharded else "none", host_gib=(base_host + text_host) / GIB,
+                          host_note="; ".join(what), **more)  # fmt: skip
 
     sharded = cfg.sharding != "none"  # (one GPU: nothing split, no merged copy)
     lora_peak = plan_for("lora", sharded).peak_gib if cfg.train_mode == "full" else None  # on the same sharding
@@ -513,6 +525,19 @@ def memory_plan(cfg: RLConfig, gpus: int = 1, gpu_gib: float = 80.0, explore: Se
                     lora_peak_gib=lora_peak, sharded_peak_gib=shard_peak, blocks=len(sizes_b),
                     update_activations_gib={"gradient_checkpointing": act_ckpt / GIB, "without": act_plain / GIB},
                     update_sizes="" if resolved is None else resolved.reason)  # fmt: skip
+
+
+def host_shortfall(plan: MemoryPlan, ranks_here: int, available_gib: float | None) -> str | None:
+    """Why this node's host memory may not hold what its `ranks_here` ranks load at start (each its own base on the
+    CPU, staged, and its offloaded text encoders: `plan.host_gib`), or None: the kernel's available memory is
+    enough, or not known."""
+    need = plan.host_gib * ranks_here
+    if available_gib is None or not plan.host_gib or need <= available_gib:
+        return None
+    return (f"the {ranks_here} ranks on this node each load the base on the CPU at start (a sharded start-up) with "
+            f"their offloaded text encoders: about {need:.0f} GiB of host memory, and {available_gib:.0f} GiB is "
+            "available; start fewer ranks a node (torchrun --nproc_per_node), free host memory, or expect the "
+            "kernel to swap or stop a rank")  # fmt: skip
 
 
 def resolve_update_sizes(cfg: RLConfig, world: int, gpu_gib: float | None) -> UpdateSizes:

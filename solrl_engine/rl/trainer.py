@@ -32,7 +32,7 @@ from solrl_engine.explore.choice import POLICY, ExploreChoice
 from solrl_engine.explore.copy import ExploreCopy
 from solrl_engine.explore.explorer import Selection
 from solrl_engine.explore.plan import ExploreSpec
-from solrl_engine.hw import cpu_compile_available
+from solrl_engine.hw import cpu_compile_available, host_memory_available_gib
 from solrl_engine.models import model_spec
 from solrl_engine.models.base import Conditioning
 from solrl_engine.rl import sizing
@@ -44,6 +44,7 @@ from solrl_engine.rl.export import save_trained
 from solrl_engine.rl.full import REF, FullWeights, TrainedWeights
 from solrl_engine.rl.guards import NonFiniteError, ProxyGuard, check_finite, check_resume_config
 from solrl_engine.rl.heldout import HeldOut
+from solrl_engine.rl.memplan import host_shortfall
 from solrl_engine.rl.objectives import objective, preview_coupling, rollout_window
 from solrl_engine.rl.ranking import group_advantages, kendall, spearman
 from solrl_engine.rl.runtime import Target, build_rollouts, explorer_for, resolve, staged
@@ -150,6 +151,10 @@ class Trainer:
         log.info("update sizes: train_batch_size %s, gradient_checkpointing %s (%s)", cfg.train_batch_size,
                  cfg.gradient_checkpointing, self.plan.sizes.reason)  # fmt: skip
         self.plan.check()
+        if self.plan.memory is not None and staged(cfg, self.dist.world):  # before any rank loads the base
+            ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", self.dist.world))
+            if (short := host_shortfall(self.plan.memory, ranks_here, host_memory_available_gib())) is not None:
+                log.warning("host memory: %s", short)
         self.rollouts = build_rollouts(cfg, self.plan)
         self.model, self.device, self.dtype = self.rollouts.model, self.rollouts.device, self.rollouts.dtype
         # like-for-like: with merge_lora, full-precision rollouts run the "old" LoRA merged into a copy of the
