@@ -115,7 +115,7 @@ def trainer_stage(alias: str, device: torch.device, cfg: dict[str, Any]) -> dict
     keeps the families that ran. Smoke: the bundled model and its decode, a tiny CLIP of the same class."""
     smoke = cfg["smoke"]
     video = alias in TRAINER_VIDEO  # (its preset; smoke: a tiny WanPipeline of the real classes, saved and loaded)
-    model = alias if video else "tiny" if smoke else alias
+    model = "tiny" if smoke and not video else alias
     argv = ["--model", model, "--iterations", "1", "--warmup", "0" if video else "1", "--prompts", "1"]
     rollout_batch = cfg["batch"].get(alias, ROLLOUT_BATCH[alias])
     if video:
@@ -126,7 +126,7 @@ def trainer_stage(alias: str, device: torch.device, cfg: dict[str, Any]) -> dict
              ["--rollout-batch", str(rollout_batch)])  # fmt: skip
     out: dict[str, Any] = {"model": model, "families": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        if video and smoke:
+        if video and smoke:  # (the preset's clip on a tiny WanPipeline of the real classes, saved and loaded)
             import tiny_pipelines
 
             path = tiny_pipelines.build_wan(Path(tmp) / "wan")

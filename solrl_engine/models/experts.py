@@ -214,13 +214,11 @@ class ExpertGuidance(float):
     def at(self, t: float | torch.Tensor) -> float | torch.Tensor:
         """The scale at flow time `t` (a host float: a float; a tensor of rows: one scale per row, shaped to
         broadcast over each row's velocity): the expert TimestepExperts runs there, by the same timestep."""
+        ts = torch.as_tensor(t, dtype=torch.float32) * 1000.0  # (in FP32, as the model's timestep is computed)
+        high = (ts.floor() if self.integer else ts) >= self.boundary
         if isinstance(t, torch.Tensor):
-            ts = t.float() * 1000.0
-            ts = ts.floor() if self.integer else ts
-            return torch.where(ts >= self.boundary, float(self), self.low)
-        ts = torch.tensor(t, dtype=torch.float32) * 1000.0  # (in FP32, as the model's timestep is computed)
-        ts = ts.floor() if self.integer else ts
-        return float(self) if float(ts) >= self.boundary else self.low
+            return torch.where(high, float(self), self.low)
+        return float(self) if bool(high) else self.low
 
 
 def guidance_at(scale: float, t: float | torch.Tensor, like: torch.Tensor | None = None) -> float | torch.Tensor:

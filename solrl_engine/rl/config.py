@@ -459,36 +459,29 @@ class RLConfig:
         if self.train_mode not in TRAIN_MODES:
             raise bad("train_mode", f"choose one of {TRAIN_MODES} (lora: adapters on the frozen base, the default; "
                                     "full: every weight of the transformer, docs/full-fine-tuning.md)")
-        from solrl_engine.models.experts import LORA_EXPERTS
+        from solrl_engine.models.experts import LORA_EXPERTS, boundary_ratio
+
+        def two_experts_only(key: str, what: str, unset: str) -> None:
+            """`key` (set) means something only on a two-expert model: refused for a one-transformer family, and for a
+            local pipeline whose model_index.json has no transformer_2 (read before any weight loads)."""
+            if not model_spec(self.model).two_experts:
+                experts = " or ".join(n for n in MODELS if model_spec(n).two_experts)
+                raise bad(key, f"{what} (model={experts} over a Wan2.2-A14B pipeline); {self.model!r} has one "
+                               f"transformer: {unset}")  # fmt: skip
+            if self.model_path and Path(self.model_path).is_dir() and boundary_ratio(self.model_path, {}) is None:
+                raise bad(key, f"{self.model_path} holds one transformer (no transformer_2 and boundary_ratio in its "
+                               f"model_index.json, the Wan2.2-A14B layout): {unset}")  # fmt: skip
 
         if self.lora_experts not in LORA_EXPERTS:
             raise bad("lora_experts", f"choose one of {sorted(LORA_EXPERTS)}: which experts of a two-expert model "
                                       "(Wan2.2-A14B) carry the LoRA")  # fmt: skip
-        if self.lora_experts != "both" and not model_spec(self.model).two_experts:
-            experts = " or ".join(n for n in MODELS if model_spec(n).two_experts)
-            raise bad("lora_experts", f"applies to two-expert models (model={experts} over a Wan2.2-A14B pipeline); "
-                                      f"{self.model!r} has one transformer: leave it at 'both'")  # fmt: skip
-        if self.lora_experts != "both" and self.model_path and Path(self.model_path).is_dir():
-            from solrl_engine.models.experts import boundary_ratio
-
-            if boundary_ratio(self.model_path, {}) is None:  # a local pipeline with one transformer: before loading
-                raise bad("lora_experts", f"{self.model_path} holds one transformer (no transformer_2 and "
-                                          "boundary_ratio in its model_index.json, the Wan2.2-A14B layout): leave "
-                                          "it at 'both'")  # fmt: skip
+        if self.lora_experts != "both":
+            two_experts_only("lora_experts", "applies to two-expert models", "leave it at 'both'")
         if self.guidance_scale_2 is not None:
             if self.guidance_scale_2 < 0:
                 raise bad("guidance_scale_2", "must be >= 0 (None: the same as guidance_scale)")
-            if not model_spec(self.model).two_experts:
-                experts = " or ".join(n for n in MODELS if model_spec(n).two_experts)
-                raise bad("guidance_scale_2", f"is the low-noise expert's guidance of a two-expert model (model="
-                                              f"{experts} over a Wan2.2-A14B pipeline); {self.model!r} has one "
-                                              "transformer: leave it unset")  # fmt: skip
-            if self.model_path and Path(self.model_path).is_dir():
-                from solrl_engine.models.experts import boundary_ratio
-
-                if boundary_ratio(self.model_path, {}) is None:
-                    raise bad("guidance_scale_2", f"{self.model_path} holds one transformer (no transformer_2 and "
-                                                  "boundary_ratio in its model_index.json): leave it unset")
+            two_experts_only("guidance_scale_2", "is the low-noise expert's guidance of a two-expert model",
+                             "leave it unset")
             high = self.guidance_scale if self.guidance_scale is not None else model_spec(self.model).guidance_scale
             if (high == 1.0) != (self.guidance_scale_2 == 1.0):
                 raise bad("guidance_scale_2", f"{self.guidance_scale_2} with guidance_scale {high}: both experts use "
