@@ -22,6 +22,7 @@ from solrl_engine.rl.memplan import PHASES, memory_plan
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS = {"flux1": "configs/flux1.py:flux1_sol_rl_pickscore",
            "qwenimage": "configs/qwenimage.py:qwenimage_sol_rl_pickscore",
+           "qwenimage_edit": "configs/qwenimage_edit.py:qwenimage_edit_sol_rl_edit",
            "sana_video": "configs/sana_video.py:sana_video_sol_rl_clipscore",
            "wan14b": "configs/wan.py:wan14b_sol_rl_clipscore",
            "wan_i2v14b": "configs/wan.py:wan_i2v14b_sol_rl_clipscore",
@@ -44,6 +45,10 @@ PLANS = [
     # the explore copy split over the GPUs too (explore_sharding=shard; auto picks it where a whole copy does not fit)
     ("qwenimage-full-16gpu-fsdp-explore-sharded", "qwenimage", {"train_mode": "full", "sharding": "fsdp",
                                                                 "explore_sharding": "shard"}, 16),
+    # Qwen-Image-Edit: each edit's source tokens beside the latent's (twice Qwen-Image's image tokens at 1024 px)
+    ("qwenimage_edit-lora-1gpu", "qwenimage_edit", {}, 1),
+    ("qwenimage_edit-lora-8gpu-fsdp", "qwenimage_edit", {"sharding": "fsdp"}, 8),
+    ("qwenimage_edit-full-32gpu-fsdp", "qwenimage_edit", {"train_mode": "full", "sharding": "fsdp"}, 32),
     # the video presets at their published 480 x 832, 81 frames (32,760 tokens a clip), whole clips on each GPU
     ("sana_video-lora-1gpu", "sana_video", {}, 1),
     ("sana_video-lora-8gpu-fsdp", "sana_video", {"sharding": "fsdp"}, 8),

@@ -93,8 +93,50 @@ def test_check_conditioning_names_the_key_the_set_and_the_fix():
     with pytest.raises(ValueError, match="train_prompts='sample/train': model=flux_kontext takes an image.*JSON lines"):
         check_conditioning(["a cat"], True, "flux_kontext", "train_prompts", "sample/train")
     with pytest.raises(ValueError, match="eval_prompts='edit/test': its prompts carry images, which model=flux does "
-                                         "not.*flux_kontext"):  # fmt: skip
-        check_conditioning(edit, False, "flux", "eval_prompts", "edit/test")
+                                         r"not.*\(flux_kontext, qwenimage_edit\)"):  # fmt: skip
+        check_conditioning(edit, False, "flux", "eval_prompts", "edit/test", ("flux_kontext", "qwenimage_edit"))
+
+
+def test_the_trainer_names_every_family_that_takes_images():
+    """The families a text-to-image run given an editing set is pointed to come from the registry."""
+    from solrl_engine.models import MODELS, model_spec
+    from solrl_engine.rl import ConfigError, load_config
+    from solrl_engine.rl.trainer import Trainer
+
+    takers = [n for n in MODELS if model_spec(n).conditioned]
+    assert {"flux_kontext", "qwenimage_edit", "wan_i2v"} <= set(takers)
+    root = Path(__file__).resolve().parents[1]
+    cfg = load_config(f"{root}/configs/tiny.py:tiny_sol_rl_shapes", ["eval_prompts=edit/test"])
+    with pytest.raises(ConfigError, match=rf"pick a model that takes them \({', '.join(takers)}\)"):
+        Trainer(cfg, progress=False)
+
+
+def test_rows_of_different_text_lengths_concatenate_padded_and_guide_against_their_own_negatives():
+    """Conditioning.cat pads masked text states (and per-row negatives) to the longest row; `against` takes a row's
+    own negative where it carries one (Qwen-Image-Edit), else the shared unconditional row; masks stay integer."""
+    from solrl_engine.models.base import Conditioning
+
+    g = torch.Generator().manual_seed(0)
+
+    def row(n: int, m: int) -> Conditioning:
+        return Conditioning(torch.randn(1, n, 4, generator=g), None, torch.ones(1, n, dtype=torch.long),
+                            torch.randn(1, 2, 2, 2, generator=g), None, torch.randn(1, m, 4, generator=g),
+                            torch.ones(1, m, dtype=torch.long))  # fmt: skip
+
+    a, b = row(3, 2), row(5, 4)
+    c = Conditioning.cat([a, b])
+    assert c.hidden.shape == (2, 5, 4) and c.mask.tolist() == [[1, 1, 1, 0, 0], [1] * 5]
+    assert torch.equal(c.hidden[0, :3], a.hidden[0]) and not c.hidden[0, 3:].any()
+    assert c.negative_hidden.shape == (2, 4, 4) and c.negative_mask.tolist() == [[1, 1, 0, 0], [1] * 4]
+    assert torch.equal(c.negative_hidden[1], b.negative_hidden[0])
+    shared = Conditioning(torch.zeros(1, 1, 4))
+    u = shared.against(c)
+    assert u.hidden is c.negative_hidden and u.mask is c.negative_mask and u.image is c.image
+    plain = Conditioning(c.hidden, None, c.mask, c.image)
+    assert torch.equal(shared.against(plain).hidden, torch.zeros(2, 1, 4))
+    moved = c.to(torch.float64)
+    assert moved.hidden.dtype == moved.negative_hidden.dtype == torch.float64
+    assert moved.mask.dtype == moved.negative_mask.dtype == torch.long
 
 
 def test_the_bundled_editing_set_is_what_its_generator_draws(tmp_path):

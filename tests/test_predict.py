@@ -146,3 +146,17 @@ def test_context_parallel_splits_the_work_and_prices_the_self_attention_all_to_a
     assert got["comm_s"] == pytest.approx(8e9 / 4 * 3 / 4 / 1e10)  # attn2's bytes not exchanged
     assert got["efficiency"] == pytest.approx(13.0 / (4 * (13.0 / 4 + 0.15)))
     assert predict.context_parallel(ops, dev, "bf16", set(), 1)["comm_s"] == 0.0
+
+
+def test_an_edit_forward_is_priced_with_its_source_tokens(predict):
+    """A conditioned family's stand-in inputs carry its image: Qwen-Image-Edit's forward runs every image-stream
+    linear over the latent's tokens and as many of the source's (twice Qwen-Image's), and its text stream over the
+    source's vision tokens and the instruction (its TEXT_TOKENS)."""
+    arch = dict(num_layers=1, attention_head_dim=16, num_attention_heads=2, joint_attention_dim=48,
+                axes_dims_rope=(4, 6, 6))  # fmt: skip
+    t2i, edit = ({c.group: c.flops for c in predict.profile_forward(predict.build_meta_model(fam, arch, 64), 2)
+                  if c.kind == "linear"} for fam in ("qwenimage", "qwenimage_edit"))  # fmt: skip
+    for group in ("img_in", "transformer_blocks.*.attn.to_q", "transformer_blocks.*.img_mlp.net.2", "proj_out"):
+        assert edit[group] == 2 * t2i[group], group
+    text = load_model("qwenimage_edit", "random", dtype=torch.float32, resolution=64, arch=arch).TEXT_TOKENS
+    assert edit["txt_in"] * 128 == t2i["txt_in"] * text

@@ -120,7 +120,7 @@ def test_the_table_is_data():
     names = define_presets(ns, "sana", "demo")
     assert set(names) == set(ns) and len(names) == 35 and all(n.startswith("demo_") for n in names)
     assert set(PAPER) == set(FILES) | set(WAN) | {"qwenimage", "sana-video", "z-image", "flux2-klein", "flux-kontext",
-                                                  "wan2.1-i2v-14b", "wan2.2-a14b"}
+                                                  "qwen-image-edit", "wan2.1-i2v-14b", "wan2.2-a14b"}
 
 
 def test_the_wan_presets_take_each_models_published_settings():
@@ -211,6 +211,22 @@ def test_the_flux_kontext_presets_edit_the_bundled_set_with_the_editing_rewards(
         assert (cfg.train_prompts, cfg.eval_prompts) == ("edit/train", "edit/test")
     assert load_config(f"{ROOT / 'configs' / 'flux_kontext.py'}:flux_kontext_sol_rl_vlm").reward_args[0].startswith(
         "vlm.url=")  # fmt: skip
+
+
+def test_the_qwen_image_edit_presets_take_the_model_cards_call_on_the_bundled_editing_set():
+    """Qwen-Image-Edit's model card: 50 steps, guidance 4.0 (true CFG against " "), Euler, edits at 1024 px; the
+    editing rewards and the bundled editing prompt set."""
+    from solrl_engine.rl.presets import EDIT_REWARDS
+
+    expected = sorted(f"qwenimage_edit_{f}_{r}" for f in FAMILIES for r in EDIT_REWARDS)
+    assert sorted(_names("qwenimage_edit.py", "qwenimage_edit")) == expected
+    assert sorted(_module("qwenimage_edit.py").__all__) == expected
+    for family in FAMILIES:
+        cfg = load_config(f"{ROOT / 'configs' / 'qwenimage_edit.py'}:qwenimage_edit_{family}_edit")
+        assert cfg.model == "qwenimage_edit" and cfg.reward == "clip_direction:1.0,preserve:0.5", family
+        assert (cfg.solver, cfg.guidance_scale, cfg.full_steps, cfg.preview_steps, cfg.resolution) == (
+            "euler", 4.0, 50, 30, 1024)  # fmt: skip
+        assert (cfg.train_prompts, cfg.eval_prompts) == ("edit/train", "edit/test")
 
 
 def test_the_flux2_klein_presets_take_the_pipelines_documented_settings():

@@ -31,10 +31,14 @@ system prompt in the 34 tokens the real tokenizer gives it. transformers 5 saves
 
 from __future__ import annotations
 
+import contextlib
+import re
 import string
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from tiny_clip import build_clip_reward, clip_tokenizer
 
@@ -63,6 +67,8 @@ __all__ = [
     "build_flux2",
     "build_flux_kontext",
     "build_qwenimage",
+    "build_qwenimage_edit",
+    "qwen_vl_processor",
     "build_sana",
     "build_sana_video",
     "build_sd3",
@@ -377,15 +383,16 @@ QWEN_SYSTEM = ("Describe the image by detailing the color, shape, size, texture,
 QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
 
-def _qwen_tokenizer() -> Any:
+def _qwen_tokenizer(system: str = QWEN_SYSTEM, specials: tuple[str, ...] = QWEN_SPECIALS) -> Any:
     """A Qwen2Tokenizer (byte-level BPE behind Qwen2's pre-tokenizer regex) over the 256 byte symbols, with merges
     that spell each word of the system prompt, the chat roles and a few prompt words as one token each, as the real
     151k-token vocabulary does; any other text falls back to shorter pieces down to single bytes (never <unk>).
-    <|endoftext|> (pad), <|im_start|> and <|im_end|> come last, as in the real vocabulary."""
+    The special tokens (<|endoftext|> (pad), <|im_start|>, <|im_end|>, and the vision ones for an editing pipeline)
+    come last, as in the real vocabulary."""
     from transformers import Qwen2Tokenizer
 
     byte = _byte_chars()
-    words = ["system", "user", "assistant", "Describe"] + [" " + w for w in QWEN_SYSTEM.split()[1:]]
+    words = ["system", "user", "assistant", system.split()[0]] + [" " + w for w in system.split()[1:]]
     words += [" " + w for w in _WORDS] + list(_WORDS)
     vocab = {byte[b]: b for b in range(256)}
     merges: list[tuple[str, str]] = []
@@ -394,26 +401,42 @@ def _qwen_tokenizer() -> Any:
             if word[: k + 1] not in vocab:
                 vocab[word[: k + 1]] = len(vocab)
                 merges.append((word[:k], word[k]))
-    for special in QWEN_SPECIALS:
+    # the system prompt's pre-tokenizer pieces (" (", "color", ")," "'s") each one token too; a space-led word
+    # whose letters merge first (" user": "user" is a word) gets the space joined last, as the real merges do
+    for piece in re.findall(r"'s|[^\r\n\w]?[A-Za-z]+| ?[^\sA-Za-z0-9]+", system):
+        sym = "".join(byte[b] for b in piece.encode())
+        parts = [sym[0], sym[1:]] if piece[0] == " " and sym[1:] in vocab else [sym[0], *sym[1:]]
+        for k in range(1, len(parts)):
+            head = "".join(parts[:k])
+            vocab.setdefault(head + parts[k], len(vocab))
+            if (head, parts[k]) not in merges:
+                merges.append((head, parts[k]))
+    for special in specials:
         vocab[special] = len(vocab)
-    return Qwen2Tokenizer(vocab=vocab, merges=merges, additional_special_tokens=list(QWEN_SPECIALS[1:]),
+    return Qwen2Tokenizer(vocab=vocab, merges=merges, additional_special_tokens=list(specials[1:]),
                           model_max_length=131072)  # fmt: skip
 
 
 def _qwen_vl(hidden: int, tok: Any) -> Any:
     """A Qwen2.5-VL (the class Qwen-Image's text encoder is: Qwen2_5_VLForConditionalGeneration) with a 2-layer
     language model (grouped KV heads, multimodal RoPE sections 4/4/4 of its head width 24) and a 1-block vision
-    tower the pipeline never runs; the pipeline reads the language model's last hidden states."""
+    tower (14 px patches merged 2x2, as the real one), which Qwen-Image never runs and Qwen-Image-Edit runs on the
+    source; the pipelines read the language model's last hidden states. The vision token ids are the tokenizer's
+    (an editing tokenizer has them)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     pad, eos = tok.convert_tokens_to_ids("<|endoftext|>"), tok.convert_tokens_to_ids("<|im_end|>")
+    ids = {f"{k}_token_id": tok.convert_tokens_to_ids(t) for k, t in (("image", "<|image_pad|>"),
+           ("video", "<|video_pad|>"), ("vision_start", "<|vision_start|>"), ("vision_end", "<|vision_end|>"))}
+    ids = {k: v for k, v in ids.items() if v is not None and v != tok.unk_token_id}
     text = dict(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
                 num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
                 rope_scaling={"type": "mrope", "mrope_section": [4, 4, 4]}, pad_token_id=pad, bos_token_id=pad,
                 eos_token_id=eos)  # fmt: skip
     vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=hidden,
                   fullatt_block_indexes=[0])  # fmt: skip
-    return Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(text_config=text, vision_config=vision)).eval()
+    return Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(text_config=text, vision_config=vision,
+                                                                **ids)).eval()  # fmt: skip
 
 
 def build_qwenimage(path: str | Path, seed: int = 0) -> Path:
@@ -427,16 +450,19 @@ def build_qwenimage(path: str | Path, seed: int = 0) -> Path:
     scheduler: FlowMatchEuler with the exponential dynamic shift (256 tokens -> 0.5, 8192 -> 0.9, shift 1) and
     shift_terminal 0.02.
     """
-    from diffusers import (
-        AutoencoderKLQwenImage,
-        FlowMatchEulerDiscreteScheduler,
-        QwenImagePipeline,
-        QwenImageTransformer2DModel,
-    )
+    from diffusers import QwenImagePipeline
 
     torch.manual_seed(seed)
     tok = _qwen_tokenizer()
     te = _qwen_vl(48, tok)
+    pipe = QwenImagePipeline(text_encoder=te, tokenizer=tok, **_qwen_parts(seed))
+    return _save(pipe, path)
+
+
+def _qwen_parts(seed: int) -> dict[str, Any]:
+    """Qwen-Image's VAE, transformer and scheduler (build_qwenimage's docstring)."""
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+
     g = torch.Generator().manual_seed(seed + 1)
     channels = LATENT_CHANNELS["qwenimage"]
     mean = (torch.randn(channels, generator=g) * 0.5).tolist()
@@ -452,7 +478,63 @@ def build_qwenimage(path: str | Path, seed: int = 0) -> Path:
         shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9, base_image_seq_len=256,
         max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential",
     )  # fmt: skip
-    pipe = QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=te, tokenizer=tok, transformer=transformer)
+    return {"scheduler": scheduler, "vae": vae, "transformer": transformer}
+
+
+# QwenImageEditPipeline's system prompt (its prompt_template_encode): the real tokenizer spells the template's prefix,
+# "<|im_start|>system\n" + this + "<|im_end|>\n<|im_start|>user\n", in the 64 tokens the pipeline drops
+QWEN_EDIT_SYSTEM = ("Describe the key features of the input image (color, shape, size, texture, objects, background), "
+                    "then explain how the user's text instruction should alter or modify the image. Generate a new "
+                    "image that meets the user's requirements while maintaining consistency with the original input "
+                    "where appropriate.")  # fmt: skip
+QWEN_VISION_SPECIALS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+
+@contextlib.contextmanager
+def qwen_vl_processor() -> Iterator[None]:
+    """Lets transformers build and load a `Qwen2VLProcessor` where torchvision is missing (this CPU machine: the
+    torchvision wheel paired with torch 2.13 on the package index is a CUDA build, so it cannot import here).
+
+    The processor has three parts; its class check for the video processor, and loading that part, need
+    torchvision. Inside this block the check finds transformers' own `VideoProcessorMixin` and loading gives a plain
+    `BaseVideoProcessor`, which Qwen-Image-Edit never calls (it sends the processor text and one image). The image
+    processor (the PIL one transformers falls back to) and the tokenizer are the real ones, saved and loaded from
+    disk. A machine with torchvision (any GPU user's) needs none of this: there the block changes nothing."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchvision") is not None:
+        yield
+        return
+    import importlib
+
+    import transformers.processing_utils as pu
+    import transformers.video_processing_utils as vpu
+
+    auto = importlib.import_module("transformers.models.auto.video_processing_auto").AutoVideoProcessor
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pu.transformers_module, "VideoProcessorMixin", vpu.VideoProcessorMixin, raising=False)
+        mp.setattr(auto, "from_pretrained", staticmethod(lambda *a, **k: vpu.BaseVideoProcessor()))
+        yield
+
+
+def build_qwenimage_edit(path: str | Path, seed: int = 0) -> Path:
+    """Save a tiny QwenImageEditPipeline (Qwen/Qwen-Image-Edit layout) into `path` (inside `qwen_vl_processor()`).
+
+    build_qwenimage's parts with the editing chat template's vocabulary and the vision special tokens in the
+    tokenizer; the Qwen2.5-VL vision tower reads the source (a 64 px source: 4 x 4 patches of 14 px, merged 2 x 2
+    into 4 vision tokens); a Qwen2VLProcessor (the PIL image processor at its defaults, the tokenizer, and the
+    stand-in video processor the pipeline never calls)."""
+    from diffusers import QwenImageEditPipeline
+    from transformers import Qwen2VLImageProcessorPil, Qwen2VLProcessor
+    from transformers.video_processing_utils import BaseVideoProcessor
+
+    torch.manual_seed(seed)
+    tok = _qwen_tokenizer(QWEN_EDIT_SYSTEM, QWEN_SPECIALS + QWEN_VISION_SPECIALS)
+    te = _qwen_vl(48, tok)
+    processor = Qwen2VLProcessor(image_processor=Qwen2VLImageProcessorPil(), tokenizer=tok,
+                                 video_processor=BaseVideoProcessor())  # fmt: skip
+    parts = _qwen_parts(seed)
+    pipe = QwenImageEditPipeline(text_encoder=te, tokenizer=tok, processor=processor, **parts)
     return _save(pipe, path)
 
 

@@ -187,9 +187,11 @@ def read_prompt_file(path: str | Path) -> list[str]:
     return prompts
 
 
-def check_conditioning(prompts: list[str], conditioned: bool, model: str, key: str, spec: str) -> None:
+def check_conditioning(prompts: list[str], conditioned: bool, model: str, key: str, spec: str,
+                       takers: tuple[str, ...] = ()) -> None:  # fmt: skip
     """A conditioned family (an editor) takes a prompt set with an image per line, the others one without:
-    refused before any weight loads, naming the config key, the set and the fix."""
+    refused before any weight loads, naming the config key, the set and the fix (`takers`: the families that take
+    images, named in it)."""
     has = bool(prompts) and isinstance(prompts[0], ConditionedPrompt)
     if conditioned and not has:
         raise ValueError(f"{key}={spec!r}: model={model} takes an image per prompt (an edit's source, a clip's first "
@@ -197,9 +199,9 @@ def check_conditioning(prompts: list[str], conditioned: bool, model: str, key: s
                          '{"prompt": "...", "image": "PATH"} (paths relative to the file), e.g. the bundled edit/train '
                          "or i2v/train")
     if has and not conditioned:
+        which = ", ".join(takers) or "an editing family"
         raise ValueError(f"{key}={spec!r}: its prompts carry images, which model={model} does not take (it draws from "
-                         "text alone): pick a model that takes them (flux_kontext, wan_i2v) or a prompt set without "
-                         "images")
+                         f"text alone): pick a model that takes them ({which}) or a prompt set without images")
 
 
 def _split_file(root: Path, split: str, spec: str) -> Path:

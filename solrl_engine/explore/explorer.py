@@ -169,7 +169,7 @@ class Selection:
         for i, j in _batches(prompts, batch_size):
             # a conditioned prompt's image (an edit's source, a clip's first frame) as the pipeline takes it: one
             # image a call, so a batch holds one prompt's seeds
-            extra = inputs(prompts[i]) if inputs is not None and prompt_images(prompts[i]) else {}
+            extra = inputs(prompts[i], j - i) if inputs is not None and prompt_images(prompts[i]) else {}
             out = pipe(prompt=prompts[i:j], latents=self.noise[i:j].to(dtype), **{**kw, **extra})
             images.append((out.frames if hasattr(out, "frames") else out.images).float().cpu())  # videos: frames
         imgs = torch.cat(images)

@@ -6,6 +6,7 @@ predicts the velocity v = noise - x_0; t = 1 is pure noise.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -25,7 +26,11 @@ class Conditioning:
     SANA); mask: the text attention mask [B, L] (SANA; None where the model attends to every token);
     image: the encoded image a conditioned prompt carries, per row (an edit's source latents: FLUX.1 Kontext; an
     image-to-video's first frame as the model's condition channels: Wan I2V); image_states: that image's encoder
-    states (Wan I2V's CLIP tokens). Classifier-free guidance keeps both (`against`).
+    states (Wan I2V's CLIP tokens). Classifier-free guidance keeps both (`against`). negative_hidden and
+    negative_mask: each row's own unconditional text states, where a family encodes the negative prompt together with
+    the prompt's image (Qwen-Image-Edit reads the source through its text encoder), so no one unconditional row
+    serves every prompt; `against` takes them instead of the shared row. Rows of different text lengths, each with
+    its mask, concatenate padded to the longest (`cat`).
     """
 
     hidden: torch.Tensor
@@ -33,21 +38,27 @@ class Conditioning:
     mask: torch.Tensor | None = None
     image: torch.Tensor | None = None
     image_states: torch.Tensor | None = None
+    negative_hidden: torch.Tensor | None = None
+    negative_mask: torch.Tensor | None = None
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Conditioning:
         """The same conditioning with `fn` applied to every tensor it holds."""
         return Conditioning(*(None if t is None else fn(t) for t in self._fields()))  # type: ignore[arg-type]
 
     def _fields(self) -> tuple[torch.Tensor | None, ...]:
-        return (self.hidden, self.pooled, self.mask, self.image, self.image_states)
+        return (self.hidden, self.pooled, self.mask, self.image, self.image_states, self.negative_hidden,
+                self.negative_mask)  # fmt: skip
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in self._fields() if t is not None]
 
     def against(self, cond: Conditioning) -> Conditioning:
         """This unconditional row broadcast to `cond`'s rows, each with `cond`'s image: guidance drops the text,
-        never the image an edit or a clip starts from (the stock editing and image-to-video pipelines guide so)."""
+        never the image an edit or a clip starts from (the stock editing and image-to-video pipelines guide so).
+        Rows that carry their own negative (`negative_hidden`) guide against it instead of this row."""
         u = self.expand(len(cond))
+        if cond.negative_hidden is not None:
+            return Conditioning(cond.negative_hidden, u.pooled, cond.negative_mask, cond.image, cond.image_states)
         if cond.image is None and cond.image_states is None:
             return u
         return Conditioning(u.hidden, u.pooled, u.mask, cond.image, cond.image_states)
@@ -59,15 +70,16 @@ class Conditioning:
         return self.hidden.shape[0]
 
     def to(self, *args: object, **kw: object) -> Conditioning:
-        """Moves/casts the float tensors; the mask keeps its integer dtype."""
+        """Moves/casts the float tensors; the masks keep their integer dtype."""
         dev = [a for a in args if not isinstance(a, torch.dtype)]
-        return Conditioning(
-            self.hidden.to(*args, **kw),
-            None if self.pooled is None else self.pooled.to(*args, **kw),
-            None if self.mask is None else self.mask.to(*dev, **{k: v for k, v in kw.items() if k != "dtype"}),
-            None if self.image is None else self.image.to(*args, **kw),
-            None if self.image_states is None else self.image_states.to(*args, **kw),
-        )
+        masks = (2, 6)  # mask, negative_mask: their positions in _fields()
+
+        def move(i: int, t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            return t.to(*dev, **{k: v for k, v in kw.items() if k != "dtype"}) if i in masks else t.to(*args, **kw)
+
+        return Conditioning(*(move(i, t) for i, t in enumerate(self._fields())))
 
     def repeat_interleave(self, n: int) -> Conditioning:
         """Each row n times in a row (prompt-major order, as seeds are laid out)."""
@@ -84,8 +96,25 @@ class Conditioning:
             sizes = sorted({tuple(c.image.shape[1:]) for c in items})  # type: ignore[union-attr]
             raise ValueError(f"conditioned prompts of one batch encode to images of different sizes {sizes}: give "
                              "the images of a prompt set one size")  # fmt: skip
+        items = _pad_text(items, "hidden", "mask") if first.mask is not None else items
+        items = _pad_text(items, "negative_hidden", "negative_mask") if first.negative_mask is not None else items
         return Conditioning(*(None if f is None else torch.cat([c._fields()[i] for c in items])  # type: ignore[misc]
                               for i, f in enumerate(first._fields())))
+
+
+def _pad_text(items: list[Conditioning], hidden: str, mask: str) -> list[Conditioning]:
+    """Rows whose text states differ in length, zero-padded (states and mask) to the longest: a family that caches
+    each prompt at its own length (Qwen-Image-Edit: its source's vision tokens make a fixed pad length costly)."""
+    n = max(getattr(c, hidden).shape[1] for c in items)
+    if all(getattr(c, hidden).shape[1] == n for c in items):
+        return items
+    out = []
+    for c in items:
+        h, m = getattr(c, hidden), getattr(c, mask)
+        grow = n - h.shape[1]
+        out.append(dataclasses.replace(c, **{hidden: torch.nn.functional.pad(h, (0, 0, 0, grow)),
+                                             mask: torch.nn.functional.pad(m, (0, grow))}))  # fmt: skip
+    return out
 
 
 def input_dtype(net: torch.nn.Module) -> torch.dtype:

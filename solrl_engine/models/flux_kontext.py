@@ -48,7 +48,7 @@ class FluxKontextModel(FluxModel):
         src = torch.randn(len(prompts), int(self.transformer.config.in_channels) // 4, side, side, generator=g)
         return Conditioning(text.hidden, text.pooled, text.mask, src.to(self.device_, self.dtype))
 
-    def pipeline_inputs(self, prompt: str) -> dict[str, Any]:
+    def pipeline_inputs(self, prompt: str, rows: int = 1) -> dict[str, Any]:
         """The source resized to the edit's R x R, kept at that size by the pipeline (see the module docstring)."""
         r = self.resolution
         source = self.pipe.image_processor.resize(single_images([prompt], "FLUX.1 Kontext edits")[0], r, r)

@@ -298,10 +298,11 @@ class PipelineFlowModel(nn.Module):
 
     # --- family hooks -------------------------------------------------------------------------------
 
-    def pipeline_inputs(self, prompt: str) -> dict[str, Any]:
-        """What the stock pipeline's call takes besides the prompt, noise and sizes for `prompt` to sample as the
-        engine samples it (a regeneration through the caller's pipeline): nothing for a text prompt; the
-        conditioned families give the prompt's image (and what makes the pipeline encode it as the engine does)."""
+    def pipeline_inputs(self, prompt: str, rows: int = 1) -> dict[str, Any]:
+        """What the stock pipeline's call takes besides the prompt, noise and sizes for `rows` rows of `prompt` to
+        sample as the engine samples it (a regeneration through the caller's pipeline): nothing for a text prompt;
+        the conditioned families give the prompt's image (and what makes the pipeline encode it as the engine
+        does): one for all rows, or one per row where the pipeline reads an image per prompt text."""
         return {}
 
     def _denoiser(self, pipe: Any) -> nn.Module:

@@ -38,6 +38,7 @@ INT8 rule of the other families would only add the embedders and modulations.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Any, ClassVar
 
@@ -123,7 +124,7 @@ class QwenImageModel(PackedLatentFlowModel):
             return cond
         n = int(cond.mask.sum(1).max())
         mask = cond.mask[:, :n]
-        return Conditioning(cond.hidden[:, :n], None, None if bool(mask.all()) else mask)
+        return dataclasses.replace(cond, hidden=cond.hidden[:, :n], mask=None if bool(mask.all()) else mask)
 
     # --- the transformer ----------------------------------------------------------------------------
 
@@ -132,17 +133,24 @@ class QwenImageModel(PackedLatentFlowModel):
         extra: dict[str, Any] = {}
         if self._txt_seq_lens:
             extra["txt_seq_lens"] = [cond.hidden.shape[1]] * b
+        tokens, shapes = self._image_tokens(x, cond)
         out = net(
-            hidden_states=self.pipeline_latents(x),
+            hidden_states=tokens,
             # the pipeline's timestep: 1000 sigma in the latents' dtype, then / 1000 (the model scales it back)
             timestep=self.model_timestep(t, 1000.0).to(x.dtype) / 1000,
             encoder_hidden_states=cond.hidden.to(x.dtype),
             encoder_hidden_states_mask=cond.mask,
-            img_shapes=[[(1, h // 2, w // 2)]] * b,
+            img_shapes=[shapes] * b,
             return_dict=False,
             **extra,
         )[0]
-        return self.unpack(out, x.shape)
+        return self.unpack(out[:, : (h // 2) * (w // 2)], x.shape)  # the latent's tokens (an edit's come first)
+
+    def _image_tokens(self, x: torch.Tensor, cond: Conditioning) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+        """The packed image tokens the transformer reads and the grid of each image among them (`img_shapes`, which
+        places their RoPE): the latent's alone here; an edit appends its source's (Qwen-Image-Edit)."""
+        _, _, h, w = x.shape
+        return self.pipeline_latents(x), [(1, h // 2, w // 2)]
 
     def _decode_latents(self, x: torch.Tensor) -> torch.Tensor:
         """Un-normalised per channel as the pipeline does it (x / (1 / std) + mean, in the VAE's dtype), decoded as

@@ -109,7 +109,7 @@ class WanI2VModel(WanModel):
         return Conditioning(text.hidden, None, None, cond, None if states is None else states.to(self.device_,
                                                                                                self.dtype))  # fmt: skip
 
-    def pipeline_inputs(self, prompt: str) -> dict[str, Any]:
+    def pipeline_inputs(self, prompt: str, rows: int = 1) -> dict[str, Any]:
         """The clip's first frame, which the pipeline resizes to the clip's size as the engine does."""
         return {"image": single_images([prompt], "Wan image-to-video starts")[0]}
 

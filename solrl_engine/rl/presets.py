@@ -201,6 +201,18 @@ PAPER["flux-kontext"] = dict(model="flux_kontext", solver="euler", guidance_scal
                              rollout_batch_size=12, decode_batch_size=4, train_prompts="edit/train",
                              eval_prompts="edit/test")  # fmt: skip
 
+# Qwen-Image-Edit (model="qwenimage_edit", configs/qwenimage_edit.py): the model card's call of Qwen/Qwen-Image-Edit,
+# 50 steps, true_cfg_scale 4.0 against negative_prompt " " (encoded with the source, as the pipeline encodes it);
+# the engine guides as Qwen-Image's, without the pipeline's norm rescale (solrl_engine/models/qwenimage_edit.py).
+# Edits at 1024 x 1024 (the pipeline's source area), each source resized to that size. Prompts: the bundled editing
+# set. The explore / select / train settings are Qwen-Image's presets' (the preview 30 of 50 steps, timestep fraction
+# 0.6, clip 1.0). Each edit is 4,096 latent and 4,096 source tokens plus about 1,300 text-and-vision tokens through
+# the 20B transformer, twice per step with CFG: rollouts 2 at a time, the VAE one image at a time (estimates).
+PAPER["qwen-image-edit"] = dict(model="qwenimage_edit", solver="euler", guidance_scale=4.0, shift=None,
+                                full_steps=50, preview_steps=30, resolution=1024, timestep_fraction=0.6,
+                                grad_clip=1.0, rollout_batch_size=2, decode_batch_size=1, train_prompts="edit/train",
+                                eval_prompts="edit/test")  # fmt: skip
+
 # SANA-Video 2B (model="sana_video", configs/sana_video.py): the published inference settings, from the
 # SanaVideoPipeline docstring and diffusers' conversion of the official checkpoint: 480 x 832, 81 frames, 50
 # DPM-Solver++ 2M steps on flow sigmas with shift 8 (the scheduler's own: shift None), guidance 6.0. The pipeline's
@@ -234,7 +246,8 @@ OBJECTIVE_REWARD_KL = {("flow_grpo", "pickscore"): 0.01, ("flow_grpo_fast", "pic
 MODEL_NAMES = {"sd3": "SD3.5-Large", "flux": "FLUX.1-dev", "sana": "SANA-1.6B", "wan2.1-1.3b": "Wan2.1-T2V-1.3B",
                "wan2.1-14b": "Wan2.1-T2V-14B", "wan2.2-5b": "Wan2.2-TI2V-5B", "qwenimage": "Qwen-Image",
                "sana-video": "SANA-Video-2B", "z-image": "Z-Image", "flux2-klein": "FLUX.2-klein-base-4B",
-               "flux-kontext": "FLUX.1-Kontext-dev", "wan2.1-i2v-14b": "Wan2.1-I2V-14B",
+               "flux-kontext": "FLUX.1-Kontext-dev", "qwen-image-edit": "Qwen-Image-Edit",
+               "wan2.1-i2v-14b": "Wan2.1-I2V-14B",
                "wan2.2-a14b": "Wan2.2-T2V-A14B"}  # fmt: skip
 FAMILY_SUMMARY = {
     "diffusionnft": "DiffusionNFT: K BF16 rollouts per prompt, all trained on (N = K)",

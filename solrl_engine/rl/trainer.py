@@ -33,7 +33,7 @@ from solrl_engine.explore.copy import ExploreCopy
 from solrl_engine.explore.explorer import Selection
 from solrl_engine.explore.plan import ExploreSpec
 from solrl_engine.hw import cpu_compile_available, host_memory_available_gib
-from solrl_engine.models import model_spec
+from solrl_engine.models import MODELS, model_spec
 from solrl_engine.models.base import Conditioning
 from solrl_engine.rl import sizing
 from solrl_engine.rl.adapters import OLD, TRAIN, LoraAdapters
@@ -112,10 +112,11 @@ class Trainer:
         self.train_prompts = load_prompts(cfg.train_prompts)
         self.eval_prompts = load_prompts(cfg.eval_prompts)[: cfg.eval_prompt_count]
         conditioned = model_spec(cfg.model).conditioned
+        takers = tuple(n for n in MODELS if model_spec(n).conditioned)
         for key, spec, prompts in (("train_prompts", cfg.train_prompts, self.train_prompts),
                                    ("eval_prompts", cfg.eval_prompts, self.eval_prompts)):  # fmt: skip
             try:
-                check_conditioning(prompts, conditioned, cfg.model, key, spec)
+                check_conditioning(prompts, conditioned, cfg.model, key, spec, takers)
             except ValueError as e:
                 raise ConfigError(f"config {cfg.name!r}: {e}") from None
         k_train = min(cfg.eval_train_prompt_count, len(self.train_prompts))  # a fixed sample, by the run's seed
