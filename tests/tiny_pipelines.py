@@ -511,8 +511,9 @@ def qwen_vl_processor() -> Iterator[None]:
     import transformers.video_processing_utils as vpu
 
     auto = importlib.import_module("transformers.models.auto.video_processing_auto").AutoVideoProcessor
+    expected = pu.MODALITY_TO_BASE_CLASS_MAPPING["video_processor"]  # 5.0: BaseVideoProcessor; 5.24: its mixin
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(pu.transformers_module, "VideoProcessorMixin", vpu.VideoProcessorMixin, raising=False)
+        mp.setattr(pu.transformers_module, expected, getattr(vpu, expected), raising=False)
         mp.setattr(auto, "from_pretrained", staticmethod(lambda *a, **k: vpu.BaseVideoProcessor()))
         yield
 
@@ -524,15 +525,18 @@ def build_qwenimage_edit(path: str | Path, seed: int = 0) -> Path:
     tokenizer; the Qwen2.5-VL vision tower reads the source (a 64 px source: 4 x 4 patches of 14 px, merged 2 x 2
     into 4 vision tokens); a Qwen2VLProcessor (the PIL image processor at its defaults, the tokenizer, and the
     stand-in video processor the pipeline never calls)."""
+    import transformers
     from diffusers import QwenImageEditPipeline
-    from transformers import Qwen2VLImageProcessorPil, Qwen2VLProcessor
+    from transformers import Qwen2VLProcessor
     from transformers.video_processing_utils import BaseVideoProcessor
+
+    # the PIL image processor: its own class from transformers 5.x's later releases, the plain name before
+    images = getattr(transformers, "Qwen2VLImageProcessorPil", None) or transformers.Qwen2VLImageProcessor
 
     torch.manual_seed(seed)
     tok = _qwen_tokenizer(QWEN_EDIT_SYSTEM, QWEN_SPECIALS + QWEN_VISION_SPECIALS)
     te = _qwen_vl(48, tok)
-    processor = Qwen2VLProcessor(image_processor=Qwen2VLImageProcessorPil(), tokenizer=tok,
-                                 video_processor=BaseVideoProcessor())  # fmt: skip
+    processor = Qwen2VLProcessor(image_processor=images(), tokenizer=tok, video_processor=BaseVideoProcessor())
     parts = _qwen_parts(seed)
     pipe = QwenImageEditPipeline(text_encoder=te, tokenizer=tok, processor=processor, **parts)
     return _save(pipe, path)

@@ -118,11 +118,13 @@ class QwenImageEditModel(QwenImageModel):
 
     @torch.no_grad()
     def _encode_sources(self, images: list[Any]) -> torch.Tensor:
-        """[B, 16, R/8, R/8]: each source preprocessed as the pipeline does, one frame through the VAE, its mode
-        normalised per channel."""
-        proc, vae, r = self.pipe.image_processor, self.pipe.vae, self.resolution
+        """[B, 16, R/8, R/8]: each source preprocessed as the pipeline does, one frame through the VAE (a
+        `decode_batch_size` at a time: a 1024 px encode's activations are a decode's), its mode normalised per
+        channel."""
+        proc, vae, r, b = self.pipe.image_processor, self.pipe.vae, self.resolution, self.decode_batch_size
         pixels = torch.cat([proc.preprocess(im, r, r) for im in images]).unsqueeze(2)
-        z = vae.encode(pixels.to(self.device_, vae.dtype)).latent_dist.mode()
+        z = torch.cat([vae.encode(pixels[i : i + b].to(self.device_, vae.dtype)).latent_dist.mode()
+                       for i in range(0, len(pixels), b)])  # fmt: skip
         view = (1, vae.config.z_dim, 1, 1, 1)
         mean = torch.tensor(vae.config.latents_mean).view(view).to(z.device, z.dtype)
         std = torch.tensor(vae.config.latents_std).view(view).to(z.device, z.dtype)
