@@ -50,7 +50,8 @@ OUT_JSON = RESULTS / "2026-11-25-speed-model.json"
 
 # rollout batch per family: the sizes bench/e2e.py's usage runs them at on one 80 GB GPU
 ROLLOUT_BATCH = {"sana-1.6b": 48, "flux-dev": 24, "sd35-large": 8, "wan2.1-1.3b": 4, "wan2.1-14b": 2, "z-image": 8,
-                 "flux2-klein-4b": 8, "sana-video-2b": 4, "qwen-image": 4, "qwen-image-edit": 2}  # fmt: skip
+                 "flux2-klein-4b": 8, "sana-video-2b": 4, "qwen-image": 4, "qwen-image-edit": 2,
+                 "qwen-image-edit-2509": 2}  # fmt: skip
 IMAGE_FAMILIES = ("sana-1.6b", "flux-dev", "sd35-large")  # the default run; Wan (480p, 81 frames) on request
 # the paper's setting: 48 prompts per iteration over 8 GPUs, N = 96 -> K = 24, 6 preview / 10 full steps; the
 # train batch and timestep fraction here are the fallbacks: each family's paper preset gives its timestep fraction
@@ -634,9 +635,9 @@ ASSUMPTIONS = [
 def summary_lines(res: dict[str, Any]) -> list[str]:
     """The one-screen table: per family and device, the eager forwards, seconds per iteration and
     Sol-RL's ratios, then the fused (compiled ideal) forward speedup and ratios."""
-    lines = [f"{'':<22}{'':<6}{'-- eager: forward ms, s/iteration/GPU, sol_rl vs naive_scaling --':<66}"
+    lines = [f"{'':<27}{'':<6}{'-- eager: forward ms, s/iteration/GPU, sol_rl vs naive_scaling --':<66}"
              f"{'-- fused --':>18}",
-             f"{'model':<16}{'gpu':<6}{'prec':<6}{'bf16':>8}{'explore':>8}{'fwd x':>7}{'naive':>8}{'sol_rl':>8}"
+             f"{'model':<21}{'gpu':<6}{'prec':<6}{'bf16':>8}{'explore':>8}{'fwd x':>7}{'naive':>8}{'sol_rl':>8}"
              f"{'train':>8}{'rollout x':>10}{'e2e x':>7}{'fwd x':>7}{'rollout x':>10}{'e2e x':>7}"]  # fmt: skip
     for fam, f in res["families"].items():
         for name, d in f["devices"].items():
@@ -644,7 +645,7 @@ def summary_lines(res: dict[str, Any]) -> list[str]:
             it = e["iteration_s"]
             tag = name if d["measured_rates"] else name + "*"
             lines.append(
-                f"{fam:<16}{tag:<6}{p:<6}{e['forward_ms']['bf16']:>8.0f}{e['forward_ms'][p]:>8.0f}"
+                f"{fam:<21}{tag:<6}{p:<6}{e['forward_ms']['bf16']:>8.0f}{e['forward_ms'][p]:>8.0f}"
                 f"{e['forward_speedup']:>7.2f}{it['naive_scaling']['rollout']:>8.1f}{it['sol_rl']['rollout']:>8.1f}"
                 f"{it['sol_rl']['train']:>8.1f}{e['ratios']['sol_rl']['rollout_vs_naive_scaling']:>10.2f}"
                 f"{e['ratios']['sol_rl']['e2e_vs_naive_scaling']:>7.2f}{fu['forward_speedup']:>7.2f}"
@@ -652,22 +653,22 @@ def summary_lines(res: dict[str, Any]) -> list[str]:
                 f"{fu['ratios']['sol_rl']['e2e_vs_naive_scaling']:>7.2f}"
             )  # fmt: skip
     lines.append("* assumed rates (published peak x H100 efficiency). fused: elementwise ops and quantize free (bound)")
-    lines.append(f"{'model':<16}{'gpu':<6}{'attention share of the bf16 forward':>36}{'sol_rl rollout x, FP8 attention in the explore pass too':>56}")  # noqa: E501
+    lines.append(f"{'model':<21}{'gpu':<6}{'attention share of the bf16 forward':>36}{'sol_rl rollout x, FP8 attention in the explore pass too':>56}")  # noqa: E501
     for fam, f in res["families"].items():
         for name, d in f["devices"].items():
             e = d["eager"]
             share = e["time_shares"]["bf16"].get("attention", 0.0)
             opt = e.get("attention_fp8_explore")
             got = f"{opt['sol_rl_rollout_vs_naive_scaling']:.2f} (vs {e['ratios']['sol_rl']['rollout_vs_naive_scaling']:.2f})" if opt else "- (no FP8 rate)"  # noqa: E501
-            lines.append(f"{fam:<16}{name + ('' if d['measured_rates'] else '*'):<6}{share:>36.0%}{got:>56}")
+            lines.append(f"{fam:<21}{name + ('' if d['measured_rates'] else '*'):<6}{share:>36.0%}{got:>56}")
     cps = [(fam, name, d) for fam, f in res["families"].items() for name, d in f["devices"].items()
            if "context_parallel" in d["eager"]]  # fmt: skip
     if cps:
-        lines.append(f"{'model':<16}{'gpu':<6}{'context parallel (eager): bf16 forward ms per rank, comm share, efficiency':>76}")  # noqa: E501
+        lines.append(f"{'model':<21}{'gpu':<6}{'context parallel (eager): bf16 forward ms per rank, comm share, efficiency':>76}")  # noqa: E501
     for fam, name, d in cps:
         c = d["eager"]["context_parallel"]
         b = c["bf16"]
-        lines.append(f"{fam:<16}{name + ('' if d['measured_rates'] else '*'):<6}{'cp ' + str(c['degree']):>24}"
+        lines.append(f"{fam:<21}{name + ('' if d['measured_rates'] else '*'):<6}{'cp ' + str(c['degree']):>24}"
                      f"{b['forward_s'] * 1e3:>14.0f}{b['comm_share']:>16.0%}{b['efficiency']:>22.2f}")  # fmt: skip
     for c in res["measured_vs_predicted"]:
         lines.append(

@@ -120,7 +120,8 @@ def test_the_table_is_data():
     names = define_presets(ns, "sana", "demo")
     assert set(names) == set(ns) and len(names) == 35 and all(n.startswith("demo_") for n in names)
     assert set(PAPER) == set(FILES) | set(WAN) | {"qwenimage", "sana-video", "z-image", "flux2-klein", "flux-kontext",
-                                                  "qwen-image-edit", "wan2.1-i2v-14b", "wan2.2-a14b"}
+                                                  "qwen-image-edit", "qwen-image-edit-2509", "wan2.1-i2v-14b",
+                                                  "wan2.2-a14b"}
 
 
 def test_the_wan_presets_take_each_models_published_settings():
@@ -218,15 +219,17 @@ def test_the_qwen_image_edit_presets_take_the_model_cards_call_on_the_bundled_ed
     editing rewards and the bundled editing prompt set."""
     from solrl_engine.rl.presets import EDIT_REWARDS
 
-    expected = sorted(f"qwenimage_edit_{f}_{r}" for f in FAMILIES for r in EDIT_REWARDS)
+    expected = sorted(f"{m}_{f}_{r}" for m in ("qwenimage_edit", "qwenimage_edit_plus") for f in FAMILIES
+                      for r in EDIT_REWARDS)  # fmt: skip
     assert sorted(_names("qwenimage_edit.py", "qwenimage_edit")) == expected
     assert sorted(_module("qwenimage_edit.py").__all__) == expected
     for family in FAMILIES:
-        cfg = load_config(f"{ROOT / 'configs' / 'qwenimage_edit.py'}:qwenimage_edit_{family}_edit")
-        assert cfg.model == "qwenimage_edit" and cfg.reward == "clip_direction:1.0,preserve:0.5", family
-        assert (cfg.solver, cfg.guidance_scale, cfg.full_steps, cfg.preview_steps, cfg.resolution) == (
-            "euler", 4.0, 50, 30, 1024)  # fmt: skip
-        assert (cfg.train_prompts, cfg.eval_prompts) == ("edit/train", "edit/test")
+        for model, steps in (("qwenimage_edit", (50, 30)), ("qwenimage_edit_plus", (40, 24))):
+            cfg = load_config(f"{ROOT / 'configs' / 'qwenimage_edit.py'}:{model}_{family}_edit")
+            assert cfg.model == model and cfg.reward == "clip_direction:1.0,preserve:0.5", family
+            assert (cfg.solver, cfg.guidance_scale, (cfg.full_steps, cfg.preview_steps), cfg.resolution) == (
+                "euler", 4.0, steps, 1024)  # fmt: skip
+            assert (cfg.train_prompts, cfg.eval_prompts) == ("edit/train", "edit/test")
 
 
 def test_the_flux2_klein_presets_take_the_pipelines_documented_settings():

@@ -239,3 +239,117 @@ def test_flow_grpo_guides_each_edit_against_its_own_negative_in_the_update(qe, c
     assert main(_train_args(qe, clip, out, "sol_rl", "objective=flow_grpo")) == 0
     recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["iter"] for r in recs] == [1, 2] and all(math.isfinite(r["loss"]) for r in recs)
+
+
+# --- Qwen-Image-Edit-2509 (QwenImageEditPlusPipeline): one or several sources a prompt -----------------------------
+
+
+@pytest.fixture(scope="module")
+def qp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_qwenimage_edit(tmp_path_factory.mktemp("qwenplus") / "qp", plus=True)
+
+
+@pytest.fixture
+def plus_at_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Plus pipeline puts each source at 1024 x 1024 pixels for its VAE (the engine at the edit's R x R); here
+    that area is the tiny edit's. Its text encoder's condition size (384 x 384) is the pipeline's in both."""
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as mod
+
+    monkeypatch.setattr(mod, "VAE_IMAGE_SIZE", SIZE * SIZE)
+
+
+def _two_source_set(tmp_path: Path, lines: int = 4) -> Path:
+    """A prompt set whose lines each carry two bundled sources."""
+    src = load_prompts("edit/train")
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"put the shape of picture 2 beside {str(src[i]).split()[-1]}",
+                                        "images": [str(src[i].images[0]), str(src[i + 1].images[0])]}) + "\n"
+                            for i in range(lines)))  # fmt: skip
+    return path
+
+
+def _plus_edit(pipe: Any, prompt: ConditionedPrompt, seed: int, steps: int, **kw: Any) -> torch.Tensor:
+    srcs = [pipe.image_processor.resize(im, SIZE, SIZE) for im in prompt.open_images()]
+    return pipe(prompt=str(prompt), image=srcs, height=SIZE, width=SIZE, num_inference_steps=steps,
+                generator=torch.Generator().manual_seed(seed), output_type="pt", **kw).images.float()  # fmt: skip
+
+
+def test_the_2509_edit_of_two_sources_is_the_stock_pipelines(qp, plus_at_size, tmp_path, monkeypatch):
+    """Two prompts of two sources each: without guidance and with it (the rescale off), FP32 equal to the stock
+    QwenImageEditPlusPipeline's, one prompt a call; each source's tokens count (the second zeroed, the edit differs);
+    one source a prompt works as well (the bundled set)."""
+    prompts = load_prompts(str(_two_source_set(tmp_path, 2)))
+    m = load_model("qwenimage_edit_plus", qp, "cpu", torch.float32, resolution=SIZE)
+    cond = m.encode_prompts(prompts)
+    assert cond.image.shape == (2, 32, SIZE // 8, SIZE // 8) and cond.negative_hidden is not None
+    pipe = _stock(qp)
+    ours = m.decode(sample(m, cond, [3, 11], 3, solver="euler"))
+    theirs = torch.cat([_plus_edit(pipe, p, s, 3, true_cfg_scale=1.0) for p, s in zip(prompts, [3, 11], strict=True)])
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+    second_blind = type(cond)(cond.hidden, None, cond.mask, torch.cat([cond.image[:, :16], 0 * cond.image[:, 16:]], 1))
+    assert (m.decode(sample(m, second_blind, [3, 11], 3, solver="euler")) - ours).abs().max() > 1e-3
+    guided = m.decode(sample(m, cond[:1], [5], 2, guidance_scale=4.0, uncond=m.encode_unconditional(), solver="euler"))
+    norm = torch.norm
+    monkeypatch.setattr(torch, "norm", lambda t, *a, **k: torch.ones_like(t[..., :1]) if not a and k == {
+        "dim": -1, "keepdim": True} else norm(t, *a, **k))  # fmt: skip
+    stock = _plus_edit(pipe, prompts[0], 5, 2, true_cfg_scale=4.0, negative_prompt=" ")
+    monkeypatch.setattr(torch, "norm", norm)
+    torch.testing.assert_close(guided, stock, atol=1e-5, rtol=0)
+    one = load_prompts("edit/train")[:1]
+    torch.testing.assert_close(m.decode(sample(m, m.encode_prompts(one), [7], 2, solver="euler")),
+                               _plus_edit(pipe, one[0], 7, 2, true_cfg_scale=1.0), atol=1e-5, rtol=0)  # fmt: skip
+
+
+def test_a_2509_batch_mixing_source_counts_or_a_plain_prompt_is_refused(qp, tmp_path):
+    m = load_model("qwenimage_edit_plus", qp, "cpu", torch.float32, resolution=SIZE)
+    pairs, single = load_prompts(str(_two_source_set(tmp_path, 1))), load_prompts("edit/train")[:1]
+    with pytest.raises(ValueError, match=r"one batch carry \[1, 2\] sources each.*as many sources"):
+        m.encode_prompts(pairs + single)
+    with pytest.raises(ValueError, match="Qwen-Image-Edit-2509 edits take one or more source images a prompt"):
+        m.encode_prompts(["make it red"])
+
+
+def test_solrl_train_edits_two_sources_and_the_stock_2509_pipeline_loads_the_lora(qp, clip, tmp_path, monkeypatch,
+                                                                                   plus_at_size):  # fmt: skip
+    """Two sol_rl iterations on a two-source set (guidance 4.0); the adapter loaded by QwenImageEditPlusPipeline
+    draws what the engine draws with it."""
+    from solrl_engine import hw
+    from solrl_engine.cli import load_lora_into, main
+
+    monkeypatch.setattr(hw, "cxx_compiler", lambda *a, **k: None)
+    pairs = _two_source_set(tmp_path)
+    args = _train_args(qp, clip, tmp_path / "run", "sol_rl", "save_every=1", f"train_prompts={pairs}",
+                       f"eval_prompts={pairs}")  # fmt: skip
+    args[1] = f"{ROOT}/configs/qwenimage_edit.py:qwenimage_edit_plus_sol_rl_edit"
+    assert main(args) == 0
+    out = tmp_path / "run"
+    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iter"] for r in recs] == [1, 2] and all(math.isfinite(r["loss"]) for r in recs)
+    prompt = load_prompts(str(pairs))[0]
+    pipe = _stock(qp)
+    before = _plus_edit(pipe, prompt, 5, 3, true_cfg_scale=1.0)
+    pipe.load_lora_weights(str(out / "lora"))
+    after = _plus_edit(pipe, prompt, 5, 3, true_cfg_scale=1.0)
+    assert (after - before).abs().max() > 1e-4
+    m = load_model("qwenimage_edit_plus", qp, "cpu", torch.float32, resolution=SIZE)
+    load_lora_into(m.transformer, str(out / "lora"))
+    torch.testing.assert_close(m.decode(sample(m, m.encode_prompts([prompt]), [5], 3, solver="euler")), after,
+                               atol=1e-5, rtol=0)  # fmt: skip
+
+
+def test_the_explorer_regenerates_2509_edits_one_prompt_a_call(qp, clip, plus_at_size, tmp_path):
+    """The stock Plus pipeline edits one prompt a call: with batch_size=1 each regenerated edit is its own."""
+    from solrl_engine.explore import Explorer
+    from solrl_engine.rewards import load_reward
+
+    prompts = load_prompts(str(_two_source_set(tmp_path, 2)))
+    pipe = _stock(qp)
+    reward = load_reward("clip_direction:1.0,preserve:0.5", {"clip_direction": {"model": str(clip)}})
+    ex = Explorer(pipe, reward, n=3, k=2, preview_steps=2, explore_precision="nvfp4", resolution=SIZE, batch_size=4,
+                  guidance_scale=1.0)  # fmt: skip
+    sel = ex.select(prompts)
+    regen = sel.regenerate(pipe, steps=2, batch_size=1, true_cfg_scale=1.0)
+    sel_seeds = [s for seeds in sel.seeds for s in seeds]
+    assert regen.images.shape == (4, 3, SIZE, SIZE) and len(sel_seeds) == 4
+    torch.testing.assert_close(regen.images[:1], _plus_edit(pipe, prompts[0], sel_seeds[0], 2, true_cfg_scale=1.0),
+                               atol=1e-5, rtol=0)  # fmt: skip

@@ -518,15 +518,16 @@ def qwen_vl_processor() -> Iterator[None]:
         yield
 
 
-def build_qwenimage_edit(path: str | Path, seed: int = 0) -> Path:
-    """Save a tiny QwenImageEditPipeline (Qwen/Qwen-Image-Edit layout) into `path` (inside `qwen_vl_processor()`).
+def build_qwenimage_edit(path: str | Path, seed: int = 0, plus: bool = False) -> Path:
+    """Save a tiny QwenImageEditPipeline (Qwen/Qwen-Image-Edit layout; `plus`: a QwenImageEditPlusPipeline, the
+    Qwen-Image-Edit-2509 layout, the same parts) into `path` (inside `qwen_vl_processor()`).
 
     build_qwenimage's parts with the editing chat template's vocabulary and the vision special tokens in the
     tokenizer; the Qwen2.5-VL vision tower reads the source (a 64 px source: 4 x 4 patches of 14 px, merged 2 x 2
     into 4 vision tokens); a Qwen2VLProcessor (the PIL image processor at its defaults, the tokenizer, and the
     stand-in video processor the pipeline never calls)."""
     import transformers
-    from diffusers import QwenImageEditPipeline
+    from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline
     from transformers import Qwen2VLProcessor
     from transformers.video_processing_utils import BaseVideoProcessor
 
@@ -538,7 +539,8 @@ def build_qwenimage_edit(path: str | Path, seed: int = 0) -> Path:
     te = _qwen_vl(48, tok)
     processor = Qwen2VLProcessor(image_processor=images(), tokenizer=tok, video_processor=BaseVideoProcessor())
     parts = _qwen_parts(seed)
-    pipe = QwenImageEditPipeline(text_encoder=te, tokenizer=tok, processor=processor, **parts)
+    cls = QwenImageEditPlusPipeline if plus else QwenImageEditPipeline
+    pipe = cls(text_encoder=te, tokenizer=tok, processor=processor, **parts)
     return _save(pipe, path)
 
 

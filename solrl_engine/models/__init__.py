@@ -36,12 +36,14 @@ MODELS: dict[str, str] = {
     "flux2": "solrl_engine.models.flux2:SPEC",
     "flux_kontext": "solrl_engine.models.flux_kontext:SPEC",
     "qwenimage_edit": "solrl_engine.models.qwenimage_edit:SPEC",
+    "qwenimage_edit_plus": "solrl_engine.models.qwenimage_edit_plus:SPEC",
     "wan_i2v": "solrl_engine.models.wan_i2v:SPEC",
 }
 
 # The benchmarks' names for the full-size published architectures (random weights).
 ARCH_ALIASES: dict[str, str] = {"sd35-large": "sd3", "flux-dev": "flux", "sana-1.6b": "sana", "wan2.1-1.3b": "wan",
                                 "wan2.1-14b": "wan", "qwen-image": "qwenimage", "qwen-image-edit": "qwenimage_edit",
+                                "qwen-image-edit-2509": "qwenimage_edit_plus",
                                 "sana-video-2b": "sana_video", "z-image": "z_image",
                                 "flux2-klein-4b": "flux2", "wan2.1-i2v-14b": "wan_i2v"}  # fmt: skip
 

@@ -213,6 +213,12 @@ PAPER["qwen-image-edit"] = dict(model="qwenimage_edit", solver="euler", guidance
                                 grad_clip=1.0, rollout_batch_size=2, decode_batch_size=1, train_prompts="edit/train",
                                 eval_prompts="edit/test")  # fmt: skip
 
+# Qwen-Image-Edit-2509 (model="qwenimage_edit_plus", configs/qwenimage_edit.py): its model card's call of
+# QwenImageEditPlusPipeline, 40 steps, true_cfg_scale 4.0 against " "; one or several sources a prompt. The rest as
+# Qwen-Image-Edit's presets, the preview at 24 of the 40 steps (the 30-of-50 share). Each source adds 4,096 tokens.
+PAPER["qwen-image-edit-2509"] = dict(PAPER["qwen-image-edit"], model="qwenimage_edit_plus", full_steps=40,
+                                     preview_steps=24)  # fmt: skip
+
 # SANA-Video 2B (model="sana_video", configs/sana_video.py): the published inference settings, from the
 # SanaVideoPipeline docstring and diffusers' conversion of the official checkpoint: 480 x 832, 81 frames, 50
 # DPM-Solver++ 2M steps on flow sigmas with shift 8 (the scheduler's own: shift None), guidance 6.0. The pipeline's
@@ -247,6 +253,7 @@ MODEL_NAMES = {"sd3": "SD3.5-Large", "flux": "FLUX.1-dev", "sana": "SANA-1.6B", 
                "wan2.1-14b": "Wan2.1-T2V-14B", "wan2.2-5b": "Wan2.2-TI2V-5B", "qwenimage": "Qwen-Image",
                "sana-video": "SANA-Video-2B", "z-image": "Z-Image", "flux2-klein": "FLUX.2-klein-base-4B",
                "flux-kontext": "FLUX.1-Kontext-dev", "qwen-image-edit": "Qwen-Image-Edit",
+               "qwen-image-edit-2509": "Qwen-Image-Edit-2509",
                "wan2.1-i2v-14b": "Wan2.1-I2V-14B",
                "wan2.2-a14b": "Wan2.2-T2V-A14B"}  # fmt: skip
 FAMILY_SUMMARY = {

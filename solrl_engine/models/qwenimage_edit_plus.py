@@ -1,0 +1,119 @@
+"""Qwen-Image-Edit-2509 and later (editing with one or several sources): `QwenImageEditPlusPipeline`, Qwen-Image-Edit's
+transformer, Qwen2.5-VL and VAE, for Qwen/Qwen-Image-Edit-2509 (Qwen-Image-Edit-2511 loads into the same pipeline).
+This family is QwenImageEditModel (module qwenimage_edit) with several sources a prompt.
+
+Each prompt carries its sources (a conditioned prompt set: `{"prompt": ..., "image": PATH}` or `"images": [PATH,
+...]`, the model card's 1 to 3). As the pipeline feeds them:
+- through the text encoder: every source at the pipeline's condition size (`CONDITION_IMAGE_SIZE`, 384 x 384 pixels
+  for a square), each named in the prompt ("Picture 1: <vision tokens>Picture 2: ..." before the instruction);
+- through the VAE: each source at the edit's size, packed after the latent's tokens in order, each with its own grid
+  in `img_shapes`. `Conditioning.image` holds them stacked along the channels ([B, n x 16, R/8, R/8]).
+Every source is resized to the edit's R x R first (as Qwen-Image-Edit's), so the engine's edit is
+`pipe(image=[each source resized to R x R], height=R, width=R)`'s at R = 1024 (where the pipeline's VAE area,
+`VAE_IMAGE_SIZE`, is R x R; tests/test_qwenimage_edit.py compares at 64 px with that area set to 64 x 64). The prompts
+of one batch must carry as many sources each (their tokens are one sequence); a set whose lines differ is refused
+when a batch mixes them. The stock pipeline edits one prompt a call: regenerate through it with batch_size=1.
+
+Guidance, the negative encoded with the sources, the explore copy, LoRA targets and blocks: Qwen-Image-Edit's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from solrl_engine.data import prompt_images
+from solrl_engine.models import ModelSpec
+from solrl_engine.models.base import Conditioning
+from solrl_engine.models.qwenimage import QWEN_BLOCKS, QWEN_EXPLORE_RULE, QWEN_LORA_TARGETS
+from solrl_engine.models.qwenimage_edit import NEGATIVE_PROMPT, QwenImageEditModel
+
+
+class QwenImageEditPlusModel(QwenImageEditModel):
+    MODEL = "qwenimage_edit_plus"  # its name in solrl_engine.models.MODELS (the config key `model`)
+    PIPELINE_CLASS = "QwenImageEditPlusPipeline"
+    WHAT = "Qwen-Image-Edit-2509 edits"
+    # stand-in text length ("random"): one source's 196 vision tokens at the 384 px condition size (Qwen2-VL's
+    # processor rounds it to 392 px: 28 x 28 patches of 14 px, merged 2 x 2) and Qwen-Image's 128 for the instruction
+    TEXT_TOKENS = 196 + 128
+
+    def _condition_size(self) -> tuple[int, int]:
+        """(width, height) the pipeline gives a square source for its text encoder: its own constant and rounding."""
+        from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as plus
+
+        return plus.calculate_dimensions(plus.CONDITION_IMAGE_SIZE, 1.0)
+
+    def encode_prompts(self, prompts: list[str]) -> Conditioning:
+        """Qwen-Image-Edit's, once the batch is known to carry as many sources a prompt."""
+        counts = {len(prompt_images(p)) for p in prompts}
+        if len(counts) > 1:
+            raise ValueError(f"{self.WHAT}: the prompts of one batch carry {sorted(counts)} sources each; one batch "
+                             "is one token sequence per edit, so give every line of a prompt set as many sources "
+                             "(or split the set by their number)")  # fmt: skip
+        return super().encode_prompts(prompts)
+
+    def _encode(self, prompts: list[str]) -> Conditioning:
+        """Each prompt and the negative through the pipeline's encode_prompt with the prompt's sources at the
+        condition size, and the sources' latents stacked along the channels."""
+        w, h = self._condition_size()
+        rows, latents = [], []
+        for prompt in prompts:
+            sources = self._sources_of(prompt)
+            seen = [self.pipe.image_processor.resize(s, h, w) for s in sources]
+            pos, pos_mask = self._text(str(prompt), seen)
+            neg, neg_mask = self._text(NEGATIVE_PROMPT, seen)
+            rows.append(Conditioning(pos, None, pos_mask, negative_hidden=neg, negative_mask=neg_mask))
+            latents.append(self._encode_sources(sources).flatten(0, 1).unsqueeze(0))
+        text = Conditioning.cat(rows)
+        text.image = torch.cat(latents)
+        return text
+
+    def _sources_of(self, prompt: str) -> list[Any]:
+        images = prompt_images(prompt)
+        if not images:
+            raise ValueError(f"{self.WHAT} take one or more source images a prompt; {prompt!r} has none: use a "
+                             'conditioned prompt set, JSON lines {"prompt": ..., "images": [PATH, ...]} '
+                             "(solrl_engine/data)")  # fmt: skip
+        r = self.resolution
+        return [self.pipe.image_processor.resize(im, r, r) for im in prompt.open_images()]  # type: ignore[attr-defined]
+
+    def _standin_encode(self, prompts: list[str]) -> Conditioning:
+        """Qwen-Image-Edit's stand-in, with as many random sources as each prompt carries (one for a plain prompt)."""
+        cond = super()._standin_encode(prompts)
+        n = max(1, len(prompt_images(prompts[0]))) if prompts else 1
+        cond.image = cond.image.repeat(1, n, 1, 1)
+        return cond
+
+    def pipeline_inputs(self, prompt: str, rows: int = 1) -> dict[str, Any]:
+        """The sources resized to the edit's R x R, as a list (the pipeline edits one prompt a call)."""
+        return {"image": self._sources_of(prompt)}
+
+    def _image_tokens(self, x: torch.Tensor, cond: Conditioning) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+        if cond.image is None:
+            raise ValueError(f"{self.WHAT} need the sources' latents in their conditioning (a conditioned prompt "
+                             "encoded by this model)")  # fmt: skip
+        b, c, h, w = x.shape
+        tokens, shapes = self.pipeline_latents(x), [(1, h // 2, w // 2)]
+        src = cond.image.to(x.dtype)
+        _, cn, hs, ws = src.shape
+        packed = [self.pipeline_latents(s) for s in src.view(b, cn // c, c, hs, ws).unbind(1)]
+        return torch.cat([tokens, *packed], 1), shapes + [(1, hs // 2, ws // 2)] * len(packed)
+
+
+SPEC = ModelSpec(
+    name="qwenimage_edit_plus",
+    adapter="solrl_engine.models.qwenimage_edit_plus:QwenImageEditPlusModel",
+    pipeline="QwenImageEditPlusPipeline",
+    default_path="Qwen/Qwen-Image-Edit-2509",
+    resolution=1024,
+    lora_targets=QWEN_LORA_TARGETS,
+    explore_rule=QWEN_EXPLORE_RULE,
+    explore_rule_by_format={},  # Qwen-Image's (module qwenimage)
+    guidance="cfg",  # Qwen-Image-Edit's: plain CFG against " " encoded with each prompt's sources
+    guidance_scale=4.0,
+    repeated_blocks=QWEN_BLOCKS,
+    conditioned=True,
+    text_encoder_params_b={"Qwen2.5-VL-7B": 8.29},
+    vae_params_b=0.127,
+)
