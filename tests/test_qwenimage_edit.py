@@ -300,6 +300,30 @@ def test_the_2509_edit_of_two_sources_is_the_stock_pipelines(qp, plus_at_size, t
                                _plus_edit(pipe, one[0], 7, 2, true_cfg_scale=1.0), atol=1e-5, rtol=0)  # fmt: skip
 
 
+def test_source_counts_that_do_not_fit_the_editor_are_refused_before_any_weights_load(qe, clip, tmp_path,
+                                                                                       monkeypatch):  # fmt: skip
+    """Qwen-Image-Edit takes one source a line: a two-source set is refused at the start of `solrl train`, naming
+    the line; the 2509 editor takes any number, as many on every line: a set mixing them is refused the same way."""
+    from solrl_engine import models
+    from solrl_engine.cli import main
+
+    def no_load(*a: Any, **k: Any) -> None:
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(models.ModelSpec, "build", no_load)
+    pairs = _two_source_set(tmp_path)
+    with pytest.raises(SystemExit, match=r"model=qwenimage_edit takes 1 image\(s\) per prompt; prompt 1 .* has 2"):
+        main(_train_args(qe, clip, tmp_path / "a", "sol_rl", f"train_prompts={pairs}"))
+    mixed = tmp_path / "mixed.jsonl"
+    one = load_prompts("edit/train")[0]
+    mixed.write_text(pairs.read_text() + json.dumps({"prompt": str(one), "image": str(one.images[0])}) + "\n")
+    args = _train_args(qe, clip, tmp_path / "b", "sol_rl", f"train_prompts={mixed}")
+    args[1] = f"{ROOT}/configs/qwenimage_edit.py:qwenimage_edit_plus_sol_rl_edit"
+    with pytest.raises(SystemExit, match="model=qwenimage_edit_plus takes as many images on every line; prompt 5 .* "
+                                         "has 1 where the first has 2"):  # fmt: skip
+        main(args)
+
+
 def test_a_2509_batch_mixing_source_counts_or_a_plain_prompt_is_refused(qp, tmp_path):
     m = load_model("qwenimage_edit_plus", qp, "cpu", torch.float32, resolution=SIZE)
     pairs, single = load_prompts(str(_two_source_set(tmp_path, 1))), load_prompts("edit/train")[:1]

@@ -188,11 +188,20 @@ def read_prompt_file(path: str | Path) -> list[str]:
 
 
 def check_conditioning(prompts: list[str], conditioned: bool, model: str, key: str, spec: str,
-                       takers: tuple[str, ...] = ()) -> None:  # fmt: skip
-    """A conditioned family (an editor) takes a prompt set with an image per line, the others one without:
-    refused before any weight loads, naming the config key, the set and the fix (`takers`: the families that take
-    images, named in it)."""
+                       takers: tuple[str, ...] = (), per_prompt: int | None = 1) -> None:  # fmt: skip
+    """A conditioned family (an editor) takes a prompt set with an image per line (`per_prompt` of them; None: any
+    number, as many on every line), the others one without: refused before any weight loads, naming the config key,
+    the set and the fix (`takers`: the families that take images, named in it)."""
     has = bool(prompts) and isinstance(prompts[0], ConditionedPrompt)
+    if conditioned and has:
+        counts = [len(prompt_images(p)) for p in prompts]
+        want = per_prompt if per_prompt is not None else counts[0]
+        bad = next((i for i, n in enumerate(counts) if n != want), None)
+        if bad is not None:
+            rule = f"{per_prompt} image(s) per prompt" if per_prompt is not None else "as many images on every line"
+            raise ValueError(f"{key}={spec!r}: model={model} takes {rule}; prompt {bad + 1} ({str(prompts[bad])!r}) "
+                             f"has {counts[bad]} where {'the first has' if per_prompt is None else 'it needs'} "
+                             f"{want}: give every line {want} ('image': PATH or 'images': [PATH, ...])")  # fmt: skip
     if conditioned and not has:
         raise ValueError(f"{key}={spec!r}: model={model} takes an image per prompt (an edit's source, a clip's first "
                          "frame), and this prompt set has none: use JSON lines "

@@ -67,6 +67,8 @@ class ModelSpec:
         pattern -> the linears its output feeds, named from its parent (a block's norm1 -> attn.to_q, ...).
     conditioned: each prompt carries an image (a conditioned prompt set, solrl_engine/data): an editing family.
         A prompt set without images is refused for it before any weight loads, and one with images for the others.
+    images_per_prompt: how many images each prompt of a conditioned family carries (None: any number, as many on
+        every line: Qwen-Image-Edit-2509's sources); a set that differs is refused before any weight loads.
     capturable: False where the denoiser's forward reads values on the host (Z-Image: each prompt's token count,
         which sets its sequence and positions), which a CUDA graph would bake in: rollouts then sample without
         captured graphs (the compile family included; on a CPU inductor still compiles, breaking the graph there).
@@ -95,6 +97,7 @@ class ModelSpec:
     capturable: bool = True
     pipeline_guidance_offset: float = 0.0
     conditioned: bool = False
+    images_per_prompt: int | None = 1
     two_experts: bool = False  # its pipelines may hold two experts (Wan2.2-A14B): the config's lora_experts applies
     # published parameter counts (billions) of the default weights' text encoders and VAE: the memory plan's
     # (rl/memplan.py) and bench/memory.py's, where nothing is loaded

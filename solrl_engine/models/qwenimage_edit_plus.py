@@ -11,8 +11,9 @@ Each prompt carries its sources (a conditioned prompt set: `{"prompt": ..., "ima
 Every source is resized to the edit's R x R first (as Qwen-Image-Edit's), so the engine's edit is
 `pipe(image=[each source resized to R x R], height=R, width=R)`'s at R = 1024 (where the pipeline's VAE area,
 `VAE_IMAGE_SIZE`, is R x R; tests/test_qwenimage_edit.py compares at 64 px with that area set to 64 x 64). The prompts
-of one batch must carry as many sources each (their tokens are one sequence); a set whose lines differ is refused
-when a batch mixes them. The stock pipeline edits one prompt a call: regenerate through it with batch_size=1.
+of one batch must carry as many sources each (their tokens are one sequence): a set whose lines differ is refused
+before any weight loads (and a batch that mixes them, for a caller of the model itself). The stock pipeline edits
+one prompt a call: regenerate through it with batch_size=1.
 
 Guidance, the negative encoded with the sources, the explore copy, LoRA targets and blocks: Qwen-Image-Edit's.
 """
@@ -114,6 +115,7 @@ SPEC = ModelSpec(
     guidance_scale=4.0,
     repeated_blocks=QWEN_BLOCKS,
     conditioned=True,
+    images_per_prompt=None,  # one or several, as many on every line
     text_encoder_params_b={"Qwen2.5-VL-7B": 8.29},
     vae_params_b=0.127,
 )

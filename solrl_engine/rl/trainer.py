@@ -111,12 +111,13 @@ class Trainer:
         self.out = Path(cfg.output or f"runs/{cfg.name}")
         self.train_prompts = load_prompts(cfg.train_prompts)
         self.eval_prompts = load_prompts(cfg.eval_prompts)[: cfg.eval_prompt_count]
-        conditioned = model_spec(cfg.model).conditioned
+        family_spec = model_spec(cfg.model)
+        conditioned = family_spec.conditioned
         takers = tuple(n for n in MODELS if model_spec(n).conditioned)
         for key, spec, prompts in (("train_prompts", cfg.train_prompts, self.train_prompts),
                                    ("eval_prompts", cfg.eval_prompts, self.eval_prompts)):  # fmt: skip
             try:
-                check_conditioning(prompts, conditioned, cfg.model, key, spec, takers)
+                check_conditioning(prompts, conditioned, cfg.model, key, spec, takers, family_spec.images_per_prompt)
             except ValueError as e:
                 raise ConfigError(f"config {cfg.name!r}: {e}") from None
         k_train = min(cfg.eval_train_prompt_count, len(self.train_prompts))  # a fixed sample, by the run's seed
