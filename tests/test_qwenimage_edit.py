@@ -361,6 +361,21 @@ def test_solrl_train_edits_two_sources_and_the_stock_2509_pipeline_loads_the_lor
                                atol=1e-5, rtol=0)  # fmt: skip
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["naive_scaling", "compile", "naive_quant", "diffusionnft"])
+def test_every_other_family_trains_the_2509_editor_on_two_sources(family, qp, clip, tmp_path, monkeypatch):
+    from solrl_engine import hw
+    from solrl_engine.cli import main
+
+    monkeypatch.setattr(hw, "cxx_compiler", lambda *a, **k: None)
+    pairs = _two_source_set(tmp_path)
+    args = _train_args(qp, clip, tmp_path / family, family, f"train_prompts={pairs}", f"eval_prompts={pairs}")
+    args[1] = f"{ROOT}/configs/qwenimage_edit.py:qwenimage_edit_plus_{family}_edit"
+    assert main(args) == 0
+    recs = [json.loads(x) for x in (tmp_path / family / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iter"] for r in recs] == [1, 2] and all(math.isfinite(r["loss"]) for r in recs)
+
+
 def test_the_explorer_regenerates_2509_edits_one_prompt_a_call(qp, clip, plus_at_size, tmp_path):
     """The stock Plus pipeline edits one prompt a call: with batch_size=1 each regenerated edit is its own."""
     from solrl_engine.explore import Explorer
