@@ -44,10 +44,11 @@ def test_published_configs_have_the_published_sizes():
 
     # Qwen-Image: "20B" (its model card), its published config counts 20,430,401,088; SANA-Video "2B": 2,056,862,144;
     # Z-Image "6B": 6,154,908,736; FLUX.2 [klein] "4B": 3,875,544,576; Wan2.1-I2V-14B: 16,394,878,784 (the T2V 14B
-    # and the image cross-attention)
+    # and the image cross-attention); Qwen-Image-Edit (and -2509) is Qwen-Image's transformer
     want = {"sd35-large": (7.8e9, 8.4e9), "flux-dev": (11.5e9, 12.2e9), "sana-1.6b": (1.5e9, 1.7e9),
             "wan2.1-1.3b": (1.3e9, 1.5e9), "wan2.1-14b": (13.5e9, 14.8e9), "wan2.2-5b": (4.8e9, 5.2e9),
-            "qwen-image": (20.3e9, 20.6e9), "sana-video-2b": (2.0e9, 2.1e9), "z-image": (6.1e9, 6.2e9),
+            "qwen-image": (20.3e9, 20.6e9), "qwen-image-edit": (20.3e9, 20.6e9),
+            "qwen-image-edit-2509": (20.3e9, 20.6e9), "sana-video-2b": (2.0e9, 2.1e9), "z-image": (6.1e9, 6.2e9),
             "flux2-klein-4b": (3.8e9, 4.0e9), "wan2.1-i2v-14b": (16.3e9, 16.5e9)}  # fmt: skip
     aliases = {**ARCH_ALIASES, "wan2.2-5b": "wan"}  # the 5B has a config (ALIAS_CONFIGS) but no speed-model row
     for alias, family in aliases.items():

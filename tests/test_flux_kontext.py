@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from tiny_pipelines import SIZES, build_clip_reward, build_flux_kontext
+from tiny_pipelines import SIZES, build_clip_reward, build_flux_kontext, linear_rows
 
 from solrl_engine.data import ConditionedPrompt, load_prompts
 from solrl_engine.models import load_model, model_spec
@@ -68,6 +68,13 @@ def test_the_engines_edit_is_the_stock_pipelines_for_a_seed_and_a_source(fk):
     blind = type(cond)(cond.hidden, cond.pooled, None, torch.zeros_like(cond.image))
     assert (m.decode(sample(m, blind, [3, 11], 3, solver="euler")) - ours).abs().max() > 1e-3
     assert model_spec("flux_kontext").conditioned and model_spec("flux_kontext").guidance_scale == 2.5
+
+
+def test_tokens_per_sample_counts_the_source_tokens_the_transformer_reads(fk):
+    """The latent's and the source's tokens (what the memory plan and the auto explore probe size with)."""
+    m = _model(fk)
+    assert m.tokens_per_sample == 2 * (SIZE // 16) ** 2
+    assert m.tokens_per_sample in linear_rows(m, load_prompts("edit/train")[0])
 
 
 def test_one_instruction_on_two_sources_is_two_prompts_to_the_cache(fk):

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from tiny_pipelines import SIZES, build_clip_reward, build_qwenimage_edit, qwen_vl_processor
+from tiny_pipelines import SIZES, build_clip_reward, build_qwenimage_edit, linear_rows, qwen_vl_processor
 
 from solrl_engine.data import ConditionedPrompt, load_prompts
 from solrl_engine.models import load_model, model_spec
@@ -122,6 +122,16 @@ def test_guidance_contrasts_each_edit_with_its_own_source_conditioned_negative(q
     shared = type(cond)(cond.hidden, None, cond.mask, cond.image, None, first, None)
     other = m.decode(sample(m, shared, seeds, steps, guidance_scale=g, uncond=m.encode_unconditional(), solver="euler"))
     assert (other[1] - ours[1]).abs().max() > 1e-3 and torch.equal(other[0], ours[0])
+
+
+def test_tokens_per_sample_counts_the_source_tokens_the_transformer_reads(qe, qp, tmp_path):
+    """The image tokens each linear of the image stream sees (what the memory plan and the auto explore probe size
+    with): the latent's and the source's, one set per source for the 2509 editor."""
+    m = _model(qe)
+    latent = (SIZE // 16) ** 2
+    assert m.tokens_per_sample == 2 * latent and m.tokens_per_sample in linear_rows(m, load_prompts("edit/train")[0])
+    plus = load_model("qwenimage_edit_plus", qp, "cpu", torch.float32, resolution=SIZE)
+    assert 3 * latent in linear_rows(plus, load_prompts(str(_two_source_set(tmp_path, 1)))[0])
 
 
 def test_a_prompt_without_a_source_and_a_size_the_pipeline_cannot_round_are_refused(qe):

@@ -544,15 +544,16 @@ def build_qwenimage_edit(path: str | Path, seed: int = 0, plus: bool = False) ->
     return _save(pipe, path)
 
 
-def linear_rows(model: Any) -> set[int]:
-    """Token rows each nn.Linear of `model`'s transformer sees in one velocity call on one sample: what
-    `tokens_per_sample` (the image tokens, sizing explore_precision=auto's probe) must be one of."""
+def linear_rows(model: Any, prompt: str = "a cat") -> set[int]:
+    """Token rows each nn.Linear of `model`'s transformer sees in one velocity call on one sample of `prompt` (an
+    editor's: a conditioned prompt): what `tokens_per_sample` (the image tokens, sizing explore_precision=auto's probe
+    and the memory plan's activations) must be one of."""
     seen: set[int] = set()
     hooks = [m.register_forward_pre_hook(lambda mod, args: seen.add(args[0].numel() // args[0].shape[-1]))
              for m in model.transformer.modules() if isinstance(m, torch.nn.Linear)]  # fmt: skip
     try:
         with torch.no_grad():
-            model.velocity(torch.randn(1, *model.latent_shape), torch.tensor([0.5]), model.encode_prompts(["a cat"]))
+            model.velocity(torch.randn(1, *model.latent_shape), torch.tensor([0.5]), model.encode_prompts([prompt]))
     finally:
         for h in hooks:
             h.remove()

@@ -36,6 +36,11 @@ class FluxKontextModel(FluxModel):
         sources = single_images(prompts, "FLUX.1 Kontext edits")
         return Conditioning(text.hidden, text.pooled, None, self._encode_sources(sources))
 
+    @property
+    def tokens_per_sample(self) -> int:
+        """The transformer's image tokens: the latent's and as many of the source's (resized to the edit's size)."""
+        return 2 * super().tokens_per_sample
+
     @staticmethod
     def probe_prompt() -> str:
         return probe_prompt()
