@@ -140,6 +140,11 @@ def test_a_prompt_without_a_source_and_a_size_the_pipeline_cannot_round_are_refu
         m.encode_prompts(["make it red"])
     with pytest.raises(ValueError, match="resolution=48: Qwen-Image-Edit edits at a multiple of 32.*use 32"):
         load_model("qwenimage_edit", qe, "cpu", torch.float32, resolution=48)
+    from solrl_engine.rl import ConfigError, load_config
+
+    for model in ("qwenimage_edit", "qwenimage_edit_plus"):  # a config says so before any weights load
+        with pytest.raises(ConfigError, match=f"resolution.*model={model} draws at a multiple of 32 pixels: use 992"):
+            load_config(f"{ROOT}/configs/qwenimage_edit.py:{model}_sol_rl_edit", ["resolution=1000"])
 
 
 def _train_args(qe: Path, clip: Path, out: Path, family: str, *extra: str) -> list[str]:

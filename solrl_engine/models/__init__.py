@@ -98,6 +98,7 @@ class ModelSpec:
     pipeline_guidance_offset: float = 0.0
     conditioned: bool = False
     images_per_prompt: int | None = 1
+    resolution_step: int = 1  # the config's resolution must be a multiple of it (refused at validation, no weights)
     two_experts: bool = False  # its pipelines may hold two experts (Wan2.2-A14B): the config's lora_experts applies
     # published parameter counts (billions) of the default weights' text encoders and VAE: the memory plan's
     # (rl/memplan.py) and bench/memory.py's, where nothing is loaded

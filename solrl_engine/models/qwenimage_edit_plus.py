@@ -115,6 +115,7 @@ SPEC = ModelSpec(
     guidance_scale=4.0,
     repeated_blocks=QWEN_BLOCKS,
     conditioned=True,
+    resolution_step=32,  # the pipeline rounds the sources' sides to 32
     images_per_prompt=None,  # one or several, as many on every line
     text_encoder_params_b={"Qwen2.5-VL-7B": 8.29},
     vae_params_b=0.127,

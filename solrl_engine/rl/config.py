@@ -402,6 +402,10 @@ class RLConfig:
             raise bad("resolution", "must be a pixel size >= 16 (None: the model's default)")
         from solrl_engine.models import MODELS, model_spec
 
+        step = model_spec(self.model).resolution_step
+        if self.resolution is not None and self.resolution % step:
+            raise bad("resolution", f"model={self.model} draws at a multiple of {step} pixels: use "
+                                    f"{max(step, self.resolution // step * step)}")  # fmt: skip
         video = " or ".join(n for n in MODELS if model_spec(n).video)
         for key in ("frames", "width"):
             if getattr(self, key) is not None and not model_spec(self.model).video:
