@@ -496,8 +496,9 @@ def qwen_vl_processor() -> Iterator[None]:
     torchvision wheel paired with torch 2.13 on the package index is a CUDA build, so it cannot import here).
 
     The processor has three parts; its class check for the video processor, and loading that part, need
-    torchvision. Inside this block the check finds transformers' own `VideoProcessorMixin` and loading gives a plain
-    `BaseVideoProcessor`, which Qwen-Image-Edit never calls (it sends the processor text and one image). The image
+    torchvision. Inside this block the check finds the real class it names (transformers 5.0: `BaseVideoProcessor`,
+    5.24: `VideoProcessorMixin`) and loading gives a plain `BaseVideoProcessor`, which the editing pipelines never call
+    (they send the processor text and images). The image
     processor (the PIL one transformers falls back to) and the tokenizer are the real ones, saved and loaded from
     disk. A machine with torchvision (any GPU user's) needs none of this: there the block changes nothing."""
     import importlib.util
