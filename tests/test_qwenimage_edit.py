@@ -8,6 +8,7 @@ rewards, the exported LoRA loads into the stock pipeline, and bad input is refus
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from collections.abc import Iterator
@@ -71,6 +72,31 @@ def _edit(pipe: Any, prompt: ConditionedPrompt, seed: int, steps: int, **kw: Any
                 generator=torch.Generator().manual_seed(seed), output_type="pt", **kw).images.float()  # fmt: skip
 
 
+@contextlib.contextmanager
+def no_norm_rescale() -> Iterator[list[int]]:
+    """The stock pipelines' rescale of each token's guided velocity to the conditional one's norm switched off:
+    their per-token torch.norm returns ones (counted in the list yielded); every other norm (the VAE's) passes."""
+    calls: list[int] = []
+    norm = torch.norm
+
+    def ones(t: torch.Tensor, *args: Any, **k: Any) -> torch.Tensor:
+        if not args and k == {"dim": -1, "keepdim": True}:
+            calls.append(1)
+            return torch.ones_like(t[..., :1])
+        return norm(t, *args, **k)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch, "norm", ones)
+        yield calls
+
+
+def _trained_two_iterations(out: Path) -> list[dict]:
+    """The run's metrics: two iterations, finite losses."""
+    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iter"] for r in recs] == [1, 2] and all(math.isfinite(r["loss"]) for r in recs)
+    return recs
+
+
 def test_the_engines_edit_is_the_stock_pipelines_for_a_seed_and_a_source(qe, at_size):
     """Two instructions on two bundled sources (128 px, resized to the edit's 64), no guidance: FP32 equal to the
     stock pipeline's to 1e-5. The source reaches the transformer twice: its latents (zeroed, the edit differs) and
@@ -92,7 +118,7 @@ def test_the_engines_edit_is_the_stock_pipelines_for_a_seed_and_a_source(qe, at_
     assert spec.conditioned and spec.guidance == "cfg" and spec.guidance_scale == 4.0
 
 
-def test_guidance_contrasts_each_edit_with_its_own_source_conditioned_negative(qe, at_size, monkeypatch):
+def test_guidance_contrasts_each_edit_with_its_own_source_conditioned_negative(qe, at_size):
     """The engine's CFG (4.0) equals the stock pipeline's true CFG against negative_prompt=" " (encoded with the
     prompt's source) once the pipeline's per-token norm rescale is off (torch.norm returns ones during the call),
     for two edits of one batch; guiding both against one shared negative (the first source's) differs."""
@@ -103,19 +129,9 @@ def test_guidance_contrasts_each_edit_with_its_own_source_conditioned_negative(q
     g, seeds, steps = model_spec("qwenimage_edit").guidance_scale, [5, 6], 3
     ours = m.decode(sample(m, cond, seeds, steps, guidance_scale=g, uncond=m.encode_unconditional(), solver="euler"))
     pipe = _stock(qe)
-    calls: list[int] = []
-    norm = torch.norm
-
-    def ones(t: torch.Tensor, *args: Any, **k: Any) -> torch.Tensor:
-        if not args and k == {"dim": -1, "keepdim": True}:  # the pipeline's per-token norms (the VAE's pass through)
-            calls.append(1)
-            return torch.ones_like(t[..., :1])
-        return norm(t, *args, **k)
-
-    monkeypatch.setattr(torch, "norm", ones)
-    theirs = torch.cat([_edit(pipe, p, s, steps, true_cfg_scale=g, negative_prompt=" ")
-                        for p, s in zip(prompts, seeds, strict=True)])  # fmt: skip
-    monkeypatch.setattr(torch, "norm", norm)
+    with no_norm_rescale() as calls:
+        theirs = torch.cat([_edit(pipe, p, s, steps, true_cfg_scale=g, negative_prompt=" ")
+                            for p, s in zip(prompts, seeds, strict=True)])  # fmt: skip
     assert len(calls) == 2 * 2 * steps  # the rescale was reached (and neutralised) at every step of both edits
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
     first = cond.negative_hidden[:1].expand_as(cond.negative_hidden)
@@ -170,8 +186,7 @@ def test_solrl_train_edits_and_exports_a_lora_the_stock_pipeline_loads(qe, clip,
     monkeypatch.setattr(hw, "cxx_compiler", lambda *a, **k: None)
     out = tmp_path / "run"
     assert main(_train_args(qe, clip, out, "sol_rl", "save_every=1")) == 0
-    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["iter"] for r in recs] == [1, 2] and all(math.isfinite(r["loss"]) for r in recs)
+    recs = _trained_two_iterations(out)
     assert "heldout_reward" in recs[-1] and (out / "eval_00002.png").exists()
     prompt = load_prompts("edit/test")[0]
     pipe = _stock(qe)
@@ -194,8 +209,7 @@ def test_every_other_family_trains_the_editor(family, qe, clip, tmp_path, monkey
     monkeypatch.setattr(hw, "cxx_compiler", lambda *a, **k: None)
     out = tmp_path / family
     assert main(_train_args(qe, clip, out, family)) == 0
-    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["iter"] for r in recs] == [1, 2] and all(math.isfinite(r["loss"]) for r in recs)
+    _trained_two_iterations(out)
 
 
 def test_a_prompt_set_without_images_is_refused_before_any_weights_load(qe, clip, tmp_path, monkeypatch):
@@ -252,8 +266,7 @@ def test_flow_grpo_guides_each_edit_against_its_own_negative_in_the_update(qe, c
     monkeypatch.setattr(hw, "cxx_compiler", lambda *a, **k: None)
     out = tmp_path / "grpo"
     assert main(_train_args(qe, clip, out, "sol_rl", "objective=flow_grpo")) == 0
-    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["iter"] for r in recs] == [1, 2] and all(math.isfinite(r["loss"]) for r in recs)
+    _trained_two_iterations(out)
 
 
 # --- Qwen-Image-Edit-2509 (QwenImageEditPlusPipeline): one or several sources a prompt -----------------------------
@@ -289,7 +302,7 @@ def _plus_edit(pipe: Any, prompt: ConditionedPrompt, seed: int, steps: int, **kw
                 generator=torch.Generator().manual_seed(seed), output_type="pt", **kw).images.float()  # fmt: skip
 
 
-def test_the_2509_edit_of_two_sources_is_the_stock_pipelines(qp, plus_at_size, tmp_path, monkeypatch):
+def test_the_2509_edit_of_two_sources_is_the_stock_pipelines(qp, plus_at_size, tmp_path):
     """Two prompts of two sources each: without guidance and with it (the rescale off), FP32 equal to the stock
     QwenImageEditPlusPipeline's, one prompt a call; each source's tokens count (the second zeroed, the edit differs);
     one source a prompt works as well (the bundled set)."""
@@ -304,11 +317,8 @@ def test_the_2509_edit_of_two_sources_is_the_stock_pipelines(qp, plus_at_size, t
     second_blind = type(cond)(cond.hidden, None, cond.mask, torch.cat([cond.image[:, :16], 0 * cond.image[:, 16:]], 1))
     assert (m.decode(sample(m, second_blind, [3, 11], 3, solver="euler")) - ours).abs().max() > 1e-3
     guided = m.decode(sample(m, cond[:1], [5], 2, guidance_scale=4.0, uncond=m.encode_unconditional(), solver="euler"))
-    norm = torch.norm
-    monkeypatch.setattr(torch, "norm", lambda t, *a, **k: torch.ones_like(t[..., :1]) if not a and k == {
-        "dim": -1, "keepdim": True} else norm(t, *a, **k))  # fmt: skip
-    stock = _plus_edit(pipe, prompts[0], 5, 2, true_cfg_scale=4.0, negative_prompt=" ")
-    monkeypatch.setattr(torch, "norm", norm)
+    with no_norm_rescale():
+        stock = _plus_edit(pipe, prompts[0], 5, 2, true_cfg_scale=4.0, negative_prompt=" ")
     torch.testing.assert_close(guided, stock, atol=1e-5, rtol=0)
     one = load_prompts("edit/train")[:1]
     torch.testing.assert_close(m.decode(sample(m, m.encode_prompts(one), [7], 2, solver="euler")),
@@ -362,8 +372,7 @@ def test_solrl_train_edits_two_sources_and_the_stock_2509_pipeline_loads_the_lor
     args[1] = f"{ROOT}/configs/qwenimage_edit.py:qwenimage_edit_plus_sol_rl_edit"
     assert main(args) == 0
     out = tmp_path / "run"
-    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["iter"] for r in recs] == [1, 2] and all(math.isfinite(r["loss"]) for r in recs)
+    _trained_two_iterations(out)
     prompt = load_prompts(str(pairs))[0]
     pipe = _stock(qp)
     before = _plus_edit(pipe, prompt, 5, 3, true_cfg_scale=1.0)
@@ -387,8 +396,7 @@ def test_every_other_family_trains_the_2509_editor_on_two_sources(family, qp, cl
     args = _train_args(qp, clip, tmp_path / family, family, f"train_prompts={pairs}", f"eval_prompts={pairs}")
     args[1] = f"{ROOT}/configs/qwenimage_edit.py:qwenimage_edit_plus_{family}_edit"
     assert main(args) == 0
-    recs = [json.loads(x) for x in (tmp_path / family / "metrics.jsonl").read_text().splitlines()]
-    assert [r["iter"] for r in recs] == [1, 2] and all(math.isfinite(r["loss"]) for r in recs)
+    _trained_two_iterations(tmp_path / family)
 
 
 def test_the_explorer_regenerates_2509_edits_one_prompt_a_call(qp, clip, plus_at_size, tmp_path):

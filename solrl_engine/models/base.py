@@ -46,8 +46,7 @@ class Conditioning:
         return Conditioning(*(None if t is None else fn(t) for t in self._fields()))  # type: ignore[arg-type]
 
     def _fields(self) -> tuple[torch.Tensor | None, ...]:
-        return (self.hidden, self.pooled, self.mask, self.image, self.image_states, self.negative_hidden,
-                self.negative_mask)  # fmt: skip
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in self._fields() if t is not None]
@@ -72,14 +71,14 @@ class Conditioning:
     def to(self, *args: object, **kw: object) -> Conditioning:
         """Moves/casts the float tensors; the masks keep their integer dtype."""
         dev = [a for a in args if not isinstance(a, torch.dtype)]
-        masks = (2, 6)  # mask, negative_mask: their positions in _fields()
-
-        def move(i: int, t: torch.Tensor | None) -> torch.Tensor | None:
-            if t is None:
-                return None
-            return t.to(*dev, **{k: v for k, v in kw.items() if k != "dtype"}) if i in masks else t.to(*args, **kw)
-
-        return Conditioning(*(move(i, t) for i, t in enumerate(self._fields())))
+        dev_kw = {k: v for k, v in kw.items() if k != "dtype"}
+        moved = {}
+        for f in dataclasses.fields(self):
+            t = getattr(self, f.name)
+            if t is not None:
+                t = t.to(*dev, **dev_kw) if f.name.endswith("mask") else t.to(*args, **kw)  # masks stay integer
+            moved[f.name] = t
+        return Conditioning(**moved)
 
     def repeat_interleave(self, n: int) -> Conditioning:
         """Each row n times in a row (prompt-major order, as seeds are laid out)."""

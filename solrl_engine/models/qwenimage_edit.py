@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from solrl_engine.data import probe_prompt, single_images
-from solrl_engine.models import ModelSpec
+from solrl_engine.models import ModelSpec, model_spec
 from solrl_engine.models.base import Conditioning
 from solrl_engine.models.qwenimage import QWEN_BLOCKS, QWEN_EXPLORE_RULE, QWEN_LORA_TARGETS, QwenImageModel
 
@@ -51,9 +51,11 @@ class QwenImageEditModel(QwenImageModel):
 
     def __init__(self, pipe: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(pipe, *args, **kwargs)
-        if self.resolution % 32:
-            raise ValueError(f"resolution={self.resolution}: Qwen-Image-Edit edits at a multiple of 32 pixels (the "
-                             f"pipeline rounds the source's sides to 32): use {self.resolution // 32 * 32 or 32}")
+        step = model_spec(self.MODEL).resolution_step  # what a config is checked against too, before any weights
+        if self.resolution % step:
+            raise ValueError(f"resolution={self.resolution}: {self.WHAT} at a multiple of {step} pixels (the "
+                             f"pipeline rounds the source's sides to {step}): use "
+                             f"{self.resolution // step * step or step}")  # fmt: skip
 
     @property
     def tokens_per_sample(self) -> int:
@@ -66,21 +68,29 @@ class QwenImageEditModel(QwenImageModel):
     def probe_prompt() -> str:
         return probe_prompt()
 
-    def _sources(self, prompts: list[str]) -> list[Any]:
+    def _sources_of(self, prompt: str) -> list[Any]:
+        """The prompt's sources (here its one source) resized to the edit's R x R."""
         r = self.resolution
-        return [self.pipe.image_processor.resize(im, r, r) for im in single_images(prompts, self.WHAT)]
+        return [self.pipe.image_processor.resize(im, r, r) for im in single_images([prompt], self.WHAT)]
+
+    def _seen(self, sources: list[Any]) -> Any:  # noqa: ANN401 - PIL images
+        """What the pipeline hands its text encoder's processor: the source itself."""
+        return sources[0]
 
     def _encode(self, prompts: list[str]) -> Conditioning:
-        """Each prompt and the negative through the pipeline's encode_prompt with the prompt's source, one prompt at
-        a time (as `pipe()` encodes it: no padding inside the encoder), and the source's latents."""
-        sources = self._sources(prompts)
-        rows = []
-        for prompt, src in zip(prompts, sources, strict=True):
-            pos, pos_mask = self._text(str(prompt), src)
-            neg, neg_mask = self._text(NEGATIVE_PROMPT, src)
+        """Each prompt and the negative through the pipeline's encode_prompt with what it shows of the prompt's
+        sources, one prompt at a time (as `pipe()` encodes it: no padding inside the encoder), and the sources'
+        latents stacked along the channels ([B, n x 16, R/8, R/8])."""
+        rows, latents = [], []
+        for prompt in prompts:
+            sources = self._sources_of(prompt)
+            seen = self._seen(sources)
+            pos, pos_mask = self._text(str(prompt), seen)
+            neg, neg_mask = self._text(NEGATIVE_PROMPT, seen)
             rows.append(Conditioning(pos, None, pos_mask, negative_hidden=neg, negative_mask=neg_mask))
+            latents.append(self._encode_sources(sources).flatten(0, 1).unsqueeze(0))
         text = Conditioning.cat(rows)
-        text.image = self._encode_sources(sources)
+        text.image = torch.cat(latents)
         return text
 
     def _text(self, text: str, source: Any) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN401 - a PIL image
@@ -114,17 +124,15 @@ class QwenImageEditModel(QwenImageModel):
     def pipeline_inputs(self, prompt: str, rows: int = 1) -> dict[str, Any]:
         """The source resized to the edit's R x R (see the module docstring for R other than 1024), once per row:
         the pipeline's processor reads one image per prompt text."""
-        return {"image": self._sources([prompt]) * rows}
+        return {"image": self._sources_of(prompt) * rows}
 
     @torch.no_grad()
     def _encode_sources(self, images: list[Any]) -> torch.Tensor:
-        """[B, 16, R/8, R/8]: each source preprocessed as the pipeline does, one frame through the VAE (a
-        `decode_batch_size` at a time: a 1024 px encode's activations are a decode's), its mode normalised per
-        channel."""
-        proc, vae, r, b = self.pipe.image_processor, self.pipe.vae, self.resolution, self.decode_batch_size
+        """[n, 16, R/8, R/8]: each source preprocessed as the pipeline does, one frame through the VAE, its mode
+        normalised per channel."""
+        proc, vae, r = self.pipe.image_processor, self.pipe.vae, self.resolution
         pixels = torch.cat([proc.preprocess(im, r, r) for im in images]).unsqueeze(2)
-        z = torch.cat([vae.encode(pixels[i : i + b].to(self.device_, vae.dtype)).latent_dist.mode()
-                       for i in range(0, len(pixels), b)])  # fmt: skip
+        z = vae.encode(pixels.to(self.device_, vae.dtype)).latent_dist.mode()
         view = (1, vae.config.z_dim, 1, 1, 1)
         mean = torch.tensor(vae.config.latents_mean).view(view).to(z.device, z.dtype)
         std = torch.tensor(vae.config.latents_std).view(view).to(z.device, z.dtype)
@@ -133,14 +141,16 @@ class QwenImageEditModel(QwenImageModel):
     # --- the transformer ----------------------------------------------------------------------------
 
     def _image_tokens(self, x: torch.Tensor, cond: Conditioning) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+        """The latent's tokens, then each source's in order, each with its own grid."""
         if cond.image is None:
-            raise ValueError("Qwen-Image-Edit needs the source image's latents in its conditioning (a conditioned "
-                             "prompt encoded by this model)")  # fmt: skip
+            raise ValueError(f"{self.WHAT} need the sources' latents in their conditioning (a conditioned prompt "
+                             "encoded by this model)")  # fmt: skip
         tokens, shapes = super()._image_tokens(x, cond)
+        b, c = x.shape[:2]
         src = cond.image.to(x.dtype)
-        _, _, hs, ws = src.shape
-        return torch.cat([tokens, self.pipeline_latents(src)], 1), [*shapes, (1, hs // 2, ws // 2)]
-
+        _, cn, hs, ws = src.shape
+        packed = [self.pipeline_latents(s) for s in src.view(b, cn // c, c, hs, ws).unbind(1)]
+        return torch.cat([tokens, *packed], 1), shapes + [(1, hs // 2, ws // 2)] * len(packed)
 
 SPEC = ModelSpec(
     name="qwenimage_edit",

@@ -20,15 +20,13 @@ Guidance, the negative encoded with the sources, the explore copy, LoRA targets 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
-import torch
-
 from solrl_engine.data import prompt_images
-from solrl_engine.models import ModelSpec
+from solrl_engine.models import qwenimage_edit
 from solrl_engine.models.base import Conditioning
-from solrl_engine.models.qwenimage import QWEN_BLOCKS, QWEN_EXPLORE_RULE, QWEN_LORA_TARGETS
-from solrl_engine.models.qwenimage_edit import NEGATIVE_PROMPT, QwenImageEditModel
+from solrl_engine.models.qwenimage_edit import QwenImageEditModel
 
 
 class QwenImageEditPlusModel(QwenImageEditModel):
@@ -54,21 +52,10 @@ class QwenImageEditPlusModel(QwenImageEditModel):
                              "(or split the set by their number)")  # fmt: skip
         return super().encode_prompts(prompts)
 
-    def _encode(self, prompts: list[str]) -> Conditioning:
-        """Each prompt and the negative through the pipeline's encode_prompt with the prompt's sources at the
-        condition size, and the sources' latents stacked along the channels."""
+    def _seen(self, sources: list[Any]) -> Any:  # noqa: ANN401 - PIL images
+        """Every source at the pipeline's condition size, as a list (the pipeline names each "Picture i:")."""
         w, h = self._condition_size()
-        rows, latents = [], []
-        for prompt in prompts:
-            sources = self._sources_of(prompt)
-            seen = [self.pipe.image_processor.resize(s, h, w) for s in sources]
-            pos, pos_mask = self._text(str(prompt), seen)
-            neg, neg_mask = self._text(NEGATIVE_PROMPT, seen)
-            rows.append(Conditioning(pos, None, pos_mask, negative_hidden=neg, negative_mask=neg_mask))
-            latents.append(self._encode_sources(sources).flatten(0, 1).unsqueeze(0))
-        text = Conditioning.cat(rows)
-        text.image = torch.cat(latents)
-        return text
+        return [self.pipe.image_processor.resize(s, h, w) for s in sources]
 
     def _sources_of(self, prompt: str) -> list[Any]:
         images = prompt_images(prompt)
@@ -90,33 +77,13 @@ class QwenImageEditPlusModel(QwenImageEditModel):
         """The sources resized to the edit's R x R, as a list (the pipeline edits one prompt a call)."""
         return {"image": self._sources_of(prompt)}
 
-    def _image_tokens(self, x: torch.Tensor, cond: Conditioning) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
-        if cond.image is None:
-            raise ValueError(f"{self.WHAT} need the sources' latents in their conditioning (a conditioned prompt "
-                             "encoded by this model)")  # fmt: skip
-        b, c, h, w = x.shape
-        tokens, shapes = self.pipeline_latents(x), [(1, h // 2, w // 2)]
-        src = cond.image.to(x.dtype)
-        _, cn, hs, ws = src.shape
-        packed = [self.pipeline_latents(s) for s in src.view(b, cn // c, c, hs, ws).unbind(1)]
-        return torch.cat([tokens, *packed], 1), shapes + [(1, hs // 2, ws // 2)] * len(packed)
 
-
-SPEC = ModelSpec(
+# Qwen-Image-Edit's, but for the pipeline, the weights and the sources a prompt
+SPEC = dataclasses.replace(
+    qwenimage_edit.SPEC,
     name="qwenimage_edit_plus",
     adapter="solrl_engine.models.qwenimage_edit_plus:QwenImageEditPlusModel",
     pipeline="QwenImageEditPlusPipeline",
     default_path="Qwen/Qwen-Image-Edit-2509",
-    resolution=1024,
-    lora_targets=QWEN_LORA_TARGETS,
-    explore_rule=QWEN_EXPLORE_RULE,
-    explore_rule_by_format={},  # Qwen-Image's (module qwenimage)
-    guidance="cfg",  # Qwen-Image-Edit's: plain CFG against " " encoded with each prompt's sources
-    guidance_scale=4.0,
-    repeated_blocks=QWEN_BLOCKS,
-    conditioned=True,
-    resolution_step=32,  # the pipeline rounds the sources' sides to 32
     images_per_prompt=None,  # one or several, as many on every line
-    text_encoder_params_b={"Qwen2.5-VL-7B": 8.29},
-    vae_params_b=0.127,
 )
