@@ -326,8 +326,9 @@ def model_stage(alias: str, device: torch.device, cfg: dict[str, Any], dev_rates
                 else:
                     rule = explore_rule(alias, _base(fmt))
                     t1 = time.perf_counter()
-                    producers = model_spec(ARCH_ALIASES.get(alias, alias)).producers  # the trainer's copy fuses them
-                    copy = ExploreCopy(model.transformer, _base(fmt), changes=rule, producers=producers)
+                    fam = model_spec(ARCH_ALIASES.get(alias, alias))  # the trainer's copy fuses its producers
+                    copy = ExploreCopy(model.transformer, _base(fmt), changes=rule, producers=fam.producers,
+                                       producer_blocks=fam.producer_blocks)  # fmt: skip
                     if _attention(fmt):
                         copy.set_attention(_attention(fmt))
                     _sync(device)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from families import families
-from tiny_pipelines import SIZES, build_flux, build_sd3
+from tiny_pipelines import SIZES, build_flux, build_qwenimage, build_sana, build_sd3, build_wan
 
 from solrl_engine import kernels
 from solrl_engine.explore.copy import ExploreCopy
@@ -48,25 +48,28 @@ def _modulation(b: int, k: int, seed: int, dtype: torch.dtype) -> tuple[torch.Te
 @pytest.mark.usefixtures("triton_backend")
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("fmt", ["fp8", "int8"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_kernels_codes_are_the_formats_rowwise_codes_of_its_output(shape, fmt, dtype, device):
+@pytest.mark.parametrize(("dtype", "out"), [(torch.float32, None), (torch.bfloat16, None),
+                                            (torch.float32, torch.bfloat16)])  # fmt: skip
+def test_the_kernels_codes_are_the_formats_rowwise_codes_of_its_output(shape, fmt, dtype, out, device):
     """The Triton kernel's y agrees with the stock module's ops (FP32: to FP32 rounding, its norm's sums are ordered
-    otherwise; BF16 outside autocast: every step rounded to BF16 as PyTorch's ops round it) and its codes and
-    scales are the format's row-wise quantize of that y, bit for bit (quant/<fmt>.py's contract), on every input
-    family: Gaussian, outlier channels, decades, zero rows, ties, tiny, NaN/Inf."""
+    otherwise; BF16 outside autocast: every step rounded to BF16 as PyTorch's ops round it; FP32 cast to BF16 at the
+    end, as SANA's and Wan's blocks cast it) and its codes and scales are the format's row-wise quantize of that y
+    (of the BF16 y where it is cast), bit for bit (quant/<fmt>.py's contract), on every input family: Gaussian,
+    outlier channels, decades, zero rows, ties, tiny, NaN/Inf."""
     b, t, k = shape
     onep, shift = _modulation(b, k, 3, dtype)
     for kind, x in families(shape, seed=21):
         x = x.to(dtype)
         want = producers.adaln(x, onep, shift, 1e-6, fp32_norm=False)
+        want = want if out is None else want.to(out)
         y, codes, scale = torch.ops.solrl.adaln_quantize(x.to(device), onep.to(device), shift.to(device), 1e-6, fmt,
-                                                         False, "kernel test")  # fmt: skip
+                                                         False, "kernel test", out)  # fmt: skip
         assert dispatch.runs()["kernel test"].impl.startswith("triton"), dispatch.runs()["kernel test"]
         y, codes, scale = y.cpu(), codes.cpu(), scale.cpu()
-        assert y.dtype == want.dtype == dtype
-        tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2**-7, "atol": 2**-7}
+        assert y.dtype == want.dtype == (out or dtype)
+        tol = {"rtol": 1e-5, "atol": 1e-5} if y.dtype == torch.float32 else {"rtol": 2**-7, "atol": 2**-7}
         torch.testing.assert_close(y, want, equal_nan=True, **tol, msg=lambda m, kind=kind: f"{kind}: {m}")
-        if dtype == torch.bfloat16:  # a last-bit difference of the norm's sums may flip a BF16 rounding, rarely
+        if y.dtype == torch.bfloat16:  # a last-bit difference of the norm's sums may flip a BF16 rounding, rarely
             differ = (y.view(torch.int16) != want.view(torch.int16)) & ~torch.isnan(want)  # NaNs: any pattern
             assert differ.float().mean() < 0.02, kind
         q = numerics(fmt).rowwise(y)
@@ -109,10 +112,13 @@ def test_a_prequantized_tensor_is_its_value_to_every_op_and_its_codes_to_a_linea
         assert torch.equal(got, ql(y)), fmt  # the same codes (fp8), or its own quantize of the value (the others)
 
 
+BUILDERS = {"flux": build_flux, "sd3": build_sd3, "sana": build_sana, "wan": build_wan, "qwenimage": build_qwenimage}
+
+
 @pytest.fixture(scope="module")
 def pipes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("producers")
-    return {"flux": build_flux(root / "flux"), "sd3": build_sd3(root / "sd3")}
+    return {name: build(root / name) for name, build in BUILDERS.items()}
 
 
 def _count_quantizes(monkeypatch: pytest.MonkeyPatch, fmt: str) -> list[int]:
@@ -134,14 +140,17 @@ def _count_quantizes(monkeypatch: pytest.MonkeyPatch, fmt: str) -> list[int]:
 
 
 @pytest.mark.parametrize(("name", "fmt", "sm"), [("flux", "fp8", None), ("sd3", "int8", None), ("flux", "int8", "80"),
-                                                 ("flux", "fp8", "90")])  # fmt: skip
+                                                 ("flux", "fp8", "90"), ("sana", "int8", None), ("sana", "fp8", "90"),
+                                                 ("wan", "fp8", None), ("wan", "int8", "90"),
+                                                 ("qwenimage", "int8", None), ("qwenimage", "fp8", "90")])  # fmt: skip
 def test_a_fused_copy_computes_what_the_unfused_one_does_and_skips_its_consumers_quantizes(name, fmt, sm, pipes,
                                                                                             monkeypatch):  # fmt: skip
-    """The real classes' explore copies (tiny FLUX.1, SD3.5 saved and reloaded), fused as the family's spec says
+    """The real classes' explore copies (tiny FLUX.1, SD3.5 with adaLN modules; SANA, Wan, Qwen-Image whose blocks
+    modulate inline and get their family's fused forward; saved and reloaded), fused as the family's spec says
     (through ExploreSpec, as the trainer builds them), under BF16 autocast: the same velocity bit for bit as the
-    unfused copy, with every consumer's own activation quantize skipped (counted) and its record saying its input
-    codes came from the producer; at a simulated GPU the producer ran the Triton kernel. Module names and state
-    dicts are unchanged (refreshes match by name)."""
+    unfused copy, with every consumer's own activation quantize skipped (counted: SANA's FFN convolution too, its
+    codes handed over in NCHW) and its record saying its input codes came from the producer; at a simulated GPU
+    the producer ran the Triton kernel. Module names and state dicts are unchanged (refreshes match by name)."""
     monkeypatch.delenv("SOLRL_BACKEND", raising=False)
     if sm:
         monkeypatch.setenv("SOLRL_SIMULATE_SM", sm)
@@ -149,7 +158,8 @@ def test_a_fused_copy_computes_what_the_unfused_one_does_and_skips_its_consumers
     spec = model_spec(name)
     rule = {**spec.explore_rule, **spec.explore_rule_by_format.get(fmt, {})}
     plain = ExploreCopy(model.transformer, fmt, changes=rule)
-    fused = ExploreCopy.from_spec(model.transformer, ExploreSpec(fmt, rule, "test", producers=spec.producers))
+    fused = ExploreCopy.from_spec(model.transformer, ExploreSpec(fmt, rule, "test", producers=spec.producers,
+                                                                 producer_blocks=spec.producer_blocks))  # fmt: skip
     assert fused.producers.fused and not plain.producers.fused
     assert fused.transformer.state_dict().keys() == plain.transformer.state_dict().keys()
     takers = sum(len(v) for v in fused.producers.fused.values())
@@ -196,3 +206,37 @@ def test_what_is_not_fused_is_said_and_keeps_the_stock_path(pipes):
     assert type(y) is torch.Tensor and y.requires_grad
     with torch.no_grad():
         assert type(norm(h, emb=emb)[0]) is Prequantized
+
+
+def test_an_inline_producer_needs_its_blocks_fused_forward_and_keeps_the_stock_expression_otherwise(pipes):
+    """A LayerNorm a block modulates inline is a producer only where the family gives that block a fused forward
+    and the norm has no weight of its own (Wan's cross-attention norm is affine): each left one says why. A fused
+    norm given a per-token modulation [B, T, K] (Wan2.2-TI2V's 4-D timestep), or called with autograd recording,
+    computes the block's stock expression as a plain tensor; one row per sample gets the codes."""
+    from solrl_engine.nn.producers import modulate
+
+    model = load_model("wan", pipes["wan"], "cpu", torch.float32, resolution=SIZES["wan"])
+    spec = model_spec("wan")
+    copy = ExploreCopy(model.transformer, "int8", changes=spec.explore_rule)
+    got = fuse_producers(copy.transformer, {"blocks.*.norm1": ("attn1.to_q",), "blocks.*.norm2": ("attn2.to_q",)})
+    assert not got.fused and "nor a LayerNorm whose block (WanTransformerBlock)" in got.left["blocks.0.norm1"]
+    got = fuse_producers(copy.transformer, {"blocks.*.norm1": ("attn1.to_q",), "blocks.*.norm2": ("attn2.to_q",)},
+                         spec.producer_blocks)  # fmt: skip
+    assert set(got.fused) == {"blocks.0.norm1", "blocks.1.norm1"}
+    assert "an affine LayerNorm" in got.left["blocks.0.norm2"]
+    block = copy.transformer.get_submodule("blocks.0")
+    assert type(block).__name__ == "WanTransformerBlock" and type(block).forward is spec.producer_blocks[
+        "WanTransformerBlock"]  # fmt: skip
+    norm = block.norm1
+    k = norm.normalized_shape[0]
+    x = torch.randn(2, 5, k)
+    per_token, per_sample = torch.randn(2, 5, k), torch.randn(2, 1, k)
+    y = modulate(norm, x, per_token, per_token, torch.bfloat16)
+    assert type(y) is torch.Tensor and torch.equal(y, (norm(x) * (1 + per_token) + per_token).to(torch.bfloat16))
+    with torch.no_grad():
+        y = modulate(norm, x, per_sample, per_sample, torch.bfloat16)
+    assert type(y) is Prequantized and y.dtype == torch.bfloat16
+    assert torch.equal(y.value, (norm(x) * (1 + per_sample) + per_sample).to(torch.bfloat16))
+    assert _same(y.codes, numerics("int8").rowwise(y.value).data)
+    x.requires_grad_(True)
+    assert type(modulate(norm, x, per_sample, per_sample)) is torch.Tensor

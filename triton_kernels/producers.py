@@ -7,7 +7,8 @@ row. Here one program holds whole rows: it normalises, modulates, writes y for a
 INT8 codes and scales of y (quant.fp8 / quant.int8's row-wise contract, bit for bit given y), so the consumers
 take the codes instead of quantizing y again, each. The norm's mean and variance are two-pass FP32 sums (they
 agree with PyTorch's layer_norm to FP32 rounding, not bit for bit); with STAGE_BF16 each step is rounded to BF16
-as PyTorch's BF16 ops round them (the producer running in BF16 outside autocast).
+as PyTorch's BF16 ops round them (the producer running in BF16 outside autocast). A BF16 y is quantized as stored:
+a block that computes y in FP32 and casts it to BF16 (SANA, Wan) gets the codes of its BF16 y.
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ def _adaln_quantize_kernel(x_ptr, onep_ptr, shift_ptr, y_ptr, q_ptr, scale_ptr, 
         y = round_bf16(round_bf16(n * onep) + shift)
     else:
         y = n * onep + shift  # two roundings (EXACT: no FMA), as the module's mul then add
+    if Y_KIND == 1:  # a BF16 y (the block casts the FP32 result to its activations' dtype): codes of what it stores
+        y = round_bf16(y)
     store_out(y_ptr + offs, y, m, Y_KIND)
     fin = is_finite(y)
     amax = tl.max(tl.where(m & fin, tl.abs(y), 0.0), axis=1)
@@ -77,8 +80,8 @@ def adaln_quantize(
     y_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [B, T, K] (FP32 or BF16), the modulation [B, K] (FP32 values) -> (y [B, T, K] as `y_dtype`, codes [B, T, K],
-    FP32 decode scales [B, T, 1]) with y = layer_norm(x) * one_plus_scale + shift and the codes y's row-wise `fmt`
-    ("fp8": E4M3 bytes viewed as float8_e4m3fn; "int8")."""
+    FP32 decode scales [B, T, 1]) with y = layer_norm(x) * one_plus_scale + shift (rounded to `y_dtype`) and the codes
+    that y's row-wise `fmt` ("fp8": E4M3 bytes viewed as float8_e4m3fn; "int8")."""
     if fmt not in FORMATS:
         raise ValueError(f"adaln_quantize emits {tuple(FORMATS)} codes; got {fmt!r}")
     b, t, k = x.shape

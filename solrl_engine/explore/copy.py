@@ -118,7 +118,8 @@ class ExploreCopy:
     spelling of two of those changes (None leaves the recipe's own skip_max_dim). `self.recipe` is
     the recipe's name (for logs), `self.quant_recipe` the full recipe used. `producers` (the family's
     ModelSpec.producers) names the norms that emit their output's 8-bit codes for the linears they feed
-    (nn.producers); `self.producers` says what was fused and why the others were not.
+    (nn.producers), `producer_blocks` (ModelSpec.producer_blocks) the family's forwards for blocks that modulate
+    inline; `self.producers` says what was fused and why the others were not.
     """
 
     def __init__(
@@ -131,6 +132,7 @@ class ExploreCopy:
         borrow: bool = False,
         producers: Mapping[str, tuple[str, ...]] | None = None,
         device: torch.device | str | None = None,
+        producer_blocks: Mapping[str, Callable[..., Any]] | None = None,
     ) -> None:
         self.te = isinstance(recipe, str) and recipe == "te_nvfp4"  # Transformer Engine's NVFP4, a peer
         self.full_precision = isinstance(recipe, str) and recipe == POLICY  # the policy's precision, LoRA merged
@@ -164,7 +166,7 @@ class ExploreCopy:
         if device is not None:
             self.transformer.to(device)
         # the producers (ModelSpec.producers) that emit their output's row-wise codes for the linears they feed
-        self.producers = fuse_producers(self.transformer, producers or {}) if not self.te else None
+        self.producers = fuse_producers(self.transformer, producers or {}, producer_blocks) if not self.te else None
         self.merge = True
         self.shared_bytes = 0
         self.attention = "bf16"
@@ -180,7 +182,7 @@ class ExploreCopy:
         if spec is None or not spec.quantized:
             return None
         copy = cls(transformer, spec.precision, changes=dict(spec.rule), borrow=borrow, producers=spec.producers,
-                   device=device)  # fmt: skip
+                   device=device, producer_blocks=spec.producer_blocks)  # fmt: skip
         if spec.attention != "bf16":
             copy.set_attention(spec.attention)
         return copy

@@ -156,6 +156,7 @@ class ExploreSpec:
     attention: str = "bf16"  # the copy's attention (ExploreSettings.attention)
     timed_at_start: bool = False  # foreseen (`foresee`): one of auto's answers, which its probe at start picks
     producers: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # ModelSpec.producers: fused in the copy
+    producer_blocks: Mapping[str, Callable[..., Any]] = field(default_factory=dict)  # ModelSpec.producer_blocks
 
     @property
     def quantized(self) -> bool:
@@ -224,7 +225,7 @@ def _spec(settings: ExploreSettings, model: ModelSpec, choice: ExploreChoice, qu
         log.warning("explore_precision=auto chose the policy on this device (%s): explore_attention=%s needs an "
                     "explore copy and is not used", choice.reason, settings.attention)  # fmt: skip
     return ExploreSpec(choice.precision, rule, choice.reason, dict(choice.timings_ms), dropped, settings.attention,
-                       timed_at_start, dict(model.producers))
+                       timed_at_start, dict(model.producers), dict(model.producer_blocks))
 
 
 def foresee(settings: ExploreSettings, model: ModelSpec, capability: tuple[int, int] | None,

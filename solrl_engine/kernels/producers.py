@@ -20,31 +20,32 @@ MAX_K = 16384  # solrl_triton.producers.MAX_K: whole rows in one program (not im
 HINT = "the fused producer's Triton kernel runs on a GPU for FP8/INT8 rows of at most 16384 FP32/BF16 values"
 
 
-def _ref(x: torch.Tensor, onep: torch.Tensor, shift: torch.Tensor, eps: float, fmt: str, fp32_norm: bool
-         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+def _ref(x: torch.Tensor, onep: torch.Tensor, shift: torch.Tensor, eps: float, fmt: str, fp32_norm: bool,
+         out_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     ran("reference")
-    return producers.adaln_quantize(x, onep, shift, eps, fmt, fp32_norm)
+    return producers.adaln_quantize(x, onep, shift, eps, fmt, fp32_norm, out_dtype)
 
 
-def _tr(x: torch.Tensor, onep: torch.Tensor, shift: torch.Tensor, eps: float, fmt: str, fp32_norm: bool
-        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    y_dtype = producers.adaln_dtype(x.dtype, onep.dtype, fp32_norm)
-    stage_bf16 = y_dtype == torch.bfloat16  # the module's ops in BF16 (no autocast): each step rounded to BF16
-    out = triton_module("producers").adaln_quantize(x, onep, shift, eps, fmt, stage_bf16, y_dtype)
+def _tr(x: torch.Tensor, onep: torch.Tensor, shift: torch.Tensor, eps: float, fmt: str, fp32_norm: bool,
+        out_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    natural = producers.adaln_dtype(x.dtype, onep.dtype, fp32_norm)
+    stage_bf16 = natural == torch.bfloat16  # the module's ops in BF16 (no autocast): each step rounded to BF16
+    out = triton_module("producers").adaln_quantize(x, onep, shift, eps, fmt, stage_bf16, out_dtype or natural)
     ran("triton: layer norm, modulation and row-wise quantize in one pass")
     return out
 
 
 def _fits(device: torch.device, k: int, x_dtype: torch.dtype, modulation_dtype: torch.dtype, fp32_norm: bool,
-          fmt: str, **_: object) -> str | None:  # fmt: skip
+          fmt: str, out_dtype: torch.dtype | None = None, **_: object) -> str | None:  # fmt: skip
     if fmt not in ("fp8", "int8"):
         return f"the fused producer kernel emits FP8 or INT8 codes, not {fmt}"
     if k > MAX_K:
         return f"the fused producer kernel holds rows of at most {MAX_K} values; got {k}"
-    y_dtype = producers.adaln_dtype(x_dtype, modulation_dtype, fp32_norm)
-    if x_dtype not in (torch.float32, torch.bfloat16) or y_dtype not in (torch.float32, torch.bfloat16):
+    natural = producers.adaln_dtype(x_dtype, modulation_dtype, fp32_norm)
+    y_dtype = out_dtype or natural
+    if x_dtype not in (torch.float32, torch.bfloat16) or {natural, y_dtype} - {torch.float32, torch.bfloat16}:
         return f"the fused producer kernel reads and writes FP32 or BF16; got {x_dtype} -> {y_dtype}"
-    if y_dtype == torch.bfloat16 and modulation_dtype != torch.bfloat16:
+    if natural == torch.bfloat16 and modulation_dtype != torch.bfloat16:
         return "a BF16 producer with a modulation in another dtype runs on the reference"
     return None
 
@@ -55,20 +56,21 @@ register("adaln_quantize", {"reference": _ref, "triton": _tr}, fits={"triton": _
 @torch.library.custom_op("solrl::adaln_quantize", mutates_args=())
 def adaln_quantize(
     x: torch.Tensor, one_plus_scale: torch.Tensor, shift: torch.Tensor, eps: float, fmt: str, fp32_norm: bool,
-    tag: str = "",
+    tag: str = "", out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, codes, scales) for x [B, T, K] and a modulation [B, K]: y = layer_norm(x) * one_plus_scale + shift (as
-    the stock adaLN-Zero module computes it; `fp32_norm`: the norm in FP32, as under autocast) and `fmt`'s row-wise
-    codes and [B, T, 1] FP32 scales of y. Through dispatch's choice for x's device and row length; `tag` records
-    what ran (dispatch.runs). A custom op: torch.compile keeps it whole, so the fusion never depends on inductor."""
+    the stock adaLN-Zero module computes it; `fp32_norm`: the norm in FP32, as under autocast; cast to `out_dtype`
+    where given, as a block that casts its modulated norm) and `fmt`'s row-wise codes and [B, T, 1] FP32 scales of
+    that y. Through dispatch's choice for x's device and row length; `tag` records what ran (dispatch.runs). A
+    custom op: torch.compile keeps it whole, so the fusion never depends on inductor."""
     if fmt not in rowwise_formats():
         raise ValueError(f"adaln_quantize emits row-wise codes of {rowwise_formats()}; got {fmt!r}")
     backend = choose("adaln_quantize", x.device, k=x.shape[-1], x_dtype=x.dtype, modulation_dtype=one_plus_scale.dtype,
-                     fp32_norm=fp32_norm, fmt=fmt)[0]  # fmt: skip
+                     fp32_norm=fp32_norm, fmt=fmt, out_dtype=out_dtype)[0]  # fmt: skip
     got: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     def produce() -> torch.Tensor:
-        got.append(run("adaln_quantize", backend, x, one_plus_scale, shift, eps, fmt, fp32_norm))
+        got.append(run("adaln_quantize", backend, x, one_plus_scale, shift, eps, fmt, fp32_norm, out_dtype))
         return got[0][0]
 
     with no_autocast(x):
@@ -80,7 +82,7 @@ def adaln_quantize(
 
 
 @adaln_quantize.register_fake
-def _(x, one_plus_scale, shift, eps, fmt, fp32_norm, tag=""):  # noqa: ANN001, ANN202
-    y = x.new_empty(x.shape, dtype=producers.adaln_dtype(x.dtype, one_plus_scale.dtype, fp32_norm))
+def _(x, one_plus_scale, shift, eps, fmt, fp32_norm, tag="", out_dtype=None):  # noqa: ANN001, ANN202
+    y = x.new_empty(x.shape, dtype=out_dtype or producers.adaln_dtype(x.dtype, one_plus_scale.dtype, fp32_norm))
     codes = x.new_empty(x.shape, dtype=torch.float8_e4m3fn if fmt == "fp8" else torch.int8)
     return y, codes, x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,9 @@ class ModelSpec:
         FLUX only, as `_repeated_blocks`).
     producers: the explore copy's producers that emit their output's 8-bit codes (nn.producers): a module-name
         pattern -> the linears its output feeds, named from its parent (a block's norm1 -> attn.to_q, ...).
+    producer_blocks: block class name -> the family's forward for it that modulates its norms' output through
+        nn.producers.modulate: how a plain LayerNorm that the block modulates inline (SANA, Wan, Qwen-Image) becomes
+        a producer; the explore copy gives it to the blocks whose norms it fuses.
     conditioned: each prompt carries an image (a conditioned prompt set, solrl_engine/data): an editing family.
         A prompt set without images is refused for it before any weight loads, and one with images for the others.
     images_per_prompt: how many images each prompt of a conditioned family carries (None: any number, as many on
@@ -93,6 +97,7 @@ class ModelSpec:
     guidance_scale: float = 1.0
     repeated_blocks: tuple[str, ...] = ()
     producers: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    producer_blocks: dict[str, Callable[..., Any]] = field(default_factory=dict)
     video: bool = False  # decode gives videos [B, F, 3, H, W]; the config's `frames` and `width` apply
     capturable: bool = True
     pipeline_guidance_offset: float = 0.0

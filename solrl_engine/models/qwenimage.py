@@ -48,12 +48,60 @@ from torch import nn
 from solrl_engine.models import ModelSpec
 from solrl_engine.models.base import Conditioning
 from solrl_engine.models.pipeline import JOINT_ATTENTION_LORA_TARGETS, PackedLatentFlowModel
+from solrl_engine.nn.producers import modulate
 
 QWEN_LORA_TARGETS = JOINT_ATTENTION_LORA_TARGETS
 QWEN_EXPLORE_RULE: dict[str, Any] = {
     "include": ("transformer_blocks.*.attn.*", "transformer_blocks.*.img_mlp.*", "transformer_blocks.*.txt_mlp.*")
 }
 QWEN_BLOCKS = ("QwenImageTransformerBlock",)
+
+
+def _modulated(norm: nn.Module, x: torch.Tensor, params: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block's `_modulate(norm(x), params)` without an index, through `modulate`: (y, gate)."""
+    shift, scale, gate = params.chunk(3, dim=-1)
+    return modulate(norm, x, scale.unsqueeze(1), shift.unsqueeze(1)), gate.unsqueeze(1)
+
+
+def fused_block_forward(self: nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                        encoder_hidden_states_mask: torch.Tensor, temb: torch.Tensor,
+                        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+                        joint_attention_kwargs: dict[str, Any] | None = None,
+                        modulate_index: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """diffusers' QwenImageTransformerBlock.forward for an explore copy whose norms are producers (nn.producers):
+    each stream's two norms and their modulation go through `modulate`, so they carry the codes of the joint
+    attention's projections and of each MLP's first linear. A per-token modulation (`modulate_index`, the
+    zero-conditioned edit models) runs the stock forward."""
+    if modulate_index is not None:
+        return super(type(self), self).forward(hidden_states, encoder_hidden_states, encoder_hidden_states_mask, temb,
+                                               image_rotary_emb, joint_attention_kwargs, modulate_index)  # fmt: skip
+    img_mod1, img_mod2 = self.img_mod(temb).chunk(2, dim=-1)
+    txt_mod1, txt_mod2 = self.txt_mod(torch.chunk(temb, 2, dim=0)[0] if self.zero_cond_t else temb).chunk(2, dim=-1)
+    img, img_gate1 = _modulated(self.img_norm1, hidden_states, img_mod1)
+    txt, txt_gate1 = _modulated(self.txt_norm1, encoder_hidden_states, txt_mod1)
+    img_attn, txt_attn = self.attn(hidden_states=img, encoder_hidden_states=txt,
+                                   encoder_hidden_states_mask=encoder_hidden_states_mask,
+                                   image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {}))  # fmt: skip
+    hidden_states = hidden_states + img_gate1 * img_attn
+    encoder_hidden_states = encoder_hidden_states + txt_gate1 * txt_attn
+    img, img_gate2 = _modulated(self.img_norm2, hidden_states, img_mod2)
+    hidden_states = hidden_states + img_gate2 * self.img_mlp(img)
+    txt, txt_gate2 = _modulated(self.txt_norm2, encoder_hidden_states, txt_mod2)
+    encoder_hidden_states = encoder_hidden_states + txt_gate2 * self.txt_mlp(txt)
+    if encoder_hidden_states.dtype == torch.float16:
+        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
+    if hidden_states.dtype == torch.float16:
+        hidden_states = hidden_states.clip(-65504, 65504)
+    return encoder_hidden_states, hidden_states
+
+
+# each block's four norms (modulated inline: fused_block_forward) feed these linears
+QWEN_PRODUCERS = {
+    "transformer_blocks.*.img_norm1": ("attn.to_q", "attn.to_k", "attn.to_v"),
+    "transformer_blocks.*.txt_norm1": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
+    "transformer_blocks.*.img_norm2": ("img_mlp.net.0.proj",),
+    "transformer_blocks.*.txt_norm2": ("txt_mlp.net.0.proj",),
+}
 
 
 class QwenImageModel(PackedLatentFlowModel):
@@ -175,6 +223,8 @@ SPEC = ModelSpec(
     guidance="cfg",  # plain CFG against "": the pipeline's true CFG without its norm rescale (module docstring)
     guidance_scale=4.0,
     repeated_blocks=QWEN_BLOCKS,
+    producers=QWEN_PRODUCERS,
+    producer_blocks={"QwenImageTransformerBlock": fused_block_forward},
     # the whole Qwen2.5-VL-7B (vision tower and LM head included) and the VAE, as published and as counted on
     # the meta device (bench/memory.py)
     text_encoder_params_b={"Qwen2.5-VL-7B": 8.29},

@@ -37,6 +37,7 @@ from solrl_engine.data import probe_prompt, single_images
 from solrl_engine.models import ModelSpec, model_spec
 from solrl_engine.models.base import Conditioning
 from solrl_engine.models.qwenimage import QWEN_BLOCKS, QWEN_EXPLORE_RULE, QWEN_LORA_TARGETS, QwenImageModel
+from solrl_engine.models.qwenimage import SPEC as QWEN_SPEC
 
 NEGATIVE_PROMPT = " "  # Qwen/Qwen-Image-Edit's model card: true_cfg_scale 4.0 against negative_prompt=" "
 
@@ -164,6 +165,8 @@ SPEC = ModelSpec(
     guidance="cfg",  # plain CFG against " " encoded with each source: the pipeline's true CFG without its rescale
     guidance_scale=4.0,
     repeated_blocks=QWEN_BLOCKS,
+    producers=QWEN_SPEC.producers,
+    producer_blocks=QWEN_SPEC.producer_blocks,
     conditioned=True,
     resolution_step=32,  # the pipeline rounds the sources' sides to 32
     text_encoder_params_b={"Qwen2.5-VL-7B": 8.29},

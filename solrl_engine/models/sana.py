@@ -19,11 +19,36 @@ from torch import nn
 from solrl_engine.models import ModelSpec
 from solrl_engine.models.base import Conditioning
 from solrl_engine.models.pipeline import PipelineFlowModel
+from solrl_engine.nn.producers import modulate, relayout
 
 SANA_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
 SANA_EXPLORE_RULE: dict[str, Any] = {
     "include": ("transformer_blocks.*.attn2.to_k", "transformer_blocks.*.attn2.to_v", "transformer_blocks.*.ff.*")
 }
+
+
+def fused_block_forward(self: nn.Module, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                        encoder_hidden_states: torch.Tensor | None = None,
+                        encoder_attention_mask: torch.Tensor | None = None, timestep: torch.Tensor | None = None,
+                        height: int | None = None, width: int | None = None) -> torch.Tensor:  # fmt: skip
+    """diffusers' SanaTransformerBlock.forward for an explore copy whose norms are producers (nn.producers): each
+    norm, its modulation and the cast to the activations' dtype go through `modulate`, so norm1's output carries
+    the codes of the self-attention projections and norm2's those of the FFN's first 1x1 convolution (handed over
+    in its NCHW layout)."""
+    b = hidden_states.shape[0]
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (
+        self.scale_shift_table[None] + timestep.reshape(b, 6, -1)).chunk(6, dim=1)  # fmt: skip
+    attn_output = self.attn1(modulate(self.norm1, hidden_states, scale_msa, shift_msa, hidden_states.dtype))
+    hidden_states = hidden_states + gate_msa * attn_output
+    if self.attn2 is not None:
+        attn_output = self.attn2(hidden_states, encoder_hidden_states=encoder_hidden_states,
+                                 attention_mask=encoder_attention_mask)  # fmt: skip
+        hidden_states = attn_output + hidden_states
+    # (no cast after norm2: the stock block has none)
+    y = modulate(self.norm2, hidden_states, scale_mlp, shift_mlp)
+    ff_output = self.ff(relayout(y, lambda t: t.unflatten(1, (height, width)).permute(0, 3, 1, 2)))
+    ff_output = ff_output.flatten(2, 3).permute(0, 2, 1)
+    return hidden_states + gate_mlp * ff_output
 
 
 class GemmaPrompts:
@@ -126,6 +151,10 @@ SPEC = ModelSpec(
     guidance="cfg",
     guidance_scale=1.0,
     repeated_blocks=("SanaTransformerBlock",),
+    # the blocks modulate their norms inline: fused_block_forward makes them producers in an 8-bit explore copy
+    producers={"transformer_blocks.*.norm1": ("attn1.to_q", "attn1.to_k", "attn1.to_v"),
+               "transformer_blocks.*.norm2": ("ff.conv_inverted",)},
+    producer_blocks={"SanaTransformerBlock": fused_block_forward},
     text_encoder_params_b={"Gemma-2-2B": 2.61},  # published
     vae_params_b=0.312,
 )

@@ -28,10 +28,39 @@ from solrl_engine.models import ModelSpec
 from solrl_engine.models.base import Conditioning
 from solrl_engine.models.experts import two_experts
 from solrl_engine.models.pipeline import PipelineFlowModel
+from solrl_engine.nn.producers import modulate
 
 WAN_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")  # both attentions of every block
 # the blocks, of the one transformer or of both experts (models/experts.py names them as the pipeline does)
 WAN_EXPLORE_RULE: dict[str, Any] = {"include": ("blocks.*", "transformer.blocks.*", "transformer_2.blocks.*")}
+
+
+def fused_block_forward(self: nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                        temb: torch.Tensor, rotary_emb: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """diffusers' WanTransformerBlock.forward for an explore copy whose norms are producers (nn.producers): norm1's
+    and norm3's FP32 norm, modulation and cast to the activations' dtype go through `modulate`, so they carry the
+    codes of the self-attention projections and of the FFN's first linear. A per-token modulation (a 4-D temb:
+    Wan2.2-TI2V) keeps the stock expression."""
+    if temb.ndim == 4:
+        mods = (self.scale_shift_table.unsqueeze(0) + temb.float()).chunk(6, dim=2)
+        shift_msa, scale_msa, gate_msa, c_shift_msa, c_scale_msa, c_gate_msa = (m.squeeze(2) for m in mods)
+    else:
+        shift_msa, scale_msa, gate_msa, c_shift_msa, c_scale_msa, c_gate_msa = (
+            self.scale_shift_table + temb.float()).chunk(6, dim=1)  # fmt: skip
+    dtype = hidden_states.dtype
+    y = modulate(self.norm1, hidden_states.float(), scale_msa, shift_msa, dtype)
+    attn_output = self.attn1(y, None, None, rotary_emb)
+    hidden_states = (hidden_states.float() + attn_output * gate_msa).type_as(hidden_states)
+    normed = self.norm2(hidden_states.float()).type_as(hidden_states)
+    hidden_states = hidden_states + self.attn2(normed, encoder_hidden_states, None, None)
+    ff_output = self.ffn(modulate(self.norm3, hidden_states.float(), c_scale_msa, c_shift_msa, dtype))
+    return (hidden_states.float() + ff_output.float() * c_gate_msa).type_as(hidden_states)
+
+
+# each block's norm1 and norm3 (modulated inline: fused_block_forward) feed these linears; both experts' blocks
+WAN_PRODUCERS = {f"{root}blocks.*.{norm}": takers for root in ("", "transformer.", "transformer_2.")
+                 for norm, takers in (("norm1", ("attn1.to_q", "attn1.to_k", "attn1.to_v")),
+                                      ("norm3", ("ffn.net.0.proj",)))}  # fmt: skip
 TEMPORAL_FACTOR = 4  # frames per latent frame after the first (the Wan VAE's, fixed in its code)
 
 # published transformer configs (diffusers' conversion of the official Wan configs); all patch (1, 2, 2), heads of
@@ -171,6 +200,8 @@ SPEC = ModelSpec(
     guidance="cfg",
     guidance_scale=5.0,
     repeated_blocks=("WanTransformerBlock",),
+    producers=WAN_PRODUCERS,
+    producer_blocks={"WanTransformerBlock": fused_block_forward},
     video=True,
     two_experts=True,
     # UMT5-XXL's encoder and the Wan2.1 VAE, counted on the meta device from their published configs

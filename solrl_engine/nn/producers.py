@@ -7,17 +7,21 @@ three or four quantize passes over the same rows. A fused producer computes y an
 op and carries the codes; a QuantLinear of that format takes the codes instead of quantizing. Which modules
 produce for which linears is model knowledge (ModelSpec.producers); how each producer class is fused is here.
 
-The fused forward is the module's own (diffusers' AdaLayerNormZero, AdaLayerNormZeroSingle, AdaLayerNormContinuous;
-names and state dicts unchanged: the class is swapped for a subclass), with the norm and modulation handed to the op;
-on the reference backend (a CPU) its y and codes equal the stock module's and the linear's own quantize bit for bit.
-It keeps the stock path where autograd records or the input is not [B, T, K].
+Two kinds of producer. An adaLN module (diffusers' AdaLayerNormZero, AdaLayerNormZeroSingle, AdaLayerNormContinuous):
+its fused forward is the module's own, with the norm and modulation handed to the op. A plain LayerNorm whose block
+modulates its output inline (SANA's, Wan's, Qwen-Image's blocks write `norm(x) * (1 + scale) + shift` in their
+forward): the block gets its family's fused forward (models/<family>.py, through `modulate`), which hands the norm,
+the modulation and the cast that follows to the op. Either way names and state dicts are unchanged (the class is
+swapped for a subclass), and on the reference backend (a CPU) y and its codes equal the stock expression's and the
+linear's own quantize bit for bit. Both keep the stock path where autograd records or the modulation is not one
+row per sample.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,19 +43,51 @@ def _matches(name: str, pattern: str) -> bool:
     return len(a) == len(b) and all(fnmatch.fnmatchcase(x, y) for x, y in zip(a, b, strict=True))
 
 
+def _emit(owner: nn.Module, norm: nn.Module, x: torch.Tensor, one_plus: torch.Tensor, shift: torch.Tensor,
+          out_dtype: torch.dtype | None) -> Prequantized | None:  # fmt: skip
+    """The fused y and its codes for a modulation [B, K] where `owner` is fused and the op takes the call, else None
+    (the caller computes its stock expression)."""
+    fmt = owner.__dict__.get("_solrl_fmt")
+    grad = torch.is_grad_enabled() and (x.requires_grad or one_plus.requires_grad or shift.requires_grad)
+    if fmt is None or grad or x.dim() != 3 or one_plus.dim() != 2 or one_plus.shape[0] != x.shape[0]:
+        return None
+    dev = x.device.type
+    fp32 = dev in FP32_NORM_UNDER_AUTOCAST and torch.is_autocast_enabled(dev)
+    y, codes, s = torch.ops.solrl.adaln_quantize(x, one_plus, shift, norm.eps, fmt, fp32, owner.__dict__["_solrl_tag"],
+                                                 out_dtype)  # fmt: skip
+    return Prequantized(y, codes, s, fmt)
+
+
 def produce(module: nn.Module, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     """module.norm(x) * (1 + scale[:, None]) + shift[:, None], with its row-wise codes when the module is fused
     (`fuse_producers`) and the call is one the op takes; else exactly the stock expression."""
-    fmt = module.__dict__.get("_solrl_fmt")
     one_plus = 1 + scale
-    grad = torch.is_grad_enabled() and (x.requires_grad or scale.requires_grad or shift.requires_grad)
-    if fmt is None or grad or x.dim() != 3 or scale.dim() != 2:
-        return module.norm(x) * one_plus[:, None] + shift[:, None]
-    dev = x.device.type
-    fp32 = dev in FP32_NORM_UNDER_AUTOCAST and torch.is_autocast_enabled(dev)
-    y, codes, s = torch.ops.solrl.adaln_quantize(x, one_plus, shift, module.norm.eps, fmt, fp32,
-                                                 module.__dict__["_solrl_tag"])  # fmt: skip
-    return Prequantized(y, codes, s, fmt)
+    got = _emit(module, module.norm, x, one_plus, shift, None) if scale.dim() == 2 else None
+    return got if got is not None else module.norm(x) * one_plus[:, None] + shift[:, None]
+
+
+def modulate(norm: nn.Module, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
+             out_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
+    """(norm(x) * (1 + scale) + shift).to(out_dtype) for a modulation [B, 1, K], as a block that modulates inline
+    writes it (SANA's, Wan's, Qwen-Image's: models/<family>.py's fused forwards call this), with its row-wise codes
+    when `fuse_producers` fused `norm` and the call is one the op takes; else exactly that expression (a per-token
+    modulation [B, T, K] included)."""
+    one_plus = 1 + scale
+    got = None
+    if one_plus.dim() == 3 and one_plus.shape[1] == 1 and shift.shape == one_plus.shape:
+        got = _emit(norm, norm, x, one_plus.squeeze(1), shift.squeeze(1), out_dtype)
+    if got is not None:
+        return got
+    y = norm(x) * one_plus + shift
+    return y if out_dtype is None else y.to(out_dtype)
+
+
+def relayout(y: torch.Tensor, change: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """`change` (a view: unflatten, permute) applied to y, and to its codes and scales where y carries them, so a
+    consumer that takes another layout (a 1x1 convolution's NCHW) still finds them."""
+    if type(y) is not Prequantized:
+        return change(y)
+    return Prequantized(change(y.value), change(y.codes), change(y.scale), y.fmt)
 
 
 def _ada_zero_forward(self: nn.Module, x: torch.Tensor, timestep: Any = None, class_labels: Any = None,
@@ -91,15 +127,30 @@ def _fusable() -> dict[type, type]:
             for cls, fwd in forwards.items()}  # fmt: skip
 
 
-def _why_not(module: nn.Module) -> str | None:
-    """None when `module` can be fused, else why not."""
-    if type(module) not in _fusable():
-        names = ", ".join(c.__name__ for c in _fusable())
-        return f"{type(module).__name__} is not a producer class this engine fuses ({names})"
-    norm = getattr(module, "norm", None)
-    if type(norm) is not nn.LayerNorm or norm.elementwise_affine:
-        return f"its norm is {type(norm).__name__} (an affine one, or another class), not a plain LayerNorm"
-    return None
+def _why_not(module: nn.Module, block: nn.Module | None, blocks: Mapping[str, Callable]) -> str | None:
+    """None when `module` can be fused (an adaLN module this file fuses, or a plain LayerNorm that its block,
+    `block`, modulates inline through a fused forward of `blocks`), else why not."""
+    if type(module) in _fusable():
+        norm = getattr(module, "norm", None)
+        if type(norm) is not nn.LayerNorm or norm.elementwise_affine:
+            return f"its norm is {type(norm).__name__} (an affine one, or another class), not a plain LayerNorm"
+        return None
+    if isinstance(module, nn.LayerNorm) and block is not None and _block_name(block) in blocks:
+        return "an affine LayerNorm: the fused kernel applies no weight" if module.elementwise_affine else None
+    names = ", ".join(c.__name__ for c in _fusable())
+    return (f"{type(module).__name__} is not a producer class this engine fuses ({names}), nor a LayerNorm whose "
+            f"block ({_block_name(block) if block is not None else 'none'}) the family's fused forwards modulate")
+
+
+def _block_name(block: nn.Module) -> str:
+    """The stock class name of a block (its fused subclass keeps it: repeated-block lookups match by name)."""
+    return type(block).__name__
+
+
+@functools.cache
+def _fused_block(cls: type, forward: Callable) -> type:
+    """`cls` with the family's fused forward (same name: regional compilation and sharding find blocks by it)."""
+    return type(cls.__name__, (cls,), {"forward": forward, "__module__": forward.__module__, "_solrl_fused": True})
 
 
 @dataclass
@@ -123,28 +174,38 @@ class FusedProducers:
         return "\n".join([line, *(f"  {n} producer(s) not fused: {why}" for why, n in reasons.items())])
 
 
-def fuse_producers(model: nn.Module, producers: Mapping[str, tuple[str, ...]]) -> FusedProducers:
+def fuse_producers(model: nn.Module, producers: Mapping[str, tuple[str, ...]],
+                   blocks: Mapping[str, Callable] | None = None) -> FusedProducers:  # fmt: skip
     """Fuse each module whose name matches a pattern of `producers` (fnmatch pattern -> the linears it feeds, named
     from the producer's parent module) where at least one of those linears is a QuantLinear that quantizes its input
-    in a row-wise format: its output then carries that format's codes. In place; module names and state dicts are
-    unchanged. Returns what was fused and what was left, with why."""
+    in a row-wise format: its output then carries that format's codes. A producer is an adaLN module (its class is
+    swapped for a fused subclass) or a plain LayerNorm that its block modulates inline: `blocks` (ModelSpec.
+    producer_blocks: block class name -> a forward that modulates through `modulate`) gives the block its family's
+    fused forward. In place; module names and state dicts are unchanged. Returns what was fused and what was left,
+    with why."""
+    blocks = blocks or {}
     quant = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
     formats = {m.recipe.format for m in quant.values() if m.recipe.quantize_activations} & set(rowwise_formats())
     out = FusedProducers(next(iter(formats)) if len(formats) == 1 else "")
     if len(formats) != 1:
         return out  # no row-wise quantized linear (or a copy mixing formats): nothing takes codes
-    for name, module in model.named_modules():
+    for name, module in list(model.named_modules()):
         pattern = next((p for p in producers if _matches(name, p)), None)
         if pattern is None:
             continue
         parent = name.rpartition(".")[0]
+        block = model.get_submodule(parent) if parent else None
         takers = [c for c in producers[pattern] if (m := quant.get(f"{parent}.{c}" if parent else c)) is not None
                   and m.recipe.quantize_activations and m.recipe.format == out.fmt]  # fmt: skip
-        why = _why_not(module) or (None if takers else "none of the linears it feeds is quantized with row-wise codes")
+        why = _why_not(module, block, blocks) or (None if takers else
+                                                  "none of the linears it feeds is quantized with row-wise codes")
         if why:
             out.left[name] = why
             continue
-        module.__class__ = _fusable()[type(module)]
+        if type(module) in _fusable():
+            module.__class__ = _fusable()[type(module)]
+        elif not getattr(type(block), "_solrl_fused", False):
+            block.__class__ = _fused_block(type(block), blocks[_block_name(block)])
         module.__dict__["_solrl_fmt"] = out.fmt
         module.__dict__["_solrl_tag"] = f"{name} (producer)"
         out.fused[name] = takers

@@ -211,6 +211,9 @@ class QuantConv1x1(QuantLinear):
             return self.forward(x.unsqueeze(0)).squeeze(0)
         if x.dim() != 4 or x.shape[1] != self.in_features:
             raise ValueError(f"QuantConv1x1 expects [B, {self.in_features}, H, W]; got {tuple(x.shape)}")
+        if type(x) is Prequantized:  # its producer's rows handed over as an NCHW view (nn.producers.relayout)
+            rows = Prequantized(*(t.permute(0, 2, 3, 1) for t in (x.value, x.codes, x.scale)), x.fmt)
+            return super().forward(rows).permute(0, 3, 1, 2)
         # NCHW -> NHWC (contiguous rows for every GEMM backend); the result goes back as an NCHW view.
         return super().forward(x.permute(0, 2, 3, 1).contiguous()).permute(0, 3, 1, 2)
 

@@ -30,12 +30,16 @@ def adaln(x: torch.Tensor, one_plus_scale: torch.Tensor, shift: torch.Tensor, ep
 
 
 def adaln_quantize(
-    x: torch.Tensor, one_plus_scale: torch.Tensor, shift: torch.Tensor, eps: float, fmt: str, fp32_norm: bool
+    x: torch.Tensor, one_plus_scale: torch.Tensor, shift: torch.Tensor, eps: float, fmt: str, fp32_norm: bool,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y, codes, scales): `adaln`'s y and `fmt`'s row-wise quantize of it (quant/<fmt>.py's Numerics.rowwise)."""
+    """(y, codes, scales): `adaln`'s y (cast to `out_dtype` where given, as a block that casts its modulated norm to
+    its activations' dtype) and `fmt`'s row-wise quantize of that y (quant/<fmt>.py's Numerics.rowwise)."""
     quantize = numerics(fmt).rowwise
     if quantize is None:
         raise ValueError(f"format {fmt!r} has no row-wise activation quantize for a producer to emit")
     y = adaln(x, one_plus_scale, shift, eps, fp32_norm)
+    if out_dtype is not None:
+        y = y.to(out_dtype)
     q = quantize(y)
     return y, q.data, q.scale
