@@ -158,13 +158,15 @@ def engine_launches() -> list[Launch]:
                 attention.int8_attention(torch.empty(2, 300, d, dtype=torch.int8), torch.ones(2, 3),
                                          torch.empty(2, 300, d, dtype=torch.int8), torch.ones(2, 5),
                                          torch.empty(2, 300, d, dtype=torch.bfloat16), d**-0.5, out)  # fmt: skip
-        for k in (2432, 3072):  # the adaLN producers of SD3.5-Large and FLUX.1 (rows of their hidden size)
+        # the producers of SD3.5-Large, FLUX.1 and Qwen-Image (adaLN), SANA-1.6B and Wan2.1-1.3B / 14B (inline), rows
+        # of their hidden size
+        for k in (2432, 3072, 2240, 1536, 5120):
             mod = torch.ones(2, k)
-            for fmt in ("fp8", "int8"):  # under autocast on a GPU (FP32 y), and in BF16 without it (staged)
-                producers.adaln_quantize(torch.empty(2, 7, k, dtype=torch.bfloat16), mod, mod, 1e-6, fmt, False,
-                                         torch.float32)  # fmt: skip
-                producers.adaln_quantize(torch.empty(2, 7, k, dtype=torch.bfloat16), mod, mod, 1e-6, fmt, True,
-                                         torch.bfloat16)  # fmt: skip
+            for fmt in ("fp8", "int8"):  # under autocast on a GPU (FP32 y), in BF16 without it (staged), and FP32
+                x = torch.empty(2, 7, k, dtype=torch.bfloat16)  # cast to BF16 by the block (SANA's norm1, Wan's)
+                producers.adaln_quantize(x, mod, mod, 1e-6, fmt, False, torch.float32)
+                producers.adaln_quantize(x, mod, mod, 1e-6, fmt, True, torch.bfloat16)
+                producers.adaln_quantize(x, mod, mod, 1e-6, fmt, False, torch.bfloat16)
         q = torch.empty(256, 512, dtype=torch.uint8)
         s = torch.empty(256, 64, dtype=torch.uint8)
         g = torch.ones(())

@@ -139,7 +139,8 @@ def _count_quantizes(monkeypatch: pytest.MonkeyPatch, fmt: str) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize(("name", "fmt", "sm"), [("flux", "fp8", None), ("sd3", "int8", None), ("flux", "int8", "80"),
+@pytest.mark.parametrize(("name", "fmt", "sm"), [("flux", "fp8", None), ("sd3", "int8", None), ("sd3", "fp8", None),
+                                                 ("flux", "int8", "80"),
                                                  ("flux", "fp8", "90"), ("sana", "int8", None), ("sana", "fp8", "90"),
                                                  ("wan", "fp8", None), ("wan", "int8", "90"),
                                                  ("qwenimage", "int8", None), ("qwenimage", "fp8", "90")])  # fmt: skip

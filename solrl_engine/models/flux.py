@@ -18,8 +18,35 @@ from torch import nn
 from solrl_engine.models import ModelSpec
 from solrl_engine.models.base import Conditioning
 from solrl_engine.models.pipeline import JOINT_ATTENTION_LORA_TARGETS, PackedLatentFlowModel
+from solrl_engine.nn.producers import modulate
 
 FLUX_LORA_TARGETS = JOINT_ATTENTION_LORA_TARGETS
+
+
+def fused_block_forward(self: nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                        temb: torch.Tensor, image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+                        joint_attention_kwargs: dict[str, Any] | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """diffusers' FluxTransformerBlock.forward for an explore copy whose norms are producers (nn.producers): its
+    adaLN norm1s are fused modules already; norm2 and norm2_context, modulated inline, go through `modulate`, so
+    they carry the codes of each stream's first FFN linear."""
+    norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(hidden_states, emb=temb)
+    norm_context, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(encoder_hidden_states,
+                                                                                         emb=temb)  # fmt: skip
+    outputs = self.attn(hidden_states=norm_hidden_states, encoder_hidden_states=norm_context,
+                        image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {}))  # fmt: skip
+    attn_output, context_attn_output = outputs[:2]
+    hidden_states = hidden_states + gate_msa.unsqueeze(1) * attn_output
+    ff_output = self.ff(modulate(self.norm2, hidden_states, scale_mlp[:, None], shift_mlp[:, None]))
+    hidden_states = hidden_states + gate_mlp.unsqueeze(1) * ff_output
+    if len(outputs) == 3:  # an IP-Adapter's image attention
+        hidden_states = hidden_states + outputs[2]
+    encoder_hidden_states = encoder_hidden_states + c_gate_msa.unsqueeze(1) * context_attn_output
+    y = modulate(self.norm2_context, encoder_hidden_states, c_scale_mlp[:, None], c_shift_mlp[:, None])
+    encoder_hidden_states = encoder_hidden_states + c_gate_mlp.unsqueeze(1) * self.ff_context(y)
+    if encoder_hidden_states.dtype == torch.float16:
+        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
+    return encoder_hidden_states, hidden_states
 
 
 class FluxModel(PackedLatentFlowModel):
@@ -117,7 +144,11 @@ SPEC = ModelSpec(
         "transformer_blocks.*.norm1": ("attn.to_q", "attn.to_k", "attn.to_v"),
         "transformer_blocks.*.norm1_context": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
         "single_transformer_blocks.*.norm": ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"),
+        # modulated inline: fused_block_forward
+        "transformer_blocks.*.norm2": ("ff.net.0.proj",),
+        "transformer_blocks.*.norm2_context": ("ff_context.net.0.proj",),
     },
+    producer_blocks={"FluxTransformerBlock": fused_block_forward},
     text_encoder_params_b={"CLIP-L": 0.123, "T5-XXL encoder": 4.76},  # published
     vae_params_b=0.084,
 )

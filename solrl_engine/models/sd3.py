@@ -15,9 +15,38 @@ from torch import nn
 from solrl_engine.models import ModelSpec
 from solrl_engine.models.base import Conditioning
 from solrl_engine.models.pipeline import JOINT_ATTENTION_LORA_TARGETS, PipelineFlowModel
+from solrl_engine.nn.producers import modulate
 
 SD3_LORA_TARGETS = JOINT_ATTENTION_LORA_TARGETS
 SD3_EXPLORE_RULE: dict[str, Any] = {"include": ("transformer_blocks.*.ff.*",)}
+
+
+def fused_block_forward(self: nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                        temb: torch.Tensor, joint_attention_kwargs: dict[str, Any] | None = None
+                        ) -> tuple[torch.Tensor | None, torch.Tensor]:  # fmt: skip
+    """diffusers' JointTransformerBlock.forward for an explore copy whose norms are producers (nn.producers): its
+    adaLN norm1s are fused modules already; norm2 and norm2_context, modulated inline, go through `modulate`, so
+    they carry the codes of each stream's first FFN linear. SD3.5-Medium's dual attention and a chunked FFN run the
+    stock forward."""
+    if self.use_dual_attention or self._chunk_size is not None:
+        return super(type(self), self).forward(hidden_states, encoder_hidden_states, temb, joint_attention_kwargs)
+    kwargs = joint_attention_kwargs or {}
+    norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(hidden_states, emb=temb)
+    if self.context_pre_only:
+        norm_context = self.norm1_context(encoder_hidden_states, temb)
+    else:
+        norm_context, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = self.norm1_context(encoder_hidden_states,
+                                                                                             emb=temb)  # fmt: skip
+    attn_output, context_attn_output = self.attn(hidden_states=norm_hidden_states, encoder_hidden_states=norm_context,
+                                                 **kwargs)  # fmt: skip
+    hidden_states = hidden_states + gate_msa.unsqueeze(1) * attn_output
+    ff_output = self.ff(modulate(self.norm2, hidden_states, scale_mlp[:, None], shift_mlp[:, None]))
+    hidden_states = hidden_states + gate_mlp.unsqueeze(1) * ff_output
+    if self.context_pre_only:
+        return None, hidden_states
+    encoder_hidden_states = encoder_hidden_states + c_gate_msa.unsqueeze(1) * context_attn_output
+    y = modulate(self.norm2_context, encoder_hidden_states, c_scale_mlp[:, None], c_shift_mlp[:, None])
+    return encoder_hidden_states + c_gate_mlp.unsqueeze(1) * self.ff_context(y), hidden_states
 SD3_BLOCKS = ("JointTransformerBlock", "SD3SingleTransformerBlock")  # the MMDiT's repeated blocks
 
 
@@ -86,7 +115,11 @@ SPEC = ModelSpec(
     producers={
         "transformer_blocks.*.norm1": ("attn.to_q", "attn.to_k", "attn.to_v"),
         "transformer_blocks.*.norm1_context": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
+        # modulated inline: fused_block_forward
+        "transformer_blocks.*.norm2": ("ff.net.0.proj",),
+        "transformer_blocks.*.norm2_context": ("ff_context.net.0.proj",),
     },
+    producer_blocks={"JointTransformerBlock": fused_block_forward},
     text_encoder_params_b={"CLIP-L": 0.124, "CLIP-G": 0.695, "T5-XXL encoder": 4.76},  # published
     vae_params_b=0.084,
 )
