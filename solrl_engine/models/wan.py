@@ -48,12 +48,12 @@ def fused_block_forward(self: nn.Module, hidden_states: torch.Tensor, encoder_hi
         shift_msa, scale_msa, gate_msa, c_shift_msa, c_scale_msa, c_gate_msa = (
             self.scale_shift_table + temb.float()).chunk(6, dim=1)  # fmt: skip
     dtype = hidden_states.dtype
-    y = modulate(self.norm1, hidden_states.float(), scale_msa, shift_msa, dtype)
+    y = modulate(self.norm1, hidden_states, scale_msa, shift_msa, dtype, fp32_norm=True)
     attn_output = self.attn1(y, None, None, rotary_emb)
     hidden_states = (hidden_states.float() + attn_output * gate_msa).type_as(hidden_states)
     normed = self.norm2(hidden_states.float()).type_as(hidden_states)
     hidden_states = hidden_states + self.attn2(normed, encoder_hidden_states, None, None)
-    ff_output = self.ffn(modulate(self.norm3, hidden_states.float(), c_scale_msa, c_shift_msa, dtype))
+    ff_output = self.ffn(modulate(self.norm3, hidden_states, c_scale_msa, c_shift_msa, dtype, fp32_norm=True))
     return (hidden_states.float() + ff_output.float() * c_gate_msa).type_as(hidden_states)
 
 

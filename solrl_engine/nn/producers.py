@@ -44,15 +44,15 @@ def _matches(name: str, pattern: str) -> bool:
 
 
 def _emit(owner: nn.Module, norm: nn.Module, x: torch.Tensor, one_plus: torch.Tensor, shift: torch.Tensor,
-          out_dtype: torch.dtype | None) -> Prequantized | None:  # fmt: skip
+          out_dtype: torch.dtype | None, fp32_norm: bool = False) -> Prequantized | None:  # fmt: skip
     """The fused y and its codes for a modulation [B, K] where `owner` is fused and the op takes the call, else None
-    (the caller computes its stock expression)."""
+    (the caller computes its stock expression). `fp32_norm`: the norm of x in FP32 whatever autocast does."""
     fmt = owner.__dict__.get("_solrl_fmt")
     grad = torch.is_grad_enabled() and (x.requires_grad or one_plus.requires_grad or shift.requires_grad)
     if fmt is None or grad or x.dim() != 3 or one_plus.dim() != 2 or one_plus.shape[0] != x.shape[0]:
         return None
     dev = x.device.type
-    fp32 = dev in FP32_NORM_UNDER_AUTOCAST and torch.is_autocast_enabled(dev)
+    fp32 = fp32_norm or (dev in FP32_NORM_UNDER_AUTOCAST and torch.is_autocast_enabled(dev))
     y, codes, s = torch.ops.solrl.adaln_quantize(x, one_plus, shift, norm.eps, fmt, fp32, owner.__dict__["_solrl_tag"],
                                                  out_dtype)  # fmt: skip
     return Prequantized(y, codes, s, fmt)
@@ -67,18 +67,19 @@ def produce(module: nn.Module, x: torch.Tensor, scale: torch.Tensor, shift: torc
 
 
 def modulate(norm: nn.Module, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
-             out_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
+             out_dtype: torch.dtype | None = None, fp32_norm: bool = False) -> torch.Tensor:  # fmt: skip
     """(norm(x) * (1 + scale) + shift).to(out_dtype) for a modulation [B, 1, K], as a block that modulates inline
     writes it (SANA's, Wan's, Qwen-Image's: models/<family>.py's fused forwards call this), with its row-wise codes
     when `fuse_producers` fused `norm` and the call is one the op takes; else exactly that expression (a per-token
-    modulation [B, T, K] included)."""
+    modulation [B, T, K] included). `fp32_norm`: norm(x.float()), as Wan writes it (the op widens x as it reads it,
+    so the fused path makes no FP32 copy of x)."""
     one_plus = 1 + scale
     got = None
     if one_plus.dim() == 3 and one_plus.shape[1] == 1 and shift.shape == one_plus.shape:
-        got = _emit(norm, norm, x, one_plus.squeeze(1), shift.squeeze(1), out_dtype)
+        got = _emit(norm, norm, x, one_plus.squeeze(1), shift.squeeze(1), out_dtype, fp32_norm)
     if got is not None:
         return got
-    y = norm(x) * one_plus + shift
+    y = norm(x.float() if fp32_norm else x) * one_plus + shift
     return y if out_dtype is None else y.to(out_dtype)
 
 
