@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from families import families
-from tiny_pipelines import SIZES, build_flux, build_qwenimage, build_sana, build_sd3, build_wan
+from tiny_pipelines import SIZES, LazyPipes, build_flux, build_flux2, build_qwenimage, build_sana, build_sd3, build_wan
 
 from solrl_engine import kernels
 from solrl_engine.explore.copy import ExploreCopy
@@ -112,13 +112,13 @@ def test_a_prequantized_tensor_is_its_value_to_every_op_and_its_codes_to_a_linea
         assert torch.equal(got, ql(y)), fmt  # the same codes (fp8), or its own quantize of the value (the others)
 
 
-BUILDERS = {"flux": build_flux, "sd3": build_sd3, "sana": build_sana, "wan": build_wan, "qwenimage": build_qwenimage}
+BUILDERS = {"flux": build_flux, "sd3": build_sd3, "sana": build_sana, "wan": build_wan, "qwenimage": build_qwenimage,
+            "flux2": build_flux2}
 
 
 @pytest.fixture(scope="module")
 def pipes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("producers")
-    return {name: build(root / name) for name, build in BUILDERS.items()}
+    return LazyPipes(tmp_path_factory.mktemp("producers"), BUILDERS)
 
 
 def _count_quantizes(monkeypatch: pytest.MonkeyPatch, fmt: str) -> list[int]:
@@ -143,15 +143,17 @@ def _count_quantizes(monkeypatch: pytest.MonkeyPatch, fmt: str) -> list[int]:
                                                  ("flux", "int8", "80"),
                                                  ("flux", "fp8", "90"), ("sana", "int8", None), ("sana", "fp8", "90"),
                                                  ("wan", "fp8", None), ("wan", "int8", "90"),
-                                                 ("qwenimage", "int8", None), ("qwenimage", "fp8", "90")])  # fmt: skip
+                                                 ("qwenimage", "int8", None), ("qwenimage", "fp8", "90"),
+                                                 ("flux2", "fp8", None), ("flux2", "int8", "90")])  # fmt: skip
 def test_a_fused_copy_computes_what_the_unfused_one_does_and_skips_its_consumers_quantizes(name, fmt, sm, pipes,
                                                                                             monkeypatch):  # fmt: skip
-    """The real classes' explore copies (tiny FLUX.1, SD3.5 with adaLN modules; SANA, Wan, Qwen-Image whose blocks
-    modulate inline and get their family's fused forward; saved and reloaded), fused as the family's spec says
-    (through ExploreSpec, as the trainer builds them), under BF16 autocast: the same velocity bit for bit as the
-    unfused copy, with every consumer's own activation quantize skipped (counted: SANA's FFN convolution too, its
-    codes handed over in NCHW) and its record saying its input codes came from the producer; at a simulated GPU
-    the producer ran the Triton kernel. Module names and state dicts are unchanged (refreshes match by name)."""
+    """The real classes' explore copies (tiny FLUX.1, SD3.5 with adaLN modules; SANA, Wan, Qwen-Image, FLUX.2 whose
+    blocks modulate inline and get their family's fused forward, FLUX.1's and SD3.5's too; saved and reloaded),
+    fused as the family's spec says (through ExploreSpec, as the trainer builds them), under BF16 autocast: the same
+    velocity bit for bit as the unfused copy, with every consumer's own activation quantize skipped (counted:
+    SANA's FFN convolution too, its codes handed over in NCHW) and its record saying its input codes came from the
+    producer; at a simulated GPU the producer ran the Triton kernel. Module names and state dicts are unchanged
+    (refreshes match by name)."""
     monkeypatch.delenv("SOLRL_BACKEND", raising=False)
     if sm:
         monkeypatch.setenv("SOLRL_SIMULATE_SM", sm)

@@ -639,3 +639,17 @@ def build_flux2(path: str | Path, seed: int = 0) -> Path:
     scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True)
     pipe = Flux2KleinPipeline(scheduler=scheduler, vae=vae, text_encoder=te, tokenizer=tok, transformer=transformer)
     return _save(pipe, path)
+
+
+class LazyPipes(dict):
+    """Tiny pipelines by family name, each built under `root` on first use by `builders[name]` (a test module's
+    fixture: a test that takes a few families builds those only)."""
+
+    def __init__(self, root: Path, builders: dict) -> None:
+        super().__init__()
+        self.root, self.builders = root, builders
+
+    def __missing__(self, name: str) -> Path:
+        self[name] = self.builders[name](self.root / name)
+        return self[name]
+

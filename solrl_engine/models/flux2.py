@@ -32,9 +32,61 @@ from torch import nn
 from solrl_engine.models import ModelSpec
 from solrl_engine.models.base import Conditioning
 from solrl_engine.models.pipeline import JOINT_ATTENTION_LORA_TARGETS, PackedLatentFlowModel
+from solrl_engine.nn.producers import modulate
 
 FLUX2_LORA_TARGETS = (*JOINT_ATTENTION_LORA_TARGETS, "attn.to_qkv_mlp_proj")
 FLUX2_EXPLORE_RULE: dict[str, Any] = {"include": ("transformer_blocks.*", "single_transformer_blocks.*")}
+
+
+def _split(mod: torch.Tensor, sets: int) -> list[tuple[torch.Tensor, ...]]:
+    """diffusers' Flux2Modulation.split: `sets` (shift, scale, gate) triples of [B, 1, dim]."""
+    parts = torch.chunk(mod.unsqueeze(1) if mod.ndim == 2 else mod, 3 * sets, dim=-1)
+    return [parts[3 * i : 3 * i + 3] for i in range(sets)]
+
+
+def fused_block_forward(self: nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                        temb_mod_img: torch.Tensor, temb_mod_txt: torch.Tensor,
+                        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+                        joint_attention_kwargs: dict[str, Any] | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """diffusers' Flux2TransformerBlock.forward for an explore copy whose norms are producers (nn.producers): its
+    four norms, modulated inline, go through `modulate`, so they carry the codes of the joint attention's
+    projections and of each stream's first FFN linear."""
+    (shift_msa, scale_msa, gate_msa), (shift_mlp, scale_mlp, gate_mlp) = _split(temb_mod_img, 2)
+    (c_shift_msa, c_scale_msa, c_gate_msa), (c_shift_mlp, c_scale_mlp, c_gate_mlp) = _split(temb_mod_txt, 2)
+    attn_output, context_attn_output = self.attn(
+        hidden_states=modulate(self.norm1, hidden_states, scale_msa, shift_msa),
+        encoder_hidden_states=modulate(self.norm1_context, encoder_hidden_states, c_scale_msa, c_shift_msa),
+        image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {}))  # fmt: skip
+    hidden_states = hidden_states + gate_msa * attn_output
+    hidden_states = hidden_states + gate_mlp * self.ff(modulate(self.norm2, hidden_states, scale_mlp, shift_mlp))
+    encoder_hidden_states = encoder_hidden_states + c_gate_msa * context_attn_output
+    y = modulate(self.norm2_context, encoder_hidden_states, c_scale_mlp, c_shift_mlp)
+    encoder_hidden_states = encoder_hidden_states + c_gate_mlp * self.ff_context(y)
+    if encoder_hidden_states.dtype == torch.float16:
+        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
+    return encoder_hidden_states, hidden_states
+
+
+def fused_single_block_forward(self: nn.Module, hidden_states: torch.Tensor,
+                               encoder_hidden_states: torch.Tensor | None, temb_mod: torch.Tensor,
+                               image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+                               joint_attention_kwargs: dict[str, Any] | None = None, split_hidden_states: bool = False,
+                               text_seq_len: int | None = None) -> Any:  # fmt: skip
+    """diffusers' Flux2SingleTransformerBlock.forward with its norm and modulation through `modulate`: the codes of
+    the parallel block's fused QKV and MLP-in projection."""
+    if encoder_hidden_states is not None:
+        text_seq_len = encoder_hidden_states.shape[1]
+        hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+    mod_shift, mod_scale, mod_gate = _split(temb_mod, 1)[0]
+    attn_output = self.attn(hidden_states=modulate(self.norm, hidden_states, mod_scale, mod_shift),
+                            image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {}))  # fmt: skip
+    hidden_states = hidden_states + mod_gate * attn_output
+    if hidden_states.dtype == torch.float16:
+        hidden_states = hidden_states.clip(-65504, 65504)
+    if split_hidden_states:
+        return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
+    return hidden_states
 
 
 class Flux2KleinModel(PackedLatentFlowModel):
@@ -132,6 +184,16 @@ SPEC = ModelSpec(
     guidance="cfg",
     guidance_scale=4.0,
     repeated_blocks=("Flux2TransformerBlock", "Flux2SingleTransformerBlock"),
+    # every norm modulates inline: the fused forwards above make them producers in an 8-bit explore copy
+    producers={
+        "transformer_blocks.*.norm1": ("attn.to_q", "attn.to_k", "attn.to_v"),
+        "transformer_blocks.*.norm1_context": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
+        "transformer_blocks.*.norm2": ("ff.linear_in",),
+        "transformer_blocks.*.norm2_context": ("ff_context.linear_in",),
+        "single_transformer_blocks.*.norm": ("attn.to_qkv_mlp_proj",),
+    },
+    producer_blocks={"Flux2TransformerBlock": fused_block_forward,
+                     "Flux2SingleTransformerBlock": fused_single_block_forward},
     text_encoder_params_b={"Qwen3-4B": 4.02},
     vae_params_b=0.084,
 )

@@ -9,12 +9,12 @@ produce for which linears is model knowledge (ModelSpec.producers); how each pro
 
 Two kinds of producer. An adaLN module (diffusers' AdaLayerNormZero, AdaLayerNormZeroSingle, AdaLayerNormContinuous):
 its fused forward is the module's own, with the norm and modulation handed to the op. A plain LayerNorm whose block
-modulates its output inline (SANA's, Wan's, Qwen-Image's blocks write `norm(x) * (1 + scale) + shift` in their
-forward): the block gets its family's fused forward (models/<family>.py, through `modulate`), which hands the norm,
-the modulation and the cast that follows to the op. Either way names and state dicts are unchanged (the class is
-swapped for a subclass), and on the reference backend (a CPU) y and its codes equal the stock expression's and the
-linear's own quantize bit for bit. Both keep the stock path where autograd records or the modulation is not one
-row per sample.
+modulates its output inline (SANA's, Wan's, Qwen-Image's, FLUX.2's blocks and FLUX.1's and SD3.5's FFN norms write
+`norm(x) * (1 + scale) + shift` in their forward): the block gets its family's fused forward (models/<family>.py,
+through `modulate`), which hands the norm, the modulation and the cast that follows to the op. Either way names and
+state dicts are unchanged (the class is swapped for a subclass), and on the reference backend (a CPU) y and its codes
+equal the stock expression's and the linear's own quantize bit for bit. Both keep the stock path where autograd
+records or the modulation is not one row per sample.
 """
 
 from __future__ import annotations
