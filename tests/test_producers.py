@@ -243,3 +243,17 @@ def test_an_inline_producer_needs_its_blocks_fused_forward_and_keeps_the_stock_e
     assert _same(y.codes, numerics("int8").rowwise(y.value).data)
     x.requires_grad_(True)
     assert type(modulate(norm, x, per_sample, per_sample)) is torch.Tensor
+
+
+def test_every_family_running_a_block_class_with_a_fused_forward_declares_its_producers():
+    """A family whose repeated blocks are a class some family fuses (FLUX.1 Kontext runs FLUX.1's blocks, Wan I2V
+    Wan's, the Qwen editors Qwen-Image's) declares the same producers and fused forwards: a family added later
+    cannot silently explore without them."""
+    from solrl_engine.models import MODELS
+
+    specs = [model_spec(n) for n in MODELS]
+    fused = {cls: fwd for s in specs for cls, fwd in s.producer_blocks.items()}
+    for s in specs:
+        for cls in set(s.repeated_blocks) & set(fused):
+            assert s.producer_blocks.get(cls) is fused[cls], (s.name, cls)
+            assert s.producers, s.name

@@ -24,6 +24,7 @@ from solrl_engine.data import probe_prompt, single_images
 from solrl_engine.models import ModelSpec
 from solrl_engine.models.base import Conditioning
 from solrl_engine.models.flux import FLUX_LORA_TARGETS, FluxModel
+from solrl_engine.models.flux import SPEC as FLUX_SPEC
 
 
 class FluxKontextModel(FluxModel):
@@ -93,6 +94,8 @@ SPEC = ModelSpec(
     guidance="embedded",
     guidance_scale=2.5,
     repeated_blocks=("FluxTransformerBlock", "FluxSingleTransformerBlock"),
+    producers=FLUX_SPEC.producers,  # FLUX.1's blocks: the same producers
+    producer_blocks=FLUX_SPEC.producer_blocks,
     conditioned=True,
     text_encoder_params_b={"CLIP-L": 0.123, "T5-XXL encoder": 4.76},
     vae_params_b=0.084,

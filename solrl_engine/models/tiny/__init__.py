@@ -2,6 +2,7 @@
 
 from solrl_engine.models import ModelSpec
 from solrl_engine.models.sd3 import SD3_BLOCKS, SD3_EXPLORE_RULE, SD3_LORA_TARGETS
+from solrl_engine.models.sd3 import SPEC as SD3_SPEC
 from solrl_engine.models.tiny.model import TinyConfig, TinyT2I, load_tiny
 
 # The real SD3 class at a tiny size, so it takes SD3's LoRA targets and SD3's explore rule (the
@@ -17,6 +18,8 @@ SPEC = ModelSpec(
     guidance="cfg",
     guidance_scale=1.0,
     repeated_blocks=SD3_BLOCKS,
+    producers=SD3_SPEC.producers,  # SD3's blocks: the same producers in an 8-bit explore copy
+    producer_blocks=SD3_SPEC.producer_blocks,
 )
 
 __all__ = ["SPEC", "TinyConfig", "TinyT2I", "load_tiny"]
