@@ -133,11 +133,12 @@ def test_choose_and_select_walk_one_order(monkeypatch, sm, want):
     walk SOLRL_BACKEND's request, cuda and triton where the device is GPU-like, then the reference."""
     monkeypatch.setenv("SOLRL_SIMULATE_SM", sm)
     monkeypatch.setenv("SOLRL_BACKEND", want)
-    producer = {"k": 256, "x_dtype": torch.bfloat16, "modulation_dtype": torch.bfloat16, "fp32_norm": False,
-                "fmt": "fp8"}  # fmt: skip
+    producers = {"adaln_quantize": {"k": 256, "x_dtype": torch.bfloat16, "modulation_dtype": torch.bfloat16,
+                                    "fp32_norm": False, "fmt": "fp8"},
+                 "gelu_quantize": {"k": 256, "x_dtype": torch.bfloat16, "fmt": "int8"}}  # fmt: skip
     for op in dispatch.ops():
         shape = ({"k": 256, "n": 64} if op.endswith("_linear") else {"d": 64} if op.endswith("_attention")
-                 else producer if op == "adaln_quantize" else {})  # fmt: skip
+                 else producers.get(op, {}))  # fmt: skip
         assert kernels.choose(op, CPU, **shape)[0] == kernels.select(op, CPU), op
 
 

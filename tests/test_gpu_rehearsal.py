@@ -176,8 +176,9 @@ def check_forwards(call: int, sm: str, rehearse) -> None:  # noqa: ANN001 - the 
                 assert e["fast_path"]["fast"] == e["fast_path"]["layers"] == len(e["quantized_layers"]) > 0
                 assert c["traced"] > 0 and c["opaque"] == 0, c
                 assert e["refresh_ms"] > 0
-                # every family's 8-bit copy has producers (adaLN modules or inline-modulated norms), run by the kernel
-                assert e["producers_ran"] == ["triton: layer norm, modulation and row-wise quantize in one pass"], e
+                # every family's 8-bit copy has producers (adaLN modules, inline-modulated norms, FFN GELUs), each run
+                # by its kernel
+                assert e["producers_ran"] and all(r.startswith("triton") for r in e["producers_ran"]), e
                 assert c["gemms"].get(PRODUCER, 0) > 0, c
         assert s["nft_update"]["ms"] > 0 and s["nft_update"]["checkpointing"] == (model != "sana-1.6b")
         it = s["iteration"][f"eager/{eight[0]}"]

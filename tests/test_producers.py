@@ -80,6 +80,32 @@ def test_the_kernels_codes_are_the_formats_rowwise_codes_of_its_output(shape, fm
             assert (torch.isnan(scale[bad]).all() if fmt == "int8" else (codes[bad].view(torch.uint8) == 0x7F).all())
 
 
+@pytest.mark.usefixtures("triton_backend")
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_gelu_kernels_codes_are_the_formats_rowwise_codes_of_its_output(shape, fmt, dtype, device):
+    """The fused GELU's Triton kernel: its y agrees with PyTorch's tanh GELU (FP32: to a few FP32 roundings, its
+    tanh is computed otherwise; BF16: rounded as PyTorch rounds its FP32 result, a last bit apart rarely; in the
+    negative tail both lose 1 + tanh to cancellation, to 1e-6 absolute) and its
+    codes and scales are the format's row-wise quantize of that y, bit for bit, on every input family (NaN/Inf
+    included: -inf gives NaN, as PyTorch's formula does)."""
+    for kind, x in families(shape, seed=5):
+        x = x.to(dtype)
+        want = torch.nn.functional.gelu(x, approximate="tanh")
+        y, codes, scale = torch.ops.solrl.gelu_quantize(x.to(device), fmt, "gelu kernel test")
+        assert dispatch.runs()["gelu kernel test"].impl.startswith("triton: GELU"), dispatch.runs()["gelu kernel test"]
+        y, codes, scale = y.cpu(), codes.cpu(), scale.cpu()
+        assert y.dtype == dtype and scale.shape == (*shape[:-1], 1)
+        tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 2**-7, "atol": 1e-6}
+        torch.testing.assert_close(y, want, equal_nan=True, **tol, msg=lambda m, kind=kind: f"{kind}: {m}")
+        if dtype == torch.bfloat16:  # below x = -3, 1 + tanh cancels to a few FP32 ulps in both: atol covers it
+            differ = (y.view(torch.int16) != want.view(torch.int16)) & ~torch.isnan(want) & (x.float() >= -3)
+            assert differ.float().mean() < 0.02, kind
+        q = numerics(fmt).rowwise(y)
+        assert _same(codes, q.data) and _same(scale, q.scale), kind
+
+
 def test_the_op_chooses_and_records_where_it_ran(monkeypatch):
     """On a CPU the reference runs; on a (simulated) GPU the Triton kernel for rows that fit, the reference with the
     reason otherwise; the record names it; a format without row-wise codes is refused, naming those with them."""
@@ -197,11 +223,14 @@ def test_what_is_not_fused_is_said_and_keeps_the_stock_path(pipes):
     copy = ExploreCopy(model.transformer, "fp8", changes={"skip_max_dim": 0, "extra_skip": ("*attn.to_*",)})
     got = fuse_producers(copy.transformer, {**spec.producers, "transformer_blocks.*.ff": ("net.2",)})
     assert set(got.fused) == {"single_transformer_blocks.0.norm", "single_transformer_blocks.1.norm",
-                              "transformer_blocks.0.norm1_context", "transformer_blocks.1.norm1_context"}  # fmt: skip
+                              "transformer_blocks.0.norm1_context", "transformer_blocks.1.norm1_context",
+                              *(f"transformer_blocks.{i}.{ff}.net.0" for i in (0, 1) for ff in ("ff", "ff_context"))}
     assert got.fused["single_transformer_blocks.0.norm"] == ["proj_mlp"]
+    assert got.fused["transformer_blocks.0.ff.net.0"] == ["2"]  # an FFN's GELU module: a producer without blocks
     assert "none of the linears it feeds" in got.left["transformer_blocks.0.norm1"]
     assert "FeedForward is not a producer class" in got.left["transformer_blocks.0.ff"]
-    assert "4 producer(s) emit fp8 codes for 8 linear(s)" in got.summary()
+    assert "nor a LayerNorm whose block (FluxTransformerBlock)" in got.left["transformer_blocks.0.norm2"]
+    assert "8 producer(s) emit fp8 codes for 12 linear(s)" in got.summary()
     norm = copy.transformer.get_submodule("single_transformer_blocks.0.norm")
     h = torch.randn(1, 4, norm.norm.normalized_shape[0], requires_grad=True)
     emb = torch.randn(1, norm.linear.in_features)

@@ -1,5 +1,5 @@
-"""The quantize where its input is made: a producer's norm and modulation and the 8-bit row-wise codes of what
-it produces, in one pass over each row (`adaln_quantize`).
+"""The quantize where its input is made: a producer's norm and modulation (`adaln_quantize`), or an FFN's GELU
+(`gelu_quantize`), and the 8-bit row-wise codes of what it produces, in one pass over each row.
 
 An adaLN-Zero producer (diffusers' AdaLayerNormZero, AdaLayerNormZeroSingle) computes
 y = layer_norm(x) * (1 + scale) + shift, and every linear it feeds (to_q, to_k, to_v, proj_mlp) quantizes y per
@@ -63,6 +63,12 @@ def _adaln_quantize_kernel(x_ptr, onep_ptr, shift_ptr, y_ptr, q_ptr, scale_ptr, 
     if Y_KIND == 1:  # a BF16 y (the block casts the FP32 result to its activations' dtype): codes of what it stores
         y = round_bf16(y)
     store_out(y_ptr + offs, y, m, Y_KIND)
+    _store_codes(y, m, rmask, rows, offs, q_ptr, scale_ptr, FMT)
+
+
+@triton.jit
+def _store_codes(y, m, rmask, rows, offs, q_ptr, scale_ptr, FMT: tl.constexpr):
+    """The row-wise FP8 (FMT 0) or INT8 (FMT 1) codes and scales of the rows y [BLOCK_M, BLOCK_K] (masked by m)."""
     fin = is_finite(y)
     amax = tl.max(tl.where(m & fin, tl.abs(y), 0.0), axis=1)
     if FMT == 0:
@@ -73,6 +79,25 @@ def _adaln_quantize_kernel(x_ptr, onep_ptr, shift_ptr, y_ptr, q_ptr, scale_ptr, 
         s = int8_row_scale(amax, tl.max(tl.where(m & ~fin, 1, 0), axis=1) > 0)
         tl.store(scale_ptr + rows, s, mask=rmask)
         tl.store(q_ptr + offs, int8_encode(y, s), mask=m)
+
+
+@triton.jit
+def _gelu_quantize_kernel(x_ptr, y_ptr, q_ptr, scale_ptr, M, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                          IN_BF16: tl.constexpr, Y_KIND: tl.constexpr, FMT: tl.constexpr):  # fmt: skip
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_K)
+    rmask, cmask = rows < M, cols < K
+    m = rmask[:, None] & cmask[None, :]
+    offs = rows[:, None] * K + cols[None, :]
+    x = load_f32(x_ptr + offs, m, IN_BF16)
+    # PyTorch's tanh GELU in its order: 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x^3))), in FP32
+    inner = 0.7978845608028654 * (x + 0.044715 * (x * x * x))
+    t = 1.0 - tl.div_rn(tl.full(x.shape, 2.0, tl.float32), tl.exp(2.0 * inner) + 1.0)
+    y = 0.5 * x * (1.0 + t)
+    if Y_KIND == 1:  # a BF16 activation: the codes of what it stores
+        y = round_bf16(y)
+    store_out(y_ptr + offs, y, m, Y_KIND)
+    _store_codes(y, m, rmask, rows, offs, q_ptr, scale_ptr, FMT)
 
 
 def adaln_quantize(
@@ -94,15 +119,44 @@ def adaln_quantize(
     scale = torch.empty((b, t, 1), dtype=torch.float32, device=x.device)
     rows = b * t
     if rows:
-        block_k = triton.next_power_of_2(k)
-        interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
-        block_m = max(1, min(64, 8192 // block_k)) if interp else 1
-        warps = {} if interp else {"num_warps": max(1, min(16, block_k // 256))}
+        block_m, block_k, warps = _tiles(k)
         src = x.view(torch.int16) if x.dtype == torch.bfloat16 else x
         dst = y.view(torch.int16) if y_dtype == torch.bfloat16 else y
         _adaln_quantize_kernel[(triton.cdiv(rows, block_m),)](
             src, onep, shift, dst, q, scale, rows, k, t, eps, BLOCK_M=block_m, BLOCK_K=block_k,
             IN_BF16=x.dtype == torch.bfloat16, STAGE_BF16=stage_bf16, Y_KIND=_Y_KIND[y_dtype], FMT=FORMATS[fmt],
+            **warps, **EXACT,
+        )
+    return y, (q.view(torch.float8_e4m3fn) if fmt == "fp8" else q), scale
+
+
+def _tiles(k: int) -> tuple[int, int, dict[str, int]]:
+    """(rows per program, the row's power-of-two width, launch options): whole rows, one per program on a GPU."""
+    block_k = triton.next_power_of_2(k)
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return max(1, min(64, 8192 // block_k)), block_k, {}
+    return 1, block_k, {"num_warps": max(1, min(16, block_k // 256))}
+
+
+def gelu_quantize(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [..., K] (FP32 or BF16) -> (y = gelu(x, approximate="tanh") in x's dtype, y's row-wise `fmt` codes [..., K],
+    FP32 decode scales [..., 1]): an FFN's activation and the codes of the linear it feeds, in one pass."""
+    if fmt not in FORMATS:
+        raise ValueError(f"gelu_quantize emits {tuple(FORMATS)} codes; got {fmt!r}")
+    k = x.shape[-1]
+    if k > MAX_K or x.dtype not in _Y_KIND:
+        raise ValueError(f"gelu_quantize takes rows of at most {MAX_K} FP32/BF16 values; got {k} of {x.dtype}")
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    q = torch.empty(x.shape, dtype=torch.uint8 if fmt == "fp8" else torch.int8, device=x.device)
+    scale = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
+    rows = x.numel() // k if k else 0
+    if rows:
+        block_m, block_k, warps = _tiles(k)
+        bf16 = x.dtype == torch.bfloat16
+        _gelu_quantize_kernel[(triton.cdiv(rows, block_m),)](
+            x.view(torch.int16) if bf16 else x, y.view(torch.int16) if bf16 else y, q, scale, rows, k,
+            BLOCK_M=block_m, BLOCK_K=block_k, IN_BF16=bf16, Y_KIND=_Y_KIND[x.dtype], FMT=FORMATS[fmt],
             **warps, **EXACT,
         )
     return y, (q.view(torch.float8_e4m3fn) if fmt == "fp8" else q), scale

@@ -1,5 +1,6 @@
 """The quantize where its input is made, behind the dispatch seam: `adaln_quantize` (an adaLN-Zero producer's
-output and its 8-bit row-wise codes in one pass; quant.producers is the reference) and its custom op.
+output and its 8-bit row-wise codes in one pass; quant.producers is the reference), `gelu_quantize` (an FFN's GELU
+and the codes of the linear it feeds) and their custom ops.
 
 Implementations: reference (the stock module's torch ops, then the format's row-wise quantize); triton (one pass
 over each row: solrl_triton.producers), on a GPU (or a simulated one under TRITON_INTERPRET=1) for rows of at
@@ -18,6 +19,7 @@ from solrl_engine.quant.formats import rowwise_formats
 
 MAX_K = 16384  # solrl_triton.producers.MAX_K: whole rows in one program (not imported: Triton is optional)
 HINT = "the fused producer's Triton kernel runs on a GPU for FP8/INT8 rows of at most 16384 FP32/BF16 values"
+GELU_HINT = "the fused GELU's Triton kernel runs on a GPU for FP8/INT8 rows of at most 16384 FP32/BF16 values"
 
 
 def _ref(x: torch.Tensor, onep: torch.Tensor, shift: torch.Tensor, eps: float, fmt: str, fp32_norm: bool,
@@ -86,3 +88,55 @@ def _(x, one_plus_scale, shift, eps, fmt, fp32_norm, tag="", out_dtype=None):  #
     y = x.new_empty(x.shape, dtype=out_dtype or producers.adaln_dtype(x.dtype, one_plus_scale.dtype, fp32_norm))
     codes = x.new_empty(x.shape, dtype=torch.float8_e4m3fn if fmt == "fp8" else torch.int8)
     return y, codes, x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)
+
+
+def _gelu_ref(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ran("reference")
+    return producers.gelu_quantize(x, fmt)
+
+
+def _gelu_tr(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    out = triton_module("producers").gelu_quantize(x, fmt)
+    ran("triton: GELU and row-wise quantize in one pass")
+    return out
+
+
+def _gelu_fits(device: torch.device, k: int, x_dtype: torch.dtype, fmt: str, **_: object) -> str | None:
+    if fmt not in ("fp8", "int8"):
+        return f"the fused GELU kernel emits FP8 or INT8 codes, not {fmt}"
+    if k > MAX_K:
+        return f"the fused GELU kernel holds rows of at most {MAX_K} values; got {k}"
+    if x_dtype not in (torch.float32, torch.bfloat16):
+        return f"the fused GELU kernel reads and writes FP32 or BF16; got {x_dtype}"
+    return None
+
+
+register("gelu_quantize", {"reference": _gelu_ref, "triton": _gelu_tr}, fits={"triton": _gelu_fits})
+
+
+@torch.library.custom_op("solrl::gelu_quantize", mutates_args=())
+def gelu_quantize(x: torch.Tensor, fmt: str, tag: str = "") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, codes, scales) for an FFN's pre-activation x [..., K]: y = gelu(x, approximate="tanh") in x's dtype and
+    `fmt`'s row-wise codes and [..., 1] FP32 scales of y, for the linear y feeds. Through dispatch's choice; `tag`
+    records what ran. A custom op, like adaln_quantize: the fusion never depends on inductor."""
+    if fmt not in rowwise_formats():
+        raise ValueError(f"gelu_quantize emits row-wise codes of {rowwise_formats()}; got {fmt!r}")
+    backend = choose("gelu_quantize", x.device, k=x.shape[-1], x_dtype=x.dtype, fmt=fmt)[0]
+    got: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def produce() -> torch.Tensor:
+        got.append(run("gelu_quantize", backend, x, fmt))
+        return got[0][0]
+
+    with no_autocast(x):
+        if tag:
+            record_run(tag, produce, x, GELU_HINT)
+        else:
+            produce()
+    return got[0]
+
+
+@gelu_quantize.register_fake
+def _(x, fmt, tag=""):  # noqa: ANN001, ANN202
+    codes = x.new_empty(x.shape, dtype=torch.float8_e4m3fn if fmt == "fp8" else torch.int8)
+    return x.new_empty(x.shape), codes, x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)

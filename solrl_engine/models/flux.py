@@ -147,6 +147,9 @@ SPEC = ModelSpec(
         # modulated inline: fused_block_forward
         "transformer_blocks.*.norm2": ("ff.net.0.proj",),
         "transformer_blocks.*.norm2_context": ("ff_context.net.0.proj",),
+        # each FFN's GELU module (its first linear and the activation) feeds its second linear (net.2)
+        "transformer_blocks.*.ff.net.0": ("2",),
+        "transformer_blocks.*.ff_context.net.0": ("2",),
     },
     producer_blocks={"FluxTransformerBlock": fused_block_forward},
     text_encoder_params_b={"CLIP-L": 0.123, "T5-XXL encoder": 4.76},  # published

@@ -101,6 +101,9 @@ QWEN_PRODUCERS = {
     "transformer_blocks.*.txt_norm1": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
     "transformer_blocks.*.img_norm2": ("img_mlp.net.0.proj",),
     "transformer_blocks.*.txt_norm2": ("txt_mlp.net.0.proj",),
+    # each MLP's GELU module (its first linear and the activation) feeds its second linear (net.2)
+    "transformer_blocks.*.img_mlp.net.0": ("2",),
+    "transformer_blocks.*.txt_mlp.net.0": ("2",),
 }
 
 

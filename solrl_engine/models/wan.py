@@ -57,10 +57,11 @@ def fused_block_forward(self: nn.Module, hidden_states: torch.Tensor, encoder_hi
     return (hidden_states.float() + ff_output.float() * c_gate_msa).type_as(hidden_states)
 
 
-# each block's norm1 and norm3 (modulated inline: fused_block_forward) feed these linears; both experts' blocks
-WAN_PRODUCERS = {f"{root}blocks.*.{norm}": takers for root in ("", "transformer.", "transformer_2.")
-                 for norm, takers in (("norm1", ("attn1.to_q", "attn1.to_k", "attn1.to_v")),
-                                      ("norm3", ("ffn.net.0.proj",)))}  # fmt: skip
+# each block's norm1 and norm3 (modulated inline: fused_block_forward) and its FFN's GELU module (the first linear
+# and the activation) feed these linears (named from the producer's parent); both experts' blocks
+WAN_PRODUCERS = {f"{root}blocks.*.{name}": takers for root in ("", "transformer.", "transformer_2.")
+                 for name, takers in (("norm1", ("attn1.to_q", "attn1.to_k", "attn1.to_v")),
+                                      ("norm3", ("ffn.net.0.proj",)), ("ffn.net.0", ("2",)))}  # fmt: skip
 TEMPORAL_FACTOR = 4  # frames per latent frame after the first (the Wan VAE's, fixed in its code)
 
 # published transformer configs (diffusers' conversion of the official Wan configs); all patch (1, 2, 2), heads of

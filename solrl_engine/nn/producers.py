@@ -117,13 +117,25 @@ def _ada_continuous_forward(self: nn.Module, x: torch.Tensor, conditioning_embed
     return produce(self, x, scale, shift)
 
 
+def _gelu_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """diffusers' GELU.forward (an FFN's first linear and its activation) with the tanh GELU and the row-wise codes of
+    its output in one op, for the FFN's second linear (nn.Dropout in eval passes the codes on); the stock path where
+    autograd records."""
+    h = self.proj(hidden_states)
+    fmt = self.__dict__.get("_solrl_fmt")
+    if fmt is None or (torch.is_grad_enabled() and h.requires_grad) or h.dim() < 2:
+        return self.gelu(h)
+    return Prequantized(*torch.ops.solrl.gelu_quantize(h, fmt, self.__dict__["_solrl_tag"]), fmt)
+
+
 @functools.cache
 def _fusable() -> dict[type, type]:
     """Producer class -> its fused subclass (diffusers is imported on first use: nn/ itself does not need it)."""
+    from diffusers.models.activations import GELU
     from diffusers.models.normalization import AdaLayerNormContinuous, AdaLayerNormZero, AdaLayerNormZeroSingle
 
     forwards = {AdaLayerNormZero: _ada_zero_forward, AdaLayerNormZeroSingle: _ada_zero_single_forward,
-                AdaLayerNormContinuous: _ada_continuous_forward}  # fmt: skip
+                AdaLayerNormContinuous: _ada_continuous_forward, GELU: _gelu_forward}  # fmt: skip
     return {cls: type(f"Fused{cls.__name__}", (cls,), {"forward": fwd, "__module__": __name__})
             for cls, fwd in forwards.items()}  # fmt: skip
 
@@ -131,21 +143,20 @@ def _fusable() -> dict[type, type]:
 def _why_not(module: nn.Module, block: nn.Module | None, blocks: Mapping[str, Callable]) -> str | None:
     """None when `module` can be fused (an adaLN module this file fuses, or a plain LayerNorm that its block,
     `block`, modulates inline through a fused forward of `blocks`), else why not."""
+    from diffusers.models.activations import GELU
+
+    if type(module) is GELU:  # an FFN's first linear and activation
+        return None if module.approximate == "tanh" else "an exact (erf) GELU: the fused kernel computes the tanh form"
     if type(module) in _fusable():
         norm = getattr(module, "norm", None)
         if type(norm) is not nn.LayerNorm or norm.elementwise_affine:
             return f"its norm is {type(norm).__name__} (an affine one, or another class), not a plain LayerNorm"
         return None
-    if isinstance(module, nn.LayerNorm) and block is not None and _block_name(block) in blocks:
+    if isinstance(module, nn.LayerNorm) and block is not None and type(block).__name__ in blocks:
         return "an affine LayerNorm: the fused kernel applies no weight" if module.elementwise_affine else None
     names = ", ".join(c.__name__ for c in _fusable())
     return (f"{type(module).__name__} is not a producer class this engine fuses ({names}), nor a LayerNorm whose "
-            f"block ({_block_name(block) if block is not None else 'none'}) the family's fused forwards modulate")
-
-
-def _block_name(block: nn.Module) -> str:
-    """The stock class name of a block (its fused subclass keeps it: repeated-block lookups match by name)."""
-    return type(block).__name__
+            f"block ({type(block).__name__ if block is not None else 'none'}) the family's fused forwards modulate")
 
 
 @functools.cache
@@ -167,8 +178,8 @@ class FusedProducers:
         if not self.fused and not self.left:
             return ""
         consumers = sum(len(v) for v in self.fused.values())
-        line = (f"{len(self.fused)} producer(s) emit {self.fmt} codes for {consumers} linear(s) (the norm, modulation "
-                f"and quantize in one pass)")  # fmt: skip
+        line = (f"{len(self.fused)} producer(s) emit {self.fmt} codes for {consumers} linear(s) (a norm and its "
+                f"modulation, or an FFN's GELU, and the quantize in one pass)")  # fmt: skip
         reasons: dict[str, int] = {}
         for why in self.left.values():
             reasons[why] = reasons.get(why, 0) + 1
@@ -206,7 +217,7 @@ def fuse_producers(model: nn.Module, producers: Mapping[str, tuple[str, ...]],
         if type(module) in _fusable():
             module.__class__ = _fusable()[type(module)]
         elif not getattr(type(block), "_solrl_fused", False):
-            block.__class__ = _fused_block(type(block), blocks[_block_name(block)])
+            block.__class__ = _fused_block(type(block), blocks[type(block).__name__])
         module.__dict__["_solrl_fmt"] = out.fmt
         module.__dict__["_solrl_tag"] = f"{name} (producer)"
         out.fused[name] = takers

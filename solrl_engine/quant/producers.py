@@ -1,4 +1,5 @@
-"""The quantize where its input is made, reference numerics: an adaLN-Zero producer's output and its row-wise codes.
+"""The quantize where its input is made, reference numerics: a producer's output (an adaLN-Zero norm's, an FFN's
+GELU) and its row-wise codes.
 
 diffusers' AdaLayerNormZero and AdaLayerNormZeroSingle compute y = layer_norm(x) * (1 + scale) + shift, and the
 linears they feed each quantize y per row. A producer that emits the codes with y saves those passes (the Triton
@@ -35,11 +36,20 @@ def adaln_quantize(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, codes, scales): `adaln`'s y (cast to `out_dtype` where given, as a block that casts its modulated norm to
     its activations' dtype) and `fmt`'s row-wise quantize of that y (quant/<fmt>.py's Numerics.rowwise)."""
+    y = adaln(x, one_plus_scale, shift, eps, fp32_norm)
+    return _codes(y if out_dtype is None else y.to(out_dtype), fmt)
+
+
+def gelu_quantize(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, codes, scales): an FFN's activation y = gelu(x, approximate="tanh") (diffusers' GELU module's op, in x's
+    dtype) and `fmt`'s row-wise quantize of it: the codes of the linear it feeds."""
+    return _codes(F.gelu(x, approximate="tanh"), fmt)
+
+
+def _codes(y: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, `fmt`'s row-wise codes of y, their scales) (quant/<fmt>.py's Numerics.rowwise)."""
     quantize = numerics(fmt).rowwise
     if quantize is None:
         raise ValueError(f"format {fmt!r} has no row-wise activation quantize for a producer to emit")
-    y = adaln(x, one_plus_scale, shift, eps, fp32_norm)
-    if out_dtype is not None:
-        y = y.to(out_dtype)
     q = quantize(y)
     return y, q.data, q.scale
