@@ -16,7 +16,7 @@ VENV=${VENV:-/tmp/venv-floors}
 TORCH=${TORCH:-torch==2.13.0}
 TESTS=(tests/test_real_models.py tests/test_rewards_real.py tests/test_explorer.py tests/test_tiny_pipelines.py
        tests/test_z_image.py tests/test_flux2.py tests/test_sana_video.py tests/test_flux_kontext.py tests/test_qwenimage_edit.py
-       tests/test_wan_experts.py tests/test_context_parallel.py)
+       tests/test_wan_experts.py tests/test_context_parallel.py tests/test_producers.py)
 
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 # shellcheck disable=SC1091
