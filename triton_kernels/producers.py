@@ -37,14 +37,20 @@ _Y_KIND = {torch.float32: 0, torch.bfloat16: 1}
 
 
 @triton.jit
+def _row_tile(M, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """This program's rows (whole rows of K values): (row ids, column ids, row mask, element mask, offsets)."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_K)
+    rmask = rows < M
+    m = rmask[:, None] & (cols < K)[None, :]
+    return rows, cols, rmask, m, rows[:, None] * K + cols[None, :]
+
+
+@triton.jit
 def _adaln_quantize_kernel(x_ptr, onep_ptr, shift_ptr, y_ptr, q_ptr, scale_ptr, M, K, T, eps,
                            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, IN_BF16: tl.constexpr,
                            STAGE_BF16: tl.constexpr, Y_KIND: tl.constexpr, FMT: tl.constexpr):  # fmt: skip
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_K)
-    rmask, cmask = rows < M, cols < K
-    m = rmask[:, None] & cmask[None, :]
-    offs = rows[:, None] * K + cols[None, :]
+    rows, cols, rmask, m, offs = _row_tile(M, K, BLOCK_M, BLOCK_K)
     x = load_f32(x_ptr + offs, m, IN_BF16)
     kf = tl.full([BLOCK_M], K, tl.float32)
     mean = tl.div_rn(tl.sum(x, axis=1), kf)
@@ -84,11 +90,7 @@ def _store_codes(y, m, rmask, rows, offs, q_ptr, scale_ptr, FMT: tl.constexpr):
 @triton.jit
 def _gelu_quantize_kernel(x_ptr, y_ptr, q_ptr, scale_ptr, M, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                           IN_BF16: tl.constexpr, Y_KIND: tl.constexpr, FMT: tl.constexpr):  # fmt: skip
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_K)
-    rmask, cmask = rows < M, cols < K
-    m = rmask[:, None] & cmask[None, :]
-    offs = rows[:, None] * K + cols[None, :]
+    rows, cols, rmask, m, offs = _row_tile(M, K, BLOCK_M, BLOCK_K)
     x = load_f32(x_ptr + offs, m, IN_BF16)
     # PyTorch's tanh GELU in its order: 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x^3))), in FP32
     inner = 0.7978845608028654 * (x + 0.044715 * (x * x * x))

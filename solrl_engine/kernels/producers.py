@@ -69,15 +69,20 @@ def adaln_quantize(
         raise ValueError(f"adaln_quantize emits row-wise codes of {rowwise_formats()}; got {fmt!r}")
     backend = choose("adaln_quantize", x.device, k=x.shape[-1], x_dtype=x.dtype, modulation_dtype=one_plus_scale.dtype,
                      fp32_norm=fp32_norm, fmt=fmt, out_dtype=out_dtype)[0]  # fmt: skip
-    got: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    return _recorded("adaln_quantize", backend, (x, one_plus_scale, shift, eps, fmt, fp32_norm, out_dtype), tag, HINT)
+
+
+def _recorded(op: str, backend: str, args: tuple, tag: str, hint: str) -> tuple[torch.Tensor, ...]:
+    """`op` run through `backend` outside autocast, its run recorded under `tag` (dispatch.runs) where one is given."""
+    got: list[tuple[torch.Tensor, ...]] = []
 
     def produce() -> torch.Tensor:
-        got.append(run("adaln_quantize", backend, x, one_plus_scale, shift, eps, fmt, fp32_norm, out_dtype))
+        got.append(run(op, backend, *args))
         return got[0][0]
 
-    with no_autocast(x):
+    with no_autocast(args[0]):
         if tag:
-            record_run(tag, produce, x, HINT)
+            record_run(tag, produce, args[0], hint)
         else:
             produce()
     return got[0]
@@ -122,18 +127,7 @@ def gelu_quantize(x: torch.Tensor, fmt: str, tag: str = "") -> tuple[torch.Tenso
     if fmt not in rowwise_formats():
         raise ValueError(f"gelu_quantize emits row-wise codes of {rowwise_formats()}; got {fmt!r}")
     backend = choose("gelu_quantize", x.device, k=x.shape[-1], x_dtype=x.dtype, fmt=fmt)[0]
-    got: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-
-    def produce() -> torch.Tensor:
-        got.append(run("gelu_quantize", backend, x, fmt))
-        return got[0][0]
-
-    with no_autocast(x):
-        if tag:
-            record_run(tag, produce, x, GELU_HINT)
-        else:
-            produce()
-    return got[0]
+    return _recorded("gelu_quantize", backend, (x, fmt), tag, GELU_HINT)
 
 
 @gelu_quantize.register_fake
