@@ -40,8 +40,10 @@ from solrl_engine.models import ARCH_ALIASES, model_spec
 from solrl_engine.models.base import Conditioning
 from solrl_engine.nn import plan_quantization
 from solrl_engine.nn.flops import group_name
+from solrl_engine.nn.producers import plan_producers
 from solrl_engine.nn.quantize import is_conv1x1
 from solrl_engine.quant import get_recipe
+from solrl_engine.quant.formats import rowwise_formats
 
 RESULTS = Path(__file__).resolve().parent / "results"
 KERNELS_JSON = RESULTS / "2026-11-24-NVIDIA_H100_80GB_HBM3-kernels.json"
@@ -287,6 +289,17 @@ def explore_layers(model: Any, alias: str, precision: str) -> set[str]:
     return set(plan_quantization(model.transformer, recipe).quantized)
 
 
+def producer_fed(model: Any, alias: str, precision: str, quantized: set[str]) -> dict[str, str]:
+    """The quantized linears whose input codes a fused producer makes in the trainer's explore copy (its norm and
+    modulation, or its FFN's GELU: nn.producers), each with its producer: consumer name -> producer name. Empty for
+    a format without row-wise codes (NVFP4)."""
+    spec = model_spec(ARCH_ALIASES.get(alias, alias))
+    fmt = get_recipe(precision).format
+    plan = plan_producers(model.transformer, spec.producers, fmt if fmt in rowwise_formats() else "",
+                          quantized.__contains__, spec.producer_blocks)  # fmt: skip
+    return {f"{p.rpartition('.')[0]}.{c}": p for p, takers in plan.fused.items() for c in takers}
+
+
 # --- devices and the roofline ---------------------------------------------------------------------
 
 
@@ -357,13 +370,18 @@ def roofline(flops: float, nbytes: float, rate: float, bandwidth: float) -> floa
 
 
 def group_times(ops: list[OpCost], dev: Device, precision: str, quantized: set[str], fused: bool = False,
-                attention: str = "bf16") -> dict[str, dict[str, float]]:  # fmt: skip
+                attention: str = "bf16", produced: dict[str, str] | None = None) -> dict[str, dict[str, float]]:
     """Seconds per (group, kind) of one forward with `quantized` linears in `precision` ("bf16": none),
     and the activation-quantize passes those linears add. fused=True is the compiled ideal: every
     elementwise op and every activation quantize fused into the kernel next to it (costing nothing),
     a lower bound that eager and real compiled runs sit above. `attention` "fp8": the explore-only option
-    of FP8 attention (q, k, v in FP8 at the FP8 rate, the output in BF16), priced, not built."""
+    of FP8 attention (q, k, v in FP8 at the FP8 rate, the output in BF16), priced, not built. `produced`
+    (`producer_fed`): linears whose input codes their producer writes, once per producer (the codes' bytes), in
+    place of each linear's own quantize pass (the producer's other work stays priced as the elementwise ops it was;
+    fusing those passes into one is not credited)."""
     out: dict[str, dict[str, float]] = {}
+    produced = produced or {}
+    seen: set[str] = set()
     bf16 = dev.rates["bf16"]
     for c in ops:
         if fused and c.kind == "elementwise":
@@ -390,16 +408,24 @@ def group_times(ops: list[OpCost], dev: Device, precision: str, quantized: set[s
                                       "flops": c.flops, "bytes": nbytes}  # fmt: skip
         if fused:
             continue
-        qbytes = c.in_elems * (2 + w)  # read the BF16 activation, write it quantized
         qbw = dev.bandwidth * dev.quantize_efficiency[precision]
-        out[f"{c.group} [quantize {precision}]"] = {"s": qbytes / qbw, "flops": 0.0, "bytes": qbytes}
+        fed = [n for n in c.layers if n in produced]
+        per_layer = c.in_elems / len(c.layers)
+        qbytes = (len(c.layers) - len(fed)) * per_layer * (2 + w)  # read the BF16 activation, write it quantized
+        if qbytes:
+            out[f"{c.group} [quantize {precision}]"] = {"s": qbytes / qbw, "flops": 0.0, "bytes": qbytes}
+        new = {produced[n] for n in fed} - seen  # a producer writes its codes once, for all the linears it feeds
+        seen |= new
+        if new:
+            cbytes = len(new) * per_layer * w
+            out[f"{c.group} [producer codes {precision}]"] = {"s": cbytes / qbw, "flops": 0.0, "bytes": cbytes}
     return out
 
 
 def forward_seconds(ops: list[OpCost], dev: Device, precision: str, quantized: set[str], fused: bool = False,
-                    attention: str = "bf16") -> float:  # fmt: skip
+                    attention: str = "bf16", produced: dict[str, str] | None = None) -> float:  # fmt: skip
     """One forward: the sum over its groups of each group's roofline time (no overlap between kernels)."""
-    return sum(v["s"] for v in group_times(ops, dev, precision, quantized, fused, attention).values())
+    return sum(v["s"] for v in group_times(ops, dev, precision, quantized, fused, attention, produced).values())
 
 
 # the GPU-to-GPU bandwidth one rank's all-to-all moves its bytes at, per direction (ASSUMED: NVLink's published
@@ -531,16 +557,18 @@ def predict(families: list[str], devices: list[Device], batches: dict[str, int],
         for dev in devices:
             prec = dev.explore_precision
             quantized = explore_layers(model, fam, prec)
+            produced = producer_fed(model, fam, prec, quantized)
             qflops = sum(c.flops for c in ops if c.kind == "linear" and c.layers & quantized)
             refresh = refresh_seconds(model.transformer, dev, prec, quantized)
             entry: dict[str, Any] = {
                 "measured_rates": dev.measured, "explore_precision": prec, "quantized_layers": len(quantized),
                 "quantized_share_of_linear_flops": qflops / lin if lin else 0.0, "refresh_s": refresh,
+                "producer_fed_layers": len(produced), "producers": len(set(produced.values())),
             }  # fmt: skip
             for mode in ("eager", "fused"):
                 fused = mode == "fused"
                 times_bf16 = group_times(ops, dev, "bf16", set(), fused)
-                times_q = group_times(ops, dev, prec, quantized, fused)
+                times_q = group_times(ops, dev, prec, quantized, fused, produced=produced)
                 t_bf16 = sum(v["s"] for v in times_bf16.values())
                 t_q = sum(v["s"] for v in times_q.values())
                 t_train = forward_seconds(profiles[tb], dev, "bf16", set(), fused)
@@ -561,7 +589,7 @@ def predict(families: list[str], devices: list[Device], batches: dict[str, int],
                                                        "train": context_parallel(profiles[tb], dev, "bf16", set(), cp,
                                                                                  fused)}  # fmt: skip
                 if "fp8" in dev.rates:  # the option of FP8 attention in the explore forward only (priced, not built)
-                    t_qa = forward_seconds(ops, dev, prec, quantized, fused, attention="fp8")
+                    t_qa = forward_seconds(ops, dev, prec, quantized, fused, attention="fp8", produced=produced)
                     ita = iteration_seconds(t_bf16, t_qa, t_train, refresh, batch=b, train_batch=tb, **loop)
                     entry[mode]["attention_fp8_explore"] = {
                         "forward_ms": t_qa * 1e3, "forward_speedup": t_bf16 / t_qa,

@@ -83,6 +83,42 @@ def test_quantized_gemms_are_priced_at_the_low_precision_rate(predict):
         q_fast["blocks.*.ff [linear] fp8"]["s"])  # fmt: skip
 
 
+def test_a_producer_writes_its_codes_once_in_place_of_its_linears_quantize_passes(predict):
+    """Eager explore with the trainer's fused producers: a linear fed by one has no quantize pass of its own, and
+    its producer writes one byte per element once for all the linears it feeds (q, k, v: one write, not three
+    passes that read BF16 and write codes); a linear with no producer keeps its pass."""
+    rows, k = 64, 128
+    elems = dict(in_elems=2 * rows * k, weight_elems=2 * k * k, out_elems=2 * rows * k)  # two blocks' layers
+    qkv = [predict.OpCost(f"blocks.*.attn.to_{n}", "linear", flops=1.0, bytes=1.0, **elems,
+                          layers={f"blocks.{b}.attn.to_{n}" for b in (0, 1)}) for n in "qkv"]  # fmt: skip
+    out = predict.OpCost("blocks.*.attn.to_out", "linear", flops=1.0, bytes=1.0, **elems,
+                         layers={"blocks.0.attn.to_out", "blocks.1.attn.to_out"})  # fmt: skip
+    layers = {n for c in [*qkv, out] for n in c.layers}
+    produced = {f"blocks.{b}.attn.to_{n}": f"blocks.{b}.norm1" for b in (0, 1) for n in "qkv"}
+    dev = _device(predict, 4e12)
+    plain = predict.group_times([*qkv, out], dev, "fp8", layers)
+    fused = predict.group_times([*qkv, out], dev, "fp8", layers, produced=produced)
+    assert {k for k in plain if "quantize" in k} == {f"{c.group} [quantize fp8]" for c in [*qkv, out]}
+    assert {k for k in fused if "quantize" in k or "producer" in k} == {"blocks.*.attn.to_out [quantize fp8]",
+                                                                         "blocks.*.attn.to_q [producer codes fp8]"}
+    assert fused["blocks.*.attn.to_q [producer codes fp8]"]["bytes"] == 2 * rows * k  # two norms, one byte each
+    saved = sum(v["s"] for v in plain.values()) - sum(v["s"] for v in fused.values())
+    assert saved == pytest.approx((3 * 2 * rows * k * 3 - 2 * rows * k) / 0.5e12)
+
+
+def test_the_meta_models_producers_are_the_trainers(predict):
+    """producer_fed plans on the meta model what the explore copy fuses: FLUX.1's FP8 copy feeds its attention
+    projections and FFN linears from producers; NVFP4 has no row-wise codes."""
+    meta = predict.build_meta_model("flux", TINY["flux"], RES["flux"])
+    q = predict.explore_layers(meta, "flux", "fp8")
+    fed = predict.producer_fed(meta, "flux", "fp8", q)
+    assert fed and set(fed) <= q
+    assert {"transformer_blocks.0.attn.to_q", "transformer_blocks.0.ff.net.2",
+            "single_transformer_blocks.0.proj_mlp"} <= set(fed)  # fmt: skip
+    assert fed["transformer_blocks.0.ff.net.2"] == "transformer_blocks.0.ff.net.0"
+    assert predict.producer_fed(meta, "flux", "nvfp4", predict.explore_layers(meta, "flux", "nvfp4")) == {}
+
+
 @pytest.mark.parametrize("t_explore,faster", [(0.25, True), (1.0, True), (3.0, False)])
 def test_sol_rl_ratios_follow_the_explore_forward(predict, t_explore, faster):
     """Sol-RL's rollout beats naive_scaling when its previews are cheap enough; at equal forward

@@ -186,39 +186,53 @@ class FusedProducers:
         return "\n".join([line, *(f"  {n} producer(s) not fused: {why}" for why, n in reasons.items())])
 
 
-def fuse_producers(model: nn.Module, producers: Mapping[str, tuple[str, ...]],
-                   blocks: Mapping[str, Callable] | None = None) -> FusedProducers:  # fmt: skip
-    """Fuse each module whose name matches a pattern of `producers` (fnmatch pattern -> the linears it feeds, named
-    from the producer's parent module) where at least one of those linears is a QuantLinear that quantizes its input
-    in a row-wise format: its output then carries that format's codes. A producer is an adaLN module (its class is
-    swapped for a fused subclass) or a plain LayerNorm that its block modulates inline: `blocks` (ModelSpec.
-    producer_blocks: block class name -> a forward that modulates through `modulate`) gives the block its family's
-    fused forward. In place; module names and state dicts are unchanged. Returns what was fused and what was left,
-    with why."""
-    blocks = blocks or {}
-    quant = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
-    formats = {m.recipe.format for m in quant.values() if m.recipe.quantize_activations} & set(rowwise_formats())
-    out = FusedProducers(next(iter(formats)) if len(formats) == 1 else "")
-    if len(formats) != 1:
-        return out  # no row-wise quantized linear (or a copy mixing formats): nothing takes codes
-    for name, module in list(model.named_modules()):
+def plan_producers(model: nn.Module, producers: Mapping[str, tuple[str, ...]], fmt: str,
+                   takes_codes: Callable[[str], bool], blocks: Mapping[str, Callable] | None = None
+                   ) -> FusedProducers:  # fmt: skip
+    """Which modules of `model` would produce `fmt` codes, without changing it: each module whose name matches a
+    pattern of `producers` (fnmatch pattern -> the linears it feeds, named from the producer's parent module) and
+    that can be fused (`_why_not`), where at least one of its linears `takes_codes` (by full name). `fmt` "" (no
+    row-wise format) plans nothing. The speed model asks this of a meta model; `fuse_producers` applies it."""
+    out = FusedProducers(fmt)
+    if not fmt:
+        return out
+    for name, module in model.named_modules():
         pattern = next((p for p in producers if _matches(name, p)), None)
         if pattern is None:
             continue
         parent = name.rpartition(".")[0]
         block = model.get_submodule(parent) if parent else None
-        takers = [c for c in producers[pattern] if (m := quant.get(f"{parent}.{c}" if parent else c)) is not None
-                  and m.recipe.quantize_activations and m.recipe.format == out.fmt]  # fmt: skip
-        why = _why_not(module, block, blocks) or (None if takers else
-                                                  "none of the linears it feeds is quantized with row-wise codes")
+        takers = [c for c in producers[pattern] if takes_codes(f"{parent}.{c}" if parent else c)]
+        why = _why_not(module, block, blocks or {}) or (None if takers else
+                                                        "none of the linears it feeds is quantized with row-wise codes")
         if why:
             out.left[name] = why
-            continue
+        else:
+            out.fused[name] = takers
+    return out
+
+
+def fuse_producers(model: nn.Module, producers: Mapping[str, tuple[str, ...]],
+                   blocks: Mapping[str, Callable] | None = None) -> FusedProducers:  # fmt: skip
+    """Fuse each module whose name matches a pattern of `producers` (fnmatch pattern -> the linears it feeds, named
+    from the producer's parent module) where at least one of those linears is a QuantLinear that quantizes its input
+    in a row-wise format: its output then carries that format's codes. A producer is an adaLN module or an FFN's
+    GELU (its class is swapped for a fused subclass) or a plain LayerNorm that its block modulates inline: `blocks`
+    (ModelSpec.producer_blocks: block class name -> a forward that modulates through `modulate`) gives the block its
+    family's fused forward. In place; module names and state dicts are unchanged. Returns what was fused and what
+    was left, with why."""
+    quant = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear) and m.recipe.quantize_activations}
+    formats = {m.recipe.format for m in quant.values()} & set(rowwise_formats())
+    fmt = next(iter(formats)) if len(formats) == 1 else ""  # none (or a copy mixing formats): nothing takes codes
+    out = plan_producers(model, producers, fmt, lambda n: n in quant and quant[n].recipe.format == fmt, blocks)
+    for name in out.fused:
+        module = model.get_submodule(name)
         if type(module) in _fusable():
             module.__class__ = _fusable()[type(module)]
-        elif not getattr(type(block), "_solrl_fused", False):
-            block.__class__ = _fused_block(type(block), blocks[type(block).__name__])
-        module.__dict__["_solrl_fmt"] = out.fmt
+        else:  # an inline-modulated norm: its block takes the family's fused forward
+            block = model.get_submodule(name.rpartition(".")[0])
+            if not getattr(type(block), "_solrl_fused", False):
+                block.__class__ = _fused_block(type(block), blocks[type(block).__name__])
+        module.__dict__["_solrl_fmt"] = fmt
         module.__dict__["_solrl_tag"] = f"{name} (producer)"
-        out.fused[name] = takers
     return out
