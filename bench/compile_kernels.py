@@ -173,6 +173,8 @@ def engine_launches() -> list[Launch]:
             for fmt in ("fp8", "int8"):
                 for dt in (torch.bfloat16, torch.float32):
                     producers.gelu_quantize(torch.empty(2, 7, k, dtype=dt), fmt)
+                    if k == 12288:  # FLUX.1's single block: its attention's 3072 values, then the MLP's GELU
+                        producers.gelu_quantize(torch.empty(2, 7, k, dtype=dt), fmt, torch.empty(2, 7, 3072, dtype=dt))
         q = torch.empty(256, 512, dtype=torch.uint8)
         s = torch.empty(256, 64, dtype=torch.uint8)
         g = torch.ones(())

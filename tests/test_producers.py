@@ -106,6 +106,30 @@ def test_the_gelu_kernels_codes_are_the_formats_rowwise_codes_of_its_output(shap
         assert _same(codes, q.data) and _same(scale, q.scale), kind
 
 
+@pytest.mark.usefixtures("triton_backend")
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_gelu_kernel_joins_a_prefix_before_the_activation(fmt, dtype, device):
+    """FLUX.1's single block: y = cat([prefix, gelu(x)]), the codes of the whole row (its amax over both parts): the
+    prefix passes through unchanged, the rest is the GELU of x, and the codes are the format's quantize of y bit for
+    bit, on prefixes and activations of every input family (a row's outlier may sit in either part)."""
+    for (kind, x), (_, p) in zip(families((2, 5, 48), seed=7), families((2, 5, 16), seed=8), strict=True):
+        x, p = x.to(dtype), (p * 3).to(dtype)
+        y, codes, scale = torch.ops.solrl.gelu_quantize(x.to(device), fmt, "gelu cat test", p.to(device))
+        assert dispatch.runs()["gelu cat test"].impl.startswith("triton: GELU")
+        y, codes, scale = y.cpu(), codes.cpu(), scale.cpu()
+        assert y.shape == (2, 5, 64), kind  # the prefix unchanged (a NaN may come back with another payload)
+        torch.testing.assert_close(y[..., :16], p, equal_nan=True, rtol=0, atol=0)
+        want = torch.nn.functional.gelu(x, approximate="tanh")
+        torch.testing.assert_close(y[..., 16:], want, equal_nan=True, rtol=1e-5 if dtype == torch.float32 else 2**-7,
+                                   atol=1e-6)  # fmt: skip
+        q = numerics(fmt).rowwise(y)
+        assert _same(codes, q.data) and _same(scale, q.scale), kind
+    with pytest.raises(ValueError, match="prefix of x's dtype"):
+        dispatch.triton_module("producers").gelu_quantize(torch.randn(1, 2, 8), fmt,
+                                                          torch.randn(1, 2, 8, dtype=torch.bfloat16))  # fmt: skip
+
+
 def test_the_op_chooses_and_records_where_it_ran(monkeypatch):
     """On a CPU the reference runs; on a (simulated) GPU the Triton kernel for rows that fit, the reference with the
     reason otherwise; the record names it; a format without row-wise codes is refused, naming those with them."""
@@ -229,7 +253,7 @@ def test_what_is_not_fused_is_said_and_keeps_the_stock_path(pipes):
     assert got.fused["transformer_blocks.0.ff.net.0"] == ["2"]  # an FFN's GELU module: a producer without blocks
     assert "none of the linears it feeds" in got.left["transformer_blocks.0.norm1"]
     assert "FeedForward is not a producer class" in got.left["transformer_blocks.0.ff"]
-    assert "nor a LayerNorm whose block (FluxTransformerBlock)" in got.left["transformer_blocks.0.norm2"]
+    assert "nor a LayerNorm or GELU whose block (FluxTransformerBlock)" in got.left["transformer_blocks.0.norm2"]
     assert "8 producer(s) emit fp8 codes for 12 linear(s)" in got.summary()
     norm = copy.transformer.get_submodule("single_transformer_blocks.0.norm")
     h = torch.randn(1, 4, norm.norm.normalized_shape[0], requires_grad=True)
@@ -251,7 +275,7 @@ def test_an_inline_producer_needs_its_blocks_fused_forward_and_keeps_the_stock_e
     spec = model_spec("wan")
     copy = ExploreCopy(model.transformer, "int8", changes=spec.explore_rule)
     got = fuse_producers(copy.transformer, {"blocks.*.norm1": ("attn1.to_q",), "blocks.*.norm2": ("attn2.to_q",)})
-    assert not got.fused and "nor a LayerNorm whose block (WanTransformerBlock)" in got.left["blocks.0.norm1"]
+    assert not got.fused and "nor a LayerNorm or GELU whose block (WanTransformerBlock)" in got.left["blocks.0.norm1"]
     got = fuse_producers(copy.transformer, {"blocks.*.norm1": ("attn1.to_q",), "blocks.*.norm2": ("attn2.to_q",)},
                          spec.producer_blocks)  # fmt: skip
     assert set(got.fused) == {"blocks.0.norm1", "blocks.1.norm1"}

@@ -88,14 +88,19 @@ def _store_codes(y, m, rmask, rows, offs, q_ptr, scale_ptr, FMT: tl.constexpr):
 
 
 @triton.jit
-def _gelu_quantize_kernel(x_ptr, y_ptr, q_ptr, scale_ptr, M, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                          IN_BF16: tl.constexpr, Y_KIND: tl.constexpr, FMT: tl.constexpr):  # fmt: skip
+def _gelu_quantize_kernel(x_ptr, p_ptr, y_ptr, q_ptr, scale_ptr, M, K, KP, BLOCK_M: tl.constexpr,
+                          BLOCK_K: tl.constexpr, IN_BF16: tl.constexpr, Y_KIND: tl.constexpr,
+                          FMT: tl.constexpr):  # fmt: skip
+    # a row of y is the prefix's KP values (none where KP is 0) then the GELU of x's K - KP values
     rows, cols, rmask, m, offs = _row_tile(M, K, BLOCK_M, BLOCK_K)
-    x = load_f32(x_ptr + offs, m, IN_BF16)
+    pre = (cols < KP)[None, :]
+    x = load_f32(x_ptr + rows[:, None] * (K - KP) + (cols - KP)[None, :], m & ~pre, IN_BF16)
     # PyTorch's tanh GELU in its order: 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x^3))), in FP32
     inner = 0.7978845608028654 * (x + 0.044715 * (x * x * x))
     t = 1.0 - tl.div_rn(tl.full(x.shape, 2.0, tl.float32), tl.exp(2.0 * inner) + 1.0)
     y = 0.5 * x * (1.0 + t)
+    if KP > 0:
+        y = tl.where(pre, load_f32(p_ptr + rows[:, None] * KP + cols[None, :], m & pre, IN_BF16), y)
     if Y_KIND == 1:  # a BF16 activation: the codes of what it stores
         y = round_bf16(y)
     store_out(y_ptr + offs, y, m, Y_KIND)
@@ -140,25 +145,31 @@ def _tiles(k: int) -> tuple[int, int, dict[str, int]]:
     return 1, block_k, {"num_warps": max(1, min(16, block_k // 256))}
 
 
-def gelu_quantize(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def gelu_quantize(x: torch.Tensor, fmt: str, prefix: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """x [..., K] (FP32 or BF16) -> (y = gelu(x, approximate="tanh") in x's dtype, y's row-wise `fmt` codes [..., K],
-    FP32 decode scales [..., 1]): an FFN's activation and the codes of the linear it feeds, in one pass."""
+    FP32 decode scales [..., 1]): an FFN's activation and the codes of the linear it feeds, in one pass. `prefix`
+    [..., KP] (x's dtype): y = cat([prefix, gelu(x)], -1), the codes of the whole row (FLUX.1's single block, whose
+    output projection reads its attention's output beside its MLP's activation)."""
     if fmt not in FORMATS:
         raise ValueError(f"gelu_quantize emits {tuple(FORMATS)} codes; got {fmt!r}")
-    k = x.shape[-1]
-    if k > MAX_K or x.dtype not in _Y_KIND:
-        raise ValueError(f"gelu_quantize takes rows of at most {MAX_K} FP32/BF16 values; got {k} of {x.dtype}")
+    kp = 0 if prefix is None else prefix.shape[-1]
+    k = x.shape[-1] + kp
+    if k > MAX_K or x.dtype not in _Y_KIND or (prefix is not None and prefix.dtype != x.dtype):
+        raise ValueError(f"gelu_quantize takes rows of at most {MAX_K} FP32/BF16 values (a prefix of x's dtype); got "
+                         f"{k} of {x.dtype}")  # fmt: skip
     x = x.contiguous()
-    y = torch.empty_like(x)
-    q = torch.empty(x.shape, dtype=torch.uint8 if fmt == "fp8" else torch.int8, device=x.device)
+    p = x if prefix is None else prefix.contiguous()
+    y = x.new_empty((*x.shape[:-1], k))
+    q = torch.empty(y.shape, dtype=torch.uint8 if fmt == "fp8" else torch.int8, device=x.device)
     scale = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
-    rows = x.numel() // k if k else 0
+    rows = y.numel() // k if k else 0
     if rows:
         block_m, block_k, warps = _tiles(k)
         bf16 = x.dtype == torch.bfloat16
+        as_bits = (lambda t: t.view(torch.int16)) if bf16 else (lambda t: t)
         _gelu_quantize_kernel[(triton.cdiv(rows, block_m),)](
-            x.view(torch.int16) if bf16 else x, y.view(torch.int16) if bf16 else y, q, scale, rows, k,
-            BLOCK_M=block_m, BLOCK_K=block_k, IN_BF16=bf16, Y_KIND=_Y_KIND[x.dtype], FMT=FORMATS[fmt],
-            **warps, **EXACT,
+            as_bits(x), as_bits(p), as_bits(y), q, scale, rows, k, kp, BLOCK_M=block_m, BLOCK_K=block_k,
+            IN_BF16=bf16, Y_KIND=_Y_KIND[x.dtype], FMT=FORMATS[fmt], **warps, **EXACT,
         )
     return y, (q.view(torch.float8_e4m3fn) if fmt == "fp8" else q), scale

@@ -95,24 +95,29 @@ def _(x, one_plus_scale, shift, eps, fmt, fp32_norm, tag="", out_dtype=None):  #
     return y, codes, x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)
 
 
-def _gelu_ref(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _gelu_ref(x: torch.Tensor, fmt: str, prefix: torch.Tensor | None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     ran("reference")
-    return producers.gelu_quantize(x, fmt)
+    return producers.gelu_quantize(x, fmt, prefix)
 
 
-def _gelu_tr(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    out = triton_module("producers").gelu_quantize(x, fmt)
+def _gelu_tr(x: torch.Tensor, fmt: str, prefix: torch.Tensor | None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    out = triton_module("producers").gelu_quantize(x, fmt, prefix)
     ran("triton: GELU and row-wise quantize in one pass")
     return out
 
 
-def _gelu_fits(device: torch.device, k: int, x_dtype: torch.dtype, fmt: str, **_: object) -> str | None:
+def _gelu_fits(device: torch.device, k: int, x_dtype: torch.dtype, fmt: str, prefix_dtype: torch.dtype | None = None,
+               **_: object) -> str | None:  # fmt: skip
     if fmt not in ("fp8", "int8"):
         return f"the fused GELU kernel emits FP8 or INT8 codes, not {fmt}"
     if k > MAX_K:
         return f"the fused GELU kernel holds rows of at most {MAX_K} values; got {k}"
     if x_dtype not in (torch.float32, torch.bfloat16):
         return f"the fused GELU kernel reads and writes FP32 or BF16; got {x_dtype}"
+    if prefix_dtype not in (None, x_dtype):
+        return f"the fused GELU kernel takes a prefix of its input's dtype; got {prefix_dtype} beside {x_dtype}"
     return None
 
 
@@ -120,17 +125,22 @@ register("gelu_quantize", {"reference": _gelu_ref, "triton": _gelu_tr}, fits={"t
 
 
 @torch.library.custom_op("solrl::gelu_quantize", mutates_args=())
-def gelu_quantize(x: torch.Tensor, fmt: str, tag: str = "") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y, codes, scales) for an FFN's pre-activation x [..., K]: y = gelu(x, approximate="tanh") in x's dtype and
-    `fmt`'s row-wise codes and [..., 1] FP32 scales of y, for the linear y feeds. Through dispatch's choice; `tag`
-    records what ran. A custom op, like adaln_quantize: the fusion never depends on inductor."""
+def gelu_quantize(x: torch.Tensor, fmt: str, tag: str = "", prefix: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(y, codes, scales) for an FFN's pre-activation x [..., K]: y = gelu(x, approximate="tanh") in x's dtype (after
+    `prefix` [..., KP] along the last dimension where given) and `fmt`'s row-wise codes and [..., 1] FP32 scales of
+    y, for the linear y feeds. Through dispatch's choice; `tag` records what ran. A custom op, like adaln_quantize:
+    the fusion never depends on inductor."""
     if fmt not in rowwise_formats():
         raise ValueError(f"gelu_quantize emits row-wise codes of {rowwise_formats()}; got {fmt!r}")
-    backend = choose("gelu_quantize", x.device, k=x.shape[-1], x_dtype=x.dtype, fmt=fmt)[0]
-    return _recorded("gelu_quantize", backend, (x, fmt), tag, GELU_HINT)
+    k = x.shape[-1] + (0 if prefix is None else prefix.shape[-1])
+    backend = choose("gelu_quantize", x.device, k=k, x_dtype=x.dtype, fmt=fmt,
+                     prefix_dtype=x.dtype if prefix is None else prefix.dtype)[0]  # fmt: skip
+    return _recorded("gelu_quantize", backend, (x, fmt, prefix), tag, GELU_HINT)
 
 
 @gelu_quantize.register_fake
-def _(x, fmt, tag=""):  # noqa: ANN001, ANN202
-    codes = x.new_empty(x.shape, dtype=torch.float8_e4m3fn if fmt == "fp8" else torch.int8)
-    return x.new_empty(x.shape), codes, x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)
+def _(x, fmt, tag="", prefix=None):  # noqa: ANN001, ANN202
+    shape = (*x.shape[:-1], x.shape[-1] + (0 if prefix is None else prefix.shape[-1]))
+    codes = x.new_empty(shape, dtype=torch.float8_e4m3fn if fmt == "fp8" else torch.int8)
+    return x.new_empty(shape), codes, x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)

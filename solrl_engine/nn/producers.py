@@ -83,6 +83,17 @@ def modulate(norm: nn.Module, x: torch.Tensor, scale: torch.Tensor, shift: torch
     return y if out_dtype is None else y.to(out_dtype)
 
 
+def activate_after(act: nn.Module, prefix: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """torch.cat([prefix, act(x)], dim=-1), as FLUX.1's single block joins its attention's output and its MLP's
+    activation for its output projection, with the row-wise codes of the whole row when `fuse_producers` fused `act`
+    (an nn.GELU of the tanh form) and the call is one the op takes; else exactly that expression."""
+    fmt = act.__dict__.get("_solrl_fmt")
+    grad = torch.is_grad_enabled() and (x.requires_grad or prefix.requires_grad)
+    if fmt is None or grad or x.dim() < 2 or prefix.shape[:-1] != x.shape[:-1]:
+        return torch.cat([prefix, act(x)], dim=-1)
+    return Prequantized(*torch.ops.solrl.gelu_quantize(x, fmt, act.__dict__["_solrl_tag"], prefix), fmt)
+
+
 def relayout(y: torch.Tensor, change: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """`change` (a view: unflatten, permute) applied to y, and to its codes and scales where y carries them, so a
     consumer that takes another layout (a 1x1 convolution's NCHW) still finds them."""
@@ -154,9 +165,11 @@ def _why_not(module: nn.Module, block: nn.Module | None, blocks: Mapping[str, Ca
         return None
     if isinstance(module, nn.LayerNorm) and block is not None and type(block).__name__ in blocks:
         return "an affine LayerNorm: the fused kernel applies no weight" if module.elementwise_affine else None
+    if type(module) is nn.GELU and block is not None and type(block).__name__ in blocks:
+        return None if module.approximate == "tanh" else "an exact (erf) GELU: the fused kernel computes the tanh form"
     names = ", ".join(c.__name__ for c in _fusable())
-    return (f"{type(module).__name__} is not a producer class this engine fuses ({names}), nor a LayerNorm whose "
-            f"block ({type(block).__name__ if block is not None else 'none'}) the family's fused forwards modulate")
+    return (f"{type(module).__name__} is not a producer class this engine fuses ({names}), nor a LayerNorm or GELU "
+            f"whose block ({type(block).__name__ if block is not None else 'none'}) has a fused forward in the family")
 
 
 @functools.cache
@@ -179,7 +192,7 @@ class FusedProducers:
             return ""
         consumers = sum(len(v) for v in self.fused.values())
         line = (f"{len(self.fused)} producer(s) emit {self.fmt} codes for {consumers} linear(s) (a norm and its "
-                f"modulation, or an FFN's GELU, and the quantize in one pass)")  # fmt: skip
+                f"modulation, or an activation, and the quantize in one pass)")  # fmt: skip
         reasons: dict[str, int] = {}
         for why in self.left.values():
             reasons[why] = reasons.get(why, 0) + 1
@@ -229,7 +242,7 @@ def fuse_producers(model: nn.Module, producers: Mapping[str, tuple[str, ...]],
         module = model.get_submodule(name)
         if type(module) in _fusable():
             module.__class__ = _fusable()[type(module)]
-        else:  # an inline-modulated norm: its block takes the family's fused forward
+        else:  # an inline producer (a norm its block modulates, an activation): the block takes its fused forward
             block = model.get_submodule(name.rpartition(".")[0])
             if not getattr(type(block), "_solrl_fused", False):
                 block.__class__ = _fused_block(type(block), blocks[type(block).__name__])

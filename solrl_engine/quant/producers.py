@@ -40,10 +40,13 @@ def adaln_quantize(
     return _codes(y if out_dtype is None else y.to(out_dtype), fmt)
 
 
-def gelu_quantize(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def gelu_quantize(x: torch.Tensor, fmt: str, prefix: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """(y, codes, scales): an FFN's activation y = gelu(x, approximate="tanh") (diffusers' GELU module's op, in x's
-    dtype) and `fmt`'s row-wise quantize of it: the codes of the linear it feeds."""
-    return _codes(F.gelu(x, approximate="tanh"), fmt)
+    dtype), after `prefix` along the last dimension where given (FLUX.1's single block: cat([attention output,
+    gelu(mlp)])), and `fmt`'s row-wise quantize of it: the codes of the linear it feeds."""
+    y = F.gelu(x, approximate="tanh")
+    return _codes(y if prefix is None else torch.cat([prefix, y], dim=-1), fmt)
 
 
 def _codes(y: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
