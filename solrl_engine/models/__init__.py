@@ -66,9 +66,10 @@ class ModelSpec:
         FLUX only, as `_repeated_blocks`).
     producers: the explore copy's producers that emit their output's 8-bit codes (nn.producers): a module-name
         pattern -> the linears its output feeds, named from its parent (a block's norm1 -> attn.to_q, ...).
-    producer_blocks: block class name -> the family's forward for it that modulates its norms' output through
-        nn.producers.modulate: how a plain LayerNorm that the block modulates inline (SANA, Wan, Qwen-Image) becomes
-        a producer; the explore copy gives it to the blocks whose norms it fuses.
+    producer_blocks: block class name -> the family's forward for it that hands its inline producers to nn.producers
+        (a LayerNorm it modulates in its forward, through `modulate`: SANA, Wan, Qwen-Image, FLUX.2, FLUX.1's and
+        SD3.5's FFN norms; an activation it joins to another output, through `activate_after`: FLUX.1's single
+        block); the explore copy gives it to the blocks whose producers it fuses.
     conditioned: each prompt carries an image (a conditioned prompt set, solrl_engine/data): an editing family.
         A prompt set without images is refused for it before any weight loads, and one with images for the others.
     images_per_prompt: how many images each prompt of a conditioned family carries (None: any number, as many on

@@ -69,7 +69,7 @@ def produce(module: nn.Module, x: torch.Tensor, scale: torch.Tensor, shift: torc
 def modulate(norm: nn.Module, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
              out_dtype: torch.dtype | None = None, fp32_norm: bool = False) -> torch.Tensor:  # fmt: skip
     """(norm(x) * (1 + scale) + shift).to(out_dtype) for a modulation [B, 1, K], as a block that modulates inline
-    writes it (SANA's, Wan's, Qwen-Image's: models/<family>.py's fused forwards call this), with its row-wise codes
+    writes it (models/<family>.py's fused block forwards call this), with its row-wise codes
     when `fuse_producers` fused `norm` and the call is one the op takes; else exactly that expression (a per-token
     modulation [B, T, K] included). `fp32_norm`: norm(x.float()), as Wan writes it (the op widens x as it reads it,
     so the fused path makes no FP32 copy of x)."""
