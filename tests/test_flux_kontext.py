@@ -6,14 +6,13 @@ the stock pipeline, and a prompt set that does not fit the model is refused befo
 
 from __future__ import annotations
 
-import json
-import math
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from tiny_pipelines import SIZES, build_clip_reward, build_flux_kontext, linear_rows
+from trained import euler, stock_pipeline_draws_the_lora, two_iterations
 
 from solrl_engine.data import ConditionedPrompt, load_prompts
 from solrl_engine.models import load_model, model_spec
@@ -105,24 +104,17 @@ def test_solrl_train_edits_and_exports_a_lora_the_stock_pipeline_loads(fk, clip,
     both read each prompt's source); the exported adapter, loaded by FluxKontextPipeline.load_lora_weights, draws
     what the engine draws with it for a seed and a source."""
     from solrl_engine import hw
-    from solrl_engine.cli import load_lora_into, main
+    from solrl_engine.cli import main
 
     monkeypatch.setattr(hw, "cxx_compiler", lambda *a, **k: None)
     out = tmp_path / "run"
     assert main(_train_args(fk, clip, out, "sol_rl", "save_every=1")) == 0
-    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["iter"] for r in recs] == [1, 2] and all(math.isfinite(r["loss"]) for r in recs)
+    recs = two_iterations(out)
     assert "heldout_reward" in recs[-1] and (out / "eval_00002.png").exists()
     prompt = load_prompts("edit/test")[0]
     pipe = _stock(fk)
-    before = _edit(pipe, prompt, 5, 3)
-    pipe.load_lora_weights(str(out / "lora"))
-    after = _edit(pipe, prompt, 5, 3)
-    assert (after - before).abs().max() > 1e-4  # the trained adapter changes the stock pipeline's edit
-    m = _model(fk)
-    load_lora_into(m.transformer, str(out / "lora"))
-    torch.testing.assert_close(m.decode(sample(m, m.encode_prompts([prompt]), [5], 3, solver="euler")), after,
-                               atol=1e-5, rtol=0)  # fmt: skip
+    stock_pipeline_draws_the_lora(pipe, lambda: _edit(pipe, prompt, 5, 3), _model(fk), out / "lora",
+                                  euler(prompt))  # fmt: skip
 
 
 @pytest.mark.slow
@@ -134,8 +126,7 @@ def test_every_other_family_trains_the_editor(family, fk, clip, tmp_path, monkey
     monkeypatch.setattr(hw, "cxx_compiler", lambda *a, **k: None)
     out = tmp_path / family
     assert main(_train_args(fk, clip, out, family)) == 0
-    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["iter"] for r in recs] == [1, 2] and all(math.isfinite(r["loss"]) for r in recs)
+    two_iterations(out)
 
 
 def test_a_prompt_set_that_does_not_fit_the_model_is_refused_before_any_weights_load(fk, clip, tmp_path,

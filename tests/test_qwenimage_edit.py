@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 from tiny_pipelines import SIZES, build_clip_reward, build_qwenimage_edit, linear_rows, qwen_vl_processor
+from trained import euler, stock_pipeline_draws_the_lora, two_iterations
 
 from solrl_engine.data import ConditionedPrompt, load_prompts
 from solrl_engine.models import load_model, model_spec
@@ -88,13 +88,6 @@ def no_norm_rescale() -> Iterator[list[int]]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(torch, "norm", ones)
         yield calls
-
-
-def _trained_two_iterations(out: Path) -> list[dict]:
-    """The run's metrics: two iterations, finite losses."""
-    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["iter"] for r in recs] == [1, 2] and all(math.isfinite(r["loss"]) for r in recs)
-    return recs
 
 
 def test_the_engines_edit_is_the_stock_pipelines_for_a_seed_and_a_source(qe, at_size):
@@ -181,23 +174,17 @@ def test_solrl_train_edits_and_exports_a_lora_the_stock_pipeline_loads(qe, clip,
     editing rewards; the exported adapter, loaded by QwenImageEditPipeline.load_lora_weights, draws what the engine
     draws with it for a seed and a source."""
     from solrl_engine import hw
-    from solrl_engine.cli import load_lora_into, main
+    from solrl_engine.cli import main
 
     monkeypatch.setattr(hw, "cxx_compiler", lambda *a, **k: None)
     out = tmp_path / "run"
     assert main(_train_args(qe, clip, out, "sol_rl", "save_every=1")) == 0
-    recs = _trained_two_iterations(out)
+    recs = two_iterations(out)
     assert "heldout_reward" in recs[-1] and (out / "eval_00002.png").exists()
     prompt = load_prompts("edit/test")[0]
     pipe = _stock(qe)
-    before = _edit(pipe, prompt, 5, 3, true_cfg_scale=1.0)
-    pipe.load_lora_weights(str(out / "lora"))
-    after = _edit(pipe, prompt, 5, 3, true_cfg_scale=1.0)
-    assert (after - before).abs().max() > 1e-4  # the trained adapter changes the stock pipeline's edit
-    m = _model(qe)
-    load_lora_into(m.transformer, str(out / "lora"))
-    torch.testing.assert_close(m.decode(sample(m, m.encode_prompts([prompt]), [5], 3, solver="euler")), after,
-                               atol=1e-5, rtol=0)  # fmt: skip
+    stock_pipeline_draws_the_lora(pipe, lambda: _edit(pipe, prompt, 5, 3, true_cfg_scale=1.0), _model(qe),
+                                  out / "lora", euler(prompt))  # fmt: skip
 
 
 @pytest.mark.slow
@@ -209,7 +196,7 @@ def test_every_other_family_trains_the_editor(family, qe, clip, tmp_path, monkey
     monkeypatch.setattr(hw, "cxx_compiler", lambda *a, **k: None)
     out = tmp_path / family
     assert main(_train_args(qe, clip, out, family)) == 0
-    _trained_two_iterations(out)
+    two_iterations(out)
 
 
 def test_a_prompt_set_without_images_is_refused_before_any_weights_load(qe, clip, tmp_path, monkeypatch):
@@ -266,7 +253,7 @@ def test_flow_grpo_guides_each_edit_against_its_own_negative_in_the_update(qe, c
     monkeypatch.setattr(hw, "cxx_compiler", lambda *a, **k: None)
     out = tmp_path / "grpo"
     assert main(_train_args(qe, clip, out, "sol_rl", "objective=flow_grpo")) == 0
-    _trained_two_iterations(out)
+    two_iterations(out)
 
 
 # --- Qwen-Image-Edit-2509 (QwenImageEditPlusPipeline): one or several sources a prompt -----------------------------
@@ -363,7 +350,7 @@ def test_solrl_train_edits_two_sources_and_the_stock_2509_pipeline_loads_the_lor
     """Two sol_rl iterations on a two-source set (guidance 4.0); the adapter loaded by QwenImageEditPlusPipeline
     draws what the engine draws with it."""
     from solrl_engine import hw
-    from solrl_engine.cli import load_lora_into, main
+    from solrl_engine.cli import main
 
     monkeypatch.setattr(hw, "cxx_compiler", lambda *a, **k: None)
     pairs = _two_source_set(tmp_path)
@@ -372,17 +359,12 @@ def test_solrl_train_edits_two_sources_and_the_stock_2509_pipeline_loads_the_lor
     args[1] = f"{ROOT}/configs/qwenimage_edit.py:qwenimage_edit_plus_sol_rl_edit"
     assert main(args) == 0
     out = tmp_path / "run"
-    _trained_two_iterations(out)
+    two_iterations(out)
     prompt = load_prompts(str(pairs))[0]
     pipe = _stock(qp)
-    before = _plus_edit(pipe, prompt, 5, 3, true_cfg_scale=1.0)
-    pipe.load_lora_weights(str(out / "lora"))
-    after = _plus_edit(pipe, prompt, 5, 3, true_cfg_scale=1.0)
-    assert (after - before).abs().max() > 1e-4
-    m = load_model("qwenimage_edit_plus", qp, "cpu", torch.float32, resolution=SIZE)
-    load_lora_into(m.transformer, str(out / "lora"))
-    torch.testing.assert_close(m.decode(sample(m, m.encode_prompts([prompt]), [5], 3, solver="euler")), after,
-                               atol=1e-5, rtol=0)  # fmt: skip
+    stock_pipeline_draws_the_lora(pipe, lambda: _plus_edit(pipe, prompt, 5, 3, true_cfg_scale=1.0),
+                                  load_model("qwenimage_edit_plus", qp, "cpu", torch.float32, resolution=SIZE),
+                                  out / "lora", euler(prompt))  # fmt: skip
 
 
 @pytest.mark.slow
@@ -396,7 +378,7 @@ def test_every_other_family_trains_the_2509_editor_on_two_sources(family, qp, cl
     args = _train_args(qp, clip, tmp_path / family, family, f"train_prompts={pairs}", f"eval_prompts={pairs}")
     args[1] = f"{ROOT}/configs/qwenimage_edit.py:qwenimage_edit_plus_{family}_edit"
     assert main(args) == 0
-    _trained_two_iterations(tmp_path / family)
+    two_iterations(tmp_path / family)
 
 
 def test_the_explorer_regenerates_2509_edits_one_prompt_a_call(qp, clip, plus_at_size, tmp_path):
