@@ -34,11 +34,11 @@ sys.path.insert(0, str(ROOT))
 # reference anyway, so they keep the compiler's default.
 BIT_EXACT = ("_fp8_rowwise_kernel", "_int8_rowwise_kernel", "_epilogue_kernel", "_amax_kernel", "_rot_amax_kernel",
              "_quantize_kernel", "_rotate_kernel", "_dequantize_kernel", "_int8_gemm_kernel",
-             "_adaln_quantize_kernel", "_gelu_quantize_kernel")  # fmt: skip
+             "_adaln_quantize_kernel", "_gelu_quantize_kernel", "_glu_quantize_kernel")  # fmt: skip
 # Kernels that also serve an older architecture than the default targets: the INT8 GEMM and attention run on Ampere
 # (sm_80), and their int8 dots must compile there (mma.sync) as well as on Hopper (wgmma) and Blackwell.
 ALSO_FOR = {"_int8_gemm_kernel": (80,), "_int8_attention_kernel": (80,), "_adaln_quantize_kernel": (80,),
-            "_gelu_quantize_kernel": (80,)}
+            "_gelu_quantize_kernel": (80,), "_glu_quantize_kernel": (80,)}
 MODULES = ("fp8", "int8", "nvfp4", "gemm", "attention", "producers")  # every module of triton_kernels/ with kernels
 
 _OPTION_KEYS = ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion", "maxnreg")
@@ -175,6 +175,11 @@ def engine_launches() -> list[Launch]:
                     producers.gelu_quantize(torch.empty(2, 7, k, dtype=dt), fmt)
                     if k == 12288:  # FLUX.1's single block: its attention's 3072 values, then the MLP's GELU
                         producers.gelu_quantize(torch.empty(2, 7, k, dtype=dt), fmt, torch.empty(2, 7, 3072, dtype=dt))
+        # SANA's FFN gate (GLUMBConv: a * silu(g) over pixel rows) at SANA-1.6B's (5600) and SANA-600M's (2880) width
+        for k in (5600, 2880):
+            for fmt in ("fp8", "int8"):
+                for dt in (torch.bfloat16, torch.float32):
+                    producers.glu_quantize(torch.empty(2, 4, 4, 2 * k, dtype=dt), fmt)
         q = torch.empty(256, 512, dtype=torch.uint8)
         s = torch.empty(256, 64, dtype=torch.uint8)
         g = torch.ones(())

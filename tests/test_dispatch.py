@@ -135,7 +135,8 @@ def test_choose_and_select_walk_one_order(monkeypatch, sm, want):
     monkeypatch.setenv("SOLRL_BACKEND", want)
     producers = {"adaln_quantize": {"k": 256, "x_dtype": torch.bfloat16, "modulation_dtype": torch.bfloat16,
                                     "fp32_norm": False, "fmt": "fp8"},
-                 "gelu_quantize": {"k": 256, "x_dtype": torch.bfloat16, "fmt": "int8"}}  # fmt: skip
+                 "gelu_quantize": {"k": 256, "x_dtype": torch.bfloat16, "fmt": "int8"},
+                 "glu_quantize": {"k": 256, "x_dtype": torch.bfloat16, "fmt": "fp8"}}  # fmt: skip
     for op in dispatch.ops():
         shape = ({"k": 256, "n": 64} if op.endswith("_linear") else {"d": 64} if op.endswith("_attention")
                  else producers.get(op, {}))  # fmt: skip

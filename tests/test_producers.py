@@ -130,6 +130,39 @@ def test_the_gelu_kernel_joins_a_prefix_before_the_activation(fmt, dtype, device
                                                           torch.randn(1, 2, 8, dtype=torch.bfloat16))  # fmt: skip
 
 
+@pytest.mark.usefixtures("triton_backend")
+@pytest.mark.parametrize("shape", [(1, 3, 32), (2, 7, 96), (1, 3, 5, 2080)])  # [..., 2K]: pixel rows of an NCHW map
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_gate_kernels_codes_are_the_formats_rowwise_codes_of_its_output(shape, fmt, dtype, device):
+    """The fused gate's Triton kernel (SANA's GLUMBConv: y = a * silu(g) of a row's two halves): its y agrees with
+    PyTorch's ops (FP32: to FP32 rounding, its exp is another's; BF16: silu rounded, then the product, as PyTorch's
+    BF16 ops round, a last bit apart rarely) and its codes and scales are the format's row-wise quantize of that y
+    bit for bit, on every input family in either half (an outlier, a NaN or an Inf in the gate or in the value)."""
+    for (kind, a), (_, g) in zip(families((*shape[:-1], shape[-1] // 2), seed=9),
+                                 families((*shape[:-1], shape[-1] // 2), seed=10), strict=True):  # fmt: skip
+        x = torch.cat([a, g * 4], dim=-1).to(dtype)
+        va, vg = x.chunk(2, dim=-1)
+        want = va * torch.nn.functional.silu(vg)
+        y, codes, scale = torch.ops.solrl.glu_quantize(x.to(device), fmt, "gate kernel test")
+        assert dispatch.runs()["gate kernel test"].impl.startswith("triton: gate"), dispatch.runs()["gate kernel test"]
+        y, codes, scale = y.cpu(), codes.cpu(), scale.cpu()
+        assert y.dtype == dtype and y.shape == want.shape and scale.shape == (*shape[:-1], 1)
+        tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 2**-7, "atol": 1e-6}
+        torch.testing.assert_close(y, want, equal_nan=True, **tol, msg=lambda m, kind=kind: f"{kind}: {m}")
+        if dtype == torch.bfloat16:
+            differ = (y.view(torch.int16) != want.view(torch.int16)) & ~torch.isnan(want)
+            assert differ.float().mean() < 0.02, kind
+        q = numerics(fmt).rowwise(y)
+        assert _same(codes, q.data) and _same(scale, q.scale), kind
+        if kind == "nonfinite":  # a row holding a NaN or an Inf product: its codes say so, never a finite number
+            bad = ~torch.isfinite(want).all(-1)
+            nan_code = (codes[bad].view(torch.uint8) == 0x7F).any(-1)
+            assert torch.isnan(scale[bad]).all() if fmt == "int8" else nan_code.all()
+    with pytest.raises(ValueError, match="odd 7"):
+        torch.ops.solrl.glu_quantize(torch.randn(2, 7), fmt, "")
+
+
 def test_the_op_chooses_and_records_where_it_ran(monkeypatch):
     """On a CPU the reference runs; on a (simulated) GPU the Triton kernel for rows that fit, the reference with the
     reason otherwise; the record names it; a format without row-wise codes is refused, naming those with them."""
@@ -253,7 +286,7 @@ def test_what_is_not_fused_is_said_and_keeps_the_stock_path(pipes):
     assert got.fused["transformer_blocks.0.ff.net.0"] == ["2"]  # an FFN's GELU module: a producer without blocks
     assert "none of the linears it feeds" in got.left["transformer_blocks.0.norm1"]
     assert "FeedForward is not a producer class" in got.left["transformer_blocks.0.ff"]
-    assert "nor a LayerNorm or GELU whose block (FluxTransformerBlock)" in got.left["transformer_blocks.0.norm2"]
+    assert "gate's SiLU whose block (FluxTransformerBlock)" in got.left["transformer_blocks.0.norm2"]
     assert "8 producer(s) emit fp8 codes for 12 linear(s)" in got.summary()
     norm = copy.transformer.get_submodule("single_transformer_blocks.0.norm")
     h = torch.randn(1, 4, norm.norm.normalized_shape[0], requires_grad=True)
@@ -275,7 +308,7 @@ def test_an_inline_producer_needs_its_blocks_fused_forward_and_keeps_the_stock_e
     spec = model_spec("wan")
     copy = ExploreCopy(model.transformer, "int8", changes=spec.explore_rule)
     got = fuse_producers(copy.transformer, {"blocks.*.norm1": ("attn1.to_q",), "blocks.*.norm2": ("attn2.to_q",)})
-    assert not got.fused and "nor a LayerNorm or GELU whose block (WanTransformerBlock)" in got.left["blocks.0.norm1"]
+    assert not got.fused and "gate's SiLU whose block (WanTransformerBlock)" in got.left["blocks.0.norm1"]
     got = fuse_producers(copy.transformer, {"blocks.*.norm1": ("attn1.to_q",), "blocks.*.norm2": ("attn2.to_q",)},
                          spec.producer_blocks)  # fmt: skip
     assert set(got.fused) == {"blocks.0.norm1", "blocks.1.norm1"}

@@ -1,5 +1,6 @@
-"""The quantize where its input is made: a producer's norm and modulation (`adaln_quantize`), or an FFN's GELU
-(`gelu_quantize`), and the 8-bit row-wise codes of what it produces, in one pass over each row.
+"""The quantize where its input is made: a producer's norm and modulation (`adaln_quantize`), an FFN's GELU
+(`gelu_quantize`) or a gated FFN's gate (`glu_quantize`), and the 8-bit row-wise codes of what it produces, in one
+pass over each row.
 
 An adaLN-Zero producer (diffusers' AdaLayerNormZero, AdaLayerNormZeroSingle) computes
 y = layer_norm(x) * (1 + scale) + shift, and every linear it feeds (to_q, to_k, to_v, proj_mlp) quantizes y per
@@ -107,6 +108,24 @@ def _gelu_quantize_kernel(x_ptr, p_ptr, y_ptr, q_ptr, scale_ptr, M, K, KP, BLOCK
     _store_codes(y, m, rmask, rows, offs, q_ptr, scale_ptr, FMT)
 
 
+@triton.jit
+def _glu_quantize_kernel(x_ptr, y_ptr, q_ptr, scale_ptr, M, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                         IN_BF16: tl.constexpr, Y_KIND: tl.constexpr, FMT: tl.constexpr):  # fmt: skip
+    # a row of x is [a (K values), g (K values)]; y = a * silu(g), K values
+    rows, cols, rmask, m, offs = _row_tile(M, K, BLOCK_M, BLOCK_K)
+    xoffs = rows[:, None] * (2 * K) + cols[None, :]
+    a = load_f32(x_ptr + xoffs, m, IN_BF16)
+    g = load_f32(x_ptr + xoffs + K, m, IN_BF16)
+    s = tl.div_rn(g, 1.0 + tl.exp(-g))  # PyTorch's silu: x / (1 + exp(-x)) in FP32
+    if IN_BF16:  # silu's BF16 result, then the BF16 product: each rounded as PyTorch's BF16 ops round
+        s = round_bf16(s)
+    y = a * s
+    if IN_BF16:
+        y = round_bf16(y)
+    store_out(y_ptr + offs, y, m, Y_KIND)
+    _store_codes(y, m, rmask, rows, offs, q_ptr, scale_ptr, FMT)
+
+
 def adaln_quantize(
     x: torch.Tensor, one_plus_scale: torch.Tensor, shift: torch.Tensor, eps: float, fmt: str, stage_bf16: bool,
     y_dtype: torch.dtype,
@@ -171,5 +190,33 @@ def gelu_quantize(x: torch.Tensor, fmt: str, prefix: torch.Tensor | None = None
         _gelu_quantize_kernel[(triton.cdiv(rows, block_m),)](
             as_bits(x), as_bits(p), as_bits(y), q, scale, rows, k, kp, BLOCK_M=block_m, BLOCK_K=block_k,
             IN_BF16=bf16, Y_KIND=_Y_KIND[x.dtype], FMT=FORMATS[fmt], **warps, **EXACT,
+        )
+    return y, (q.view(torch.float8_e4m3fn) if fmt == "fp8" else q), scale
+
+
+def glu_quantize(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [..., 2K] (FP32 or BF16) -> (y = a * silu(g) for x = cat([a, g], -1), in x's dtype [..., K], y's row-wise
+    `fmt` codes [..., K], FP32 decode scales [..., 1]): a gated FFN's gate (SANA's GLUMBConv, rows = pixels) and the
+    codes of the linear it feeds, in one pass. x is read as contiguous rows (a channels-last NCHW tensor's pixel rows
+    are: no copy)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"glu_quantize emits {tuple(FORMATS)} codes; got {fmt!r}")
+    k2 = x.shape[-1]
+    if k2 % 2 or k2 // 2 > MAX_K or x.dtype not in _Y_KIND:
+        raise ValueError(f"glu_quantize gates rows of an even length up to {2 * MAX_K} FP32/BF16 values; got {k2} of "
+                         f"{x.dtype}")  # fmt: skip
+    k = k2 // 2
+    x = x.contiguous()
+    y = x.new_empty((*x.shape[:-1], k))
+    q = torch.empty(y.shape, dtype=torch.uint8 if fmt == "fp8" else torch.int8, device=x.device)
+    scale = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
+    rows = y.numel() // k if k else 0
+    if rows:
+        block_m, block_k, warps = _tiles(k)
+        bf16 = x.dtype == torch.bfloat16
+        as_bits = (lambda t: t.view(torch.int16)) if bf16 else (lambda t: t)
+        _glu_quantize_kernel[(triton.cdiv(rows, block_m),)](
+            as_bits(x), as_bits(y), q, scale, rows, k, BLOCK_M=block_m, BLOCK_K=block_k, IN_BF16=bf16,
+            Y_KIND=_Y_KIND[x.dtype], FMT=FORMATS[fmt], **warps, **EXACT,
         )
     return y, (q.view(torch.float8_e4m3fn) if fmt == "fp8" else q), scale

@@ -1,6 +1,6 @@
 """The quantize where its input is made, behind the dispatch seam: `adaln_quantize` (an adaLN-Zero producer's
 output and its 8-bit row-wise codes in one pass; quant.producers is the reference), `gelu_quantize` (an FFN's GELU
-and the codes of the linear it feeds) and their custom ops.
+and the codes of the linear it feeds), `glu_quantize` (a gated FFN's gate, likewise) and their custom ops.
 
 Implementations: reference (the stock module's torch ops, then the format's row-wise quantize); triton (one pass
 over each row: solrl_triton.producers), on a GPU (or a simulated one under TRITON_INTERPRET=1) for rows of at
@@ -20,6 +20,7 @@ from solrl_engine.quant.formats import rowwise_formats
 MAX_K = 16384  # solrl_triton.producers.MAX_K: whole rows in one program (not imported: Triton is optional)
 HINT = "the fused producer's Triton kernel runs on a GPU for FP8/INT8 rows of at most 16384 FP32/BF16 values"
 GELU_HINT = "the fused GELU's Triton kernel runs on a GPU for FP8/INT8 rows of at most 16384 FP32/BF16 values"
+GLU_HINT = "the fused gate's Triton kernel runs on a GPU for FP8/INT8 rows of at most 16384 FP32/BF16 gated values"
 
 
 def _ref(x: torch.Tensor, onep: torch.Tensor, shift: torch.Tensor, eps: float, fmt: str, fp32_norm: bool,
@@ -142,5 +143,49 @@ def gelu_quantize(x: torch.Tensor, fmt: str, tag: str = "", prefix: torch.Tensor
 @gelu_quantize.register_fake
 def _(x, fmt, tag="", prefix=None):  # noqa: ANN001, ANN202
     shape = (*x.shape[:-1], x.shape[-1] + (0 if prefix is None else prefix.shape[-1]))
+    codes = x.new_empty(shape, dtype=torch.float8_e4m3fn if fmt == "fp8" else torch.int8)
+    return x.new_empty(shape), codes, x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)
+
+
+def _glu_ref(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ran("reference")
+    return producers.glu_quantize(x, fmt)
+
+
+def _glu_tr(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    out = triton_module("producers").glu_quantize(x, fmt)
+    ran("triton: gate (a * silu(g)) and row-wise quantize in one pass")
+    return out
+
+
+def _glu_fits(device: torch.device, k: int, x_dtype: torch.dtype, fmt: str, **_: object) -> str | None:
+    if fmt not in ("fp8", "int8"):
+        return f"the fused gate kernel emits FP8 or INT8 codes, not {fmt}"
+    if k > MAX_K:
+        return f"the fused gate kernel holds rows of at most {MAX_K} gated values; got {k}"
+    if x_dtype not in (torch.float32, torch.bfloat16):
+        return f"the fused gate kernel reads and writes FP32 or BF16; got {x_dtype}"
+    return None
+
+
+register("glu_quantize", {"reference": _glu_ref, "triton": _glu_tr}, fits={"triton": _glu_fits})
+
+
+@torch.library.custom_op("solrl::glu_quantize", mutates_args=())
+def glu_quantize(x: torch.Tensor, fmt: str, tag: str = "") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, codes, scales) for a gated FFN's x [..., 2K] = cat([a, g]): y = a * silu(g) in x's dtype [..., K] (SANA's
+    GLUMBConv gate, rows = pixels) and `fmt`'s row-wise codes and [..., 1] FP32 scales of y, for the linear y feeds.
+    Through dispatch's choice; `tag` records what ran. A custom op, like adaln_quantize."""
+    if fmt not in rowwise_formats():
+        raise ValueError(f"glu_quantize emits row-wise codes of {rowwise_formats()}; got {fmt!r}")
+    if x.shape[-1] % 2:
+        raise ValueError(f"glu_quantize gates the two halves of the last dimension; got an odd {x.shape[-1]}")
+    backend = choose("glu_quantize", x.device, k=x.shape[-1] // 2, x_dtype=x.dtype, fmt=fmt)[0]
+    return _recorded("glu_quantize", backend, (x, fmt), tag, GLU_HINT)
+
+
+@glu_quantize.register_fake
+def _(x, fmt, tag=""):  # noqa: ANN001, ANN202
+    shape = (*x.shape[:-1], x.shape[-1] // 2)
     codes = x.new_empty(shape, dtype=torch.float8_e4m3fn if fmt == "fp8" else torch.int8)
     return x.new_empty(shape), codes, x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)

@@ -19,7 +19,7 @@ from torch import nn
 from solrl_engine.models import ModelSpec
 from solrl_engine.models.base import Conditioning
 from solrl_engine.models.pipeline import PipelineFlowModel
-from solrl_engine.nn.producers import modulate, relayout
+from solrl_engine.nn.producers import gate, modulate, relayout
 
 SANA_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
 SANA_EXPLORE_RULE: dict[str, Any] = {
@@ -49,6 +49,18 @@ def fused_block_forward(self: nn.Module, hidden_states: torch.Tensor, attention_
     ff_output = self.ff(relayout(y, lambda t: t.unflatten(1, (height, width)).permute(0, 3, 1, 2)))
     ff_output = ff_output.flatten(2, 3).permute(0, 2, 1)
     return hidden_states + gate_mlp * ff_output
+
+
+def fused_glumbconv_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """diffusers' GLUMBConv.forward for an explore copy whose gate is a producer (nn.producers.gate): the gated
+    depthwise output `hidden * silu(gate)` and the row-wise codes of its last 1x1 convolution (conv_point, SANA's
+    widest quantize) in one op."""
+    residual = hidden_states
+    hidden_states = self.nonlinearity(self.conv_inverted(hidden_states))
+    hidden_states = self.conv_point(gate(self.nonlinearity, self.conv_depth(hidden_states)))
+    if self.norm_type == "rms_norm":  # move channel to the last dimension so we apply RMSnorm across channel dimension
+        hidden_states = self.norm(hidden_states.movedim(1, -1)).movedim(-1, 1)
+    return hidden_states + residual if self.residual_connection else hidden_states
 
 
 class GemmaPrompts:
@@ -151,10 +163,12 @@ SPEC = ModelSpec(
     guidance="cfg",
     guidance_scale=1.0,
     repeated_blocks=("SanaTransformerBlock",),
-    # the blocks modulate their norms inline: fused_block_forward makes them producers in an 8-bit explore copy
+    # the blocks modulate their norms inline and the FFN gates its depthwise output inline: the fused forwards make
+    # them producers in an 8-bit explore copy
     producers={"transformer_blocks.*.norm1": ("attn1.to_q", "attn1.to_k", "attn1.to_v"),
-               "transformer_blocks.*.norm2": ("ff.conv_inverted",)},
-    producer_blocks={"SanaTransformerBlock": fused_block_forward},
+               "transformer_blocks.*.norm2": ("ff.conv_inverted",),
+               "transformer_blocks.*.ff.nonlinearity": ("conv_point",)},
+    producer_blocks={"SanaTransformerBlock": fused_block_forward, "GLUMBConv": fused_glumbconv_forward},
     text_encoder_params_b={"Gemma-2-2B": 2.61},  # published
     vae_params_b=0.312,
 )

@@ -11,7 +11,10 @@ Two kinds of producer. An adaLN module (diffusers' AdaLayerNormZero, AdaLayerNor
 its fused forward is the module's own, with the norm and modulation handed to the op. A plain LayerNorm whose block
 modulates its output inline (SANA's, Wan's, Qwen-Image's, FLUX.2's blocks and FLUX.1's and SD3.5's FFN norms write
 `norm(x) * (1 + scale) + shift` in their forward): the block gets its family's fused forward (models/<family>.py,
-through `modulate`), which hands the norm, the modulation and the cast that follows to the op. Either way names and
+through `modulate`), which hands the norm, the modulation and the cast that follows to the op. Activations are
+producers the same two ways: diffusers' GELU module (an FFN's first linear and its tanh GELU), or an activation its
+block applies inline (FLUX.1's single block's GELU: `activate_after`; SANA's FFN gate `a * silu(g)`: `gate`, through
+its GLUMBConv's fused forward). Either way names and
 state dicts are unchanged (the class is swapped for a subclass), and on the reference backend (a CPU) y and its codes
 equal the stock expression's and the linear's own quantize bit for bit. Both keep the stock path where autograd
 records or the modulation is not one row per sample.
@@ -94,6 +97,19 @@ def activate_after(act: nn.Module, prefix: torch.Tensor, x: torch.Tensor) -> tor
     return Prequantized(*torch.ops.solrl.gelu_quantize(x, fmt, act.__dict__["_solrl_tag"], prefix), fmt)
 
 
+def gate(act: nn.Module, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """a * act(g) for x's two halves a, g along `dim`, as SANA's GLUMBConv gates its depthwise convolution's output
+    (channels: dim 1), with the row-wise codes of the product over `dim` (one row per pixel: the rows its last 1x1
+    convolution reads, handed over in x's layout) when `fuse_producers` fused `act` (an nn.SiLU) and the call is one
+    the op takes; else exactly that expression."""
+    fmt = act.__dict__.get("_solrl_fmt")
+    if fmt is None or (torch.is_grad_enabled() and x.requires_grad) or x.shape[dim] % 2:
+        a, g = torch.chunk(x, 2, dim=dim)
+        return a * act(g)
+    y, codes, s = torch.ops.solrl.glu_quantize(x.movedim(dim, -1), fmt, act.__dict__["_solrl_tag"])
+    return relayout(Prequantized(y, codes, s, fmt), lambda t: t.movedim(-1, dim))
+
+
 def relayout(y: torch.Tensor, change: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """`change` (a view: unflatten, permute) applied to y, and to its codes and scales where y carries them, so a
     consumer that takes another layout (a 1x1 convolution's NCHW) still finds them."""
@@ -167,9 +183,12 @@ def _why_not(module: nn.Module, block: nn.Module | None, blocks: Mapping[str, Ca
         return "an affine LayerNorm: the fused kernel applies no weight" if module.elementwise_affine else None
     if type(module) is nn.GELU and block is not None and type(block).__name__ in blocks:
         return None if module.approximate == "tanh" else "an exact (erf) GELU: the fused kernel computes the tanh form"
+    if type(module) is nn.SiLU and block is not None and type(block).__name__ in blocks:  # a gate's activation
+        return None
     names = ", ".join(c.__name__ for c in _fusable())
-    return (f"{type(module).__name__} is not a producer class this engine fuses ({names}), nor a LayerNorm or GELU "
-            f"whose block ({type(block).__name__ if block is not None else 'none'}) has a fused forward in the family")
+    where = type(block).__name__ if block is not None else "none"
+    return (f"{type(module).__name__} is not a producer class this engine fuses ({names}), nor a LayerNorm, GELU or "
+            f"gate's SiLU whose block ({where}) has a fused forward in the family")
 
 
 @functools.cache

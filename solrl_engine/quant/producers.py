@@ -1,5 +1,5 @@
 """The quantize where its input is made, reference numerics: a producer's output (an adaLN-Zero norm's, an FFN's
-GELU) and its row-wise codes.
+GELU, a gated FFN's gate) and its row-wise codes.
 
 diffusers' AdaLayerNormZero and AdaLayerNormZeroSingle compute y = layer_norm(x) * (1 + scale) + shift, and the
 linears they feed each quantize y per row. A producer that emits the codes with y saves those passes (the Triton
@@ -47,6 +47,16 @@ def gelu_quantize(x: torch.Tensor, fmt: str, prefix: torch.Tensor | None = None
     gelu(mlp)])), and `fmt`'s row-wise quantize of it: the codes of the linear it feeds."""
     y = F.gelu(x, approximate="tanh")
     return _codes(y if prefix is None else torch.cat([prefix, y], dim=-1), fmt)
+
+
+def glu_quantize(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, codes, scales): a gated FFN's gate y = a * silu(g) for x = cat([a, g]) along the last dimension (SANA's
+    GLUMBConv after its depthwise convolution: `hidden * silu(gate)` of its two channel halves, in x's dtype) and
+    `fmt`'s row-wise quantize of it: the codes of the linear y feeds (its last 1x1 convolution)."""
+    if x.shape[-1] % 2:
+        raise ValueError(f"glu_quantize gates the two halves of the last dimension; got an odd {x.shape[-1]}")
+    a, g = x.chunk(2, dim=-1)
+    return _codes(a * F.silu(g), fmt)
 
 
 def _codes(y: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
