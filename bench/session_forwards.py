@@ -57,8 +57,12 @@ COMPILE_ALLOWANCE = 60.0
 # nvjet/gemm/xmma/cutlass that are none of the above are BF16 GEMMs; inductor's fused triton_poi/per/red
 # and ATen's elementwise/reduce/norm kernels are elementwise. CPU (smoke) rows are ATen ops: aten::_scaled_mm
 # and aten::_int_mm low-precision, aten::mm/addmm/bmm BF16, the solrl:: custom ops' own time is quantize.
+# Our fused producers (a norm or an activation and the 8-bit codes in one kernel) are their own group: what they
+# take over from the quantize group is the measure of issue 40's item 2.
+PRODUCER_KERNELS = ("_adaln_quantize", "_gelu_quantize", "_glu_quantize")
 GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("attention", ("flash", "fmha", "scaled_dot_product", "efficient_attention", "cudnn_attn", "attention")),
+    ("producer", PRODUCER_KERNELS),
     ("quantize", ("_fp8_rowwise", "_int8_rowwise", "_amax", "_quantize", "_rotate", "rot_amax", "solrl::",
                   "quantize", "amax")),
     ("low_precision_gemm", ("_scaled_mm", "_int_mm", "nvjet_sm90_qq", "nvjet_sm100_qq", "e4m3", "e5m2", "e2m1",
@@ -93,6 +97,7 @@ def profile_groups(fn: Callable[[], Any], device: torch.device, top: int = 8) ->
         fn()
         _sync(device)
     rows: dict[str, float] = {}
+    launches: dict[str, int] = {}
     for e in prof.key_averages():
         if device.type == "cuda":
             us = float(getattr(e, "self_device_time_total", 0.0) or 0.0)
@@ -104,17 +109,40 @@ def profile_groups(fn: Callable[[], Any], device: torch.device, top: int = 8) ->
                 continue  # python/module frames: their self time is interpreter overhead, not kernels
         if us > 0:
             rows[e.key] = rows.get(e.key, 0.0) + us
+            launches[e.key] = launches.get(e.key, 0) + int(e.count)
     total = sum(rows.values()) or 1.0
     groups: dict[str, float] = {g: 0.0 for g, _ in GROUPS} | {"other": 0.0}
+    counts: dict[str, int] = dict.fromkeys(groups, 0)
     for k, us in rows.items():
         groups[kernel_group(k)] += us
+        counts[kernel_group(k)] += launches[k]
     ranked = sorted(rows.items(), key=lambda kv: -kv[1])[:top]
     return {
         "total_ms": total / 1e3,
         "share": {g: v / total for g, v in groups.items()},
         "ms": {g: v / 1e3 for g, v in groups.items()},
+        "launches": counts,
         "top": [{"name": k[:120], "ms": us / 1e3, "group": kernel_group(k)} for k, us in ranked],
     }
+
+
+def quantize_where_made(profile: dict[str, Any], device: torch.device, quantized: int, fed: int,
+                        producers: int) -> dict[str, Any]:  # fmt: skip
+    """Issue 40's item 2 read off one eager forward's profile: the fused producers launched once each, and the
+    standalone activation quantizes are at most one per quantized layer that no producer feeds (none left where a
+    producer exists). GPU kernels only: on a CPU the rows are ATen and custom ops, not launches."""
+    if device.type != "cuda":
+        return {"skipped": "a CPU profile counts ATen and custom ops, not kernel launches"}
+    n = profile.get("launches", {})
+    out = {"quantized_layers": quantized, "producer_fed_layers": fed, "producers": producers,
+           "producer_launches": n.get("producer", 0), "standalone_quantize_launches": n.get("quantize", 0),
+           "standalone_at_most": quantized - fed}  # fmt: skip
+    extra = out["standalone_quantize_launches"] - out["standalone_at_most"]
+    out["ok"] = extra <= 0 and out["producer_launches"] >= producers
+    out["verdict"] = ("no standalone quantize where a producer exists" if out["ok"] else
+                      f"{max(extra, 0)} standalone quantize launch(es) beyond the unfed layers, "
+                      f"{out['producer_launches']} producer launch(es) for {producers} producer(s)")  # fmt: skip
+    return out
 
 
 def compiled_forward(model: Any, net: nn.Module, inputs: tuple, device: torch.device, reps: int,
@@ -356,6 +384,11 @@ def model_stage(alias: str, device: torch.device, cfg: dict[str, Any], dev_rates
                         last = runs().get(ATTENTION_TAG)
                         entry["attention_ran"] = last.impl if last is not None else "emulated (no plain call)"
                     entry["profile_eager"] = profile_groups(fwd, device)
+                    if copy is not None and copy.producers and copy.producers.fused:
+                        fed = sum(len(v) for v in copy.producers.fused.values())
+                        entry["quantize_where_made"] = quantize_where_made(
+                            entry["profile_eager"], device, len(entry["quantized_layers"]), fed,
+                            len(copy.producers.fused))  # fmt: skip
                     entry["eager_total_s"] = time.perf_counter() - t_entry
             except Exception as e:  # one precision failing must not lose the others
                 (entry.setdefault("compiled", {}) if mode == "compiled" else entry).update(_error(e))

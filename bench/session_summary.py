@@ -117,6 +117,9 @@ def forwards_lines(s: dict[str, Any]) -> list[str]:
                      f"{_f(xc, 2):>7}{fast:>8}{_f(r_e, 2):>7}{_f(r_c, 2):>7}{_f(r_p, 2):>7}{_f(cs, 0):>10}"
                      f"{_f(ao_e, 2):>7}{_f(ao_c, 2):>7}{_f(e.get('refresh_ms')):>9}{_f(r_t, 2):>7}  "
                      + " ".join(f"{g} {v:.0%}" for g, v in shares))  # fmt: skip
+        made = e.get("quantize_where_made") or {}
+        if "verdict" in made:  # issue 40's check: no standalone quantize kernel where a producer exists
+            lines.append(f"{'':<18}producers: {made['verdict']}")
         c = e.get("compiled") or {}
         if q and c.get("census_summary"):  # traced scaled GEMMs (quantize fused) or opaque ops, per compiled graph
             lines.append(f"{'':<18}compiled: {c['census_summary'][:100]}")

@@ -251,6 +251,23 @@ def test_kernel_groups_of_the_names_an_h200_ran(session, forwards):
     assert {name: forwards.kernel_group(name) for name in ran} == ran
 
 
+def test_the_profile_says_whether_a_standalone_quantize_is_left_where_a_producer_exists(forwards):
+    """Issue 40's item 2 read off a GPU profile: the producers' Triton kernels are their own group, and the check
+    passes only where each producer launched and the standalone row-wise quantizes number at most the quantized
+    layers no producer feeds; a CPU profile (ATen rows) is not counted."""
+    for name in ("_adaln_quantize_kernel", "_gelu_quantize_kernel", "_glu_quantize_kernel"):
+        assert forwards.kernel_group(name) == "producer", name
+    assert forwards.kernel_group("_fp8_rowwise_kernel") == "quantize"
+    cuda = torch.device("cuda")
+    prof = {"launches": {"producer": 40, "quantize": 40}}  # SANA's FP8 copy: 80 layers, 40 fed by 40 producers
+    got = forwards.quantize_where_made(prof, cuda, quantized=80, fed=40, producers=40)
+    assert got["ok"] and got["verdict"] == "no standalone quantize where a producer exists"
+    got = forwards.quantize_where_made({"launches": {"producer": 40, "quantize": 60}}, cuda, 80, 40, 40)
+    assert not got["ok"] and got["verdict"].startswith("20 standalone quantize launch(es) beyond the unfed layers")
+    assert not forwards.quantize_where_made({"launches": {"producer": 0, "quantize": 40}}, cuda, 80, 40, 40)["ok"]
+    assert "skipped" in forwards.quantize_where_made(prof, torch.device("cpu"), 80, 40, 40)
+
+
 def test_the_summary_says_when_sol_rl_explored_with_the_policy(session):
     """The H200's trainer stage (2026-11-25): `auto` chose the policy, so its sol_rl is not the 4/8-bit headline."""
     summary = load_bench("session_summary")
