@@ -14,7 +14,17 @@ from pathlib import Path
 import pytest
 import torch
 from families import families
-from tiny_pipelines import SIZES, LazyPipes, build_flux, build_flux2, build_qwenimage, build_sana, build_sd3, build_wan
+from tiny_pipelines import (
+    SIZES,
+    LazyPipes,
+    build_flux,
+    build_flux2,
+    build_qwenimage,
+    build_sana,
+    build_sana_video,
+    build_sd3,
+    build_wan,
+)
 
 from solrl_engine import kernels
 from solrl_engine.explore.copy import ExploreCopy
@@ -196,7 +206,7 @@ def test_a_prequantized_tensor_is_its_value_to_every_op_and_its_codes_to_a_linea
 
 
 BUILDERS = {"flux": build_flux, "sd3": build_sd3, "sana": build_sana, "wan": build_wan, "qwenimage": build_qwenimage,
-            "flux2": build_flux2}
+            "flux2": build_flux2, "sana_video": build_sana_video}
 
 
 @pytest.fixture(scope="module")
@@ -227,7 +237,9 @@ def _count_quantizes(monkeypatch: pytest.MonkeyPatch, fmt: str) -> list[int]:
                                                  ("flux", "fp8", "90"), ("sana", "int8", None), ("sana", "fp8", "90"),
                                                  ("wan", "fp8", None), ("wan", "int8", "90"),
                                                  ("qwenimage", "int8", None), ("qwenimage", "fp8", "90"),
-                                                 ("flux2", "fp8", None), ("flux2", "int8", "90")])  # fmt: skip
+                                                 ("flux2", "fp8", None), ("flux2", "int8", "90"),
+                                                 ("sana_video", "int8", None),
+                                                 ("sana_video", "fp8", "90")])  # fmt: skip
 def test_a_fused_copy_computes_what_the_unfused_one_does_and_skips_its_consumers_quantizes(name, fmt, sm, pipes,
                                                                                             monkeypatch):  # fmt: skip
     """The real classes' explore copies (tiny FLUX.1, SD3.5 with adaLN modules; SANA, Wan, Qwen-Image, FLUX.2 whose

@@ -16,15 +16,21 @@ The explore copy takes SANA's rule: the cross-attention key/value projections an
 (GLUMBTempConv's inverted and point convolutions, quantized as linears over channels); the linear self-attention's
 projections stay in BF16, as the paper keeps SANA's. Its depthwise and temporal convolutions are not linears over
 channels and stay in BF16 too. On real weights `solrl fidelity --search` measures a wider rule (docs/video.md).
+Its norms are modulated per frame (no producer), but its FFN's gate is one, as SANA's: the point convolution's
+codes come with the gated depthwise output (`fused_ffn_forward`).
 """
 
 from __future__ import annotations
 
 from typing import Any, ClassVar
 
+import torch
+from torch import nn
+
 from solrl_engine.models import ModelSpec
 from solrl_engine.models.sana import SANA_EXPLORE_RULE, SANA_LORA_TARGETS, GemmaPrompts
 from solrl_engine.models.wan import WanModel
+from solrl_engine.nn.producers import gate
 
 # the published 480p transformer (diffusers' conversion of SANA_Video_2B_480p: 20 blocks of 20 heads x 112,
 # GLUMBTempConv FFN x3, patch (1, 2, 2) over the Wan VAE's 8x cells)
@@ -34,6 +40,23 @@ SANA_VIDEO_2B: dict[str, Any] = dict(
     mlp_ratio=3.0, attention_bias=False, sample_size=30, patch_size=(1, 2, 2), norm_elementwise_affine=False,
     norm_eps=1e-6, qk_norm="rms_norm_across_heads", rope_max_seq_len=1024,
 )  # fmt: skip
+
+
+def fused_ffn_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """diffusers' GLUMBTempConv.forward for an explore copy whose gate is a producer (nn.producers.gate, as SANA's
+    GLUMBConv): the gated depthwise output and the row-wise codes of the point convolution in one op; the temporal
+    aggregation after it as the stock module computes it."""
+    residual = hidden_states
+    batch_size, num_frames, height, width, num_channels = hidden_states.shape
+    hidden_states = hidden_states.view(batch_size * num_frames, height, width, num_channels).permute(0, 3, 1, 2)
+    hidden_states = self.nonlinearity(self.conv_inverted(hidden_states))
+    hidden_states = self.conv_point(gate(self.nonlinearity, self.conv_depth(hidden_states)))
+    temporal = hidden_states.view(batch_size, num_frames, num_channels, height * width).permute(0, 2, 1, 3)
+    hidden_states = temporal + self.conv_temp(temporal)
+    hidden_states = hidden_states.permute(0, 2, 3, 1).view(batch_size, num_frames, height, width, num_channels)
+    if self.norm_type == "rms_norm":  # move channel to the last dimension so we apply RMSnorm across channel dimension
+        hidden_states = self.norm(hidden_states.movedim(1, -1)).movedim(-1, 1)
+    return hidden_states + residual if self.residual_connection else hidden_states
 
 
 class SanaVideoModel(GemmaPrompts, WanModel):
@@ -80,6 +103,9 @@ SPEC = ModelSpec(
     guidance="cfg",
     guidance_scale=6.0,
     repeated_blocks=("SanaVideoTransformerBlock",),
+    # the FFN gates its depthwise output inline: its fused forward makes the gate a producer in an 8-bit copy
+    producers={"transformer_blocks.*.ff.nonlinearity": ("conv_point",)},
+    producer_blocks={"GLUMBTempConv": fused_ffn_forward},
     video=True,
     # Gemma-2-2B (SANA's) and the Wan2.1 VAE (Wan's), as published
     text_encoder_params_b={"Gemma-2-2B": 2.61},
