@@ -180,6 +180,13 @@ def engine_launches() -> list[Launch]:
             for fmt in ("fp8", "int8"):
                 for dt in (torch.bfloat16, torch.float32):
                     producers.glu_quantize(torch.empty(2, 4, 4, 2 * k, dtype=dt), fmt)
+        # FLUX.2 [klein] 4B's SwiGLUs: each FFN's (9216 values a row), the single block's joined after its attention's
+        # 3072 values
+        for fmt in ("fp8", "int8"):
+            for dt in (torch.bfloat16, torch.float32):
+                x = torch.empty(2, 7, 2 * 9216, dtype=dt)
+                producers.glu_quantize(x, fmt, True)
+                producers.glu_quantize(x, fmt, True, torch.empty(2, 7, 3072, dtype=dt))
         q = torch.empty(256, 512, dtype=torch.uint8)
         s = torch.empty(256, 64, dtype=torch.uint8)
         g = torch.ones(())

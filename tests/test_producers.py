@@ -144,17 +144,20 @@ def test_the_gelu_kernel_joins_a_prefix_before_the_activation(fmt, dtype, device
 @pytest.mark.parametrize("shape", [(1, 3, 32), (2, 7, 96), (1, 3, 5, 2080)])  # [..., 2K]: pixel rows of an NCHW map
 @pytest.mark.parametrize("fmt", ["fp8", "int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_gate_kernels_codes_are_the_formats_rowwise_codes_of_its_output(shape, fmt, dtype, device):
-    """The fused gate's Triton kernel (SANA's GLUMBConv: y = a * silu(g) of a row's two halves): its y agrees with
-    PyTorch's ops (FP32: to FP32 rounding, its exp is another's; BF16: silu rounded, then the product, as PyTorch's
-    BF16 ops round, a last bit apart rarely) and its codes and scales are the format's row-wise quantize of that y
-    bit for bit, on every input family in either half (an outlier, a NaN or an Inf in the gate or in the value)."""
+@pytest.mark.parametrize("gate_first", [False, True])
+def test_the_gate_kernels_codes_are_the_formats_rowwise_codes_of_its_output(shape, fmt, dtype, gate_first, device):
+    """The fused gate's Triton kernel (SANA's GLUMBConv: y = a * silu(g) of a row's halves [a, g]; FLUX.2's SwiGLU
+    silu(first) * second with `gate_first`): its y agrees with PyTorch's ops (FP32: to FP32 rounding, its exp is
+    another's; BF16: silu rounded, then the product, as PyTorch's BF16 ops round, a last bit apart rarely) and its
+    codes and scales are the format's row-wise quantize of that y bit for bit, on every input family in either half
+    (an outlier, a NaN or an Inf in the gate or in the value)."""
     for (kind, a), (_, g) in zip(families((*shape[:-1], shape[-1] // 2), seed=9),
                                  families((*shape[:-1], shape[-1] // 2), seed=10), strict=True):  # fmt: skip
-        x = torch.cat([a, g * 4], dim=-1).to(dtype)
-        va, vg = x.chunk(2, dim=-1)
-        want = va * torch.nn.functional.silu(vg)
-        y, codes, scale = torch.ops.solrl.glu_quantize(x.to(device), fmt, "gate kernel test")
+        x = torch.cat([g * 4, a] if gate_first else [a, g * 4], dim=-1).to(dtype)
+        first, second = x.chunk(2, dim=-1)
+        silu = torch.nn.functional.silu
+        want = silu(first) * second if gate_first else first * silu(second)
+        y, codes, scale = torch.ops.solrl.glu_quantize(x.to(device), fmt, "gate kernel test", gate_first)
         assert dispatch.runs()["gate kernel test"].impl.startswith("triton: gate"), dispatch.runs()["gate kernel test"]
         y, codes, scale = y.cpu(), codes.cpu(), scale.cpu()
         assert y.dtype == dtype and y.shape == want.shape and scale.shape == (*shape[:-1], 1)
@@ -171,6 +174,30 @@ def test_the_gate_kernels_codes_are_the_formats_rowwise_codes_of_its_output(shap
             assert torch.isnan(scale[bad]).all() if fmt == "int8" else nan_code.all()
     with pytest.raises(ValueError, match="odd 7"):
         torch.ops.solrl.glu_quantize(torch.randn(2, 7), fmt, "")
+
+
+@pytest.mark.usefixtures("triton_backend")
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_gate_kernel_joins_a_prefix_before_the_gate(fmt, dtype, device):
+    """FLUX.2's single block: y = cat([attention output, silu(first) * second]), the codes of the whole row (its
+    amax over both parts): the prefix passes through unchanged, the rest is the SwiGLU, and the codes are the
+    format's quantize of y bit for bit, on prefixes and activations of every input family."""
+    for (kind, x), (_, p) in zip(families((2, 5, 96), seed=11), families((2, 5, 16), seed=12), strict=True):
+        x, p = x.to(dtype), (p * 3).to(dtype)
+        y, codes, scale = torch.ops.solrl.glu_quantize(x.to(device), fmt, "gate cat test", True, p.to(device))
+        assert dispatch.runs()["gate cat test"].impl.startswith("triton: gate")
+        y, codes, scale = y.cpu(), codes.cpu(), scale.cpu()
+        assert y.shape == (2, 5, 64), kind
+        torch.testing.assert_close(y[..., :16], p, equal_nan=True, rtol=0, atol=0)
+        first, second = x.chunk(2, dim=-1)
+        torch.testing.assert_close(y[..., 16:], torch.nn.functional.silu(first) * second, equal_nan=True,
+                                   rtol=1e-5 if dtype == torch.float32 else 2**-7, atol=1e-6)  # fmt: skip
+        q = numerics(fmt).rowwise(y)
+        assert _same(codes, q.data) and _same(scale, q.scale), kind
+    with pytest.raises(ValueError, match="prefix of x's dtype"):
+        dispatch.triton_module("producers").glu_quantize(torch.randn(1, 2, 8), fmt, True,
+                                                         torch.randn(1, 2, 8, dtype=torch.bfloat16))  # fmt: skip
 
 
 def test_the_op_chooses_and_records_where_it_ran(monkeypatch):
@@ -298,7 +325,7 @@ def test_what_is_not_fused_is_said_and_keeps_the_stock_path(pipes):
     assert got.fused["transformer_blocks.0.ff.net.0"] == ["2"]  # an FFN's GELU module: a producer without blocks
     assert "none of the linears it feeds" in got.left["transformer_blocks.0.norm1"]
     assert "FeedForward is not a producer class" in got.left["transformer_blocks.0.ff"]
-    assert "gate's SiLU whose block (FluxTransformerBlock)" in got.left["transformer_blocks.0.norm2"]
+    assert "activation whose block (FluxTransformerBlock)" in got.left["transformer_blocks.0.norm2"]
     assert "8 producer(s) emit fp8 codes for 12 linear(s)" in got.summary()
     norm = copy.transformer.get_submodule("single_transformer_blocks.0.norm")
     h = torch.randn(1, 4, norm.norm.normalized_shape[0], requires_grad=True)
@@ -320,7 +347,7 @@ def test_an_inline_producer_needs_its_blocks_fused_forward_and_keeps_the_stock_e
     spec = model_spec("wan")
     copy = ExploreCopy(model.transformer, "int8", changes=spec.explore_rule)
     got = fuse_producers(copy.transformer, {"blocks.*.norm1": ("attn1.to_q",), "blocks.*.norm2": ("attn2.to_q",)})
-    assert not got.fused and "gate's SiLU whose block (WanTransformerBlock)" in got.left["blocks.0.norm1"]
+    assert not got.fused and "activation whose block (WanTransformerBlock)" in got.left["blocks.0.norm1"]
     got = fuse_producers(copy.transformer, {"blocks.*.norm1": ("attn1.to_q",), "blocks.*.norm2": ("attn2.to_q",)},
                          spec.producer_blocks)  # fmt: skip
     assert set(got.fused) == {"blocks.0.norm1", "blocks.1.norm1"}

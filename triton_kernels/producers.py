@@ -109,18 +109,28 @@ def _gelu_quantize_kernel(x_ptr, p_ptr, y_ptr, q_ptr, scale_ptr, M, K, KP, BLOCK
 
 
 @triton.jit
-def _glu_quantize_kernel(x_ptr, y_ptr, q_ptr, scale_ptr, M, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                         IN_BF16: tl.constexpr, Y_KIND: tl.constexpr, FMT: tl.constexpr):  # fmt: skip
-    # a row of x is [a (K values), g (K values)]; y = a * silu(g), K values
+def _glu_quantize_kernel(x_ptr, p_ptr, y_ptr, q_ptr, scale_ptr, M, K, KP, BLOCK_M: tl.constexpr,
+                         BLOCK_K: tl.constexpr, IN_BF16: tl.constexpr, Y_KIND: tl.constexpr, GATE_FIRST: tl.constexpr,
+                         FMT: tl.constexpr):  # fmt: skip
+    # a row of y is the prefix's KP values (none where KP is 0) then a * silu(g) of x's row: [a, g] ([g, a] with
+    # GATE_FIRST), each K - KP values
     rows, cols, rmask, m, offs = _row_tile(M, K, BLOCK_M, BLOCK_K)
-    xoffs = rows[:, None] * (2 * K) + cols[None, :]
-    a = load_f32(x_ptr + xoffs, m, IN_BF16)
-    g = load_f32(x_ptr + xoffs + K, m, IN_BF16)
+    h = K - KP
+    pre = (cols < KP)[None, :]
+    xoffs = rows[:, None] * (2 * h) + (cols - KP)[None, :]
+    first = load_f32(x_ptr + xoffs, m & ~pre, IN_BF16)
+    second = load_f32(x_ptr + xoffs + h, m & ~pre, IN_BF16)
+    if GATE_FIRST:
+        a, g = second, first
+    else:
+        a, g = first, second
     s = tl.div_rn(g, 1.0 + tl.exp(-g))  # PyTorch's silu: x / (1 + exp(-x)) in FP32
     if IN_BF16:  # silu's BF16 result, then the BF16 product: each rounded as PyTorch's BF16 ops round
         s = round_bf16(s)
     y = a * s
-    if IN_BF16:
+    if KP > 0:
+        y = tl.where(pre, load_f32(p_ptr + rows[:, None] * KP + cols[None, :], m & pre, IN_BF16), y)
+    if Y_KIND == 1:
         y = round_bf16(y)
     store_out(y_ptr + offs, y, m, Y_KIND)
     _store_codes(y, m, rmask, rows, offs, q_ptr, scale_ptr, FMT)
@@ -194,19 +204,22 @@ def gelu_quantize(x: torch.Tensor, fmt: str, prefix: torch.Tensor | None = None
     return y, (q.view(torch.float8_e4m3fn) if fmt == "fp8" else q), scale
 
 
-def glu_quantize(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [..., 2K] (FP32 or BF16) -> (y = a * silu(g) for x = cat([a, g], -1), in x's dtype [..., K], y's row-wise
-    `fmt` codes [..., K], FP32 decode scales [..., 1]): a gated FFN's gate (SANA's GLUMBConv, rows = pixels) and the
-    codes of the linear it feeds, in one pass. x is read as contiguous rows (a channels-last NCHW tensor's pixel rows
-    are: no copy)."""
+def glu_quantize(x: torch.Tensor, fmt: str, gate_first: bool = False, prefix: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """x [..., 2H] (FP32 or BF16) -> (y = a * silu(g) for x = cat([a, g], -1) (cat([g, a]) with `gate_first`), in
+    x's dtype [..., H], y's row-wise `fmt` codes [..., H], FP32 decode scales [..., 1]): a gated FFN's gate (SANA's
+    GLUMBConv, rows = pixels; FLUX.2's SwiGLU) and the codes of the linear it feeds, in one pass. `prefix`
+    [..., KP] (x's dtype): y = cat([prefix, a * silu(g)], -1), the codes of the whole row (FLUX.2's single block).
+    x is read as contiguous rows (a channels-last NCHW tensor's pixel rows are: no copy)."""
     if fmt not in FORMATS:
         raise ValueError(f"glu_quantize emits {tuple(FORMATS)} codes; got {fmt!r}")
-    k2 = x.shape[-1]
-    if k2 % 2 or k2 // 2 > MAX_K or x.dtype not in _Y_KIND:
-        raise ValueError(f"glu_quantize gates rows of an even length up to {2 * MAX_K} FP32/BF16 values; got {k2} of "
-                         f"{x.dtype}")  # fmt: skip
-    k = k2 // 2
+    kp = 0 if prefix is None else prefix.shape[-1]
+    k = x.shape[-1] // 2 + kp
+    if x.shape[-1] % 2 or k > MAX_K or x.dtype not in _Y_KIND or (prefix is not None and prefix.dtype != x.dtype):
+        raise ValueError(f"glu_quantize gates rows of an even length into at most {MAX_K} FP32/BF16 values (a prefix "
+                         f"of x's dtype included); got {x.shape[-1]} of {x.dtype}")  # fmt: skip
     x = x.contiguous()
+    p = x if prefix is None else prefix.contiguous()
     y = x.new_empty((*x.shape[:-1], k))
     q = torch.empty(y.shape, dtype=torch.uint8 if fmt == "fp8" else torch.int8, device=x.device)
     scale = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
@@ -216,7 +229,7 @@ def glu_quantize(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor,
         bf16 = x.dtype == torch.bfloat16
         as_bits = (lambda t: t.view(torch.int16)) if bf16 else (lambda t: t)
         _glu_quantize_kernel[(triton.cdiv(rows, block_m),)](
-            as_bits(x), as_bits(y), q, scale, rows, k, BLOCK_M=block_m, BLOCK_K=block_k, IN_BF16=bf16,
-            Y_KIND=_Y_KIND[x.dtype], FMT=FORMATS[fmt], **warps, **EXACT,
+            as_bits(x), as_bits(p), as_bits(y), q, scale, rows, k, kp, BLOCK_M=block_m, BLOCK_K=block_k,
+            IN_BF16=bf16, Y_KIND=_Y_KIND[x.dtype], GATE_FIRST=gate_first, FMT=FORMATS[fmt], **warps, **EXACT,
         )
     return y, (q.view(torch.float8_e4m3fn) if fmt == "fp8" else q), scale

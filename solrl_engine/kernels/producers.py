@@ -147,24 +147,29 @@ def _(x, fmt, tag="", prefix=None):  # noqa: ANN001, ANN202
     return x.new_empty(shape), codes, x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)
 
 
-def _glu_ref(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _glu_ref(x: torch.Tensor, fmt: str, gate_first: bool, prefix: torch.Tensor | None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     ran("reference")
-    return producers.glu_quantize(x, fmt)
+    return producers.glu_quantize(x, fmt, gate_first, prefix)
 
 
-def _glu_tr(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    out = triton_module("producers").glu_quantize(x, fmt)
+def _glu_tr(x: torch.Tensor, fmt: str, gate_first: bool, prefix: torch.Tensor | None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    out = triton_module("producers").glu_quantize(x, fmt, gate_first, prefix)
     ran("triton: gate (a * silu(g)) and row-wise quantize in one pass")
     return out
 
 
-def _glu_fits(device: torch.device, k: int, x_dtype: torch.dtype, fmt: str, **_: object) -> str | None:
+def _glu_fits(device: torch.device, k: int, x_dtype: torch.dtype, fmt: str, prefix_dtype: torch.dtype | None = None,
+              **_: object) -> str | None:  # fmt: skip
     if fmt not in ("fp8", "int8"):
         return f"the fused gate kernel emits FP8 or INT8 codes, not {fmt}"
     if k > MAX_K:
-        return f"the fused gate kernel holds rows of at most {MAX_K} gated values; got {k}"
+        return f"the fused gate kernel holds rows of at most {MAX_K} values; got {k}"
     if x_dtype not in (torch.float32, torch.bfloat16):
         return f"the fused gate kernel reads and writes FP32 or BF16; got {x_dtype}"
+    if prefix_dtype not in (None, x_dtype):
+        return f"the fused gate kernel takes a prefix of its input's dtype; got {prefix_dtype} beside {x_dtype}"
     return None
 
 
@@ -172,20 +177,24 @@ register("glu_quantize", {"reference": _glu_ref, "triton": _glu_tr}, fits={"trit
 
 
 @torch.library.custom_op("solrl::glu_quantize", mutates_args=())
-def glu_quantize(x: torch.Tensor, fmt: str, tag: str = "") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y, codes, scales) for a gated FFN's x [..., 2K] = cat([a, g]): y = a * silu(g) in x's dtype [..., K] (SANA's
-    GLUMBConv gate, rows = pixels) and `fmt`'s row-wise codes and [..., 1] FP32 scales of y, for the linear y feeds.
-    Through dispatch's choice; `tag` records what ran. A custom op, like adaln_quantize."""
+def glu_quantize(x: torch.Tensor, fmt: str, tag: str = "", gate_first: bool = False,
+                 prefix: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(y, codes, scales) for a gated FFN's x [..., 2H] = cat([a, g]) (cat([g, a]) with `gate_first`): y = a *
+    silu(g) in x's dtype [..., H] (SANA's GLUMBConv gate, rows = pixels; FLUX.2's SwiGLU), after `prefix` [..., KP]
+    along the last dimension where given, and `fmt`'s row-wise codes and [..., 1] FP32 scales of y, for the linear
+    y feeds. Through dispatch's choice; `tag` records what ran. A custom op, like adaln_quantize."""
     if fmt not in rowwise_formats():
         raise ValueError(f"glu_quantize emits row-wise codes of {rowwise_formats()}; got {fmt!r}")
     if x.shape[-1] % 2:
         raise ValueError(f"glu_quantize gates the two halves of the last dimension; got an odd {x.shape[-1]}")
-    backend = choose("glu_quantize", x.device, k=x.shape[-1] // 2, x_dtype=x.dtype, fmt=fmt)[0]
-    return _recorded("glu_quantize", backend, (x, fmt), tag, GLU_HINT)
+    k = x.shape[-1] // 2 + (0 if prefix is None else prefix.shape[-1])
+    backend = choose("glu_quantize", x.device, k=k, x_dtype=x.dtype, fmt=fmt,
+                     prefix_dtype=x.dtype if prefix is None else prefix.dtype)[0]  # fmt: skip
+    return _recorded("glu_quantize", backend, (x, fmt, gate_first, prefix), tag, GLU_HINT)
 
 
 @glu_quantize.register_fake
-def _(x, fmt, tag=""):  # noqa: ANN001, ANN202
-    shape = (*x.shape[:-1], x.shape[-1] // 2)
+def _(x, fmt, tag="", gate_first=False, prefix=None):  # noqa: ANN001, ANN202
+    shape = (*x.shape[:-1], x.shape[-1] // 2 + (0 if prefix is None else prefix.shape[-1]))
     codes = x.new_empty(shape, dtype=torch.float8_e4m3fn if fmt == "fp8" else torch.int8)
     return x.new_empty(shape), codes, x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)

@@ -32,7 +32,7 @@ from torch import nn
 from solrl_engine.models import ModelSpec
 from solrl_engine.models.base import Conditioning
 from solrl_engine.models.pipeline import JOINT_ATTENTION_LORA_TARGETS, PackedLatentFlowModel
-from solrl_engine.nn.producers import modulate
+from solrl_engine.nn.producers import gate, modulate
 
 FLUX2_LORA_TARGETS = (*JOINT_ATTENTION_LORA_TARGETS, "attn.to_qkv_mlp_proj")
 FLUX2_EXPLORE_RULE: dict[str, Any] = {"include": ("transformer_blocks.*", "single_transformer_blocks.*")}
@@ -87,6 +87,41 @@ def fused_single_block_forward(self: nn.Module, hidden_states: torch.Tensor,
     if split_hidden_states:
         return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
     return hidden_states
+
+
+def fused_ff_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """diffusers' Flux2FeedForward.forward with its SwiGLU through `gate`: the activation and the codes of
+    `linear_out` (3x the hidden size a row, a double block's widest quantize) in one op."""
+    return self.linear_out(gate(self.act_fn, self.linear_in(x), dim=-1, gate_first=True))
+
+
+def fused_parallel_attention_forward(self: nn.Module, hidden_states: torch.Tensor,
+                                     attention_mask: torch.Tensor | None = None,
+                                     image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+                                     **kwargs: Any) -> torch.Tensor:  # fmt: skip
+    """diffusers' Flux2ParallelSelfAttention with its stock processor (Flux2ParallelSelfAttnProcessor), restated so
+    the MLP's SwiGLU and its join after the attention's output go through `gate` with that output as the prefix:
+    the activation, the join and the codes of `to_out` (the widest quantize of a single block) in one op. Another
+    processor (a KV-cached one), or extra keyword arguments, run the stock forward."""
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+    from diffusers.models.embeddings import apply_rotary_emb
+    from diffusers.models.transformers.transformer_flux2 import Flux2ParallelSelfAttnProcessor
+
+    proc = self.processor
+    if type(proc) is not Flux2ParallelSelfAttnProcessor or kwargs:
+        return super(type(self), self).forward(hidden_states, attention_mask, image_rotary_emb, **kwargs)
+    hidden_states = self.to_qkv_mlp_proj(hidden_states)
+    qkv, mlp_hidden_states = torch.split(
+        hidden_states, [3 * self.inner_dim, self.mlp_hidden_dim * self.mlp_mult_factor], dim=-1)  # fmt: skip
+    query, key, value = (t.unflatten(-1, (self.heads, -1)) for t in qkv.chunk(3, dim=-1))
+    query, key = self.norm_q(query), self.norm_k(key)
+    if image_rotary_emb is not None:
+        query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
+        key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+    hidden_states = dispatch_attention_fn(query, key, value, attn_mask=attention_mask,
+                                          backend=proc._attention_backend, parallel_config=proc._parallel_config)
+    hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
+    return self.to_out(gate(self.mlp_act_fn, mlp_hidden_states, dim=-1, gate_first=True, prefix=hidden_states))
 
 
 class Flux2KleinModel(PackedLatentFlowModel):
@@ -184,16 +219,23 @@ SPEC = ModelSpec(
     guidance="cfg",
     guidance_scale=4.0,
     repeated_blocks=("Flux2TransformerBlock", "Flux2SingleTransformerBlock"),
-    # every norm modulates inline: the fused forwards above make them producers in an 8-bit explore copy
+    # every norm modulates inline, every SwiGLU is applied inline: the fused forwards above make them producers in
+    # an 8-bit explore copy
     producers={
         "transformer_blocks.*.norm1": ("attn.to_q", "attn.to_k", "attn.to_v"),
         "transformer_blocks.*.norm1_context": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
         "transformer_blocks.*.norm2": ("ff.linear_in",),
         "transformer_blocks.*.norm2_context": ("ff_context.linear_in",),
         "single_transformer_blocks.*.norm": ("attn.to_qkv_mlp_proj",),
+        # the SwiGLUs: each FFN's, and the single block's MLP joined after its attention's output
+        "transformer_blocks.*.ff.act_fn": ("linear_out",),
+        "transformer_blocks.*.ff_context.act_fn": ("linear_out",),
+        "single_transformer_blocks.*.attn.mlp_act_fn": ("to_out",),
     },
     producer_blocks={"Flux2TransformerBlock": fused_block_forward,
-                     "Flux2SingleTransformerBlock": fused_single_block_forward},
+                     "Flux2SingleTransformerBlock": fused_single_block_forward,
+                     "Flux2FeedForward": fused_ff_forward,
+                     "Flux2ParallelSelfAttention": fused_parallel_attention_forward},
     text_encoder_params_b={"Qwen3-4B": 4.02},
     vae_params_b=0.084,
 )

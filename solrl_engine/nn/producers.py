@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from solrl_engine import kernels  # noqa: F401 - registers solrl::adaln_quantize
@@ -97,16 +98,23 @@ def activate_after(act: nn.Module, prefix: torch.Tensor, x: torch.Tensor) -> tor
     return Prequantized(*torch.ops.solrl.gelu_quantize(x, fmt, act.__dict__["_solrl_tag"], prefix), fmt)
 
 
-def gate(act: nn.Module, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
-    """a * act(g) for x's two halves a, g along `dim`, as SANA's GLUMBConv gates its depthwise convolution's output
-    (channels: dim 1), with the row-wise codes of the product over `dim` (one row per pixel: the rows its last 1x1
-    convolution reads, handed over in x's layout) when `fuse_producers` fused `act` (an nn.SiLU) and the call is one
-    the op takes; else exactly that expression."""
-    fmt = act.__dict__.get("_solrl_fmt")
-    if fmt is None or (torch.is_grad_enabled() and x.requires_grad) or x.shape[dim] % 2:
-        a, g = torch.chunk(x, 2, dim=dim)
-        return a * act(g)
-    y, codes, s = torch.ops.solrl.glu_quantize(x.movedim(dim, -1), fmt, act.__dict__["_solrl_tag"])
+def gate(owner: nn.Module, x: torch.Tensor, dim: int = 1, gate_first: bool = False,
+         prefix: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """a * silu(g) for x's two halves [a, g] along `dim` ([g, a] with `gate_first`: FLUX.2's SwiGLU, `silu(first) *
+    second`, the same product), after `prefix` along the last dimension where given; as SANA's GLUMBConv gates its
+    depthwise convolution's output (channels: dim 1) and FLUX.2's FFNs their first linear's output. With the
+    row-wise codes of the result over `dim` (SANA: one row per pixel, handed over in x's layout) when
+    `fuse_producers` fused `owner` (the module that applies the SiLU: SANA's nn.SiLU, FLUX.2's SwiGLU) and the call
+    is one the op takes; else exactly that expression."""
+    fmt = owner.__dict__.get("_solrl_fmt")
+    grad = torch.is_grad_enabled() and (x.requires_grad or (prefix is not None and prefix.requires_grad))
+    joins = prefix is None or (dim in (-1, x.dim() - 1) and prefix.shape[:-1] == x.shape[:-1])
+    if fmt is None or grad or x.shape[dim] % 2 or not joins:
+        first, second = torch.chunk(x, 2, dim=dim)
+        y = F.silu(first) * second if gate_first else first * F.silu(second)
+        return y if prefix is None else torch.cat([prefix, y], dim=-1)
+    y, codes, s = torch.ops.solrl.glu_quantize(x.movedim(dim, -1), fmt, owner.__dict__["_solrl_tag"], gate_first,
+                                               prefix)  # fmt: skip
     return relayout(Prequantized(y, codes, s, fmt), lambda t: t.movedim(-1, dim))
 
 
@@ -183,12 +191,13 @@ def _why_not(module: nn.Module, block: nn.Module | None, blocks: Mapping[str, Ca
         return "an affine LayerNorm: the fused kernel applies no weight" if module.elementwise_affine else None
     if type(module) is nn.GELU and block is not None and type(block).__name__ in blocks:
         return None if module.approximate == "tanh" else "an exact (erf) GELU: the fused kernel computes the tanh form"
-    if type(module) is nn.SiLU and block is not None and type(block).__name__ in blocks:  # a gate's activation
-        return None
+    if block is not None and type(block).__name__ in blocks and not isinstance(module, nn.LayerNorm):
+        # an activation its block applies inline (a gate's SiLU, FLUX.2's SwiGLU): its fused forward calls the op
+        return None if next(module.parameters(), None) is None else "a module with weights: the kernels apply none"
     names = ", ".join(c.__name__ for c in _fusable())
     where = type(block).__name__ if block is not None else "none"
-    return (f"{type(module).__name__} is not a producer class this engine fuses ({names}), nor a LayerNorm, GELU or "
-            f"gate's SiLU whose block ({where}) has a fused forward in the family")
+    return (f"{type(module).__name__} is not a producer class this engine fuses ({names}), nor a LayerNorm or "
+            f"activation whose block ({where}) has a fused forward in the family")
 
 
 @functools.cache

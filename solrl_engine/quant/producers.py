@@ -49,14 +49,20 @@ def gelu_quantize(x: torch.Tensor, fmt: str, prefix: torch.Tensor | None = None
     return _codes(y if prefix is None else torch.cat([prefix, y], dim=-1), fmt)
 
 
-def glu_quantize(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def glu_quantize(x: torch.Tensor, fmt: str, gate_first: bool = False, prefix: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """(y, codes, scales): a gated FFN's gate y = a * silu(g) for x = cat([a, g]) along the last dimension (SANA's
-    GLUMBConv after its depthwise convolution: `hidden * silu(gate)` of its two channel halves, in x's dtype) and
-    `fmt`'s row-wise quantize of it: the codes of the linear y feeds (its last 1x1 convolution)."""
+    GLUMBConv after its depthwise convolution: `hidden * silu(gate)` of its two channel halves), or x = cat([g, a])
+    with `gate_first` (FLUX.2's SwiGLU: `silu(first) * second`, the same product), in x's dtype, after `prefix`
+    along the last dimension where given (FLUX.2's single block joins its attention's output first), and `fmt`'s
+    row-wise quantize of it: the codes of the linear y feeds."""
     if x.shape[-1] % 2:
         raise ValueError(f"glu_quantize gates the two halves of the last dimension; got an odd {x.shape[-1]}")
     a, g = x.chunk(2, dim=-1)
-    return _codes(a * F.silu(g), fmt)
+    if gate_first:
+        a, g = g, a
+    y = a * F.silu(g)
+    return _codes(y if prefix is None else torch.cat([prefix, y], dim=-1), fmt)
 
 
 def _codes(y: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
