@@ -434,14 +434,15 @@ LINK_BANDWIDTH = {"H100": 450e9, "A100": 300e9, "B200": 900e9}
 
 
 def context_parallel(ops: list[OpCost], dev: Device, precision: str, quantized: set[str], cp: int,
-                     fused: bool = False) -> dict[str, float]:  # fmt: skip
+                     fused: bool = False, produced: dict[str, str] | None = None) -> dict[str, float]:  # fmt: skip
     """One forward split over `cp` ranks by Ulysses (rl/context_parallel.py): each rank computes 1/cp of every op
     (its tokens through the linears, its heads through attention) and, around each self-attention call, all-to-alls
     q, k, v in and the output back: (cp - 1) / cp of its share of those bytes, at the assumed link bandwidth, not
     overlapped with compute (a cross-attention's queries stay with their rank: no exchange). Returns the rank's
     compute and communication seconds, the forward's, and its efficiency: the unsplit forward's seconds over cp
-    ranks' seconds (1.0: the split costs nothing)."""
-    whole = forward_seconds(ops, dev, precision, quantized, fused)
+    ranks' seconds (1.0: the split costs nothing). `produced`: the explore copy's producer-fed linears
+    (`producer_fed`), priced as `group_times` prices them."""
+    whole = forward_seconds(ops, dev, precision, quantized, fused, produced=produced)
     compute = whole / cp
     comm = sum(c.self_bytes / cp * (cp - 1) / cp for c in ops if c.kind == "attention") / LINK_BANDWIDTH[dev.name]
     return {"compute_s": compute, "comm_s": comm, "forward_s": compute + comm,
@@ -585,7 +586,8 @@ def predict(families: list[str], devices: list[Device], batches: dict[str, int],
                     cp = settings["context_parallel"]
                     entry[mode]["context_parallel"] = {"degree": cp, "bf16": context_parallel(ops, dev, "bf16", set(),
                                                                                               cp, fused),
-                                                       prec: context_parallel(ops, dev, prec, quantized, cp, fused),
+                                                       prec: context_parallel(ops, dev, prec, quantized, cp, fused,
+                                                                              produced),
                                                        "train": context_parallel(profiles[tb], dev, "bf16", set(), cp,
                                                                                  fused)}  # fmt: skip
                 if "fp8" in dev.rates:  # the option of FP8 attention in the explore forward only (priced, not built)
