@@ -104,6 +104,9 @@ def test_a_producer_writes_its_codes_once_in_place_of_its_linears_quantize_passe
     assert fused["blocks.*.attn.to_q [producer codes fp8]"]["bytes"] == 2 * rows * k  # two norms, one byte each
     saved = sum(v["s"] for v in plain.values()) - sum(v["s"] for v in fused.values())
     assert saved == pytest.approx((3 * 2 * rows * k * 3 - 2 * rows * k) / 0.5e12)
+    # a forward split over ranks (context parallelism) is priced with the same producers
+    split = predict.context_parallel([*qkv, out], dev, "fp8", layers, 4, produced=produced)
+    assert split["compute_s"] == pytest.approx(sum(v["s"] for v in fused.values()) / 4)
 
 
 def test_the_meta_models_producers_are_the_trainers(predict):
