@@ -34,11 +34,12 @@ sys.path.insert(0, str(ROOT))
 # reference anyway, so they keep the compiler's default.
 BIT_EXACT = ("_fp8_rowwise_kernel", "_int8_rowwise_kernel", "_epilogue_kernel", "_amax_kernel", "_rot_amax_kernel",
              "_quantize_kernel", "_rotate_kernel", "_dequantize_kernel", "_int8_gemm_kernel",
-             "_adaln_quantize_kernel", "_gelu_quantize_kernel", "_glu_quantize_kernel")  # fmt: skip
+             "_adaln_quantize_kernel", "_gelu_quantize_kernel", "_glu_quantize_kernel",
+             "_rms_quantize_kernel")  # fmt: skip
 # Kernels that also serve an older architecture than the default targets: the INT8 GEMM and attention run on Ampere
 # (sm_80), and their int8 dots must compile there (mma.sync) as well as on Hopper (wgmma) and Blackwell.
 ALSO_FOR = {"_int8_gemm_kernel": (80,), "_int8_attention_kernel": (80,), "_adaln_quantize_kernel": (80,),
-            "_gelu_quantize_kernel": (80,), "_glu_quantize_kernel": (80,)}
+            "_gelu_quantize_kernel": (80,), "_glu_quantize_kernel": (80,), "_rms_quantize_kernel": (80,)}
 MODULES = ("fp8", "int8", "nvfp4", "gemm", "attention", "producers")  # every module of triton_kernels/ with kernels
 
 _OPTION_KEYS = ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion", "maxnreg")
@@ -187,6 +188,14 @@ def engine_launches() -> list[Launch]:
                 x = torch.empty(2, 7, 2 * 9216, dtype=dt)
                 producers.glu_quantize(x, fmt, True)
                 producers.glu_quantize(x, fmt, True, torch.empty(2, 7, 3072, dtype=dt))
+        # Z-Image's modulated RMS norms (3840: BF16 weight and scale under autocast, FP32 without) and its SwiGLU of
+        # two linears (10240 values a row)
+        for fmt in ("fp8", "int8"):
+            for dt in (torch.bfloat16, torch.float32):
+                x = torch.empty(2, 7, 3840, dtype=dt)
+                producers.rms_quantize(x, torch.ones(3840, dtype=dt), 1e-5, torch.ones(2, 3840, dtype=dt), fmt, dt)
+                h = torch.empty(2, 7, 10240, dtype=dt)
+                producers.glu_quantize(h, fmt, True, None, h)
         q = torch.empty(256, 512, dtype=torch.uint8)
         s = torch.empty(256, 64, dtype=torch.uint8)
         g = torch.ones(())

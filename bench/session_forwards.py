@@ -59,7 +59,7 @@ COMPILE_ALLOWANCE = 60.0
 # and aten::_int_mm low-precision, aten::mm/addmm/bmm BF16, the solrl:: custom ops' own time is quantize.
 # Our fused producers (a norm or an activation and the 8-bit codes in one kernel) are their own group: what they
 # take over from the quantize group is the measure of issue 40's item 2.
-PRODUCER_KERNELS = ("_adaln_quantize", "_gelu_quantize", "_glu_quantize")
+PRODUCER_KERNELS = ("_adaln_quantize", "_gelu_quantize", "_glu_quantize", "_rms_quantize")
 GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("attention", ("flash", "fmha", "scaled_dot_product", "efficient_attention", "cudnn_attn", "attention")),
     ("producer", PRODUCER_KERNELS),

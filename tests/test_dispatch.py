@@ -136,7 +136,8 @@ def test_choose_and_select_walk_one_order(monkeypatch, sm, want):
     producers = {"adaln_quantize": {"k": 256, "x_dtype": torch.bfloat16, "modulation_dtype": torch.bfloat16,
                                     "fp32_norm": False, "fmt": "fp8"},
                  "gelu_quantize": {"k": 256, "x_dtype": torch.bfloat16, "fmt": "int8"},
-                 "glu_quantize": {"k": 256, "x_dtype": torch.bfloat16, "fmt": "fp8"}}  # fmt: skip
+                 "glu_quantize": {"k": 256, "x_dtype": torch.bfloat16, "fmt": "fp8"},
+                 "rms_quantize": {"k": 256, "dtypes": (torch.bfloat16,), "fmt": "int8"}}  # fmt: skip
     for op in dispatch.ops():
         shape = ({"k": 256, "n": 64} if op.endswith("_linear") else {"d": 64} if op.endswith("_attention")
                  else producers.get(op, {}))  # fmt: skip

@@ -24,6 +24,7 @@ from tiny_pipelines import (
     build_sana_video,
     build_sd3,
     build_wan,
+    build_z_image,
 )
 
 from solrl_engine import kernels
@@ -93,6 +94,41 @@ def test_the_kernels_codes_are_the_formats_rowwise_codes_of_its_output(shape, fm
 @pytest.mark.usefixtures("triton_backend")
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("fmt", ["fp8", "int8"])
+@pytest.mark.parametrize(("x_dt", "w_dt", "s_dt"), [(torch.bfloat16, torch.bfloat16, torch.bfloat16),
+                                                    (torch.float32, torch.float32, torch.float32),
+                                                    (torch.bfloat16, torch.float32, torch.bfloat16),
+                                                    (torch.bfloat16, None, torch.bfloat16),
+                                                    (torch.bfloat16, torch.bfloat16, None)])  # fmt: skip
+def test_the_rms_kernels_codes_are_the_formats_rowwise_codes_of_its_output(shape, fmt, x_dt, w_dt, s_dt, device):
+    """The fused RMS norm's Triton kernel (Z-Image: diffusers' RMSNorm with its weight, times the sample's
+    modulation scale): its y agrees with the module's ops in their dtypes (a BF16 weight: cast before it
+    multiplies; an FP32 one: an FP32 y; none: x's dtype; the scale's product rounded as PyTorch rounds it; the mean
+    square's sum is ordered otherwise, so to FP32 rounding, a last BF16 bit apart rarely) and its codes and scales
+    are the format's row-wise quantize of that y bit for bit, on every input family."""
+    b, t, k = shape
+    g = torch.Generator().manual_seed(4)
+    w = None if w_dt is None else (1 + 0.3 * torch.randn(k, generator=g)).to(w_dt)
+    sc = None if s_dt is None else (1 + 0.5 * torch.randn(b, k, generator=g)).to(s_dt)
+    for kind, x in families(shape, seed=23):
+        x = x.to(x_dt)
+        want = producers.rms_scaled(x, w, 1e-5, sc)
+        on = (lambda v: None if v is None else v.to(device))  # noqa: E731
+        y, codes, scale = torch.ops.solrl.rms_quantize(x.to(device), on(w), 1e-5, on(sc), fmt, "rms test")
+        assert dispatch.runs()["rms test"].impl.startswith("triton: RMS"), dispatch.runs()["rms test"]
+        y, codes, scale = y.cpu(), codes.cpu(), scale.cpu()
+        assert y.dtype == want.dtype, (y.dtype, want.dtype)
+        tol = {"rtol": 1e-5, "atol": 1e-5} if y.dtype == torch.float32 else {"rtol": 2**-7, "atol": 2**-7}
+        torch.testing.assert_close(y, want, equal_nan=True, **tol, msg=lambda m, kind=kind: f"{kind}: {m}")
+        if y.dtype == torch.bfloat16:
+            differ = (y.view(torch.int16) != want.view(torch.int16)) & ~torch.isnan(want)
+            assert differ.float().mean() < 0.02, kind
+        q = numerics(fmt).rowwise(y)
+        assert _same(codes, q.data) and _same(scale, q.scale), kind
+
+
+@pytest.mark.usefixtures("triton_backend")
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_gelu_kernels_codes_are_the_formats_rowwise_codes_of_its_output(shape, fmt, dtype, device):
     """The fused GELU's Triton kernel: its y agrees with PyTorch's tanh GELU (FP32: to a few FP32 roundings, its
@@ -144,20 +180,23 @@ def test_the_gelu_kernel_joins_a_prefix_before_the_activation(fmt, dtype, device
 @pytest.mark.parametrize("shape", [(1, 3, 32), (2, 7, 96), (1, 3, 5, 2080)])  # [..., 2K]: pixel rows of an NCHW map
 @pytest.mark.parametrize("fmt", ["fp8", "int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("gate_first", [False, True])
-def test_the_gate_kernels_codes_are_the_formats_rowwise_codes_of_its_output(shape, fmt, dtype, gate_first, device):
+@pytest.mark.parametrize(("gate_first", "two"), [(False, False), (True, False), (True, True)])
+def test_the_gate_kernels_codes_are_the_formats_rowwise_codes_of_its_output(shape, fmt, dtype, gate_first, two,
+                                                                           device):  # fmt: skip
     """The fused gate's Triton kernel (SANA's GLUMBConv: y = a * silu(g) of a row's halves [a, g]; FLUX.2's SwiGLU
-    silu(first) * second with `gate_first`): its y agrees with PyTorch's ops (FP32: to FP32 rounding, its exp is
-    another's; BF16: silu rounded, then the product, as PyTorch's BF16 ops round, a last bit apart rarely) and its
-    codes and scales are the format's row-wise quantize of that y bit for bit, on every input family in either half
-    (an outlier, a NaN or an Inf in the gate or in the value)."""
+    silu(first) * second with `gate_first`; Z-Image's, whose halves are two linears' outputs: `second`): its y
+    agrees with PyTorch's ops (FP32: to FP32 rounding, its exp is another's; BF16: silu rounded, then the product,
+    as PyTorch's BF16 ops round, a last bit apart rarely) and its codes and scales are the format's row-wise
+    quantize of that y bit for bit, on every input family in either half (an outlier, a NaN or an Inf in the gate
+    or in the value)."""
     for (kind, a), (_, g) in zip(families((*shape[:-1], shape[-1] // 2), seed=9),
                                  families((*shape[:-1], shape[-1] // 2), seed=10), strict=True):  # fmt: skip
         x = torch.cat([g * 4, a] if gate_first else [a, g * 4], dim=-1).to(dtype)
         first, second = x.chunk(2, dim=-1)
         silu = torch.nn.functional.silu
         want = silu(first) * second if gate_first else first * silu(second)
-        y, codes, scale = torch.ops.solrl.glu_quantize(x.to(device), fmt, "gate kernel test", gate_first)
+        halves = (first.contiguous().to(device), None, second.contiguous().to(device)) if two else (x.to(device),)
+        y, codes, scale = torch.ops.solrl.glu_quantize(halves[0], fmt, "gate kernel test", gate_first, *halves[1:])
         assert dispatch.runs()["gate kernel test"].impl.startswith("triton: gate"), dispatch.runs()["gate kernel test"]
         y, codes, scale = y.cpu(), codes.cpu(), scale.cpu()
         assert y.dtype == dtype and y.shape == want.shape and scale.shape == (*shape[:-1], 1)
@@ -174,6 +213,8 @@ def test_the_gate_kernels_codes_are_the_formats_rowwise_codes_of_its_output(shap
             assert torch.isnan(scale[bad]).all() if fmt == "int8" else nan_code.all()
     with pytest.raises(ValueError, match="odd 7"):
         torch.ops.solrl.glu_quantize(torch.randn(2, 7), fmt, "")
+    with pytest.raises(ValueError, match=r"a second of its shape; got \(2, 6\) beside \(2, 7\)"):
+        torch.ops.solrl.glu_quantize(torch.randn(2, 7), fmt, "", True, None, torch.randn(2, 6))
 
 
 @pytest.mark.usefixtures("triton_backend")
@@ -195,7 +236,7 @@ def test_the_gate_kernel_joins_a_prefix_before_the_gate(fmt, dtype, device):
                                    rtol=1e-5 if dtype == torch.float32 else 2**-7, atol=1e-6)  # fmt: skip
         q = numerics(fmt).rowwise(y)
         assert _same(codes, q.data) and _same(scale, q.scale), kind
-    with pytest.raises(ValueError, match="prefix of x's dtype"):
+    with pytest.raises(ValueError, match="a second of x's dtype"):
         dispatch.triton_module("producers").glu_quantize(torch.randn(1, 2, 8), fmt, True,
                                                          torch.randn(1, 2, 8, dtype=torch.bfloat16))  # fmt: skip
 
@@ -233,7 +274,7 @@ def test_a_prequantized_tensor_is_its_value_to_every_op_and_its_codes_to_a_linea
 
 
 BUILDERS = {"flux": build_flux, "sd3": build_sd3, "sana": build_sana, "wan": build_wan, "qwenimage": build_qwenimage,
-            "flux2": build_flux2, "sana_video": build_sana_video}
+            "flux2": build_flux2, "sana_video": build_sana_video, "z_image": build_z_image}
 
 
 @pytest.fixture(scope="module")
@@ -266,7 +307,8 @@ def _count_quantizes(monkeypatch: pytest.MonkeyPatch, fmt: str) -> list[int]:
                                                  ("qwenimage", "int8", None), ("qwenimage", "fp8", "90"),
                                                  ("flux2", "fp8", None), ("flux2", "int8", "90"),
                                                  ("sana_video", "int8", None),
-                                                 ("sana_video", "fp8", "90")])  # fmt: skip
+                                                 ("sana_video", "fp8", "90"), ("z_image", "fp8", None),
+                                                 ("z_image", "int8", "90")])  # fmt: skip
 def test_a_fused_copy_computes_what_the_unfused_one_does_and_skips_its_consumers_quantizes(name, fmt, sm, pipes,
                                                                                             monkeypatch):  # fmt: skip
     """The real classes' explore copies (tiny FLUX.1, SD3.5 with adaLN modules; SANA, Wan, Qwen-Image, FLUX.2 whose
@@ -368,6 +410,34 @@ def test_an_inline_producer_needs_its_blocks_fused_forward_and_keeps_the_stock_e
     assert _same(y.codes, numerics("int8").rowwise(y.value).data)
     x.requires_grad_(True)
     assert type(modulate(norm, x, per_sample, per_sample)) is torch.Tensor
+
+
+def test_a_fused_rms_norm_takes_one_scale_per_sample_and_keeps_the_stock_expression_otherwise(pipes):
+    """Z-Image's modulated RMS norms: one scale row per sample gets the codes (of exactly the stock expression's
+    value), and so does the norm alone (no scale); a per-token scale [B, T, K] (the edit path's `noise_mask`) or
+    autograd recording give the stock expression as a plain tensor. The context refiner's blocks (unmodulated)
+    are not producers."""
+    from solrl_engine.nn.producers import scaled_rms
+
+    model = load_model("z_image", pipes["z_image"], "cpu", torch.float32, resolution=SIZES["z_image"])
+    spec = model_spec("z_image")
+    copy = ExploreCopy(model.transformer, "int8", changes=spec.explore_rule, producers=spec.producers,
+                       producer_blocks=spec.producer_blocks)  # fmt: skip
+    assert not any(n.startswith("context_refiner") and "norm" in n for n in copy.producers.fused)
+    norm = copy.transformer.get_submodule("layers.0.attention_norm1")
+    k = norm.weight.shape[0]
+    x = torch.randn(2, 5, k)
+    per_token, per_sample = 1 + torch.randn(2, 5, k), 1 + torch.randn(2, 1, k)
+    y = scaled_rms(norm, x, per_token)
+    assert type(y) is torch.Tensor and torch.equal(y, norm(x) * per_token)
+    with torch.no_grad():
+        y = scaled_rms(norm, x, per_sample)
+        bare = scaled_rms(norm, x, None)
+    assert type(y) is Prequantized and torch.equal(y.value, norm(x) * per_sample)
+    assert _same(y.codes, numerics("int8").rowwise(y.value).data)
+    assert type(bare) is Prequantized and torch.equal(bare.value, norm(x))
+    x.requires_grad_(True)
+    assert type(scaled_rms(norm, x, per_sample)) is torch.Tensor
 
 
 def test_every_family_running_a_block_class_with_a_fused_forward_declares_its_producers():

@@ -36,14 +36,14 @@ def test_every_launch_compiles_for_sm90a_and_sm100a(tmp_path):
     names = {r["launch"].split("(")[0] for r in rec["rows"]}
     assert {"_fp8_rowwise_kernel", "_int8_rowwise_kernel", "_quantize_kernel", "_w4a4_kernel", "_w4a16_kernel",
             "_int8_gemm_kernel", "_int8_attention_kernel", "_adaln_quantize_kernel", "_gelu_quantize_kernel",
-            "_glu_quantize_kernel"} <= names  # fmt: skip
+            "_glu_quantize_kernel", "_rms_quantize_kernel"} <= names  # fmt: skip
     # the INT8 GEMM on every architecture it serves (Ampere's mma, Hopper's wgmma, Blackwell), and on sm_80 only the
     # kernels that serve Ampere (the INT8 GEMM and attention, the producers that emit INT8 codes)
     assert {r["arch"] for r in rec["rows"] if r["launch"].startswith("_int8_gemm_kernel")} == {"sm_80", "sm_90a",
                                                                                                "sm_100a"}
     assert {r["launch"].split("(")[0] for r in rec["rows"] if r["arch"] == "sm_80"} == {
         "_int8_gemm_kernel", "_int8_attention_kernel", "_adaln_quantize_kernel", "_gelu_quantize_kernel",
-        "_glu_quantize_kernel"}
+        "_glu_quantize_kernel", "_rms_quantize_kernel"}
     assert all(r["cubin_bytes"] > 0 for r in rec["rows"])
 
 

@@ -74,6 +74,36 @@ def _adaln_quantize_kernel(x_ptr, onep_ptr, shift_ptr, y_ptr, q_ptr, scale_ptr, 
 
 
 @triton.jit
+def _rms_quantize_kernel(x_ptr, w_ptr, scale_ptr_in, y_ptr, q_ptr, scale_ptr, M, K, T, eps, BLOCK_M: tl.constexpr,
+                         BLOCK_K: tl.constexpr, IN_BF16: tl.constexpr, HAS_W: tl.constexpr, W_BF16: tl.constexpr,
+                         HAS_SCALE: tl.constexpr, S_BF16: tl.constexpr, Y_KIND: tl.constexpr,
+                         FMT: tl.constexpr):  # fmt: skip
+    # diffusers' RMSNorm (mean square in FP32, x times its reciprocal root, rounded to a BF16 weight's dtype before
+    # the weight multiplies), then times the sample's modulation scale, each product rounded as PyTorch rounds it
+    rows, cols, rmask, m, offs = _row_tile(M, K, BLOCK_M, BLOCK_K)
+    x = load_f32(x_ptr + offs, m, IN_BF16)
+    kf = tl.full([BLOCK_M], K, tl.float32)
+    var = tl.div_rn(tl.sum(x * x, axis=1), kf)
+    r = tl.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), tl.sqrt_rn(var + eps))
+    h = x * r[:, None]
+    if HAS_W:
+        w = load_f32(w_ptr + cols[None, :], (cols < K)[None, :], W_BF16)
+        if W_BF16:  # h cast to the weight's BF16, the product in BF16
+            h = round_bf16(round_bf16(h) * w)
+        else:
+            h = h * w
+    elif IN_BF16:  # no weight: the norm returns x's dtype
+        h = round_bf16(h)
+    if HAS_SCALE:
+        s = load_f32(scale_ptr_in + (rows // T)[:, None] * K + cols[None, :], m, S_BF16)
+        h = h * s
+        if Y_KIND == 1:  # both BF16: the product rounded to BF16
+            h = round_bf16(h)
+    store_out(y_ptr + offs, h, m, Y_KIND)
+    _store_codes(h, m, rmask, rows, offs, q_ptr, scale_ptr, FMT)
+
+
+@triton.jit
 def _store_codes(y, m, rmask, rows, offs, q_ptr, scale_ptr, FMT: tl.constexpr):
     """The row-wise FP8 (FMT 0) or INT8 (FMT 1) codes and scales of the rows y [BLOCK_M, BLOCK_K] (masked by m)."""
     fin = is_finite(y)
@@ -109,17 +139,17 @@ def _gelu_quantize_kernel(x_ptr, p_ptr, y_ptr, q_ptr, scale_ptr, M, K, KP, BLOCK
 
 
 @triton.jit
-def _glu_quantize_kernel(x_ptr, p_ptr, y_ptr, q_ptr, scale_ptr, M, K, KP, BLOCK_M: tl.constexpr,
+def _glu_quantize_kernel(f_ptr, s_ptr, p_ptr, y_ptr, q_ptr, scale_ptr, M, K, KP, RS, S_OFF, BLOCK_M: tl.constexpr,
                          BLOCK_K: tl.constexpr, IN_BF16: tl.constexpr, Y_KIND: tl.constexpr, GATE_FIRST: tl.constexpr,
                          FMT: tl.constexpr):  # fmt: skip
-    # a row of y is the prefix's KP values (none where KP is 0) then a * silu(g) of x's row: [a, g] ([g, a] with
-    # GATE_FIRST), each K - KP values
+    # a row of y is the prefix's KP values (none where KP is 0) then a * silu(g) of the row's two halves [a, g]
+    # ([g, a] with GATE_FIRST), each K - KP values: the first at f_ptr, the second S_OFF further from s_ptr, rows
+    # RS apart (one tensor's two halves: RS = 2 (K - KP), S_OFF = K - KP; two tensors: RS = K - KP, S_OFF = 0)
     rows, cols, rmask, m, offs = _row_tile(M, K, BLOCK_M, BLOCK_K)
-    h = K - KP
     pre = (cols < KP)[None, :]
-    xoffs = rows[:, None] * (2 * h) + (cols - KP)[None, :]
-    first = load_f32(x_ptr + xoffs, m & ~pre, IN_BF16)
-    second = load_f32(x_ptr + xoffs + h, m & ~pre, IN_BF16)
+    xoffs = rows[:, None] * RS + (cols - KP)[None, :]
+    first = load_f32(f_ptr + xoffs, m & ~pre, IN_BF16)
+    second = load_f32(s_ptr + xoffs + S_OFF, m & ~pre, IN_BF16)
     if GATE_FIRST:
         a, g = second, first
     else:
@@ -166,6 +196,36 @@ def adaln_quantize(
     return y, (q.view(torch.float8_e4m3fn) if fmt == "fp8" else q), scale
 
 
+def rms_quantize(x: torch.Tensor, weight: torch.Tensor | None, eps: float, scale: torch.Tensor | None, fmt: str,
+                 y_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """x [B, T, K], an RMS norm's weight [K] (or none), a modulation scale [B, K] (or none), all FP32 or BF16 ->
+    (y [B, T, K] as `y_dtype`, its row-wise `fmt` codes, FP32 decode scales [B, T, 1]) with y = RMSNorm(x) * scale
+    as diffusers' RMSNorm and the block compute it (`y_dtype`: their result's dtype, quant.producers.rms_scaled)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"rms_quantize emits {tuple(FORMATS)} codes; got {fmt!r}")
+    b, t, k = x.shape
+    dts = [x.dtype, y_dtype] + [v.dtype for v in (weight, scale) if v is not None]
+    if k > MAX_K or any(d not in _Y_KIND for d in dts):
+        raise ValueError(f"rms_quantize takes rows of at most {MAX_K} FP32/BF16 values; got {k} of {dts}")
+    x = x.contiguous()
+    w = x if weight is None else weight.contiguous()
+    sc = x if scale is None else scale.contiguous().reshape(b, k)
+    y = torch.empty(x.shape, dtype=y_dtype, device=x.device)
+    q = torch.empty(x.shape, dtype=torch.uint8 if fmt == "fp8" else torch.int8, device=x.device)
+    out_scale = torch.empty((b, t, 1), dtype=torch.float32, device=x.device)
+    rows = b * t
+    if rows:
+        block_m, block_k, warps = _tiles(k)
+        bits = lambda v: v.view(torch.int16) if v.dtype == torch.bfloat16 else v  # noqa: E731
+        _rms_quantize_kernel[(triton.cdiv(rows, block_m),)](
+            bits(x), bits(w), bits(sc), bits(y), q, out_scale, rows, k, t, eps, BLOCK_M=block_m, BLOCK_K=block_k,
+            IN_BF16=x.dtype == torch.bfloat16, HAS_W=weight is not None, W_BF16=w.dtype == torch.bfloat16,
+            HAS_SCALE=scale is not None, S_BF16=sc.dtype == torch.bfloat16, Y_KIND=_Y_KIND[y_dtype],
+            FMT=FORMATS[fmt], **warps, **EXACT,
+        )
+    return y, (q.view(torch.float8_e4m3fn) if fmt == "fp8" else q), out_scale
+
+
 def _tiles(k: int) -> tuple[int, int, dict[str, int]]:
     """(rows per program, the row's power-of-two width, launch options): whole rows, one per program on a GPU."""
     block_k = triton.next_power_of_2(k)
@@ -204,21 +264,28 @@ def gelu_quantize(x: torch.Tensor, fmt: str, prefix: torch.Tensor | None = None
     return y, (q.view(torch.float8_e4m3fn) if fmt == "fp8" else q), scale
 
 
-def glu_quantize(x: torch.Tensor, fmt: str, gate_first: bool = False, prefix: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+def glu_quantize(x: torch.Tensor, fmt: str, gate_first: bool = False, prefix: torch.Tensor | None = None,
+                 second: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """x [..., 2H] (FP32 or BF16) -> (y = a * silu(g) for x = cat([a, g], -1) (cat([g, a]) with `gate_first`), in
     x's dtype [..., H], y's row-wise `fmt` codes [..., H], FP32 decode scales [..., 1]): a gated FFN's gate (SANA's
-    GLUMBConv, rows = pixels; FLUX.2's SwiGLU) and the codes of the linear it feeds, in one pass. `prefix`
+    GLUMBConv, rows = pixels; FLUX.2's SwiGLU) and the codes of the linear it feeds, in one pass. `second`
+    [..., H] (x then [..., H] too): the halves are x and `second` (Z-Image's SwiGLU of two linears). `prefix`
     [..., KP] (x's dtype): y = cat([prefix, a * silu(g)], -1), the codes of the whole row (FLUX.2's single block).
     x is read as contiguous rows (a channels-last NCHW tensor's pixel rows are: no copy)."""
     if fmt not in FORMATS:
         raise ValueError(f"glu_quantize emits {tuple(FORMATS)} codes; got {fmt!r}")
+    h = x.shape[-1] if second is not None else x.shape[-1] // 2
     kp = 0 if prefix is None else prefix.shape[-1]
-    k = x.shape[-1] // 2 + kp
-    if x.shape[-1] % 2 or k > MAX_K or x.dtype not in _Y_KIND or (prefix is not None and prefix.dtype != x.dtype):
-        raise ValueError(f"glu_quantize gates rows of an even length into at most {MAX_K} FP32/BF16 values (a prefix "
-                         f"of x's dtype included); got {x.shape[-1]} of {x.dtype}")  # fmt: skip
+    k = h + kp
+    odd = second is None and x.shape[-1] % 2
+    others = [v for v in (prefix, second) if v is not None]
+    if odd or k > MAX_K or x.dtype not in _Y_KIND or any(v.dtype != x.dtype for v in others) or (
+            second is not None and second.shape != x.shape):  # fmt: skip
+        raise ValueError(f"glu_quantize gates two halves (x's, or x and a second of its shape) into at most {MAX_K} "
+                         f"FP32/BF16 values (a prefix and a second of x's dtype); got {tuple(x.shape)} of "
+                         f"{x.dtype}")  # fmt: skip
     x = x.contiguous()
+    sec = x if second is None else second.contiguous()
     p = x if prefix is None else prefix.contiguous()
     y = x.new_empty((*x.shape[:-1], k))
     q = torch.empty(y.shape, dtype=torch.uint8 if fmt == "fp8" else torch.int8, device=x.device)
@@ -228,8 +295,10 @@ def glu_quantize(x: torch.Tensor, fmt: str, gate_first: bool = False, prefix: to
         block_m, block_k, warps = _tiles(k)
         bf16 = x.dtype == torch.bfloat16
         as_bits = (lambda t: t.view(torch.int16)) if bf16 else (lambda t: t)
+        rs, s_off = (2 * h, h) if second is None else (h, 0)
         _glu_quantize_kernel[(triton.cdiv(rows, block_m),)](
-            as_bits(x), as_bits(p), as_bits(y), q, scale, rows, k, kp, BLOCK_M=block_m, BLOCK_K=block_k,
-            IN_BF16=bf16, Y_KIND=_Y_KIND[x.dtype], GATE_FIRST=gate_first, FMT=FORMATS[fmt], **warps, **EXACT,
+            as_bits(x), as_bits(sec), as_bits(p), as_bits(y), q, scale, rows, k, kp, rs, s_off, BLOCK_M=block_m,
+            BLOCK_K=block_k, IN_BF16=bf16, Y_KIND=_Y_KIND[x.dtype], GATE_FIRST=gate_first, FMT=FORMATS[fmt],
+            **warps, **EXACT,
         )
     return y, (q.view(torch.float8_e4m3fn) if fmt == "fp8" else q), scale

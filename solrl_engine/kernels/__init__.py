@@ -35,7 +35,7 @@ from solrl_engine.kernels.nvfp4 import (
     nvfp4_quantize,
     nvfp4_quantize_into_,
 )
-from solrl_engine.kernels.producers import adaln_quantize, gelu_quantize, glu_quantize
+from solrl_engine.kernels.producers import adaln_quantize, gelu_quantize, glu_quantize, rms_quantize
 
 # format -> its tensor cores, fastest first: gathered from each format module's KERNELS (capability)
 TENSOR_CORES = tensor_core_table()
@@ -67,6 +67,7 @@ __all__ = [
     "adaln_quantize",
     "gelu_quantize",
     "glu_quantize",
+    "rms_quantize",
     "nvfp4_dequantize",
     "nvfp4_fake_quantize",
     "nvfp4_linear",

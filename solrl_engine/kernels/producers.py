@@ -1,6 +1,7 @@
 """The quantize where its input is made, behind the dispatch seam: `adaln_quantize` (an adaLN-Zero producer's
 output and its 8-bit row-wise codes in one pass; quant.producers is the reference), `gelu_quantize` (an FFN's GELU
-and the codes of the linear it feeds), `glu_quantize` (a gated FFN's gate, likewise) and their custom ops.
+and the codes of the linear it feeds), `glu_quantize` (a gated FFN's gate, likewise), `rms_quantize` (a weighted RMS
+norm times its modulation: Z-Image) and their custom ops.
 
 Implementations: reference (the stock module's torch ops, then the format's row-wise quantize); triton (one pass
 over each row: solrl_triton.producers), on a GPU (or a simulated one under TRITON_INTERPRET=1) for rows of at
@@ -20,6 +21,7 @@ from solrl_engine.quant.formats import rowwise_formats
 MAX_K = 16384  # solrl_triton.producers.MAX_K: whole rows in one program (not imported: Triton is optional)
 HINT = "the fused producer's Triton kernel runs on a GPU for FP8/INT8 rows of at most 16384 FP32/BF16 values"
 GELU_HINT = "the fused GELU's Triton kernel runs on a GPU for FP8/INT8 rows of at most 16384 FP32/BF16 values"
+RMS_HINT = "the fused RMS norm's Triton kernel runs on a GPU for FP8/INT8 rows of at most 16384 FP32/BF16 values"
 GLU_HINT = "the fused gate's Triton kernel runs on a GPU for FP8/INT8 rows of at most 16384 FP32/BF16 gated values"
 
 
@@ -147,15 +149,15 @@ def _(x, fmt, tag="", prefix=None):  # noqa: ANN001, ANN202
     return x.new_empty(shape), codes, x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)
 
 
-def _glu_ref(x: torch.Tensor, fmt: str, gate_first: bool, prefix: torch.Tensor | None
+def _glu_ref(x: torch.Tensor, fmt: str, gate_first: bool, prefix: torch.Tensor | None, second: torch.Tensor | None
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     ran("reference")
-    return producers.glu_quantize(x, fmt, gate_first, prefix)
+    return producers.glu_quantize(x, fmt, gate_first, prefix, second)
 
 
-def _glu_tr(x: torch.Tensor, fmt: str, gate_first: bool, prefix: torch.Tensor | None
+def _glu_tr(x: torch.Tensor, fmt: str, gate_first: bool, prefix: torch.Tensor | None, second: torch.Tensor | None
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    out = triton_module("producers").glu_quantize(x, fmt, gate_first, prefix)
+    out = triton_module("producers").glu_quantize(x, fmt, gate_first, prefix, second)
     ran("triton: gate (a * silu(g)) and row-wise quantize in one pass")
     return out
 
@@ -169,7 +171,7 @@ def _glu_fits(device: torch.device, k: int, x_dtype: torch.dtype, fmt: str, pref
     if x_dtype not in (torch.float32, torch.bfloat16):
         return f"the fused gate kernel reads and writes FP32 or BF16; got {x_dtype}"
     if prefix_dtype not in (None, x_dtype):
-        return f"the fused gate kernel takes a prefix of its input's dtype; got {prefix_dtype} beside {x_dtype}"
+        return f"the fused gate kernel takes a prefix and a second of x's dtype; got {prefix_dtype} beside {x_dtype}"
     return None
 
 
@@ -178,23 +180,86 @@ register("glu_quantize", {"reference": _glu_ref, "triton": _glu_tr}, fits={"trit
 
 @torch.library.custom_op("solrl::glu_quantize", mutates_args=())
 def glu_quantize(x: torch.Tensor, fmt: str, tag: str = "", gate_first: bool = False,
-                 prefix: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """(y, codes, scales) for a gated FFN's x [..., 2H] = cat([a, g]) (cat([g, a]) with `gate_first`): y = a *
-    silu(g) in x's dtype [..., H] (SANA's GLUMBConv gate, rows = pixels; FLUX.2's SwiGLU), after `prefix` [..., KP]
-    along the last dimension where given, and `fmt`'s row-wise codes and [..., 1] FP32 scales of y, for the linear
-    y feeds. Through dispatch's choice; `tag` records what ran. A custom op, like adaln_quantize."""
+                 prefix: torch.Tensor | None = None, second: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(y, codes, scales) for a gated FFN's x [..., 2H] = cat([a, g]) (cat([g, a]) with `gate_first`; with
+    `second`, the halves are x and `second`, each [..., H]): y = a * silu(g) in x's dtype [..., H] (SANA's GLUMBConv
+    gate, rows = pixels; FLUX.2's and Z-Image's SwiGLUs), after `prefix` [..., KP] along the last dimension where
+    given, and `fmt`'s row-wise codes and [..., 1] FP32 scales of y, for the linear y feeds. Through dispatch's
+    choice; `tag` records what ran. A custom op, like adaln_quantize."""
     if fmt not in rowwise_formats():
         raise ValueError(f"glu_quantize emits row-wise codes of {rowwise_formats()}; got {fmt!r}")
-    if x.shape[-1] % 2:
+    if second is None and x.shape[-1] % 2:
         raise ValueError(f"glu_quantize gates the two halves of the last dimension; got an odd {x.shape[-1]}")
-    k = x.shape[-1] // 2 + (0 if prefix is None else prefix.shape[-1])
+    if second is not None and second.shape != x.shape:
+        raise ValueError(f"glu_quantize gates x with a second of its shape; got {tuple(second.shape)} beside "
+                         f"{tuple(x.shape)}")  # fmt: skip
+    h = x.shape[-1] if second is not None else x.shape[-1] // 2
+    k = h + (0 if prefix is None else prefix.shape[-1])
+    others = [v.dtype for v in (prefix, second) if v is not None and v.dtype != x.dtype]
     backend = choose("glu_quantize", x.device, k=k, x_dtype=x.dtype, fmt=fmt,
-                     prefix_dtype=x.dtype if prefix is None else prefix.dtype)[0]  # fmt: skip
-    return _recorded("glu_quantize", backend, (x, fmt, gate_first, prefix), tag, GLU_HINT)
+                     prefix_dtype=others[0] if others else None)[0]  # fmt: skip
+    return _recorded("glu_quantize", backend, (x, fmt, gate_first, prefix, second), tag, GLU_HINT)
 
 
 @glu_quantize.register_fake
-def _(x, fmt, tag="", gate_first=False, prefix=None):  # noqa: ANN001, ANN202
-    shape = (*x.shape[:-1], x.shape[-1] // 2 + (0 if prefix is None else prefix.shape[-1]))
+def _(x, fmt, tag="", gate_first=False, prefix=None, second=None):  # noqa: ANN001, ANN202
+    h = x.shape[-1] if second is not None else x.shape[-1] // 2
+    shape = (*x.shape[:-1], h + (0 if prefix is None else prefix.shape[-1]))
     codes = x.new_empty(shape, dtype=torch.float8_e4m3fn if fmt == "fp8" else torch.int8)
     return x.new_empty(shape), codes, x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)
+
+
+def rms_dtype(x: torch.Tensor, weight: torch.Tensor | None, scale: torch.Tensor | None) -> torch.dtype:
+    """The dtype of diffusers' RMSNorm(x) * scale: the norm's (a half weight's, an FP32 weight's FP32, x's without
+    one) promoted with the scale's."""
+    h = x.dtype if weight is None else (weight.dtype if weight.dtype in (torch.float16, torch.bfloat16) else
+                                        torch.promote_types(torch.float32, weight.dtype))  # fmt: skip
+    return h if scale is None else torch.promote_types(h, scale.dtype)
+
+
+def _rms_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float, scale: torch.Tensor | None, fmt: str
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    ran("reference")
+    return producers.rms_quantize(x, weight, eps, scale, fmt)
+
+
+def _rms_tr(x: torch.Tensor, weight: torch.Tensor | None, eps: float, scale: torch.Tensor | None, fmt: str
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    out = triton_module("producers").rms_quantize(x, weight, eps, scale, fmt, rms_dtype(x, weight, scale))
+    ran("triton: RMS norm, modulation and row-wise quantize in one pass")
+    return out
+
+
+def _rms_fits(device: torch.device, k: int, dtypes: tuple[torch.dtype, ...], fmt: str, **_: object) -> str | None:
+    if fmt not in ("fp8", "int8"):
+        return f"the fused RMS norm kernel emits FP8 or INT8 codes, not {fmt}"
+    if k > MAX_K:
+        return f"the fused RMS norm kernel holds rows of at most {MAX_K} values; got {k}"
+    if set(dtypes) - {torch.float32, torch.bfloat16}:
+        return f"the fused RMS norm kernel reads and writes FP32 or BF16; got {sorted(map(str, set(dtypes)))}"
+    return None
+
+
+register("rms_quantize", {"reference": _rms_ref, "triton": _rms_tr}, fits={"triton": _rms_fits})
+
+
+@torch.library.custom_op("solrl::rms_quantize", mutates_args=())
+def rms_quantize(x: torch.Tensor, weight: torch.Tensor | None, eps: float, scale: torch.Tensor | None, fmt: str,
+                 tag: str = "") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(y, codes, scales) for x [B, T, K], an RMS norm's weight [K] (or none) and a modulation scale [B, K] (or
+    none): y = RMSNorm(x) * scale as diffusers' RMSNorm and Z-Image's block compute it, and `fmt`'s row-wise codes
+    and [B, T, 1] FP32 scales of y. Through dispatch's choice; `tag` records what ran. A custom op, like
+    adaln_quantize."""
+    if fmt not in rowwise_formats():
+        raise ValueError(f"rms_quantize emits row-wise codes of {rowwise_formats()}; got {fmt!r}")
+    dtypes = (x.dtype, rms_dtype(x, weight, scale), *(v.dtype for v in (weight, scale) if v is not None))
+    backend = choose("rms_quantize", x.device, k=x.shape[-1], dtypes=dtypes, fmt=fmt)[0]
+    return _recorded("rms_quantize", backend, (x, weight, eps, scale, fmt), tag, RMS_HINT)
+
+
+@rms_quantize.register_fake
+def _(x, weight, eps, scale, fmt, tag=""):  # noqa: ANN001, ANN202
+    codes = x.new_empty(x.shape, dtype=torch.float8_e4m3fn if fmt == "fp8" else torch.int8)
+    y = x.new_empty(x.shape, dtype=rms_dtype(x, weight, scale))
+    return y, codes, x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)

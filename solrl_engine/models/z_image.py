@@ -21,7 +21,9 @@ not reproduced.
 
 The explore copy quantizes the per-token linears of the 30 main layers and of both refiners (attention q, k, v,
 out and the SwiGLU w1, w2, w3); kept in BF16: the adaLN modulations (one vector per image per block), the time and
-caption embedders, the patch embedder and the final layer.
+caption embedders, the patch embedder and the final layer. In an 8-bit copy each modulated block's two RMS norms
+(times their scale) write the codes of the attention's q, k, v and of the FFN's w1, w3, and each FFN's gate those
+of w2 (`fused_block_forward`, `fused_ffn_forward`; nn.producers).
 """
 
 from __future__ import annotations
@@ -34,12 +36,39 @@ from torch import nn
 from solrl_engine.models import ModelSpec
 from solrl_engine.models.base import Conditioning
 from solrl_engine.models.pipeline import PackedLatentFlowModel
+from solrl_engine.nn.producers import gate, scaled_rms
 
 Z_IMAGE_LORA_TARGETS = ("attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0")
 Z_IMAGE_EXPLORE_RULE: dict[str, Any] = {
     "include": ("layers.*.attention.*", "layers.*.feed_forward.*", "noise_refiner.*.attention.*",
                 "noise_refiner.*.feed_forward.*", "context_refiner.*.attention.*", "context_refiner.*.feed_forward.*")
 }  # fmt: skip
+
+
+def fused_block_forward(self: nn.Module, x: torch.Tensor, attn_mask: torch.Tensor, freqs_cis: torch.Tensor,
+                        adaln_input: torch.Tensor | None = None, noise_mask: torch.Tensor | None = None,
+                        adaln_noisy: torch.Tensor | None = None, adaln_clean: torch.Tensor | None = None
+                        ) -> torch.Tensor:  # fmt: skip
+    """diffusers' ZImageTransformerBlock.forward for an explore copy whose norms are producers (nn.producers): with
+    one modulation per sample, each RMS norm times its scale goes through `scaled_rms`, so it carries the codes of
+    the attention's q, k, v and of the FFN's w1, w3. A per-token modulation (`noise_mask`) or an unmodulated block
+    (the context refiner) runs the stock forward."""
+    if not self.modulation or noise_mask is not None:
+        return super(type(self), self).forward(x, attn_mask, freqs_cis, adaln_input, noise_mask, adaln_noisy,
+                                               adaln_clean)  # fmt: skip
+    scale_msa, gate_msa, scale_mlp, gate_mlp = self.adaLN_modulation(adaln_input).unsqueeze(1).chunk(4, dim=2)
+    gate_msa, gate_mlp = gate_msa.tanh(), gate_mlp.tanh()
+    scale_msa, scale_mlp = 1.0 + scale_msa, 1.0 + scale_mlp
+    attn_out = self.attention(scaled_rms(self.attention_norm1, x, scale_msa), attention_mask=attn_mask,
+                              freqs_cis=freqs_cis)  # fmt: skip
+    x = x + gate_msa * self.attention_norm2(attn_out)
+    return x + gate_mlp * self.ffn_norm2(self.feed_forward(scaled_rms(self.ffn_norm1, x, scale_mlp)))
+
+
+def fused_ffn_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """diffusers' Z-Image FeedForward.forward, w2(silu(w1(x)) * w3(x)), with the gate through `gate`: the product
+    and the codes of w2 (8/3 of the hidden size a row, the widest quantize Z-Image has) in one op."""
+    return self.w2(gate(self, self.w1(x), dim=-1, gate_first=True, second=self.w3(x)))
 
 
 class ZImageModel(PackedLatentFlowModel):
@@ -118,6 +147,14 @@ SPEC = ModelSpec(
     pipeline_guidance_offset=1.0,
     capturable=False,
     repeated_blocks=("ZImageTransformerBlock",),
+    # the modulated blocks' RMS norms (times their scale) and every FFN's gate: producers in an 8-bit explore copy
+    # (the context refiner's blocks are unmodulated: their norms stay as they are)
+    producers={"layers.*.attention_norm1": ("attention.to_q", "attention.to_k", "attention.to_v"),
+               "layers.*.ffn_norm1": ("feed_forward.w1", "feed_forward.w3"),
+               "noise_refiner.*.attention_norm1": ("attention.to_q", "attention.to_k", "attention.to_v"),
+               "noise_refiner.*.ffn_norm1": ("feed_forward.w1", "feed_forward.w3"),
+               "*.*.feed_forward": ("feed_forward.w2",)},
+    producer_blocks={"ZImageTransformerBlock": fused_block_forward, "FeedForward": fused_ffn_forward},
     text_encoder_params_b={"Qwen3-4B": 4.02},  # published
     vae_params_b=0.084,  # FLUX.1's VAE
 )

@@ -13,8 +13,9 @@ modulates its output inline (SANA's, Wan's, Qwen-Image's, FLUX.2's blocks and FL
 `norm(x) * (1 + scale) + shift` in their forward): the block gets its family's fused forward (models/<family>.py,
 through `modulate`), which hands the norm, the modulation and the cast that follows to the op. Activations are
 producers the same two ways: diffusers' GELU module (an FFN's first linear and its tanh GELU), or an activation its
-block applies inline (FLUX.1's single block's GELU: `activate_after`; SANA's FFN gate `a * silu(g)`: `gate`, through
-its GLUMBConv's fused forward). Either way names and
+block applies inline (FLUX.1's single block's GELU: `activate_after`; SANA's FFN gate `a * silu(g)` and FLUX.2's
+SwiGLUs: `gate`, through their modules' fused forwards). Z-Image's weighted RMS norms times their modulation go
+through `scaled_rms`, and its SwiGLU FFN (two linears gated) has a fused forward of its own. Either way names and
 state dicts are unchanged (the class is swapped for a subclass), and on the reference backend (a CPU) y and its codes
 equal the stock expression's and the linear's own quantize bit for bit. Both keep the stock path where autograd
 records or the modulation is not one row per sample.
@@ -99,23 +100,41 @@ def activate_after(act: nn.Module, prefix: torch.Tensor, x: torch.Tensor) -> tor
 
 
 def gate(owner: nn.Module, x: torch.Tensor, dim: int = 1, gate_first: bool = False,
-         prefix: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+         prefix: torch.Tensor | None = None, second: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """a * silu(g) for x's two halves [a, g] along `dim` ([g, a] with `gate_first`: FLUX.2's SwiGLU, `silu(first) *
-    second`, the same product), after `prefix` along the last dimension where given; as SANA's GLUMBConv gates its
-    depthwise convolution's output (channels: dim 1) and FLUX.2's FFNs their first linear's output. With the
-    row-wise codes of the result over `dim` (SANA: one row per pixel, handed over in x's layout) when
-    `fuse_producers` fused `owner` (the module that applies the SiLU: SANA's nn.SiLU, FLUX.2's SwiGLU) and the call
-    is one the op takes; else exactly that expression."""
+    second`, the same product; with `second`, the halves are x and `second`: Z-Image's SwiGLU of two linears),
+    after `prefix` along the last dimension where given; as SANA's GLUMBConv gates its depthwise convolution's
+    output (channels: dim 1) and FLUX.2's and Z-Image's FFNs their first linears' outputs. With the row-wise codes
+    of the result over `dim` (SANA: one row per pixel, handed over in x's layout) when `fuse_producers` fused
+    `owner` (the module that applies the SiLU: SANA's nn.SiLU, FLUX.2's SwiGLU, Z-Image's FFN) and the call is one
+    the op takes; else exactly that expression."""
     fmt = owner.__dict__.get("_solrl_fmt")
-    grad = torch.is_grad_enabled() and (x.requires_grad or (prefix is not None and prefix.requires_grad))
-    joins = prefix is None or (dim in (-1, x.dim() - 1) and prefix.shape[:-1] == x.shape[:-1])
-    if fmt is None or grad or x.shape[dim] % 2 or not joins:
-        first, second = torch.chunk(x, 2, dim=dim)
-        y = F.silu(first) * second if gate_first else first * F.silu(second)
+    grad = torch.is_grad_enabled() and any(v is not None and v.requires_grad for v in (x, prefix, second))
+    last = dim in (-1, x.dim() - 1)
+    joins = prefix is None or (last and prefix.shape[:-1] == x.shape[:-1])
+    pairs = x.shape[dim] % 2 == 0 if second is None else (last and second.shape == x.shape)
+    if fmt is None or grad or not pairs or not joins:
+        first, other = torch.chunk(x, 2, dim=dim) if second is None else (x, second)
+        y = F.silu(first) * other if gate_first else first * F.silu(other)
         return y if prefix is None else torch.cat([prefix, y], dim=-1)
     y, codes, s = torch.ops.solrl.glu_quantize(x.movedim(dim, -1), fmt, owner.__dict__["_solrl_tag"], gate_first,
-                                               prefix)  # fmt: skip
+                                               prefix, second)  # fmt: skip
     return relayout(Prequantized(y, codes, s, fmt), lambda t: t.movedim(-1, dim))
+
+
+def scaled_rms(norm: nn.Module, x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """norm(x) * scale for diffusers' RMSNorm `norm` and a modulation scale [B, 1, K] (Z-Image's `1 + scale`; none:
+    norm(x) alone), as a block that modulates its RMS norms inline writes it, with the row-wise codes when
+    `fuse_producers` fused `norm` and the call is one the op takes (one modulation row per sample, no autograd);
+    else exactly that expression."""
+    fmt = norm.__dict__.get("_solrl_fmt")
+    grad = torch.is_grad_enabled() and (x.requires_grad or (scale is not None and scale.requires_grad))
+    rows = scale is None or (scale.dim() == 3 and scale.shape[1] == 1 and scale.shape[0] == x.shape[0])
+    if fmt is None or grad or x.dim() != 3 or not rows:
+        return norm(x) if scale is None else norm(x) * scale
+    sc = None if scale is None else scale.squeeze(1)
+    return Prequantized(*torch.ops.solrl.rms_quantize(x, norm.weight, norm.eps, sc, fmt, norm.__dict__["_solrl_tag"]),
+                        fmt)  # fmt: skip
 
 
 def relayout(y: torch.Tensor, change: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -176,8 +195,9 @@ def _fusable() -> dict[type, type]:
 
 
 def _why_not(module: nn.Module, block: nn.Module | None, blocks: Mapping[str, Callable]) -> str | None:
-    """None when `module` can be fused (an adaLN module this file fuses, or a plain LayerNorm that its block,
-    `block`, modulates inline through a fused forward of `blocks`), else why not."""
+    """None when `module` can be fused (an adaLN module or GELU this file fuses; a module `blocks` gives a fused
+    forward of its own; a plain LayerNorm, an RMS norm or an activation that its block, `block`, applies inline
+    through a fused forward of `blocks`), else why not."""
     from diffusers.models.activations import GELU
 
     if type(module) is GELU:  # an FFN's first linear and activation
@@ -187,6 +207,11 @@ def _why_not(module: nn.Module, block: nn.Module | None, blocks: Mapping[str, Ca
         if type(norm) is not nn.LayerNorm or norm.elementwise_affine:
             return f"its norm is {type(norm).__name__} (an affine one, or another class), not a plain LayerNorm"
         return None
+    if type(module).__name__ in blocks:  # a module the family gives a fused forward of its own (an FFN)
+        return None
+    if type(module) is _rms_norm() and block is not None and type(block).__name__ in blocks:
+        return "an RMS norm with a bias: the fused kernel applies none" if getattr(module, "bias", None) is not None \
+            else None
     if isinstance(module, nn.LayerNorm) and block is not None and type(block).__name__ in blocks:
         return "an affine LayerNorm: the fused kernel applies no weight" if module.elementwise_affine else None
     if type(module) is nn.GELU and block is not None and type(block).__name__ in blocks:
@@ -198,6 +223,14 @@ def _why_not(module: nn.Module, block: nn.Module | None, blocks: Mapping[str, Ca
     where = type(block).__name__ if block is not None else "none"
     return (f"{type(module).__name__} is not a producer class this engine fuses ({names}), nor a LayerNorm or "
             f"activation whose block ({where}) has a fused forward in the family")
+
+
+@functools.cache
+def _rms_norm() -> type:
+    """diffusers' RMSNorm (Z-Image's norms), imported on first use."""
+    from diffusers.models.normalization import RMSNorm
+
+    return RMSNorm
 
 
 @functools.cache
@@ -270,6 +303,8 @@ def fuse_producers(model: nn.Module, producers: Mapping[str, tuple[str, ...]],
         module = model.get_submodule(name)
         if type(module) in _fusable():
             module.__class__ = _fusable()[type(module)]
+        elif type(module).__name__ in (blocks or {}):  # a module with its family's fused forward (Z-Image's FFN)
+            module.__class__ = _fused_block(type(module), blocks[type(module).__name__])
         else:  # an inline producer (a norm its block modulates, an activation): the block takes its fused forward
             block = model.get_submodule(name.rpartition(".")[0])
             if not getattr(type(block), "_solrl_fused", False):

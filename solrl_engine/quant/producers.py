@@ -1,5 +1,5 @@
-"""The quantize where its input is made, reference numerics: a producer's output (an adaLN-Zero norm's, an FFN's
-GELU, a gated FFN's gate) and its row-wise codes.
+"""The quantize where its input is made, reference numerics: a producer's output (an adaLN-Zero norm's, a weighted
+RMS norm's times its modulation, an FFN's GELU, a gated FFN's gate) and its row-wise codes.
 
 diffusers' AdaLayerNormZero and AdaLayerNormZeroSingle compute y = layer_norm(x) * (1 + scale) + shift, and the
 linears they feed each quantize y per row. A producer that emits the codes with y saves those passes (the Triton
@@ -40,6 +40,28 @@ def adaln_quantize(
     return _codes(y if out_dtype is None else y.to(out_dtype), fmt)
 
 
+def rms_scaled(x: torch.Tensor, weight: torch.Tensor | None, eps: float, scale: torch.Tensor | None) -> torch.Tensor:
+    """diffusers' RMSNorm (no bias) of x [B, T, K] times a modulation scale [B, K] (Z-Image's `norm(x) * (1 +
+    scale)`; none: the norm alone), in the module's own ops: the mean square in FP32, x times its reciprocal root,
+    cast to a half-precision weight's dtype before the weight multiplies, then the scale in PyTorch's promotion."""
+    variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+    h = x * torch.rsqrt(variance + eps)
+    if weight is not None:
+        if weight.dtype in (torch.float16, torch.bfloat16):
+            h = h.to(weight.dtype)
+        h = h * weight
+    else:
+        h = h.to(x.dtype)
+    return h if scale is None else h * scale[:, None]
+
+
+def rms_quantize(x: torch.Tensor, weight: torch.Tensor | None, eps: float, scale: torch.Tensor | None, fmt: str
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(y, codes, scales): `rms_scaled`'s y and `fmt`'s row-wise quantize of it: the codes of the linears a
+    modulated RMS norm feeds (Z-Image's attention projections and its FFN's first linears)."""
+    return _codes(rms_scaled(x, weight, eps, scale), fmt)
+
+
 def gelu_quantize(x: torch.Tensor, fmt: str, prefix: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """(y, codes, scales): an FFN's activation y = gelu(x, approximate="tanh") (diffusers' GELU module's op, in x's
@@ -49,16 +71,20 @@ def gelu_quantize(x: torch.Tensor, fmt: str, prefix: torch.Tensor | None = None
     return _codes(y if prefix is None else torch.cat([prefix, y], dim=-1), fmt)
 
 
-def glu_quantize(x: torch.Tensor, fmt: str, gate_first: bool = False, prefix: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+def glu_quantize(x: torch.Tensor, fmt: str, gate_first: bool = False, prefix: torch.Tensor | None = None,
+                 second: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """(y, codes, scales): a gated FFN's gate y = a * silu(g) for x = cat([a, g]) along the last dimension (SANA's
     GLUMBConv after its depthwise convolution: `hidden * silu(gate)` of its two channel halves), or x = cat([g, a])
-    with `gate_first` (FLUX.2's SwiGLU: `silu(first) * second`, the same product), in x's dtype, after `prefix`
+    with `gate_first` (FLUX.2's SwiGLU: `silu(first) * second`, the same product), in x's dtype; with `second` the
+    halves are x and `second` (Z-Image's SwiGLU: `silu(w1(x)) * w3(x)`, two linears' outputs); after `prefix`
     along the last dimension where given (FLUX.2's single block joins its attention's output first), and `fmt`'s
     row-wise quantize of it: the codes of the linear y feeds."""
-    if x.shape[-1] % 2:
-        raise ValueError(f"glu_quantize gates the two halves of the last dimension; got an odd {x.shape[-1]}")
-    a, g = x.chunk(2, dim=-1)
+    if second is None:
+        if x.shape[-1] % 2:
+            raise ValueError(f"glu_quantize gates the two halves of the last dimension; got an odd {x.shape[-1]}")
+        a, g = x.chunk(2, dim=-1)
+    else:
+        a, g = x, second
     if gate_first:
         a, g = g, a
     y = a * F.silu(g)

@@ -53,9 +53,10 @@ _TRACED_OPS = {"solrl.int8_gemm": "int8_gemm (INT8 Triton GEMM, quantize traced)
 PRODUCER = "adaln_quantize (producer: norm, modulation and 8-bit codes in one op)"
 GELU_PRODUCER = "gelu_quantize (producer: an FFN's GELU and 8-bit codes in one op)"
 GLU_PRODUCER = "glu_quantize (producer: a gated FFN's gate and 8-bit codes in one op)"
-PRODUCER_KINDS = (PRODUCER, GELU_PRODUCER, GLU_PRODUCER)
+RMS_PRODUCER = "rms_quantize (producer: an RMS norm, its modulation and 8-bit codes in one op)"
+PRODUCER_KINDS = (PRODUCER, GELU_PRODUCER, GLU_PRODUCER, RMS_PRODUCER)
 _OTHER_OPS = {"solrl.adaln_quantize": PRODUCER, "solrl.gelu_quantize": GELU_PRODUCER,
-              "solrl.glu_quantize": GLU_PRODUCER}
+              "solrl.glu_quantize": GLU_PRODUCER, "solrl.rms_quantize": RMS_PRODUCER}
 TRACED_KINDS = ("scaled_mm (FP8/FP4, quantize traced)", "int_mm (INT8, quantize traced)", *_TRACED_OPS.values())
 OPAQUE = "opaque quantized op (quantize not fused)"
 
