@@ -180,20 +180,16 @@ def adaln_quantize(
         raise ValueError(f"adaln_quantize takes rows of at most {MAX_K} FP32/BF16 values; got {k} of {x.dtype}")
     x = x.contiguous()
     onep, shift = (v.float().contiguous().reshape(b, k) for v in (one_plus_scale, shift))
-    y = torch.empty(x.shape, dtype=y_dtype, device=x.device)
-    q = torch.empty(x.shape, dtype=torch.uint8 if fmt == "fp8" else torch.int8, device=x.device)
-    scale = torch.empty((b, t, 1), dtype=torch.float32, device=x.device)
+    y, q, scale = _outputs(x, k, fmt, y_dtype)
     rows = b * t
     if rows:
         block_m, block_k, warps = _tiles(k)
-        src = x.view(torch.int16) if x.dtype == torch.bfloat16 else x
-        dst = y.view(torch.int16) if y_dtype == torch.bfloat16 else y
         _adaln_quantize_kernel[(triton.cdiv(rows, block_m),)](
-            src, onep, shift, dst, q, scale, rows, k, t, eps, BLOCK_M=block_m, BLOCK_K=block_k,
+            _bits(x), onep, shift, _bits(y), q, scale, rows, k, t, eps, BLOCK_M=block_m, BLOCK_K=block_k,
             IN_BF16=x.dtype == torch.bfloat16, STAGE_BF16=stage_bf16, Y_KIND=_Y_KIND[y_dtype], FMT=FORMATS[fmt],
             **warps, **EXACT,
         )
-    return y, (q.view(torch.float8_e4m3fn) if fmt == "fp8" else q), scale
+    return _returned(y, q, scale, fmt)
 
 
 def rms_quantize(x: torch.Tensor, weight: torch.Tensor | None, eps: float, scale: torch.Tensor | None, fmt: str,
@@ -210,20 +206,17 @@ def rms_quantize(x: torch.Tensor, weight: torch.Tensor | None, eps: float, scale
     x = x.contiguous()
     w = x if weight is None else weight.contiguous()
     sc = x if scale is None else scale.contiguous().reshape(b, k)
-    y = torch.empty(x.shape, dtype=y_dtype, device=x.device)
-    q = torch.empty(x.shape, dtype=torch.uint8 if fmt == "fp8" else torch.int8, device=x.device)
-    out_scale = torch.empty((b, t, 1), dtype=torch.float32, device=x.device)
+    y, q, out_scale = _outputs(x, k, fmt, y_dtype)
     rows = b * t
     if rows:
         block_m, block_k, warps = _tiles(k)
-        bits = lambda v: v.view(torch.int16) if v.dtype == torch.bfloat16 else v  # noqa: E731
         _rms_quantize_kernel[(triton.cdiv(rows, block_m),)](
-            bits(x), bits(w), bits(sc), bits(y), q, out_scale, rows, k, t, eps, BLOCK_M=block_m, BLOCK_K=block_k,
-            IN_BF16=x.dtype == torch.bfloat16, HAS_W=weight is not None, W_BF16=w.dtype == torch.bfloat16,
-            HAS_SCALE=scale is not None, S_BF16=sc.dtype == torch.bfloat16, Y_KIND=_Y_KIND[y_dtype],
-            FMT=FORMATS[fmt], **warps, **EXACT,
+            _bits(x), _bits(w), _bits(sc), _bits(y), q, out_scale, rows, k, t, eps, BLOCK_M=block_m,
+            BLOCK_K=block_k, IN_BF16=x.dtype == torch.bfloat16, HAS_W=weight is not None,
+            W_BF16=w.dtype == torch.bfloat16, HAS_SCALE=scale is not None, S_BF16=sc.dtype == torch.bfloat16,
+            Y_KIND=_Y_KIND[y_dtype], FMT=FORMATS[fmt], **warps, **EXACT,
         )
-    return y, (q.view(torch.float8_e4m3fn) if fmt == "fp8" else q), out_scale
+    return _returned(y, q, out_scale, fmt)
 
 
 def _tiles(k: int) -> tuple[int, int, dict[str, int]]:
@@ -232,6 +225,26 @@ def _tiles(k: int) -> tuple[int, int, dict[str, int]]:
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         return max(1, min(64, 8192 // block_k)), block_k, {}
     return 1, block_k, {"num_warps": max(1, min(16, block_k // 256))}
+
+
+def _outputs(x: torch.Tensor, k: int, fmt: str, y_dtype: torch.dtype
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """A producer's outputs for x's rows: y [..., k] in `y_dtype`, its `fmt` codes (FP8 as their bytes), FP32 decode
+    scales [..., 1]."""
+    y = torch.empty((*x.shape[:-1], k), dtype=y_dtype, device=x.device)
+    q = torch.empty(y.shape, dtype=torch.uint8 if fmt == "fp8" else torch.int8, device=x.device)
+    return y, q, torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
+
+
+def _returned(y: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, fmt: str
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(y, codes, scales) with FP8 codes viewed as float8_e4m3fn."""
+    return y, (q.view(torch.float8_e4m3fn) if fmt == "fp8" else q), scale
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """A BF16 tensor as its int16 bits (the kernels widen and round BF16 themselves), any other as it is."""
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
 
 def gelu_quantize(x: torch.Tensor, fmt: str, prefix: torch.Tensor | None = None
@@ -249,19 +262,15 @@ def gelu_quantize(x: torch.Tensor, fmt: str, prefix: torch.Tensor | None = None
                          f"{k} of {x.dtype}")  # fmt: skip
     x = x.contiguous()
     p = x if prefix is None else prefix.contiguous()
-    y = x.new_empty((*x.shape[:-1], k))
-    q = torch.empty(y.shape, dtype=torch.uint8 if fmt == "fp8" else torch.int8, device=x.device)
-    scale = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
+    y, q, scale = _outputs(x, k, fmt, x.dtype)
     rows = y.numel() // k if k else 0
     if rows:
         block_m, block_k, warps = _tiles(k)
-        bf16 = x.dtype == torch.bfloat16
-        as_bits = (lambda t: t.view(torch.int16)) if bf16 else (lambda t: t)
         _gelu_quantize_kernel[(triton.cdiv(rows, block_m),)](
-            as_bits(x), as_bits(p), as_bits(y), q, scale, rows, k, kp, BLOCK_M=block_m, BLOCK_K=block_k,
-            IN_BF16=bf16, Y_KIND=_Y_KIND[x.dtype], FMT=FORMATS[fmt], **warps, **EXACT,
+            _bits(x), _bits(p), _bits(y), q, scale, rows, k, kp, BLOCK_M=block_m, BLOCK_K=block_k,
+            IN_BF16=x.dtype == torch.bfloat16, Y_KIND=_Y_KIND[x.dtype], FMT=FORMATS[fmt], **warps, **EXACT,
         )
-    return y, (q.view(torch.float8_e4m3fn) if fmt == "fp8" else q), scale
+    return _returned(y, q, scale, fmt)
 
 
 def glu_quantize(x: torch.Tensor, fmt: str, gate_first: bool = False, prefix: torch.Tensor | None = None,
@@ -287,18 +296,14 @@ def glu_quantize(x: torch.Tensor, fmt: str, gate_first: bool = False, prefix: to
     x = x.contiguous()
     sec = x if second is None else second.contiguous()
     p = x if prefix is None else prefix.contiguous()
-    y = x.new_empty((*x.shape[:-1], k))
-    q = torch.empty(y.shape, dtype=torch.uint8 if fmt == "fp8" else torch.int8, device=x.device)
-    scale = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
+    y, q, scale = _outputs(x, k, fmt, x.dtype)
     rows = y.numel() // k if k else 0
     if rows:
         block_m, block_k, warps = _tiles(k)
-        bf16 = x.dtype == torch.bfloat16
-        as_bits = (lambda t: t.view(torch.int16)) if bf16 else (lambda t: t)
         rs, s_off = (2 * h, h) if second is None else (h, 0)
         _glu_quantize_kernel[(triton.cdiv(rows, block_m),)](
-            as_bits(x), as_bits(sec), as_bits(p), as_bits(y), q, scale, rows, k, kp, rs, s_off, BLOCK_M=block_m,
-            BLOCK_K=block_k, IN_BF16=bf16, Y_KIND=_Y_KIND[x.dtype], GATE_FIRST=gate_first, FMT=FORMATS[fmt],
-            **warps, **EXACT,
+            _bits(x), _bits(sec), _bits(p), _bits(y), q, scale, rows, k, kp, rs, s_off, BLOCK_M=block_m,
+            BLOCK_K=block_k, IN_BF16=x.dtype == torch.bfloat16, Y_KIND=_Y_KIND[x.dtype], GATE_FIRST=gate_first,
+            FMT=FORMATS[fmt], **warps, **EXACT,
         )
-    return y, (q.view(torch.float8_e4m3fn) if fmt == "fp8" else q), scale
+    return _returned(y, q, scale, fmt)

@@ -42,17 +42,11 @@ def _tr(x: torch.Tensor, onep: torch.Tensor, shift: torch.Tensor, eps: float, fm
 
 def _fits(device: torch.device, k: int, x_dtype: torch.dtype, modulation_dtype: torch.dtype, fp32_norm: bool,
           fmt: str, out_dtype: torch.dtype | None = None, **_: object) -> str | None:  # fmt: skip
-    if fmt not in ("fp8", "int8"):
-        return f"the fused producer kernel emits FP8 or INT8 codes, not {fmt}"
-    if k > MAX_K:
-        return f"the fused producer kernel holds rows of at most {MAX_K} values; got {k}"
     natural = producers.adaln_dtype(x_dtype, modulation_dtype, fp32_norm)
-    y_dtype = out_dtype or natural
-    if x_dtype not in (torch.float32, torch.bfloat16) or {natural, y_dtype} - {torch.float32, torch.bfloat16}:
-        return f"the fused producer kernel reads and writes FP32 or BF16; got {x_dtype} -> {y_dtype}"
-    if natural == torch.bfloat16 and modulation_dtype != torch.bfloat16:
+    why = _rows_fit("producer", k, fmt, x_dtype, natural, out_dtype or natural)
+    if why is None and natural == torch.bfloat16 and modulation_dtype != torch.bfloat16:
         return "a BF16 producer with a modulation in another dtype runs on the reference"
-    return None
+    return why
 
 
 register("adaln_quantize", {"reference": _ref, "triton": _tr}, fits={"triton": _fits})
@@ -111,17 +105,23 @@ def _gelu_tr(x: torch.Tensor, fmt: str, prefix: torch.Tensor | None
     return out
 
 
+def _rows_fit(kernel: str, k: int, fmt: str, *dtypes: torch.dtype) -> str | None:
+    """Why the fused `kernel` (one program per row, solrl_triton.producers) cannot take rows of `k` values in
+    `dtypes` for `fmt`, or None."""
+    if fmt not in ("fp8", "int8"):
+        return f"the fused {kernel} kernel emits FP8 or INT8 codes, not {fmt}"
+    if k > MAX_K:
+        return f"the fused {kernel} kernel holds rows of at most {MAX_K} values; got {k}"
+    if set(dtypes) - {torch.float32, torch.bfloat16}:
+        return f"the fused {kernel} kernel reads and writes FP32 or BF16; got {', '.join(map(str, dtypes))}"
+    return None
+
+
 def _gelu_fits(device: torch.device, k: int, x_dtype: torch.dtype, fmt: str, prefix_dtype: torch.dtype | None = None,
                **_: object) -> str | None:  # fmt: skip
-    if fmt not in ("fp8", "int8"):
-        return f"the fused GELU kernel emits FP8 or INT8 codes, not {fmt}"
-    if k > MAX_K:
-        return f"the fused GELU kernel holds rows of at most {MAX_K} values; got {k}"
-    if x_dtype not in (torch.float32, torch.bfloat16):
-        return f"the fused GELU kernel reads and writes FP32 or BF16; got {x_dtype}"
     if prefix_dtype not in (None, x_dtype):
         return f"the fused GELU kernel takes a prefix of its input's dtype; got {prefix_dtype} beside {x_dtype}"
-    return None
+    return _rows_fit("GELU", k, fmt, x_dtype)
 
 
 register("gelu_quantize", {"reference": _gelu_ref, "triton": _gelu_tr}, fits={"triton": _gelu_fits})
@@ -164,15 +164,9 @@ def _glu_tr(x: torch.Tensor, fmt: str, gate_first: bool, prefix: torch.Tensor | 
 
 def _glu_fits(device: torch.device, k: int, x_dtype: torch.dtype, fmt: str, prefix_dtype: torch.dtype | None = None,
               **_: object) -> str | None:  # fmt: skip
-    if fmt not in ("fp8", "int8"):
-        return f"the fused gate kernel emits FP8 or INT8 codes, not {fmt}"
-    if k > MAX_K:
-        return f"the fused gate kernel holds rows of at most {MAX_K} values; got {k}"
-    if x_dtype not in (torch.float32, torch.bfloat16):
-        return f"the fused gate kernel reads and writes FP32 or BF16; got {x_dtype}"
     if prefix_dtype not in (None, x_dtype):
         return f"the fused gate kernel takes a prefix and a second of x's dtype; got {prefix_dtype} beside {x_dtype}"
-    return None
+    return _rows_fit("gate", k, fmt, x_dtype)
 
 
 register("glu_quantize", {"reference": _glu_ref, "triton": _glu_tr}, fits={"triton": _glu_fits})
@@ -232,13 +226,7 @@ def _rms_tr(x: torch.Tensor, weight: torch.Tensor | None, eps: float, scale: tor
 
 
 def _rms_fits(device: torch.device, k: int, dtypes: tuple[torch.dtype, ...], fmt: str, **_: object) -> str | None:
-    if fmt not in ("fp8", "int8"):
-        return f"the fused RMS norm kernel emits FP8 or INT8 codes, not {fmt}"
-    if k > MAX_K:
-        return f"the fused RMS norm kernel holds rows of at most {MAX_K} values; got {k}"
-    if set(dtypes) - {torch.float32, torch.bfloat16}:
-        return f"the fused RMS norm kernel reads and writes FP32 or BF16; got {sorted(map(str, set(dtypes)))}"
-    return None
+    return _rows_fit("RMS norm", k, fmt, *dtypes)
 
 
 register("rms_quantize", {"reference": _rms_ref, "triton": _rms_tr}, fits={"triton": _rms_fits})
