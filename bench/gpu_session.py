@@ -74,7 +74,8 @@ import tiny_clip  # noqa: E402
 # cannot skip them; then (when device time is left) the forwards per precision, and video (Wan2.1 at 480 x 832 and
 # 81 frames, where attention is a large share)
 CALLS = {
-    1: ("gpu-tests", "preflight", "trainer:sana-1.6b"),
+    # ceilings:producers: the fused producer kernels against the unfused ops they replace (half a minute, last)
+    1: ("gpu-tests", "preflight", "trainer:sana-1.6b", "ceilings:producers"),
     2: ("trainer:flux-dev",),  # FLUX.1-dev's trainer has never completed on a GPU: a call of its own
     3: ("ceilings", "forwards:sana-1.6b", "forwards:flux-dev", "forwards:sd35-large"),
     # ceilings:attention adds the attention peers (ours and SageAttention v1) at Wan2.1-1.3B's attention shape
@@ -88,10 +89,11 @@ BUDGET = 540.0  # of a device command's 600 s: the rest is the wheels' install a
 ALLOWANCE = {
     "gpu": {"preflight": 45.0, "ceilings": 20.0, "gpu-tests": 160.0, "trainer": 290.0, "forwards": 170.0,
             # a 12B model's three families, each after a warm-up iteration: what a call holds after the imports
-            "trainer:flux-dev": 500.0, "trainer:wan2.1-1.3b": 520.0, "ceilings:attention": 60.0},
+            "trainer:flux-dev": 500.0, "trainer:wan2.1-1.3b": 520.0, "ceilings:attention": 60.0,
+            "ceilings:producers": 30.0},
     # smoke: generous, on a loaded 2-core CPU the trainer stage's inductor compiles alone take a minute or more
     "smoke": {"preflight": 180.0, "ceilings": 30.0, "gpu-tests": 300.0, "trainer": 600.0, "forwards": 240.0,
-              "ceilings:attention": 90.0},
+              "ceilings:attention": 90.0, "ceilings:producers": 120.0},
 }
 SMOKE_BUDGET = 1800.0
 
@@ -457,7 +459,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 elif kind == "ceilings":
                     rec["ceilings"] = res = ceilings(device, gemm, copy_mib, reps=cfg["reps"] * 4,  # type: ignore[arg-type]
                                                      attention=attention_shape if stage == "ceilings:attention"
-                                                     else None)  # fmt: skip
+                                                     else None,
+                                                     producer_rows=(8 if smoke else 16384)
+                                                     if stage == "ceilings:producers" else 0)  # fmt: skip
                 elif kind == "gpu-tests":
                     res = gpu_tests_stage(cfg, need - 5.0)
                 elif kind == "trainer":

@@ -230,6 +230,66 @@ def _error(e: BaseException, limit: int = 4) -> dict[str, str]:
 WAN_ATTENTION = (1, 12, 32760, 128)
 
 
+# the fused producers at a family's row widths (issue 40's item 2): the op, its row width, and whether a second
+# input of x's shape, a prefix, or a norm's modulation comes with it
+PRODUCER_CASES = {
+    "adaln (FLUX.1's norm, 3072)": 3072, "rms (Z-Image's norm, 3840)": 3840, "gelu (FLUX.1's FFN, 12288)": 12288,
+    "glu (SANA's gate, 5600)": 5600,
+}
+
+
+def _producer_pair(kind: str, x: torch.Tensor, k: int, fmt: str, g: torch.Generator
+                   ) -> tuple[Callable[[], torch.Tensor], Callable[[], Any]]:  # fmt: skip
+    """(the stock ops an unfused copy runs for one producer, the fused kernel) on BF16 rows x of width k (2k: a
+    gate's two halves)."""
+    import torch.nn.functional as F
+
+    from solrl_engine.kernels.dispatch import triton_module
+    from solrl_engine.quant import producers as ref
+
+    tr = triton_module("producers")
+    onep = 1 + 0.1 * torch.randn(1, k, device=x.device, dtype=torch.bfloat16, generator=g)
+    shift = 0.1 * torch.randn(1, k, device=x.device, dtype=torch.bfloat16, generator=g)
+    x3 = x.view(1, *x.shape)
+    if kind == "adaln":
+        return (lambda: F.layer_norm(x, (k,), eps=1e-6) * onep + shift,
+                lambda: tr.adaln_quantize(x3, onep, shift, 1e-6, fmt, True, torch.bfloat16))  # fmt: skip
+    if kind == "rms":
+        return (lambda: ref.rms_scaled(x3, onep[0], 1e-5, onep),
+                lambda: tr.rms_quantize(x3, onep[0], 1e-5, onep, fmt, torch.bfloat16))  # fmt: skip
+    if kind == "gelu":
+        return lambda: F.gelu(x, approximate="tanh"), lambda: tr.gelu_quantize(x, fmt)
+    a, b = x.chunk(2, dim=-1)
+    return lambda: a * F.silu(b), lambda: tr.glu_quantize(x, fmt)
+
+
+def producer_peers(device: torch.device, rows: int, reps: int) -> dict[str, Any]:
+    """Each fused producer kernel (triton_kernels/producers.py) against what an unfused copy runs in its place (the
+    stock ops in BF16, then the format's row-wise quantize kernel), on `rows` random BF16 rows of a family's width:
+    median ms of each, their ratio, and the fused kernel's bytes moved (x read; y, codes and scales written) per
+    second, to set beside the copy's. FP8 codes where the device has FP8, else INT8."""
+    from solrl_engine import kernels
+
+    fmt = "fp8" if format_unavailable("fp8", device) is None else "int8"
+    quantize = kernels.fp8_quantize_rowwise if fmt == "fp8" else kernels.int8_quantize_rowwise
+    g = torch.Generator(device=device).manual_seed(0)
+    out: dict[str, Any] = {"format": fmt, "rows": rows}
+    for name, k in PRODUCER_CASES.items():
+        try:
+            kind = name.split()[0]
+            width = 2 * k if kind == "glu" else k
+            x = torch.randn(rows, width, device=device, dtype=torch.bfloat16, generator=g)
+            stock, fused = _producer_pair(kind, x, k, fmt, g)
+            fused_ms = median_ms(fused, device, reps=reps)
+            unfused_ms = median_ms(lambda st=stock, n=k: quantize(st().reshape(rows, n)), device, reps=reps)
+            moved = rows * (width * 2 + k * 2 + k + 4)  # x in BF16; y in BF16, one byte of code each, a scale a row
+            out[name] = {"fused_ms": fused_ms, "unfused_ms": unfused_ms, "fused_speedup": unfused_ms / fused_ms,
+                         "fused_gb_per_s": moved / (fused_ms / 1e3) / 1e9}  # fmt: skip
+        except Exception as e:  # noqa: BLE001 - one kernel failing is recorded, never fatal to the stage
+            out[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+    return out
+
+
 def attention_peers(device: torch.device, shape: tuple[int, int, int, int], reps: int) -> dict[str, Any]:
     """One attention call [B, H, N, d] on random BF16 q, k, v: PyTorch's SDPA (BF16), ours for
     explore_attention=int8 (solrl::int8_attention: INT8 Q K^T, FP16 P V, Triton) and SageAttention version 1
@@ -276,9 +336,10 @@ def attention_peers(device: torch.device, shape: tuple[int, int, int, int], reps
 
 
 def ceilings(device: torch.device, shape: tuple[int, int, int], copy_mib: int, reps: int,
-             attention: tuple[int, int, int, int] | None = None) -> dict[str, Any]:  # fmt: skip
+             attention: tuple[int, int, int, int] | None = None, producer_rows: int = 0) -> dict[str, Any]:  # fmt: skip
     """Copy bandwidth and BF16 / FP8 row-wise / INT8 GEMM rates at one DiT-sized GEMM (m x n x k); with `attention`
-    ([B, H, N, d]), the attention peers at that shape (`attention_peers`)."""
+    ([B, H, N, d]), the attention peers at that shape (`attention_peers`); with `producer_rows`, the fused
+    producers against the unfused ops on that many rows (`producer_peers`)."""
     m, n, k = shape
     out: dict[str, Any] = {"gemm_shape": [m, n, k]}
     src = torch.randn(copy_mib * 2**20 // 2, device=device, dtype=torch.bfloat16)
@@ -336,4 +397,6 @@ def ceilings(device: torch.device, shape: tuple[int, int, int], copy_mib: int, r
                                "times it"}
     if attention is not None:
         out["attention"] = attention_peers(device, attention, max(3, reps // 4))
+    if producer_rows:
+        out["producers"] = producer_peers(device, producer_rows, max(3, reps // 2))
     return out

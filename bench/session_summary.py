@@ -171,6 +171,11 @@ def summary_lines(rec: dict[str, Any]) -> list[str]:
                      else "") + f" err {v['rel_error']:.1e}" if "median_ms" in v else f"{k} skipped"
                      for k, v in att.items() if isinstance(v, dict)]  # fmt: skip
             lines.append(f"attention {att['shape']}: " + ", ".join(parts))
+        prod = c.get("producers")
+        if prod:  # the fused producer kernels against the unfused ops they replace
+            parts = [f"{k.split()[0]} {v['fused_speedup']:.2f}x ({v['fused_gb_per_s']:.0f} GB/s)" if "fused_ms" in v
+                     else f"{k.split()[0]} failed" for k, v in prod.items() if isinstance(v, dict)]  # fmt: skip
+            lines.append(f"producers ({prod['format']}, {prod['rows']} rows) fused vs unfused: " + ", ".join(parts))
     forwards = [s for k, s in stages.items() if k.startswith("forwards:") and "precisions" in s]
     if forwards:
         lines.extend(FORWARD_HEAD)

@@ -138,7 +138,13 @@ def check_preflight(sm: str, rehearse) -> None:  # noqa: ANN001 - the fixture
 @pytest.mark.slow
 def test_call_1_measures_sol_rl_against_both_baselines_first(rehearse):
     _, rec, log = rehearse(1, "90")
-    assert rec["stage_order"] == ["gpu-tests", "preflight", "trainer:sana-1.6b"]
+    assert rec["stage_order"] == ["gpu-tests", "preflight", "trainer:sana-1.6b", "ceilings:producers"]
+    # the fused producer kernels beside the unfused ops they replace (the Triton interpreter here: no speed)
+    prod = rec["ceilings"]["producers"]
+    assert prod["format"] == "fp8" and prod["rows"] == 8
+    for name in ("adaln", "rms", "gelu", "glu"):
+        (row,) = [v for k, v in prod.items() if k.startswith(name)]
+        assert row["fused_ms"] > 0 and row["unfused_ms"] > 0 and "error" not in row, row
     s = rec["stages"]["trainer:sana-1.6b"]
     for fam in ("sol_rl", "naive_scaling", "compile"):
         m = s["families"][fam]
