@@ -304,7 +304,8 @@ def fuse_producers(model: nn.Module, producers: Mapping[str, tuple[str, ...]],
         if type(module) in _fusable():
             module.__class__ = _fusable()[type(module)]
         elif type(module).__name__ in (blocks or {}):  # a module with its family's fused forward (Z-Image's FFN)
-            module.__class__ = _fused_block(type(module), blocks[type(module).__name__])
+            if not getattr(type(module), "_solrl_fused", False):
+                module.__class__ = _fused_block(type(module), blocks[type(module).__name__])
         else:  # an inline producer (a norm its block modulates, an activation): the block takes its fused forward
             block = model.get_submodule(name.rpartition(".")[0])
             if not getattr(type(block), "_solrl_fused", False):
