@@ -42,6 +42,7 @@ from solrl_engine.kernels import runs
 from solrl_engine.models import ARCH_ALIASES, model_spec
 from solrl_engine.nn import fast_path
 from solrl_engine.nn.fast_path import reset_fast_path
+from solrl_engine.nn.producers import paused
 from solrl_engine.sampling.compile import Census, census_backend, compile_regions, uncompile_regions
 
 # a compiled forward starts only while this much of its stage is left: one cold inductor compile of the family's
@@ -380,6 +381,8 @@ def model_stage(alias: str, device: torch.device, cfg: dict[str, Any], dev_rates
                     if copy is not None and copy.producers and copy.producers.fused:  # what the fused producers ran
                         entry["producers_ran"] = sorted({runs()[f"{n} (producer)"].impl for n in copy.producers.fused
                                                          if f"{n} (producer)" in runs()})  # fmt: skip
+                        with paused(net, copy.producers):  # the same copy, each consumer quantizing for itself
+                            entry["eager_ms_producers_paused"] = median_ms(fwd, device, reps=cfg["reps"])
                     if _attention(fmt):  # what the explore copy's attention calls ran (the kernel, or the reference)
                         last = runs().get(ATTENTION_TAG)
                         entry["attention_ran"] = last.impl if last is not None else "emulated (no plain call)"

@@ -118,8 +118,10 @@ def forwards_lines(s: dict[str, Any]) -> list[str]:
                      f"{_f(ao_e, 2):>7}{_f(ao_c, 2):>7}{_f(e.get('refresh_ms')):>9}{_f(r_t, 2):>7}  "
                      + " ".join(f"{g} {v:.0%}" for g, v in shares))  # fmt: skip
         made = e.get("quantize_where_made") or {}
-        if "verdict" in made:  # issue 40's check: no standalone quantize kernel where a producer exists
-            lines.append(f"{'':<18}producers: {made['verdict']}")
+        off = e.get("eager_ms_producers_paused")
+        if "verdict" in made or off:  # issue 40's check: no standalone quantize kernel where a producer exists
+            worth = f"; eager {off:.1f} ms with them paused ({off / e['eager_ms']:.2f}x)" if off else ""
+            lines.append(f"{'':<18}producers: {made.get('verdict', 'not counted (a CPU profile)')}{worth}")
         c = e.get("compiled") or {}
         if q and c.get("census_summary"):  # traced scaled GEMMs (quantize fused) or opaque ops, per compiled graph
             lines.append(f"{'':<18}compiled: {c['census_summary'][:100]}")

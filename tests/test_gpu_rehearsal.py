@@ -185,6 +185,7 @@ def check_forwards(call: int, sm: str, rehearse) -> None:  # noqa: ANN001 - the 
                 # every family's 8-bit copy has producers (adaLN modules, inline-modulated norms, FFN GELUs), each run
                 # by its kernel
                 assert e["producers_ran"] and all(r.startswith("triton") for r in e["producers_ran"]), e
+                assert e["eager_ms_producers_paused"] > 0  # the same copy timed with its producers paused
                 assert sum(c["gemms"].get(k, 0) for k in PRODUCER_KINDS) > 0, c
         assert s["nft_update"]["ms"] > 0 and s["nft_update"]["checkpointing"] == (model != "sana-1.6b")
         it = s["iteration"][f"eager/{eight[0]}"]

@@ -350,6 +350,39 @@ def test_a_fused_copy_computes_what_the_unfused_one_does_and_skips_its_consumers
             assert runs[tag].impl.endswith("(input codes from its producer)"), (tag, runs[tag])
 
 
+def test_paused_producers_compute_the_unfused_copy_and_resume(pipes, monkeypatch):
+    """`paused`: inside, a fused copy's consumers quantize for themselves (counted) and its velocity is the unfused
+    copy's bit for bit; after, the producers feed them again (what the GPU session times on one copy)."""
+    from solrl_engine.nn.producers import paused
+
+    monkeypatch.delenv("SOLRL_BACKEND", raising=False)
+    model = load_model("sana", pipes["sana"], "cpu", torch.bfloat16, resolution=SIZES["sana"])
+    spec = model_spec("sana")
+    copy = ExploreCopy(model.transformer, "int8", changes=spec.explore_rule, producers=spec.producers,
+                       producer_blocks=spec.producer_blocks)  # fmt: skip
+    x = torch.randn(2, *model.latent_shape)
+    cond = model.encode_prompts(["a red apple", "a blue cup"])
+    calls = _count_quantizes(monkeypatch, "int8")
+
+    def run() -> tuple[torch.Tensor, int]:
+        calls[0] = 0
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            return model.velocity(x, torch.tensor([0.7, 0.3]), cond, transformer=copy.transformer), calls[0]
+
+    fused, n_fused = run()
+    with paused(copy.transformer, copy.producers):
+        plain, n_plain = run()
+    again, n_again = run()
+    takers = sum(len(v) for v in copy.producers.fused.values())
+    assert n_plain - n_fused == takers > 0 and n_again == n_fused
+    assert _same(plain, fused) and _same(again, fused)
+    unfused = ExploreCopy(model.transformer, "int8", changes=spec.explore_rule)
+    calls[0] = 0
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert _same(model.velocity(x, torch.tensor([0.7, 0.3]), cond, transformer=unfused.transformer), plain)
+    assert calls[0] == n_plain
+
+
 def test_what_is_not_fused_is_said_and_keeps_the_stock_path(pipes):
     """A pattern naming a module that is no producer class, a copy whose format has no row-wise codes (NVFP4),
     consumers kept in BF16 by the rule: nothing fused, each with its reason. With autograd recording, a fused

@@ -23,9 +23,10 @@ records or the modulation is not one row per sample.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -313,3 +314,17 @@ def fuse_producers(model: nn.Module, producers: Mapping[str, tuple[str, ...]],
         module.__dict__["_solrl_fmt"] = fmt
         module.__dict__["_solrl_tag"] = f"{name} (producer)"
     return out
+
+
+@contextlib.contextmanager
+def paused(model: nn.Module, fused: FusedProducers) -> Iterator[None]:
+    """Inside, `model`'s fused producers compute their stock expressions and their consumers quantize for themselves,
+    as in an unfused copy (the fused forwards stay: they take the stock path): what the producers are worth, timed on
+    the same copy (the GPU session's forwards stage), with no second copy in memory."""
+    held = {n: model.get_submodule(n).__dict__.pop("_solrl_fmt", None) for n in fused.fused}
+    try:
+        yield
+    finally:
+        for name, fmt in held.items():
+            if fmt is not None:
+                model.get_submodule(name).__dict__["_solrl_fmt"] = fmt
