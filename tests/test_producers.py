@@ -350,6 +350,28 @@ def test_a_fused_copy_computes_what_the_unfused_one_does_and_skips_its_consumers
             assert runs[tag].impl.endswith("(input codes from its producer)"), (tag, runs[tag])
 
 
+def test_a_producer_whose_rows_the_kernels_cannot_hold_is_left_to_its_linears(pipes, monkeypatch):
+    """Rows wider than the fused kernels hold (FLUX.2-dev's 18,432-wide SwiGLU against 16,384) would run the op's
+    reference, slower than the consumers' own quantize kernels: the plan leaves such a producer, saying why, and
+    fuses the narrower ones."""
+    model = load_model("flux", pipes["flux"], "cpu", torch.float32, resolution=SIZES["flux"])
+    spec = model_spec("flux")
+    wide = ExploreCopy(model.transformer, "fp8", changes={"skip_max_dim": 0}, producers=spec.producers,
+                       producer_blocks=spec.producer_blocks).producers  # fmt: skip
+    widths = {n: model.transformer.get_submodule(f"{n.rpartition('.')[0]}.{c[0]}").in_features
+              for n, c in wide.fused.items()}  # fmt: skip
+    cut = min(widths.values()) if len(set(widths.values())) > 1 else None
+    assert cut is not None, widths  # the tiny FLUX.1 has norms (hidden width) and FFN GELUs (4x) to tell apart
+    monkeypatch.setattr(kernels.producers, "MAX_K", cut)
+    got = ExploreCopy(model.transformer, "fp8", changes={"skip_max_dim": 0}, producers=spec.producers,
+                      producer_blocks=spec.producer_blocks).producers  # fmt: skip
+    assert set(got.fused) == {n for n, w in widths.items() if w <= cut} and got.fused
+    for n, w in widths.items():
+        if w > cut:
+            assert got.left[n] == (f"rows of {w} values: the fused kernels hold at most {cut}, so its linears "
+                                   "quantize for themselves")  # fmt: skip
+
+
 def test_paused_producers_compute_the_unfused_copy_and_resume(pipes, monkeypatch):
     """`paused`: inside, a fused copy's consumers quantize for themselves (counted) and its velocity is the unfused
     copy's bit for bit; after, the producers feed them again (what the GPU session times on one copy)."""

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from solrl_engine import kernels  # noqa: F401 - registers solrl::adaln_quantize
+from solrl_engine import kernels  # registers the producers' ops (solrl::adaln_quantize, ...)
 from solrl_engine.nn.quant_linear import Prequantized, QuantLinear
 from solrl_engine.quant.formats import rowwise_formats
 
@@ -278,13 +278,23 @@ def plan_producers(model: nn.Module, producers: Mapping[str, tuple[str, ...]], f
         parent = name.rpartition(".")[0]
         block = model.get_submodule(parent) if parent else None
         takers = [c for c in producers[pattern] if takes_codes(f"{parent}.{c}" if parent else c)]
+        wide = max((_row_width(model, f"{parent}.{c}" if parent else c) for c in takers), default=0)
         why = _why_not(module, block, blocks or {}) or (None if takers else
                                                         "none of the linears it feeds is quantized with row-wise codes")
+        if why is None and wide > kernels.producers.MAX_K:  # the reference would run: slower than the consumers' own
+            why = (f"rows of {wide} values: the fused kernels hold at most {kernels.producers.MAX_K}, so its "
+                   "linears quantize for themselves")  # fmt: skip
         if why:
             out.left[name] = why
         else:
             out.fused[name] = takers
     return out
+
+
+def _row_width(model: nn.Module, name: str) -> int:
+    """The width of the rows the linear (or 1x1 convolution) `name` reads: what its producer's kernel would hold."""
+    m = model.get_submodule(name)
+    return int(getattr(m, "in_features", None) or getattr(m, "in_channels", 0))
 
 
 def fuse_producers(model: nn.Module, producers: Mapping[str, tuple[str, ...]],
