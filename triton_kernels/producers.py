@@ -1,6 +1,6 @@
-"""The quantize where its input is made: a producer's norm and modulation (`adaln_quantize`), an FFN's GELU
-(`gelu_quantize`) or a gated FFN's gate (`glu_quantize`), and the 8-bit row-wise codes of what it produces, in one
-pass over each row.
+"""The quantize where its input is made: a producer's norm and modulation (`adaln_quantize`; a weighted RMS norm
+times its scale: `rms_quantize`), an FFN's GELU (`gelu_quantize`) or a gated FFN's gate (`glu_quantize`), and the
+8-bit row-wise codes of what it produces, in one pass over each row.
 
 An adaLN-Zero producer (diffusers' AdaLayerNormZero, AdaLayerNormZeroSingle) computes
 y = layer_norm(x) * (1 + scale) + shift, and every linear it feeds (to_q, to_k, to_v, proj_mlp) quantizes y per
