@@ -11,6 +11,8 @@ inductor's choice (which on the H200 kept the FP8 quantize as a standalone reduc
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from solrl_engine.kernels._gemm import no_autocast
@@ -117,14 +119,20 @@ def _rows_fit(kernel: str, k: int, fmt: str, *dtypes: torch.dtype) -> str | None
     return None
 
 
-def _gelu_fits(device: torch.device, k: int, x_dtype: torch.dtype, fmt: str, prefix_dtype: torch.dtype | None = None,
-               **_: object) -> str | None:  # fmt: skip
-    if prefix_dtype not in (None, x_dtype):
-        return f"the fused GELU kernel takes a prefix of its input's dtype; got {prefix_dtype} beside {x_dtype}"
-    return _rows_fit("GELU", k, fmt, x_dtype)
+def _prefixed_fits(kernel: str, what: str) -> Callable[..., str | None]:
+    """The `fits` of an activation kernel that may join a prefix (and, the gate, a second) of x's dtype: `what`."""
+
+    def fits(device: torch.device, k: int, x_dtype: torch.dtype, fmt: str, prefix_dtype: torch.dtype | None = None,
+             **_: object) -> str | None:  # fmt: skip
+        if prefix_dtype not in (None, x_dtype):
+            return f"the fused {kernel} kernel takes {what} of its input's dtype; got {prefix_dtype} beside {x_dtype}"
+        return _rows_fit(kernel, k, fmt, x_dtype)
+
+    return fits
 
 
-register("gelu_quantize", {"reference": _gelu_ref, "triton": _gelu_tr}, fits={"triton": _gelu_fits})
+register("gelu_quantize", {"reference": _gelu_ref, "triton": _gelu_tr},
+         fits={"triton": _prefixed_fits("GELU", "a prefix")})
 
 
 @torch.library.custom_op("solrl::gelu_quantize", mutates_args=())
@@ -162,14 +170,8 @@ def _glu_tr(x: torch.Tensor, fmt: str, gate_first: bool, prefix: torch.Tensor | 
     return out
 
 
-def _glu_fits(device: torch.device, k: int, x_dtype: torch.dtype, fmt: str, prefix_dtype: torch.dtype | None = None,
-              **_: object) -> str | None:  # fmt: skip
-    if prefix_dtype not in (None, x_dtype):
-        return f"the fused gate kernel takes a prefix and a second of x's dtype; got {prefix_dtype} beside {x_dtype}"
-    return _rows_fit("gate", k, fmt, x_dtype)
-
-
-register("glu_quantize", {"reference": _glu_ref, "triton": _glu_tr}, fits={"triton": _glu_fits})
+register("glu_quantize", {"reference": _glu_ref, "triton": _glu_tr},
+         fits={"triton": _prefixed_fits("gate", "a prefix and a second")})
 
 
 @torch.library.custom_op("solrl::glu_quantize", mutates_args=())
@@ -204,14 +206,6 @@ def _(x, fmt, tag="", gate_first=False, prefix=None, second=None):  # noqa: ANN0
     return x.new_empty(shape), codes, x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)
 
 
-def rms_dtype(x: torch.Tensor, weight: torch.Tensor | None, scale: torch.Tensor | None) -> torch.dtype:
-    """The dtype of diffusers' RMSNorm(x) * scale: the norm's (a half weight's, an FP32 weight's FP32, x's without
-    one) promoted with the scale's."""
-    h = x.dtype if weight is None else (weight.dtype if weight.dtype in (torch.float16, torch.bfloat16) else
-                                        torch.promote_types(torch.float32, weight.dtype))  # fmt: skip
-    return h if scale is None else torch.promote_types(h, scale.dtype)
-
-
 def _rms_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float, scale: torch.Tensor | None, fmt: str
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     ran("reference")
@@ -220,7 +214,7 @@ def _rms_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float, scale: to
 
 def _rms_tr(x: torch.Tensor, weight: torch.Tensor | None, eps: float, scale: torch.Tensor | None, fmt: str
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    out = triton_module("producers").rms_quantize(x, weight, eps, scale, fmt, rms_dtype(x, weight, scale))
+    out = triton_module("producers").rms_quantize(x, weight, eps, scale, fmt, producers.rms_dtype(x, weight, scale))
     ran("triton: RMS norm, modulation and row-wise quantize in one pass")
     return out
 
@@ -241,7 +235,7 @@ def rms_quantize(x: torch.Tensor, weight: torch.Tensor | None, eps: float, scale
     adaln_quantize."""
     if fmt not in rowwise_formats():
         raise ValueError(f"rms_quantize emits row-wise codes of {rowwise_formats()}; got {fmt!r}")
-    dtypes = (x.dtype, rms_dtype(x, weight, scale), *(v.dtype for v in (weight, scale) if v is not None))
+    dtypes = (x.dtype, producers.rms_dtype(x, weight, scale), *(v.dtype for v in (weight, scale) if v is not None))
     backend = choose("rms_quantize", x.device, k=x.shape[-1], dtypes=dtypes, fmt=fmt)[0]
     return _recorded("rms_quantize", backend, (x, weight, eps, scale, fmt), tag, RMS_HINT)
 
@@ -249,5 +243,5 @@ def rms_quantize(x: torch.Tensor, weight: torch.Tensor | None, eps: float, scale
 @rms_quantize.register_fake
 def _(x, weight, eps, scale, fmt, tag=""):  # noqa: ANN001, ANN202
     codes = x.new_empty(x.shape, dtype=torch.float8_e4m3fn if fmt == "fp8" else torch.int8)
-    y = x.new_empty(x.shape, dtype=rms_dtype(x, weight, scale))
+    y = x.new_empty(x.shape, dtype=producers.rms_dtype(x, weight, scale))
     return y, codes, x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)

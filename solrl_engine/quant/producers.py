@@ -55,6 +55,14 @@ def rms_scaled(x: torch.Tensor, weight: torch.Tensor | None, eps: float, scale: 
     return h if scale is None else h * scale[:, None]
 
 
+def rms_dtype(x: torch.Tensor, weight: torch.Tensor | None, scale: torch.Tensor | None) -> torch.dtype:
+    """The dtype of diffusers' RMSNorm(x) * scale: the norm's (a half weight's, an FP32 weight's FP32, x's without
+    one) promoted with the scale's."""
+    h = x.dtype if weight is None else (weight.dtype if weight.dtype in (torch.float16, torch.bfloat16) else
+                                        torch.promote_types(torch.float32, weight.dtype))  # fmt: skip
+    return h if scale is None else torch.promote_types(h, scale.dtype)
+
+
 def rms_quantize(x: torch.Tensor, weight: torch.Tensor | None, eps: float, scale: torch.Tensor | None, fmt: str
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """(y, codes, scales): `rms_scaled`'s y and `fmt`'s row-wise quantize of it: the codes of the linears a
