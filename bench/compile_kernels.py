@@ -196,6 +196,23 @@ def engine_launches() -> list[Launch]:
                 producers.rms_quantize(x, torch.ones(3840, dtype=dt), 1e-5, torch.ones(2, 3840, dtype=dt), fmt, dt)
                 h = torch.empty(2, 7, 10240, dtype=dt)
                 producers.glu_quantize(h, fmt, True, None, h)
+        # the same producers writing their codes alone (every linear they feed takes the codes: STORE_Y off), as a
+        # GPU's autocast runs them: BF16 activations, an adaLN's FP32 y (FLUX.1) or its BF16 cast (SANA)
+        bf = torch.bfloat16
+        for fmt in ("fp8", "int8"):
+            producers.adaln_quantize(torch.empty(2, 7, 3072, dtype=bf), torch.ones(2, 3072), torch.ones(2, 3072), 1e-6,
+                                     fmt, False, torch.float32, False)  # fmt: skip
+            producers.adaln_quantize(torch.empty(2, 7, 2240, dtype=bf), torch.ones(2, 2240), torch.ones(2, 2240), 1e-6,
+                                     fmt, False, bf, False)  # fmt: skip
+            producers.gelu_quantize(torch.empty(2, 7, 12288, dtype=bf), fmt, None, False)
+            producers.gelu_quantize(torch.empty(2, 7, 12288, dtype=bf), fmt, torch.empty(2, 7, 3072, dtype=bf), False)
+            producers.glu_quantize(torch.empty(2, 4, 4, 2 * 5600, dtype=bf), fmt, False, None, None, False)
+            producers.glu_quantize(torch.empty(2, 7, 2 * 9216, dtype=bf), fmt, True, torch.empty(2, 7, 3072, dtype=bf),
+                                   None, False)  # fmt: skip
+            h = torch.empty(2, 7, 10240, dtype=bf)
+            producers.glu_quantize(h, fmt, True, None, h, False)
+            producers.rms_quantize(torch.empty(2, 7, 3840, dtype=bf), torch.ones(3840, dtype=bf), 1e-5,
+                                   torch.ones(2, 3840, dtype=bf), fmt, bf, False)  # fmt: skip
         q = torch.empty(256, 512, dtype=torch.uint8)
         s = torch.empty(256, 64, dtype=torch.uint8)
         g = torch.ones(())

@@ -289,15 +289,17 @@ def explore_layers(model: Any, alias: str, precision: str) -> set[str]:
     return set(plan_quantization(model.transformer, recipe).quantized)
 
 
-def producer_fed(model: Any, alias: str, precision: str, quantized: set[str]) -> dict[str, str]:
+def producer_fed(model: Any, alias: str, precision: str, quantized: set[str]) -> dict[str, tuple[str, bool]]:
     """The quantized linears whose input codes a fused producer makes in the trainer's explore copy (its norm and
-    modulation, or its FFN's GELU: nn.producers), each with its producer: consumer name -> producer name. Empty for
-    a format without row-wise codes (NVFP4)."""
+    modulation, or its FFN's GELU: nn.producers), each with its producer and whether that producer writes its codes
+    alone (no op reads its y: FusedProducers.codes_only): consumer name -> (producer name, codes alone). Empty for a
+    format without row-wise codes (NVFP4)."""
     spec = model_spec(ARCH_ALIASES.get(alias, alias))
     fmt = get_recipe(precision).format
     plan = plan_producers(model.transformer, spec.producers, fmt if fmt in rowwise_formats() else "",
                           quantized.__contains__, spec.producer_blocks)  # fmt: skip
-    return {f"{p.rpartition('.')[0]}.{c}": p for p, takers in plan.fused.items() for c in takers}
+    return {f"{p.rpartition('.')[0]}.{c}": (p, p in plan.codes_only) for p, takers in plan.fused.items()
+            for c in takers}  # fmt: skip
 
 
 # --- devices and the roofline ---------------------------------------------------------------------
@@ -370,7 +372,8 @@ def roofline(flops: float, nbytes: float, rate: float, bandwidth: float) -> floa
 
 
 def group_times(ops: list[OpCost], dev: Device, precision: str, quantized: set[str], fused: bool = False,
-                attention: str = "bf16", produced: dict[str, str] | None = None) -> dict[str, dict[str, float]]:
+                attention: str = "bf16", produced: dict[str, tuple[str, bool]] | None = None
+                ) -> dict[str, dict[str, float]]:  # fmt: skip
     """Seconds per (group, kind) of one forward with `quantized` linears in `precision` ("bf16": none),
     and the activation-quantize passes those linears add. fused=True is the compiled ideal: every
     elementwise op and every activation quantize fused into the kernel next to it (costing nothing),
@@ -378,7 +381,8 @@ def group_times(ops: list[OpCost], dev: Device, precision: str, quantized: set[s
     of FP8 attention (q, k, v in FP8 at the FP8 rate, the output in BF16), priced, not built. `produced`
     (`producer_fed`): linears whose input codes their producer writes, once per producer (the codes' bytes), in
     place of each linear's own quantize pass (the producer's other work stays priced as the elementwise ops it was;
-    fusing those passes into one is not credited)."""
+    fusing those passes into one is not credited, except the write of y a codes-alone producer no longer makes: its
+    BF16 bytes come off the elementwise work)."""
     out: dict[str, dict[str, float]] = {}
     produced = produced or {}
     seen: set[str] = set()
@@ -419,11 +423,17 @@ def group_times(ops: list[OpCost], dev: Device, precision: str, quantized: set[s
         if new:
             cbytes = len(new) * per_layer * w
             out[f"{c.group} [producer codes {precision}]"] = {"s": cbytes / qbw, "flops": 0.0, "bytes": cbytes}
+        alone = sum(1 for _, codes_alone in new if codes_alone)
+        if alone:  # the stock ops' last write (y, at least BF16), priced among the elementwise ops, is not made
+            ybytes = alone * per_layer * 2
+            out[f"{c.group} [elementwise saved: y unwritten]"] = {"s": -ybytes / dev.bandwidth, "flops": 0.0,
+                                                                  "bytes": -ybytes}  # fmt: skip
     return out
 
 
 def forward_seconds(ops: list[OpCost], dev: Device, precision: str, quantized: set[str], fused: bool = False,
-                    attention: str = "bf16", produced: dict[str, str] | None = None) -> float:  # fmt: skip
+                    attention: str = "bf16", produced: dict[str, tuple[str, bool]] | None = None
+                    ) -> float:  # fmt: skip
     """One forward: the sum over its groups of each group's roofline time (no overlap between kernels)."""
     return sum(v["s"] for v in group_times(ops, dev, precision, quantized, fused, attention, produced).values())
 
@@ -434,7 +444,8 @@ LINK_BANDWIDTH = {"H100": 450e9, "A100": 300e9, "B200": 900e9}
 
 
 def context_parallel(ops: list[OpCost], dev: Device, precision: str, quantized: set[str], cp: int,
-                     fused: bool = False, produced: dict[str, str] | None = None) -> dict[str, float]:  # fmt: skip
+                     fused: bool = False, produced: dict[str, tuple[str, bool]] | None = None
+                     ) -> dict[str, float]:  # fmt: skip
     """One forward split over `cp` ranks by Ulysses (rl/context_parallel.py): each rank computes 1/cp of every op
     (its tokens through the linears, its heads through attention) and, around each self-attention call, all-to-alls
     q, k, v in and the output back: (cp - 1) / cp of its share of those bytes, at the assumed link bandwidth, not
@@ -565,6 +576,7 @@ def predict(families: list[str], devices: list[Device], batches: dict[str, int],
                 "measured_rates": dev.measured, "explore_precision": prec, "quantized_layers": len(quantized),
                 "quantized_share_of_linear_flops": qflops / lin if lin else 0.0, "refresh_s": refresh,
                 "producer_fed_layers": len(produced), "producers": len(set(produced.values())),
+                "producers_codes_alone": len({p for p, alone in produced.values() if alone}),
             }  # fmt: skip
             for mode in ("eager", "fused"):
                 fused = mode == "fused"

@@ -239,9 +239,9 @@ PRODUCER_CASES = {
 
 
 def _producer_pair(kind: str, x: torch.Tensor, k: int, fmt: str, g: torch.Generator
-                   ) -> tuple[Callable[[], torch.Tensor], Callable[[], Any]]:  # fmt: skip
-    """(the stock ops an unfused copy runs for one producer, the fused kernel) on BF16 rows x of width k (2k: a
-    gate's two halves)."""
+                   ) -> tuple[Callable[[], torch.Tensor], Callable[[bool], Any]]:  # fmt: skip
+    """(the stock ops an unfused copy runs for one producer, the fused kernel given whether it writes y) on BF16
+    rows x of width k (2k: a gate's two halves)."""
     import torch.nn.functional as F
 
     from solrl_engine.kernels.dispatch import triton_module
@@ -253,21 +253,22 @@ def _producer_pair(kind: str, x: torch.Tensor, k: int, fmt: str, g: torch.Genera
     x3 = x.view(1, *x.shape)
     if kind == "adaln":
         return (lambda: F.layer_norm(x, (k,), eps=1e-6) * onep + shift,
-                lambda: tr.adaln_quantize(x3, onep, shift, 1e-6, fmt, True, torch.bfloat16))  # fmt: skip
+                lambda y: tr.adaln_quantize(x3, onep, shift, 1e-6, fmt, True, torch.bfloat16, y))  # fmt: skip
     if kind == "rms":
         return (lambda: ref.rms_scaled(x3, onep[0], 1e-5, onep),
-                lambda: tr.rms_quantize(x3, onep[0], 1e-5, onep, fmt, torch.bfloat16))  # fmt: skip
+                lambda y: tr.rms_quantize(x3, onep[0], 1e-5, onep, fmt, torch.bfloat16, y))  # fmt: skip
     if kind == "gelu":
-        return lambda: F.gelu(x, approximate="tanh"), lambda: tr.gelu_quantize(x, fmt)
+        return lambda: F.gelu(x, approximate="tanh"), lambda y: tr.gelu_quantize(x, fmt, None, y)
     a, b = x.chunk(2, dim=-1)
-    return lambda: a * F.silu(b), lambda: tr.glu_quantize(x, fmt)
+    return lambda: a * F.silu(b), lambda y: tr.glu_quantize(x, fmt, False, None, None, y)
 
 
 def producer_peers(device: torch.device, rows: int, reps: int) -> dict[str, Any]:
     """Each fused producer kernel (triton_kernels/producers.py) against what an unfused copy runs in its place (the
     stock ops in BF16, then the format's row-wise quantize kernel), on `rows` random BF16 rows of a family's width:
     median ms of each, their ratio, and the fused kernel's bytes moved (x read; y, codes and scales written) per
-    second, to set beside the copy's. FP8 codes where the device has FP8, else INT8."""
+    second, to set beside the copy's; and the same kernel writing its codes alone (`codes_alone_*`: no y, as where
+    every linear a producer feeds takes the codes). FP8 codes where the device has FP8, else INT8."""
     from solrl_engine import kernels
 
     fmt = "fp8" if format_unavailable("fp8", device) is None else "int8"
@@ -280,11 +281,14 @@ def producer_peers(device: torch.device, rows: int, reps: int) -> dict[str, Any]
             width = 2 * k if kind == "glu" else k
             x = torch.randn(rows, width, device=device, dtype=torch.bfloat16, generator=g)
             stock, fused = _producer_pair(kind, x, k, fmt, g)
-            fused_ms = median_ms(fused, device, reps=reps)
+            fused_ms = median_ms(lambda f=fused: f(True), device, reps=reps)
+            alone_ms = median_ms(lambda f=fused: f(False), device, reps=reps)
             unfused_ms = median_ms(lambda st=stock, n=k: quantize(st().reshape(rows, n)), device, reps=reps)
-            moved = rows * (width * 2 + k * 2 + k + 4)  # x in BF16; y in BF16, one byte of code each, a scale a row
+            moved = rows * (width * 2 + k + 4)  # x in BF16, one byte of code each, a scale a row (and y in BF16)
             out[name] = {"fused_ms": fused_ms, "unfused_ms": unfused_ms, "fused_speedup": unfused_ms / fused_ms,
-                         "fused_gb_per_s": moved / (fused_ms / 1e3) / 1e9}  # fmt: skip
+                         "fused_gb_per_s": (moved + rows * k * 2) / (fused_ms / 1e3) / 1e9,
+                         "codes_alone_ms": alone_ms, "codes_alone_speedup": unfused_ms / alone_ms,
+                         "codes_alone_gb_per_s": moved / (alone_ms / 1e3) / 1e9}  # fmt: skip
         except Exception as e:  # noqa: BLE001 - one kernel failing is recorded, never fatal to the stage
             out[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
     return out

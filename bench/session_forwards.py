@@ -381,6 +381,7 @@ def model_stage(alias: str, device: torch.device, cfg: dict[str, Any], dev_rates
                     if copy is not None and copy.producers and copy.producers.fused:  # what the fused producers ran
                         entry["producers_ran"] = sorted({runs()[f"{n} (producer)"].impl for n in copy.producers.fused
                                                          if f"{n} (producer)" in runs()})  # fmt: skip
+                        entry["producers_codes_alone"] = len(copy.producers.codes_only)  # writing no y
                         with paused(net, copy.producers):  # the same copy, each consumer quantizing for itself
                             entry["eager_ms_producers_paused"] = median_ms(fwd, device, reps=cfg["reps"])
                     if _attention(fmt):  # what the explore copy's attention calls ran (the kernel, or the reference)

@@ -144,7 +144,7 @@ def test_call_1_measures_sol_rl_against_both_baselines_first(rehearse):
     assert prod["format"] == "fp8" and prod["rows"] == 8
     for name in ("adaln", "rms", "gelu", "glu"):
         (row,) = [v for k, v in prod.items() if k.startswith(name)]
-        assert row["fused_ms"] > 0 and row["unfused_ms"] > 0 and "error" not in row, row
+        assert "error" not in row and min(row["fused_ms"], row["unfused_ms"], row["codes_alone_ms"]) > 0, row
     s = rec["stages"]["trainer:sana-1.6b"]
     for fam in ("sol_rl", "naive_scaling", "compile"):
         m = s["families"][fam]
@@ -185,6 +185,7 @@ def check_forwards(call: int, sm: str, rehearse) -> None:  # noqa: ANN001 - the 
                 # every family's 8-bit copy has producers (adaLN modules, inline-modulated norms, FFN GELUs), each run
                 # by its kernel
                 assert e["producers_ran"] and all(r.startswith("triton") for r in e["producers_ran"]), e
+                assert e["producers_codes_alone"] > 0 and any(r.endswith("(y unwritten)") for r in e["producers_ran"])
                 assert e["eager_ms_producers_paused"] > 0  # the same copy timed with its producers paused
                 assert sum(c["gemms"].get(k, 0) for k in PRODUCER_KINDS) > 0, c
         assert s["nft_update"]["ms"] > 0 and s["nft_update"]["checkpointing"] == (model != "sana-1.6b")

@@ -94,7 +94,7 @@ def test_a_producer_writes_its_codes_once_in_place_of_its_linears_quantize_passe
     out = predict.OpCost("blocks.*.attn.to_out", "linear", flops=1.0, bytes=1.0, **elems,
                          layers={"blocks.0.attn.to_out", "blocks.1.attn.to_out"})  # fmt: skip
     layers = {n for c in [*qkv, out] for n in c.layers}
-    produced = {f"blocks.{b}.attn.to_{n}": f"blocks.{b}.norm1" for b in (0, 1) for n in "qkv"}
+    produced = {f"blocks.{b}.attn.to_{n}": (f"blocks.{b}.norm1", False) for b in (0, 1) for n in "qkv"}
     dev = _device(predict, 4e12)
     plain = predict.group_times([*qkv, out], dev, "fp8", layers)
     fused = predict.group_times([*qkv, out], dev, "fp8", layers, produced=produced)
@@ -108,6 +108,13 @@ def test_a_producer_writes_its_codes_once_in_place_of_its_linears_quantize_passe
     monkeypatch.setitem(predict.LINK_BANDWIDTH, dev.name, 1e10)
     split = predict.context_parallel([*qkv, out], dev, "fp8", layers, 4, produced=produced)
     assert split["compute_s"] == pytest.approx(sum(v["s"] for v in fused.values()) / 4)
+    # producers whose y no op reads (codes alone) do not write it: its BF16 bytes come off the elementwise work
+    alone = predict.group_times([*qkv, out], dev, "fp8", layers, produced={n: (p, True) for n, (p, _) in
+                                                                          produced.items()})  # fmt: skip
+    assert set(alone) - set(fused) == {"blocks.*.attn.to_q [elementwise saved: y unwritten]"}
+    assert alone["blocks.*.attn.to_q [elementwise saved: y unwritten]"]["bytes"] == -2 * rows * k * 2
+    assert sum(v["s"] for v in fused.values()) - sum(v["s"] for v in alone.values()) == pytest.approx(
+        2 * rows * k * 2 / dev.bandwidth)  # fmt: skip
 
 
 def test_the_meta_models_producers_are_the_trainers(predict):
@@ -119,7 +126,8 @@ def test_the_meta_models_producers_are_the_trainers(predict):
     assert fed and set(fed) <= q
     assert {"transformer_blocks.0.attn.to_q", "transformer_blocks.0.ff.net.2",
             "single_transformer_blocks.0.proj_mlp"} <= set(fed)  # fmt: skip
-    assert fed["transformer_blocks.0.ff.net.2"] == "transformer_blocks.0.ff.net.0"
+    assert fed["transformer_blocks.0.ff.net.2"] == ("transformer_blocks.0.ff.net.0", True)  # its one reader: codes
+    assert all(alone for _, alone in fed.values())  # FLUX.1's FP8 copy quantizes every linear its producers feed
     assert predict.producer_fed(meta, "flux", "nvfp4", predict.explore_layers(meta, "flux", "nvfp4")) == {}
 
 

@@ -33,7 +33,7 @@ from solrl_engine.explore.plan import ExploreSpec
 from solrl_engine.kernels import dispatch
 from solrl_engine.models import load_model, model_spec
 from solrl_engine.nn import QuantLinear
-from solrl_engine.nn.producers import fuse_producers
+from solrl_engine.nn.producers import fuse_producers, keep_outputs
 from solrl_engine.nn.quant_linear import Prequantized
 from solrl_engine.quant import int8 as int8_numerics
 from solrl_engine.quant import producers
@@ -241,6 +241,48 @@ def test_the_gate_kernel_joins_a_prefix_before_the_gate(fmt, dtype, device):
                                                          torch.randn(1, 2, 8, dtype=torch.bfloat16))  # fmt: skip
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_a_producer_whose_output_no_op_reads_writes_the_same_codes_alone(fmt, backend, device, request):
+    """keep_y=False (every linear the producer feeds takes the codes): each of the four ops gives the codes and
+    scales it gives beside y, bit for bit, on every input family; the record says y was not written (the Triton
+    kernels skip its store), and the reference's y is all NaN, so that a reader the plan missed shows."""
+    if backend == "triton":
+        request.getfixturevalue("triton_backend")
+        mod = dispatch.triton_module("producers")
+        real = mod._outputs
+
+        def sentinel(*args):  # noqa: ANN002, ANN202  (y filled with 7: what a kernel that skips its store leaves)
+            y, q, sc = real(*args)
+            return y.fill_(7.0), q, sc
+
+        request.getfixturevalue("monkeypatch").setattr(mod, "_outputs", sentinel)
+    else:
+        request.getfixturevalue("monkeypatch").setenv("SOLRL_BACKEND", "reference")
+    ops = torch.ops.solrl
+    b, t, k = 2, 5, 96
+    onep, shift = _modulation(b, k, 5, torch.bfloat16)
+    w, sc = (1 + 0.3 * torch.randn(k)).to(torch.bfloat16), onep
+    calls = {
+        "adaln": lambda x, keep: ops.adaln_quantize(x, onep.to(x.device), shift.to(x.device), 1e-6, fmt, False,
+                                                    "alone", None, keep),  # fmt: skip
+        "rms": lambda x, keep: ops.rms_quantize(x, w.to(x.device), 1e-5, sc.to(x.device), fmt, "alone", keep),
+        "gelu": lambda x, keep: ops.gelu_quantize(x, fmt, "alone", x[..., :16], keep),
+        "gate": lambda x, keep: ops.glu_quantize(x, fmt, "alone", True, x[..., :16], None, keep),
+    }
+    for kind, x in families((b, t, k), seed=31):
+        x = x.to(torch.bfloat16).to(device)
+        for op, call in calls.items():
+            y, codes, scale = call(x, True)
+            assert not dispatch.runs()["alone"].impl.endswith("(y unwritten)")
+            y2, codes2, scale2 = call(x, False)
+            impl = dispatch.runs()["alone"].impl
+            assert impl.startswith(backend) and impl.endswith("codes alone (y unwritten)"), (op, impl)
+            assert y2.shape == y.shape and y2.dtype == y.dtype, op
+            assert _same(codes2.cpu(), codes.cpu()) and _same(scale2.cpu(), scale.cpu()), (op, kind)
+            assert (y2.isnan() if backend == "reference" else y2 == 7.0).all(), op
+
+
 def test_the_op_chooses_and_records_where_it_ran(monkeypatch):
     """On a CPU the reference runs; on a (simulated) GPU the Triton kernel for rows that fit, the reference with the
     reason otherwise; the record names it; a format without row-wise codes is refused, naming those with them."""
@@ -314,7 +356,9 @@ def test_a_fused_copy_computes_what_the_unfused_one_does_and_skips_its_consumers
     """The real classes' explore copies (tiny FLUX.1, SD3.5 with adaLN modules; SANA, Wan, Qwen-Image, FLUX.2 whose
     blocks modulate inline and get their family's fused forward, FLUX.1's and SD3.5's too; saved and reloaded),
     fused as the family's spec says (through ExploreSpec, as the trainer builds them), under BF16 autocast: the same
-    velocity bit for bit as the unfused copy, with every consumer's own activation quantize skipped (counted:
+    velocity bit for bit as the unfused copy (the producers whose every reader takes the codes write no y: NaN on
+    the reference, so a reader the family's list missed would show), with every consumer's own activation quantize
+    skipped (counted:
     SANA's FFN convolution too, its codes handed over in NCHW) and its record saying its input codes came from the
     producer; at a simulated GPU the producer ran the Triton kernel. Module names and state dicts are unchanged
     (refreshes match by name)."""
@@ -342,8 +386,11 @@ def test_a_fused_copy_computes_what_the_unfused_one_does_and_skips_its_consumers
     assert _same(a, b)
     assert n_plain - n_fused == takers, (n_plain, n_fused, takers)
     runs = dispatch.runs()
+    assert fused.producers.codes_only  # some producers write their codes alone (on the reference: y all NaN)
     for prod, consumers in fused.producers.fused.items():
-        assert runs[f"{prod} (producer)"].impl.startswith("triton" if sm else "reference")
+        impl = runs[f"{prod} (producer)"].impl
+        assert impl.startswith("triton" if sm else "reference")
+        assert impl.endswith("codes alone (y unwritten)") == (prod in fused.producers.codes_only), (prod, impl)
         parent = prod.rpartition(".")[0]
         for c in consumers:
             tag = fused.transformer.get_submodule(f"{parent}.{c}").kernel_tag
@@ -458,11 +505,19 @@ def test_an_inline_producer_needs_its_blocks_fused_forward_and_keeps_the_stock_e
     per_token, per_sample = torch.randn(2, 5, k), torch.randn(2, 1, k)
     y = modulate(norm, x, per_token, per_token, torch.bfloat16)
     assert type(y) is torch.Tensor and torch.equal(y, (norm(x) * (1 + per_token) + per_token).to(torch.bfloat16))
+    want = (norm(x) * (1 + per_sample) + per_sample).to(torch.bfloat16)
+    # the one linear it feeds takes the codes, so y is not written (NaN on the reference: a reader would show) ...
+    assert got.codes_only == {"blocks.0.norm1", "blocks.1.norm1"}
     with torch.no_grad():
         y = modulate(norm, x, per_sample, per_sample, torch.bfloat16)
-    assert type(y) is Prequantized and y.dtype == torch.bfloat16
-    assert torch.equal(y.value, (norm(x) * (1 + per_sample) + per_sample).to(torch.bfloat16))
-    assert _same(y.codes, numerics("int8").rowwise(y.value).data)
+    assert type(y) is Prequantized and y.dtype == torch.bfloat16 and y.value.isnan().all()
+    assert _same(y.codes, numerics("int8").rowwise(want).data)
+    # ... until the linear reads its input too (an unmerged LoRA's side branch): then y is written
+    assert keep_outputs(copy.transformer, got, {"blocks.0.attn1.to_q": None}) == 1
+    assert got.codes_only == {"blocks.1.norm1"}
+    with torch.no_grad():
+        y = modulate(norm, x, per_sample, per_sample, torch.bfloat16)
+    assert torch.equal(y.value, want) and _same(y.codes, numerics("int8").rowwise(y.value).data)
     x.requires_grad_(True)
     assert type(modulate(norm, x, per_sample, per_sample)) is torch.Tensor
 
@@ -488,11 +543,69 @@ def test_a_fused_rms_norm_takes_one_scale_per_sample_and_keeps_the_stock_express
     with torch.no_grad():
         y = scaled_rms(norm, x, per_sample)
         bare = scaled_rms(norm, x, None)
+    # q, k and v take the codes (Z-Image's int8 rule quantizes them): y is not written, NaN on the reference
+    assert "layers.0.attention_norm1" in copy.producers.codes_only
+    assert type(y) is Prequantized and y.value.isnan().all() and type(bare) is Prequantized
+    assert _same(y.codes, numerics("int8").rowwise(norm(x) * per_sample).data)
+    assert _same(bare.codes, numerics("int8").rowwise(norm(x)).data)
+    keep_outputs(copy.transformer, copy.producers, ["layers.0.attention.to_q"])
+    with torch.no_grad():
+        y = scaled_rms(norm, x, per_sample)
+        bare = scaled_rms(norm, x, None)
     assert type(y) is Prequantized and torch.equal(y.value, norm(x) * per_sample)
     assert _same(y.codes, numerics("int8").rowwise(y.value).data)
     assert type(bare) is Prequantized and torch.equal(bare.value, norm(x))
     x.requires_grad_(True)
     assert type(scaled_rms(norm, x, per_sample)) is torch.Tensor
+
+
+def test_a_producer_feeding_a_linear_left_in_bf16_writes_its_output(pipes):
+    """A producer some of whose linears a rule leaves in BF16 (here every to_q of FLUX.1) writes y beside the codes
+    (the BF16 linear reads y); the others write their codes alone; the copy computes what the unfused one does."""
+    model = load_model("flux", pipes["flux"], "cpu", torch.float32, resolution=SIZES["flux"])
+    spec = model_spec("flux")
+    rule = {**spec.explore_rule, "extra_skip": ("*attn.to_q",)}
+    plain = ExploreCopy(model.transformer, "fp8", changes=rule)
+    fused = ExploreCopy(model.transformer, "fp8", changes=rule, producers=spec.producers,
+                        producer_blocks=spec.producer_blocks)  # fmt: skip
+    partial = {"transformer_blocks.0.norm1", "single_transformer_blocks.0.norm"}
+    assert partial <= set(fused.producers.fused) and not partial & fused.producers.codes_only
+    assert "transformer_blocks.0.norm1_context" in fused.producers.codes_only
+    x = torch.randn(2, *model.latent_shape)
+    cond = model.encode_prompts(["a red apple", "a blue cup"])
+    with torch.no_grad():
+        a, b = (model.velocity(x, torch.tensor([0.7, 0.3]), cond, transformer=c.transformer) for c in (plain, fused))
+    assert torch.isfinite(b).all() and _same(a, b)
+
+
+def test_an_unmerged_loras_side_branch_makes_the_producers_it_reads_write_their_output(pipes):
+    """merge_lora=False: the copy's LoRA layers add a BF16 side branch that reads their input, so the producers
+    feeding them write y again (keep_outputs, on attach), and only those; the fused copy computes what the unfused
+    one does, bit for bit (a codes-only y is NaN on the reference: a side branch reading it would show)."""
+    from solrl_engine.rl.adapters import OLD, LoraAdapters
+
+    model = load_model("flux", pipes["flux"], "cpu", torch.float32, resolution=SIZES["flux"])
+    spec = model_spec("flux")
+    plain = ExploreCopy(model.transformer, "fp8", changes=spec.explore_rule)
+    fused = ExploreCopy(model.transformer, "fp8", changes=spec.explore_rule, producers=spec.producers,
+                        producer_blocks=spec.producer_blocks)  # fmt: skip
+    ad = LoraAdapters(model.transformer, 4, 8, ("attn.to_q", "ff.net.2"))
+    with torch.no_grad():
+        for p in ad.params(OLD)[1::2]:  # a nonzero "old" B: the side branch adds something
+            p.normal_(0, 0.5)
+    before = set(fused.producers.codes_only)
+    for copy in (plain, fused):
+        copy.attach(ad, merge=False)
+    blocks = len(model.transformer.transformer_blocks)
+    read = {f"transformer_blocks.{i}.{n}" for i in range(blocks) for n in ("norm1", "ff.net.0")}
+    read |= {f"single_transformer_blocks.{i}.norm" for i in range(len(model.transformer.single_transformer_blocks))}
+    assert before - fused.producers.codes_only == read
+    assert fused.producers.codes_only  # the others (the context stream's, the single blocks' GELU) still do not
+    x = torch.randn(2, *model.latent_shape)
+    cond = model.encode_prompts(["a red apple", "a blue cup"])
+    with torch.no_grad():
+        a, b = (model.velocity(x, torch.tensor([0.7, 0.3]), cond, transformer=c.transformer) for c in (plain, fused))
+    assert torch.isfinite(b).all() and _same(a, b)
 
 
 def test_every_family_running_a_block_class_with_a_fused_forward_declares_its_producers():

@@ -4,9 +4,10 @@ times its scale: `rms_quantize`), an FFN's GELU (`gelu_quantize`) or a gated FFN
 
 An adaLN-Zero producer (diffusers' AdaLayerNormZero, AdaLayerNormZeroSingle) computes
 y = layer_norm(x) * (1 + scale) + shift, and every linear it feeds (to_q, to_k, to_v, proj_mlp) quantizes y per
-row. Here one program holds whole rows: it normalises, modulates, writes y for any other reader and the FP8 or
-INT8 codes and scales of y (quant.fp8 / quant.int8's row-wise contract, bit for bit given y), so the consumers
-take the codes instead of quantizing y again, each. The norm's mean and variance are two-pass FP32 sums (they
+row. Here one program holds whole rows: it normalises, modulates, writes y where another op reads it (STORE_Y;
+none does where every consumer takes the codes) and the FP8 or INT8 codes and scales of y (quant.fp8 /
+quant.int8's row-wise contract, bit for bit given y), so the consumers take the codes instead of quantizing y
+again, each. The norm's mean and variance are two-pass FP32 sums (they
 agree with PyTorch's layer_norm to FP32 rounding, not bit for bit); with STAGE_BF16 each step is rounded to BF16
 as PyTorch's BF16 ops round them (the producer running in BF16 outside autocast). A BF16 y is quantized as stored:
 a block that computes y in FP32 and casts it to BF16 (SANA, Wan) gets the codes of its BF16 y.
@@ -50,7 +51,8 @@ def _row_tile(M, K, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
 @triton.jit
 def _adaln_quantize_kernel(x_ptr, onep_ptr, shift_ptr, y_ptr, q_ptr, scale_ptr, M, K, T, eps,
                            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, IN_BF16: tl.constexpr,
-                           STAGE_BF16: tl.constexpr, Y_KIND: tl.constexpr, FMT: tl.constexpr):  # fmt: skip
+                           STAGE_BF16: tl.constexpr, Y_KIND: tl.constexpr, FMT: tl.constexpr,
+                           STORE_Y: tl.constexpr):  # fmt: skip
     rows, cols, rmask, m, offs = _row_tile(M, K, BLOCK_M, BLOCK_K)
     x = load_f32(x_ptr + offs, m, IN_BF16)
     kf = tl.full([BLOCK_M], K, tl.float32)
@@ -69,7 +71,8 @@ def _adaln_quantize_kernel(x_ptr, onep_ptr, shift_ptr, y_ptr, q_ptr, scale_ptr, 
         y = n * onep + shift  # two roundings (EXACT: no FMA), as the module's mul then add
     if Y_KIND == 1:  # a BF16 y (the block casts the FP32 result to its activations' dtype): codes of what it stores
         y = round_bf16(y)
-    store_out(y_ptr + offs, y, m, Y_KIND)
+    if STORE_Y:  # y for a reader beside the codes' (none: the consumers take the codes alone)
+        store_out(y_ptr + offs, y, m, Y_KIND)
     _store_codes(y, m, rmask, rows, offs, q_ptr, scale_ptr, FMT)
 
 
@@ -77,7 +80,7 @@ def _adaln_quantize_kernel(x_ptr, onep_ptr, shift_ptr, y_ptr, q_ptr, scale_ptr, 
 def _rms_quantize_kernel(x_ptr, w_ptr, scale_ptr_in, y_ptr, q_ptr, scale_ptr, M, K, T, eps, BLOCK_M: tl.constexpr,
                          BLOCK_K: tl.constexpr, IN_BF16: tl.constexpr, HAS_W: tl.constexpr, W_BF16: tl.constexpr,
                          HAS_SCALE: tl.constexpr, S_BF16: tl.constexpr, Y_KIND: tl.constexpr,
-                         FMT: tl.constexpr):  # fmt: skip
+                         FMT: tl.constexpr, STORE_Y: tl.constexpr):  # fmt: skip
     # diffusers' RMSNorm (mean square in FP32, x times its reciprocal root, rounded to a BF16 weight's dtype before
     # the weight multiplies), then times the sample's modulation scale, each product rounded as PyTorch rounds it
     rows, cols, rmask, m, offs = _row_tile(M, K, BLOCK_M, BLOCK_K)
@@ -99,7 +102,8 @@ def _rms_quantize_kernel(x_ptr, w_ptr, scale_ptr_in, y_ptr, q_ptr, scale_ptr, M,
         h = h * s
         if Y_KIND == 1:  # both BF16: the product rounded to BF16
             h = round_bf16(h)
-    store_out(y_ptr + offs, h, m, Y_KIND)
+    if STORE_Y:
+        store_out(y_ptr + offs, h, m, Y_KIND)
     _store_codes(h, m, rmask, rows, offs, q_ptr, scale_ptr, FMT)
 
 
@@ -121,7 +125,7 @@ def _store_codes(y, m, rmask, rows, offs, q_ptr, scale_ptr, FMT: tl.constexpr):
 @triton.jit
 def _gelu_quantize_kernel(x_ptr, p_ptr, y_ptr, q_ptr, scale_ptr, M, K, KP, BLOCK_M: tl.constexpr,
                           BLOCK_K: tl.constexpr, IN_BF16: tl.constexpr, Y_KIND: tl.constexpr,
-                          FMT: tl.constexpr):  # fmt: skip
+                          FMT: tl.constexpr, STORE_Y: tl.constexpr):  # fmt: skip
     # a row of y is the prefix's KP values (none where KP is 0) then the GELU of x's K - KP values
     rows, cols, rmask, m, offs = _row_tile(M, K, BLOCK_M, BLOCK_K)
     pre = (cols < KP)[None, :]
@@ -134,14 +138,15 @@ def _gelu_quantize_kernel(x_ptr, p_ptr, y_ptr, q_ptr, scale_ptr, M, K, KP, BLOCK
         y = tl.where(pre, load_f32(p_ptr + rows[:, None] * KP + cols[None, :], m & pre, IN_BF16), y)
     if Y_KIND == 1:  # a BF16 activation: the codes of what it stores
         y = round_bf16(y)
-    store_out(y_ptr + offs, y, m, Y_KIND)
+    if STORE_Y:  # y for a reader beside the codes' (none: the consumers take the codes alone)
+        store_out(y_ptr + offs, y, m, Y_KIND)
     _store_codes(y, m, rmask, rows, offs, q_ptr, scale_ptr, FMT)
 
 
 @triton.jit
 def _glu_quantize_kernel(f_ptr, s_ptr, p_ptr, y_ptr, q_ptr, scale_ptr, M, K, KP, RS, S_OFF, BLOCK_M: tl.constexpr,
                          BLOCK_K: tl.constexpr, IN_BF16: tl.constexpr, Y_KIND: tl.constexpr, GATE_FIRST: tl.constexpr,
-                         FMT: tl.constexpr):  # fmt: skip
+                         FMT: tl.constexpr, STORE_Y: tl.constexpr):  # fmt: skip
     # a row of y is the prefix's KP values (none where KP is 0) then a * silu(g) of the row's two halves [a, g]
     # ([g, a] with GATE_FIRST), each K - KP values: the first at f_ptr, the second S_OFF further from s_ptr, rows
     # RS apart (one tensor's two halves: RS = 2 (K - KP), S_OFF = K - KP; two tensors: RS = K - KP, S_OFF = 0)
@@ -162,17 +167,19 @@ def _glu_quantize_kernel(f_ptr, s_ptr, p_ptr, y_ptr, q_ptr, scale_ptr, M, K, KP,
         y = tl.where(pre, load_f32(p_ptr + rows[:, None] * KP + cols[None, :], m & pre, IN_BF16), y)
     if Y_KIND == 1:
         y = round_bf16(y)
-    store_out(y_ptr + offs, y, m, Y_KIND)
+    if STORE_Y:  # y for a reader beside the codes' (none: the consumers take the codes alone)
+        store_out(y_ptr + offs, y, m, Y_KIND)
     _store_codes(y, m, rmask, rows, offs, q_ptr, scale_ptr, FMT)
 
 
 def adaln_quantize(
     x: torch.Tensor, one_plus_scale: torch.Tensor, shift: torch.Tensor, eps: float, fmt: str, stage_bf16: bool,
-    y_dtype: torch.dtype,
+    y_dtype: torch.dtype, store_y: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [B, T, K] (FP32 or BF16), the modulation [B, K] (FP32 values) -> (y [B, T, K] as `y_dtype`, codes [B, T, K],
     FP32 decode scales [B, T, 1]) with y = layer_norm(x) * one_plus_scale + shift (rounded to `y_dtype`) and the codes
-    that y's row-wise `fmt` ("fp8": E4M3 bytes viewed as float8_e4m3fn; "int8")."""
+    that y's row-wise `fmt` ("fp8": E4M3 bytes viewed as float8_e4m3fn; "int8"). Without `store_y`, y is never
+    written (its memory is uninitialised: for consumers that take the codes alone)."""
     if fmt not in FORMATS:
         raise ValueError(f"adaln_quantize emits {tuple(FORMATS)} codes; got {fmt!r}")
     b, t, k = x.shape
@@ -187,16 +194,18 @@ def adaln_quantize(
         _adaln_quantize_kernel[(triton.cdiv(rows, block_m),)](
             _bits(x), onep, shift, _bits(y), q, scale, rows, k, t, eps, BLOCK_M=block_m, BLOCK_K=block_k,
             IN_BF16=x.dtype == torch.bfloat16, STAGE_BF16=stage_bf16, Y_KIND=_Y_KIND[y_dtype], FMT=FORMATS[fmt],
-            **warps, **EXACT,
+            STORE_Y=store_y, **warps, **EXACT,
         )
     return _returned(y, q, scale, fmt)
 
 
 def rms_quantize(x: torch.Tensor, weight: torch.Tensor | None, eps: float, scale: torch.Tensor | None, fmt: str,
-                 y_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+                 y_dtype: torch.dtype, store_y: bool = True
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """x [B, T, K], an RMS norm's weight [K] (or none), a modulation scale [B, K] (or none), all FP32 or BF16 ->
     (y [B, T, K] as `y_dtype`, its row-wise `fmt` codes, FP32 decode scales [B, T, 1]) with y = RMSNorm(x) * scale
-    as diffusers' RMSNorm and the block compute it (`y_dtype`: their result's dtype, quant.producers.rms_scaled)."""
+    as diffusers' RMSNorm and the block compute it (`y_dtype`: their result's dtype, quant.producers.rms_scaled).
+    `store_y` as adaln_quantize's."""
     if fmt not in FORMATS:
         raise ValueError(f"rms_quantize emits {tuple(FORMATS)} codes; got {fmt!r}")
     b, t, k = x.shape
@@ -214,7 +223,7 @@ def rms_quantize(x: torch.Tensor, weight: torch.Tensor | None, eps: float, scale
             _bits(x), _bits(w), _bits(sc), _bits(y), q, out_scale, rows, k, t, eps, BLOCK_M=block_m,
             BLOCK_K=block_k, IN_BF16=x.dtype == torch.bfloat16, HAS_W=weight is not None,
             W_BF16=w.dtype == torch.bfloat16, HAS_SCALE=scale is not None, S_BF16=sc.dtype == torch.bfloat16,
-            Y_KIND=_Y_KIND[y_dtype], FMT=FORMATS[fmt], **warps, **EXACT,
+            Y_KIND=_Y_KIND[y_dtype], FMT=FORMATS[fmt], STORE_Y=store_y, **warps, **EXACT,
         )
     return _returned(y, q, out_scale, fmt)
 
@@ -247,12 +256,12 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
 
-def gelu_quantize(x: torch.Tensor, fmt: str, prefix: torch.Tensor | None = None
+def gelu_quantize(x: torch.Tensor, fmt: str, prefix: torch.Tensor | None = None, store_y: bool = True
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """x [..., K] (FP32 or BF16) -> (y = gelu(x, approximate="tanh") in x's dtype, y's row-wise `fmt` codes [..., K],
     FP32 decode scales [..., 1]): an FFN's activation and the codes of the linear it feeds, in one pass. `prefix`
     [..., KP] (x's dtype): y = cat([prefix, gelu(x)], -1), the codes of the whole row (FLUX.1's single block, whose
-    output projection reads its attention's output beside its MLP's activation)."""
+    output projection reads its attention's output beside its MLP's activation). `store_y` as adaln_quantize's."""
     if fmt not in FORMATS:
         raise ValueError(f"gelu_quantize emits {tuple(FORMATS)} codes; got {fmt!r}")
     kp = 0 if prefix is None else prefix.shape[-1]
@@ -268,19 +277,22 @@ def gelu_quantize(x: torch.Tensor, fmt: str, prefix: torch.Tensor | None = None
         block_m, block_k, warps = _tiles(k)
         _gelu_quantize_kernel[(triton.cdiv(rows, block_m),)](
             _bits(x), _bits(p), _bits(y), q, scale, rows, k, kp, BLOCK_M=block_m, BLOCK_K=block_k,
-            IN_BF16=x.dtype == torch.bfloat16, Y_KIND=_Y_KIND[x.dtype], FMT=FORMATS[fmt], **warps, **EXACT,
+            IN_BF16=x.dtype == torch.bfloat16, Y_KIND=_Y_KIND[x.dtype], FMT=FORMATS[fmt], STORE_Y=store_y, **warps,
+            **EXACT,
         )
     return _returned(y, q, scale, fmt)
 
 
 def glu_quantize(x: torch.Tensor, fmt: str, gate_first: bool = False, prefix: torch.Tensor | None = None,
-                 second: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+                 second: torch.Tensor | None = None, store_y: bool = True
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """x [..., 2H] (FP32 or BF16) -> (y = a * silu(g) for x = cat([a, g], -1) (cat([g, a]) with `gate_first`), in
     x's dtype [..., H], y's row-wise `fmt` codes [..., H], FP32 decode scales [..., 1]): a gated FFN's gate (SANA's
     GLUMBConv, rows = pixels; FLUX.2's SwiGLU) and the codes of the linear it feeds, in one pass. `second`
     [..., H] (x then [..., H] too): the halves are x and `second` (Z-Image's SwiGLU of two linears). `prefix`
     [..., KP] (x's dtype): y = cat([prefix, a * silu(g)], -1), the codes of the whole row (FLUX.2's single block).
-    x is read as contiguous rows (a channels-last NCHW tensor's pixel rows are: no copy)."""
+    x is read as contiguous rows (a channels-last NCHW tensor's pixel rows are: no copy). `store_y` as
+    adaln_quantize's."""
     if fmt not in FORMATS:
         raise ValueError(f"glu_quantize emits {tuple(FORMATS)} codes; got {fmt!r}")
     h = x.shape[-1] if second is not None else x.shape[-1] // 2
@@ -304,6 +316,6 @@ def glu_quantize(x: torch.Tensor, fmt: str, gate_first: bool = False, prefix: to
         _glu_quantize_kernel[(triton.cdiv(rows, block_m),)](
             _bits(x), _bits(sec), _bits(p), _bits(y), q, scale, rows, k, kp, rs, s_off, BLOCK_M=block_m,
             BLOCK_K=block_k, IN_BF16=x.dtype == torch.bfloat16, Y_KIND=_Y_KIND[x.dtype], GATE_FIRST=gate_first,
-            FMT=FORMATS[fmt], **warps, **EXACT,
+            FMT=FORMATS[fmt], STORE_Y=store_y, **warps, **EXACT,
         )
     return _returned(y, q, scale, fmt)

@@ -29,7 +29,7 @@ from solrl_engine.explore.choice import POLICY
 from solrl_engine.kernels import TENSOR_CORES, format_kernels
 from solrl_engine.nn import QuantLinear, QuantReport, quantize_model, requantize_
 from solrl_engine.nn.flops import amdahl_bound
-from solrl_engine.nn.producers import fuse_producers
+from solrl_engine.nn.producers import fuse_producers, keep_outputs
 from solrl_engine.nn.quantize import BORROWED, _peft_weight, borrow, is_lora_layer, own_
 from solrl_engine.quant.formats import attention_formats, numerics
 from solrl_engine.quant.recipe import QuantRecipe, get_recipe
@@ -237,6 +237,8 @@ class ExploreCopy:
         self.check_follows(adapters)
         self.merge = merge
         if not merge:
+            if self.producers is not None:  # the side branches read the layers' input: their producers write it again
+                keep_outputs(self.transformer, self.producers, adapters.layers)
             for name in adapters.layers:
                 a, b, scale = adapters.side_branch(name)
                 layer = self._root.get_submodule(name)

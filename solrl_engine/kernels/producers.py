@@ -28,17 +28,32 @@ GLU_HINT = "the fused gate's Triton kernel runs on a GPU for FP8/INT8 rows of at
 
 
 def _ref(x: torch.Tensor, onep: torch.Tensor, shift: torch.Tensor, eps: float, fmt: str, fp32_norm: bool,
-         out_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+         out_dtype: torch.dtype | None, keep_y: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     ran("reference")
-    return producers.adaln_quantize(x, onep, shift, eps, fmt, fp32_norm, out_dtype)
+    return _unread(producers.adaln_quantize(x, onep, shift, eps, fmt, fp32_norm, out_dtype), keep_y)
+
+
+def _unread(out: tuple[torch.Tensor, ...], keep_y: bool) -> tuple[torch.Tensor, ...]:
+    """The reference's (y, codes, scales), y all NaN where no op may read it (`keep_y` False: the Triton kernels do
+    not write it), so that a reader the plan missed shows in every CPU test instead of reading stale memory."""
+    if keep_y:
+        return out
+    ran(_label("reference", keep_y))
+    return torch.full_like(out[0], float("nan")), *out[1:]
+
+
+def _label(impl: str, keep_y: bool) -> str:
+    """What ran, saying where y was not written (the record shows a producer writing its codes alone)."""
+    return impl if keep_y else f"{impl}; codes alone (y unwritten)"
 
 
 def _tr(x: torch.Tensor, onep: torch.Tensor, shift: torch.Tensor, eps: float, fmt: str, fp32_norm: bool,
-        out_dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        out_dtype: torch.dtype | None, keep_y: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     natural = producers.adaln_dtype(x.dtype, onep.dtype, fp32_norm)
     stage_bf16 = natural == torch.bfloat16  # the module's ops in BF16 (no autocast): each step rounded to BF16
-    out = triton_module("producers").adaln_quantize(x, onep, shift, eps, fmt, stage_bf16, out_dtype or natural)
-    ran("triton: layer norm, modulation and row-wise quantize in one pass")
+    out = triton_module("producers").adaln_quantize(x, onep, shift, eps, fmt, stage_bf16, out_dtype or natural,
+                                                    keep_y)  # fmt: skip
+    ran(_label("triton: layer norm, modulation and row-wise quantize in one pass", keep_y))
     return out
 
 
@@ -57,18 +72,20 @@ register("adaln_quantize", {"reference": _ref, "triton": _tr}, fits={"triton": _
 @torch.library.custom_op("solrl::adaln_quantize", mutates_args=())
 def adaln_quantize(
     x: torch.Tensor, one_plus_scale: torch.Tensor, shift: torch.Tensor, eps: float, fmt: str, fp32_norm: bool,
-    tag: str = "", out_dtype: torch.dtype | None = None,
+    tag: str = "", out_dtype: torch.dtype | None = None, keep_y: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, codes, scales) for x [B, T, K] and a modulation [B, K]: y = layer_norm(x) * one_plus_scale + shift (as
     the stock adaLN-Zero module computes it; `fp32_norm`: the norm in FP32, as under autocast; cast to `out_dtype`
     where given, as a block that casts its modulated norm) and `fmt`'s row-wise codes and [B, T, 1] FP32 scales of
-    that y. Through dispatch's choice for x's device and row length; `tag` records what ran (dispatch.runs). A
-    custom op: torch.compile keeps it whole, so the fusion never depends on inductor."""
+    that y. Through dispatch's choice for x's device and row length; `tag` records what ran (dispatch.runs).
+    `keep_y` False: no op reads y (every consumer takes the codes: nn.producers), so it is not written (all NaN on
+    the reference). A custom op: torch.compile keeps it whole, so the fusion never depends on inductor."""
     if fmt not in rowwise_formats():
         raise ValueError(f"adaln_quantize emits row-wise codes of {rowwise_formats()}; got {fmt!r}")
     backend = choose("adaln_quantize", x.device, k=x.shape[-1], x_dtype=x.dtype, modulation_dtype=one_plus_scale.dtype,
                      fp32_norm=fp32_norm, fmt=fmt, out_dtype=out_dtype)[0]  # fmt: skip
-    return _recorded("adaln_quantize", backend, (x, one_plus_scale, shift, eps, fmt, fp32_norm, out_dtype), tag, HINT)
+    return _recorded("adaln_quantize", backend, (x, one_plus_scale, shift, eps, fmt, fp32_norm, out_dtype, keep_y),
+                     tag, HINT)  # fmt: skip
 
 
 def _recorded(op: str, backend: str, args: tuple, tag: str, hint: str) -> tuple[torch.Tensor, ...]:
@@ -88,22 +105,22 @@ def _recorded(op: str, backend: str, args: tuple, tag: str, hint: str) -> tuple[
 
 
 @adaln_quantize.register_fake
-def _(x, one_plus_scale, shift, eps, fmt, fp32_norm, tag="", out_dtype=None):  # noqa: ANN001, ANN202
+def _(x, one_plus_scale, shift, eps, fmt, fp32_norm, tag="", out_dtype=None, keep_y=True):  # noqa: ANN001, ANN202
     y = x.new_empty(x.shape, dtype=out_dtype or producers.adaln_dtype(x.dtype, one_plus_scale.dtype, fp32_norm))
     codes = x.new_empty(x.shape, dtype=torch.float8_e4m3fn if fmt == "fp8" else torch.int8)
     return y, codes, x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)
 
 
-def _gelu_ref(x: torch.Tensor, fmt: str, prefix: torch.Tensor | None
+def _gelu_ref(x: torch.Tensor, fmt: str, prefix: torch.Tensor | None, keep_y: bool
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     ran("reference")
-    return producers.gelu_quantize(x, fmt, prefix)
+    return _unread(producers.gelu_quantize(x, fmt, prefix), keep_y)
 
 
-def _gelu_tr(x: torch.Tensor, fmt: str, prefix: torch.Tensor | None
+def _gelu_tr(x: torch.Tensor, fmt: str, prefix: torch.Tensor | None, keep_y: bool
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    out = triton_module("producers").gelu_quantize(x, fmt, prefix)
-    ran("triton: GELU and row-wise quantize in one pass")
+    out = triton_module("producers").gelu_quantize(x, fmt, prefix, keep_y)
+    ran(_label("triton: GELU and row-wise quantize in one pass", keep_y))
     return out
 
 
@@ -136,37 +153,37 @@ register("gelu_quantize", {"reference": _gelu_ref, "triton": _gelu_tr},
 
 
 @torch.library.custom_op("solrl::gelu_quantize", mutates_args=())
-def gelu_quantize(x: torch.Tensor, fmt: str, tag: str = "", prefix: torch.Tensor | None = None
+def gelu_quantize(x: torch.Tensor, fmt: str, tag: str = "", prefix: torch.Tensor | None = None, keep_y: bool = True
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """(y, codes, scales) for an FFN's pre-activation x [..., K]: y = gelu(x, approximate="tanh") in x's dtype (after
     `prefix` [..., KP] along the last dimension where given) and `fmt`'s row-wise codes and [..., 1] FP32 scales of
-    y, for the linear y feeds. Through dispatch's choice; `tag` records what ran. A custom op, like adaln_quantize:
-    the fusion never depends on inductor."""
+    y, for the linear y feeds. Through dispatch's choice; `tag` records what ran; `keep_y` as adaln_quantize's. A
+    custom op, like adaln_quantize: the fusion never depends on inductor."""
     if fmt not in rowwise_formats():
         raise ValueError(f"gelu_quantize emits row-wise codes of {rowwise_formats()}; got {fmt!r}")
     k = x.shape[-1] + (0 if prefix is None else prefix.shape[-1])
     backend = choose("gelu_quantize", x.device, k=k, x_dtype=x.dtype, fmt=fmt,
                      prefix_dtype=x.dtype if prefix is None else prefix.dtype)[0]  # fmt: skip
-    return _recorded("gelu_quantize", backend, (x, fmt, prefix), tag, GELU_HINT)
+    return _recorded("gelu_quantize", backend, (x, fmt, prefix, keep_y), tag, GELU_HINT)
 
 
 @gelu_quantize.register_fake
-def _(x, fmt, tag="", prefix=None):  # noqa: ANN001, ANN202
+def _(x, fmt, tag="", prefix=None, keep_y=True):  # noqa: ANN001, ANN202
     shape = (*x.shape[:-1], x.shape[-1] + (0 if prefix is None else prefix.shape[-1]))
     codes = x.new_empty(shape, dtype=torch.float8_e4m3fn if fmt == "fp8" else torch.int8)
     return x.new_empty(shape), codes, x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)
 
 
-def _glu_ref(x: torch.Tensor, fmt: str, gate_first: bool, prefix: torch.Tensor | None, second: torch.Tensor | None
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+def _glu_ref(x: torch.Tensor, fmt: str, gate_first: bool, prefix: torch.Tensor | None, second: torch.Tensor | None,
+             keep_y: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     ran("reference")
-    return producers.glu_quantize(x, fmt, gate_first, prefix, second)
+    return _unread(producers.glu_quantize(x, fmt, gate_first, prefix, second), keep_y)
 
 
-def _glu_tr(x: torch.Tensor, fmt: str, gate_first: bool, prefix: torch.Tensor | None, second: torch.Tensor | None
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    out = triton_module("producers").glu_quantize(x, fmt, gate_first, prefix, second)
-    ran("triton: gate (a * silu(g)) and row-wise quantize in one pass")
+def _glu_tr(x: torch.Tensor, fmt: str, gate_first: bool, prefix: torch.Tensor | None, second: torch.Tensor | None,
+            keep_y: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    out = triton_module("producers").glu_quantize(x, fmt, gate_first, prefix, second, keep_y)
+    ran(_label("triton: gate (a * silu(g)) and row-wise quantize in one pass", keep_y))
     return out
 
 
@@ -176,13 +193,13 @@ register("glu_quantize", {"reference": _glu_ref, "triton": _glu_tr},
 
 @torch.library.custom_op("solrl::glu_quantize", mutates_args=())
 def glu_quantize(x: torch.Tensor, fmt: str, tag: str = "", gate_first: bool = False,
-                 prefix: torch.Tensor | None = None, second: torch.Tensor | None = None
+                 prefix: torch.Tensor | None = None, second: torch.Tensor | None = None, keep_y: bool = True
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """(y, codes, scales) for a gated FFN's x [..., 2H] = cat([a, g]) (cat([g, a]) with `gate_first`; with
     `second`, the halves are x and `second`, each [..., H]): y = a * silu(g) in x's dtype [..., H] (SANA's GLUMBConv
     gate, rows = pixels; FLUX.2's and Z-Image's SwiGLUs), after `prefix` [..., KP] along the last dimension where
     given, and `fmt`'s row-wise codes and [..., 1] FP32 scales of y, for the linear y feeds. Through dispatch's
-    choice; `tag` records what ran. A custom op, like adaln_quantize."""
+    choice; `tag` records what ran; `keep_y` as adaln_quantize's. A custom op, like adaln_quantize."""
     if fmt not in rowwise_formats():
         raise ValueError(f"glu_quantize emits row-wise codes of {rowwise_formats()}; got {fmt!r}")
     if second is None and x.shape[-1] % 2:
@@ -195,27 +212,28 @@ def glu_quantize(x: torch.Tensor, fmt: str, tag: str = "", gate_first: bool = Fa
     others = [v.dtype for v in (prefix, second) if v is not None and v.dtype != x.dtype]
     backend = choose("glu_quantize", x.device, k=k, x_dtype=x.dtype, fmt=fmt,
                      prefix_dtype=others[0] if others else None)[0]  # fmt: skip
-    return _recorded("glu_quantize", backend, (x, fmt, gate_first, prefix, second), tag, GLU_HINT)
+    return _recorded("glu_quantize", backend, (x, fmt, gate_first, prefix, second, keep_y), tag, GLU_HINT)
 
 
 @glu_quantize.register_fake
-def _(x, fmt, tag="", gate_first=False, prefix=None, second=None):  # noqa: ANN001, ANN202
+def _(x, fmt, tag="", gate_first=False, prefix=None, second=None, keep_y=True):  # noqa: ANN001, ANN202
     h = x.shape[-1] if second is not None else x.shape[-1] // 2
     shape = (*x.shape[:-1], h + (0 if prefix is None else prefix.shape[-1]))
     codes = x.new_empty(shape, dtype=torch.float8_e4m3fn if fmt == "fp8" else torch.int8)
     return x.new_empty(shape), codes, x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)
 
 
-def _rms_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float, scale: torch.Tensor | None, fmt: str
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+def _rms_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float, scale: torch.Tensor | None, fmt: str,
+             keep_y: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     ran("reference")
-    return producers.rms_quantize(x, weight, eps, scale, fmt)
+    return _unread(producers.rms_quantize(x, weight, eps, scale, fmt), keep_y)
 
 
-def _rms_tr(x: torch.Tensor, weight: torch.Tensor | None, eps: float, scale: torch.Tensor | None, fmt: str
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    out = triton_module("producers").rms_quantize(x, weight, eps, scale, fmt, producers.rms_dtype(x, weight, scale))
-    ran("triton: RMS norm, modulation and row-wise quantize in one pass")
+def _rms_tr(x: torch.Tensor, weight: torch.Tensor | None, eps: float, scale: torch.Tensor | None, fmt: str,
+            keep_y: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    out = triton_module("producers").rms_quantize(x, weight, eps, scale, fmt, producers.rms_dtype(x, weight, scale),
+                                                  keep_y)  # fmt: skip
+    ran(_label("triton: RMS norm, modulation and row-wise quantize in one pass", keep_y))
     return out
 
 
@@ -228,20 +246,20 @@ register("rms_quantize", {"reference": _rms_ref, "triton": _rms_tr}, fits={"trit
 
 @torch.library.custom_op("solrl::rms_quantize", mutates_args=())
 def rms_quantize(x: torch.Tensor, weight: torch.Tensor | None, eps: float, scale: torch.Tensor | None, fmt: str,
-                 tag: str = "") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+                 tag: str = "", keep_y: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """(y, codes, scales) for x [B, T, K], an RMS norm's weight [K] (or none) and a modulation scale [B, K] (or
     none): y = RMSNorm(x) * scale as diffusers' RMSNorm and Z-Image's block compute it, and `fmt`'s row-wise codes
-    and [B, T, 1] FP32 scales of y. Through dispatch's choice; `tag` records what ran. A custom op, like
-    adaln_quantize."""
+    and [B, T, 1] FP32 scales of y. Through dispatch's choice; `tag` records what ran; `keep_y` as adaln_quantize's.
+    A custom op, like adaln_quantize."""
     if fmt not in rowwise_formats():
         raise ValueError(f"rms_quantize emits row-wise codes of {rowwise_formats()}; got {fmt!r}")
     dtypes = (x.dtype, producers.rms_dtype(x, weight, scale), *(v.dtype for v in (weight, scale) if v is not None))
     backend = choose("rms_quantize", x.device, k=x.shape[-1], dtypes=dtypes, fmt=fmt)[0]
-    return _recorded("rms_quantize", backend, (x, weight, eps, scale, fmt), tag, RMS_HINT)
+    return _recorded("rms_quantize", backend, (x, weight, eps, scale, fmt, keep_y), tag, RMS_HINT)
 
 
 @rms_quantize.register_fake
-def _(x, weight, eps, scale, fmt, tag=""):  # noqa: ANN001, ANN202
+def _(x, weight, eps, scale, fmt, tag="", keep_y=True):  # noqa: ANN001, ANN202
     codes = x.new_empty(x.shape, dtype=torch.float8_e4m3fn if fmt == "fp8" else torch.int8)
     y = x.new_empty(x.shape, dtype=producers.rms_dtype(x, weight, scale))
     return y, codes, x.new_empty((*x.shape[:-1], 1), dtype=torch.float32)
