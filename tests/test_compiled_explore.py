@@ -225,7 +225,9 @@ def test_every_familys_8bit_explore_copies_compile_without_a_graph_break(name, p
     """The explore copy of every family, in FP8 (sm_90), INT8 through torch._int_mm (sm_80) and INT8 through the
     Triton GEMM (sm_90, the interpreter), its repeated blocks compiled as the sampler compiles them (dynamo's
     tracing; BF16 weights under autocast, as a GPU runs them): no graph break, and every quantized GEMM traced (the
-    quantize as torch ops, none an opaque op), with the family's producers (fused forwards included) in the graph.
+    quantize as torch ops, none an opaque op), with the family's producers (fused forwards included) in the graph,
+    each codes-alone producer's codes reaching its linears (tracing an op that reads its unwritten y raises: an
+    FFN's nn.Dropout did, handing the second linear a plain tensor, so the copy's dropouts are identities).
     A graph break would leave part of each block eager (the H200 record of SANA's compiled FP8 copy had 19)."""
     from torch._dynamo.utils import counters
 
@@ -255,6 +257,7 @@ def test_every_familys_8bit_explore_copies_compile_without_a_graph_break(name, p
         # Qwen-Image; FFN activations: GELUs, SANA's and SANA-Video's gates) fuses some in every 8-bit copy; a norm
         # is left only where the rule keeps its consumers in BF16 (SANA's FP8 self-attention)
         assert bool(copy.producers.fused) == bool(spec.producers), copy.producers
+        assert bool(copy.producers.codes_only) == bool(spec.producers), copy.producers
         assert set(copy.producers.left.values()) <= {"none of the linears it feeds is quantized with row-wise codes"}
         del copy
 

@@ -313,6 +313,14 @@ def test_a_prequantized_tensor_is_its_value_to_every_op_and_its_codes_to_a_linea
         got = ql(p)
         assert dispatch.runs()[ql.kernel_tag].impl.endswith("(input codes from its producer)") == (fmt == "fp8")
         assert torch.equal(got, ql(y)), fmt  # the same codes (fp8), or its own quantize of the value (the others)
+    # codes alone (the producer wrote no y): a linear of its format takes the codes; anything that reads y raises
+    alone = Prequantized(torch.full_like(y, float("nan")), q.data, q.scale, "fp8", written=False)
+    assert torch.equal(QuantLinear.from_linear(lin, "fp8")(alone), QuantLinear.from_linear(lin, "fp8")(y))
+    for read in (lambda t: t * 2, lambda t: t.bfloat16(), lambda t: QuantLinear.from_linear(lin, "int8")(t),
+                 lambda t: torch.nn.functional.linear(t, lin.weight)):  # fmt: skip
+        with pytest.raises(RuntimeError, match="keep_outputs"):
+            read(alone)
+    assert "codes alone" in repr(alone)
 
 
 BUILDERS = {"flux": build_flux, "sd3": build_sd3, "sana": build_sana, "wan": build_wan, "qwenimage": build_qwenimage,
@@ -606,6 +614,26 @@ def test_an_unmerged_loras_side_branch_makes_the_producers_it_reads_write_their_
     with torch.no_grad():
         a, b = (model.velocity(x, torch.tensor([0.7, 0.3]), cond, transformer=c.transformer) for c in (plain, fused))
     assert torch.isfinite(b).all() and _same(a, b)
+
+
+def test_a_hook_reading_a_fed_layers_input_is_told_how_to_keep_the_producers_output(pipes):
+    """A user's hook on a linear whose producer writes its codes alone would read memory nobody wrote: it raises,
+    naming keep_outputs, which makes that producer write its output again."""
+    model = load_model("flux", pipes["flux"], "cpu", torch.float32, resolution=SIZES["flux"])
+    spec = model_spec("flux")
+    fused = ExploreCopy(model.transformer, "fp8", changes=spec.explore_rule, producers=spec.producers,
+                        producer_blocks=spec.producer_blocks)  # fmt: skip
+    seen = []
+    fused.transformer.get_submodule("transformer_blocks.0.attn.to_k").register_forward_pre_hook(
+        lambda _m, inp: seen.append(inp[0].float().abs().mean()))  # fmt: skip
+    x = torch.randn(2, *model.latent_shape)
+    cond = model.encode_prompts(["a red apple", "a blue cup"])
+    with torch.no_grad(), pytest.raises(RuntimeError, match="keep_outputs"):
+        model.velocity(x, torch.tensor([0.7, 0.3]), cond, transformer=fused.transformer)
+    assert keep_outputs(fused.transformer, fused.producers, ["transformer_blocks.0.attn.to_k"]) == 1
+    with torch.no_grad():
+        assert torch.isfinite(model.velocity(x, torch.tensor([0.7, 0.3]), cond, transformer=fused.transformer)).all()
+    assert torch.isfinite(seen[-1])
 
 
 def test_every_family_running_a_block_class_with_a_fused_forward_declares_its_producers():

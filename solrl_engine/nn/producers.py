@@ -59,9 +59,10 @@ def _emit(owner: nn.Module, norm: nn.Module, x: torch.Tensor, one_plus: torch.Te
         return None
     dev = x.device.type
     fp32 = fp32_norm or (dev in FP32_NORM_UNDER_AUTOCAST and torch.is_autocast_enabled(dev))
+    keep = _keeps(owner)
     y, codes, s = torch.ops.solrl.adaln_quantize(x, one_plus, shift, norm.eps, fmt, fp32, owner.__dict__["_solrl_tag"],
-                                                 out_dtype, _keeps(owner))  # fmt: skip
-    return Prequantized(y, codes, s, fmt)
+                                                 out_dtype, keep)  # fmt: skip
+    return Prequantized(y, codes, s, fmt, keep)
 
 
 def _keeps(owner: nn.Module) -> bool:
@@ -103,7 +104,8 @@ def activate_after(act: nn.Module, prefix: torch.Tensor, x: torch.Tensor) -> tor
     grad = torch.is_grad_enabled() and (x.requires_grad or prefix.requires_grad)
     if fmt is None or grad or x.dim() < 2 or prefix.shape[:-1] != x.shape[:-1]:
         return torch.cat([prefix, act(x)], dim=-1)
-    return Prequantized(*torch.ops.solrl.gelu_quantize(x, fmt, act.__dict__["_solrl_tag"], prefix, _keeps(act)), fmt)
+    keep = _keeps(act)
+    return Prequantized(*torch.ops.solrl.gelu_quantize(x, fmt, act.__dict__["_solrl_tag"], prefix, keep), fmt, keep)
 
 
 def gate(owner: nn.Module, x: torch.Tensor, dim: int = 1, gate_first: bool = False,
@@ -124,9 +126,10 @@ def gate(owner: nn.Module, x: torch.Tensor, dim: int = 1, gate_first: bool = Fal
         first, other = torch.chunk(x, 2, dim=dim) if second is None else (x, second)
         y = F.silu(first) * other if gate_first else first * F.silu(other)
         return y if prefix is None else torch.cat([prefix, y], dim=-1)
+    keep = _keeps(owner)
     y, codes, s = torch.ops.solrl.glu_quantize(x.movedim(dim, -1), fmt, owner.__dict__["_solrl_tag"], gate_first,
-                                               prefix, second, _keeps(owner))  # fmt: skip
-    return relayout(Prequantized(y, codes, s, fmt), lambda t: t.movedim(-1, dim))
+                                               prefix, second, keep)  # fmt: skip
+    return relayout(Prequantized(y, codes, s, fmt, keep), lambda t: t.movedim(-1, dim))
 
 
 def scaled_rms(norm: nn.Module, x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
@@ -140,8 +143,9 @@ def scaled_rms(norm: nn.Module, x: torch.Tensor, scale: torch.Tensor | None) -> 
     if fmt is None or grad or x.dim() != 3 or not rows:
         return norm(x) if scale is None else norm(x) * scale
     sc = None if scale is None else scale.squeeze(1)
+    keep = _keeps(norm)
     return Prequantized(*torch.ops.solrl.rms_quantize(x, norm.weight, norm.eps, sc, fmt, norm.__dict__["_solrl_tag"],
-                                                      _keeps(norm)), fmt)  # fmt: skip
+                                                      keep), fmt, keep)  # fmt: skip
 
 
 def relayout(y: torch.Tensor, change: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -149,7 +153,7 @@ def relayout(y: torch.Tensor, change: Callable[[torch.Tensor], torch.Tensor]) ->
     consumer that takes another layout (a 1x1 convolution's NCHW) still finds them."""
     if type(y) is not Prequantized:
         return change(y)
-    return Prequantized(change(y.value), change(y.codes), change(y.scale), y.fmt)
+    return Prequantized(change(y.value), change(y.codes), change(y.scale), y.fmt, y.written)
 
 
 def _ada_zero_forward(self: nn.Module, x: torch.Tensor, timestep: Any = None, class_labels: Any = None,
@@ -186,7 +190,8 @@ def _gelu_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     fmt = self.__dict__.get("_solrl_fmt")
     if fmt is None or (torch.is_grad_enabled() and h.requires_grad) or h.dim() < 2:
         return self.gelu(h)
-    return Prequantized(*torch.ops.solrl.gelu_quantize(h, fmt, self.__dict__["_solrl_tag"], None, _keeps(self)), fmt)
+    keep = _keeps(self)
+    return Prequantized(*torch.ops.solrl.gelu_quantize(h, fmt, self.__dict__["_solrl_tag"], None, keep), fmt, keep)
 
 
 @functools.cache
@@ -337,7 +342,18 @@ def fuse_producers(model: nn.Module, producers: Mapping[str, tuple[str, ...]],
         module.__dict__["_solrl_fmt"] = fmt
         module.__dict__["_solrl_tag"] = f"{name} (producer)"
         module.__dict__["_solrl_keep_y"] = name not in out.codes_only
+        _no_dropout(model.get_submodule(name.rpartition(".")[0]) if "." in name else model)
     return out
+
+
+def _no_dropout(parent: nn.Module) -> None:
+    """The nn.Dropout children of a producer's parent (an FFN's `net`: GELU, Dropout, Linear) become nn.Identity, as
+    they are in an explore copy's eval mode: under torch.compile an nn.Dropout's F.dropout runs on y and hands the
+    next linear a plain tensor, losing the codes (and reading a y a codes-alone producer never wrote). No state
+    changes (a dropout has none)."""
+    for child_name, child in parent.named_children():
+        if isinstance(child, nn.Dropout):
+            setattr(parent, child_name, nn.Identity())
 
 
 def keep_outputs(model: nn.Module, fused: FusedProducers, readers: Iterable[str]) -> int:

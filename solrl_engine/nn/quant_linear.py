@@ -42,35 +42,53 @@ def io_dtypes(x: torch.Tensor) -> tuple[torch.dtype, torch.dtype]:
 class Prequantized(torch.Tensor):
     """A producer's output y with its row-wise codes in format `fmt`: every op sees y (`value`); a QuantLinear of
     `fmt` that quantizes its input takes `codes` and `scale` ([..., K] and [..., 1]) instead. A traceable wrapper
-    subclass, so torch.compile keeps it in one graph."""
+    subclass, so torch.compile keeps it in one graph. `written` False: the producer wrote the codes alone (every
+    reader was to take them: nn.producers' codes_only), and any op that reads y raises, saying what to do, rather
+    than compute with memory nobody wrote."""
 
     value: torch.Tensor
     codes: torch.Tensor
     scale: torch.Tensor
     fmt: str
+    written: bool
 
     @staticmethod
-    def __new__(cls, value: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, fmt: str) -> Prequantized:
+    def __new__(cls, value: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, fmt: str,
+                written: bool = True) -> Prequantized:  # fmt: skip
         return torch.Tensor._make_wrapper_subclass(cls, value.shape, strides=value.stride(), dtype=value.dtype,
                                                    device=value.device, requires_grad=False)  # fmt: skip
 
-    def __init__(self, value: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, fmt: str) -> None:
-        self.value, self.codes, self.scale, self.fmt = value, codes, scale, fmt
+    def __init__(self, value: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, fmt: str,
+                 written: bool = True) -> None:  # fmt: skip
+        self.value, self.codes, self.scale, self.fmt, self.written = value, codes, scale, fmt, written
 
     def __repr__(self) -> str:  # type: ignore[override]
-        return f"Prequantized({self.fmt}, {self.value!r})"
+        return f"Prequantized({self.fmt}, {self.value!r})" if self.written else f"Prequantized({self.fmt}, codes alone)"
 
-    def __tensor_flatten__(self) -> tuple[list[str], tuple[str]]:
-        return ["value", "codes", "scale"], (self.fmt,)
+    def __tensor_flatten__(self) -> tuple[list[str], tuple[str, bool]]:
+        return ["value", "codes", "scale"], (self.fmt, self.written)
 
     @staticmethod
-    def __tensor_unflatten__(inner: dict[str, torch.Tensor], meta: tuple[str], size: Any, stride: Any) -> Prequantized:
-        return Prequantized(inner["value"], inner["codes"], inner["scale"], meta[0])
+    def __tensor_unflatten__(inner: dict[str, torch.Tensor], meta: tuple[str, bool], size: Any, stride: Any
+                             ) -> Prequantized:  # fmt: skip
+        return Prequantized(inner["value"], inner["codes"], inner["scale"], *meta)
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        plain = torch.utils._pytree.tree_map_only(Prequantized, lambda t: t.value, (args, kwargs or {}))
+        plain = torch.utils._pytree.tree_map_only(Prequantized, Prequantized.read, (args, kwargs or {}))
         return func(*plain[0], **plain[1])
+
+    def read(self) -> torch.Tensor:
+        """y, for an op that reads it; an error where the producer did not write it."""
+        if not self.written:
+            raise RuntimeError(
+                "an op read a fused producer's output, but that producer writes only its 8-bit codes (the family's "
+                "ModelSpec.producers says the linears it lists are its only readers). A hook or side branch on a "
+                "layer of the explore copy reads its input: call solrl_engine.nn.producers.keep_outputs(copy."
+                "transformer, copy.producers, [layer names]) after adding it, or name the new reader in the "
+                "family's ModelSpec.producers"
+            )  # fmt: skip
+        return self.value
 
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
@@ -188,7 +206,7 @@ class QuantLinear(nn.Module):
             if x.fmt == self.recipe.format and self.recipe.quantize_activations:
                 xq = self.handler.produced(x.codes, x.scale)
                 return self.handler.linear(self, x.value, self.choose_kernel(x.device)[0], io_dtypes(x.value)[1], xq)
-            x = x.value
+            x = x.read()
         compute, out = io_dtypes(x)
         if not self.recipe.quantize_activations:  # the GEMM reads the activations as autocast hands them to nn.Linear
             x = x.to(compute)
@@ -212,7 +230,7 @@ class QuantConv1x1(QuantLinear):
         if x.dim() != 4 or x.shape[1] != self.in_features:
             raise ValueError(f"QuantConv1x1 expects [B, {self.in_features}, H, W]; got {tuple(x.shape)}")
         if type(x) is Prequantized:  # its producer's rows handed over as an NCHW view (nn.producers.relayout)
-            rows = Prequantized(*(t.permute(0, 2, 3, 1) for t in (x.value, x.codes, x.scale)), x.fmt)
+            rows = Prequantized(*(t.permute(0, 2, 3, 1) for t in (x.value, x.codes, x.scale)), x.fmt, x.written)
             return super().forward(rows).permute(0, 3, 1, 2)
         # NCHW -> NHWC (contiguous rows for every GEMM backend); the result goes back as an NCHW view.
         return super().forward(x.permute(0, 2, 3, 1).contiguous()).permute(0, 3, 1, 2)
