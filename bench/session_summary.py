@@ -124,7 +124,9 @@ def forwards_lines(s: dict[str, Any]) -> list[str]:
             lines.append(f"{'':<18}producers: {made.get('verdict', 'not counted (a CPU profile)')}{worth}")
         c = e.get("compiled") or {}
         if q and c.get("census_summary"):  # traced scaled GEMMs (quantize fused) or opaque ops, per compiled graph
-            lines.append(f"{'':<18}compiled: {c['census_summary'][:100]}")
+            n = c.get("census") or {}
+            fed = f"{n['fed']} of {n['traced']} traced GEMMs read a producer's codes; " if "fed" in n else ""
+            lines.append(f"{'':<18}compiled: {fed}{c['census_summary'][:100]}")
         if c.get("graphed_error"):
             lines.append(f"{'':<18}graph capture: {c['graphed_error'].splitlines()[0][:100]}")
         why = ao.get("skipped") or ao.get("error") or (ao.get("compiled") or {}).get("error")

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -43,6 +44,7 @@ from solrl_engine.nn import QuantLinear, fast_path
 from solrl_engine.rl.config import ConfigError, RLConfig
 from solrl_engine.sampling import GraphedSampler, sample
 from solrl_engine.sampling.compile import (
+    FED,
     OPAQUE,
     PRODUCER_KINDS,
     TRACED_KINDS,
@@ -220,6 +222,19 @@ def test_compiled_explore_matches_eager_on_the_real_classes(name, fmt, pipes, mo
     assert err["compiled_vs_policy_3"] <= 1.5 * err["eager_vs_policy_3"], err
 
 
+def _fed_and_quantized(copy: ExploreCopy, spec: Any) -> set[tuple[int, int]]:
+    """(linears fed by a producer, linears quantizing their input) of each repeated block (SD3.5's last joint block,
+    context_pre_only, has fewer; Z-Image's context refiner none fed)."""
+    out = set()
+    for name, m in copy.transformer.named_modules():
+        if type(m).__name__ not in spec.repeated_blocks:
+            continue
+        fed = sum(len(v) for p, v in copy.producers.fused.items() if p.startswith(name + "."))
+        quantized = sum(1 for n, q in m.named_modules() if isinstance(q, QuantLinear) and q.recipe.quantize_activations)
+        out.add((fed, quantized))
+    return out
+
+
 @pytest.mark.parametrize("name", sorted(BUILDERS))
 def test_every_familys_8bit_explore_copies_compile_without_a_graph_break(name, pipes, monkeypatch):
     """The explore copy of every family, in FP8 (sm_90), INT8 through torch._int_mm (sm_80) and INT8 through the
@@ -229,7 +244,7 @@ def test_every_familys_8bit_explore_copies_compile_without_a_graph_break(name, p
     each codes-alone producer's codes reaching its linears (tracing an op that reads its unwritten y raises: an
     FFN's nn.Dropout did, handing the second linear a plain tensor, so the copy's dropouts are identities).
     A graph break would leave part of each block eager (the H200 record of SANA's compiled FP8 copy had 19)."""
-    from torch._dynamo.utils import counters
+    from torch._dynamo.utils import counters, guard_failures
 
     monkeypatch.delenv("SOLRL_BACKEND", raising=False)
     size = {"resolution": SIZES[name]} if name in SIZES else {}
@@ -249,6 +264,9 @@ def test_every_familys_8bit_explore_copies_compile_without_a_graph_break(name, p
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
             model.velocity(x, torch.tensor([0.7, 0.3]), cond, transformer=copy.transformer)
         assert dict(counters["graph_break"]) == {}, (fmt, sm, dict(counters["graph_break"]))
+        # no block compiled again for an engine attribute (a producer's per-instance tag once did: every instance)
+        ours = [r for rs in guard_failures.values() for r in rs if "_solrl" in str(r)]
+        assert not ours, (fmt, sm, ours[:2])
         kinds = census.total()
         assert census.opaque == 0 and census.traced >= 1, (fmt, sm, census.summary())
         assert all(k.startswith(gemm) for k in kinds if k in TRACED_KINDS), (fmt, sm, census.summary())
@@ -258,6 +276,9 @@ def test_every_familys_8bit_explore_copies_compile_without_a_graph_break(name, p
         # is left only where the rule keeps its consumers in BF16 (SANA's FP8 self-attention)
         assert bool(copy.producers.fused) == bool(spec.producers), copy.producers
         assert bool(copy.producers.codes_only) == bool(spec.producers), copy.producers
+        # each graph (one block) reads its producers' codes in as many GEMMs as the block has fed linears, and traces
+        # a quantize only for the rest: (fed, traced) of every graph is that of some block
+        assert {(g[FED], sum(g[k] for k in TRACED_KINDS)) for g in census.graphs} <= _fed_and_quantized(copy, spec)
         assert set(copy.producers.left.values()) <= {"none of the linears it feeds is quantized with row-wise codes"}
         del copy
 

@@ -60,9 +60,16 @@ def _emit(owner: nn.Module, norm: nn.Module, x: torch.Tensor, one_plus: torch.Te
     dev = x.device.type
     fp32 = fp32_norm or (dev in FP32_NORM_UNDER_AUTOCAST and torch.is_autocast_enabled(dev))
     keep = _keeps(owner)
-    y, codes, s = torch.ops.solrl.adaln_quantize(x, one_plus, shift, norm.eps, fmt, fp32, owner.__dict__["_solrl_tag"],
+    y, codes, s = torch.ops.solrl.adaln_quantize(x, one_plus, shift, norm.eps, fmt, fp32, _tag(owner),
                                                  out_dtype, keep)  # fmt: skip
     return Prequantized(y, codes, s, fmt, keep)
+
+
+def _tag(owner: nn.Module) -> str:
+    """The producer's record tag (dispatch.runs), "" while torch.compile traces: a graph keeps no per-call record
+    (sampling.compile's census does), and reading a per-instance string there would guard on it, compiling every
+    block again (FLUX.1-dev's 57) instead of once per block class."""
+    return "" if torch.compiler.is_compiling() else owner.__dict__["_solrl_tag"]
 
 
 def _keeps(owner: nn.Module) -> bool:
@@ -105,7 +112,7 @@ def activate_after(act: nn.Module, prefix: torch.Tensor, x: torch.Tensor) -> tor
     if fmt is None or grad or x.dim() < 2 or prefix.shape[:-1] != x.shape[:-1]:
         return torch.cat([prefix, act(x)], dim=-1)
     keep = _keeps(act)
-    return Prequantized(*torch.ops.solrl.gelu_quantize(x, fmt, act.__dict__["_solrl_tag"], prefix, keep), fmt, keep)
+    return Prequantized(*torch.ops.solrl.gelu_quantize(x, fmt, _tag(act), prefix, keep), fmt, keep)
 
 
 def gate(owner: nn.Module, x: torch.Tensor, dim: int = 1, gate_first: bool = False,
@@ -127,7 +134,7 @@ def gate(owner: nn.Module, x: torch.Tensor, dim: int = 1, gate_first: bool = Fal
         y = F.silu(first) * other if gate_first else first * F.silu(other)
         return y if prefix is None else torch.cat([prefix, y], dim=-1)
     keep = _keeps(owner)
-    y, codes, s = torch.ops.solrl.glu_quantize(x.movedim(dim, -1), fmt, owner.__dict__["_solrl_tag"], gate_first,
+    y, codes, s = torch.ops.solrl.glu_quantize(x.movedim(dim, -1), fmt, _tag(owner), gate_first,
                                                prefix, second, keep)  # fmt: skip
     return relayout(Prequantized(y, codes, s, fmt, keep), lambda t: t.movedim(-1, dim))
 
@@ -144,7 +151,7 @@ def scaled_rms(norm: nn.Module, x: torch.Tensor, scale: torch.Tensor | None) -> 
         return norm(x) if scale is None else norm(x) * scale
     sc = None if scale is None else scale.squeeze(1)
     keep = _keeps(norm)
-    return Prequantized(*torch.ops.solrl.rms_quantize(x, norm.weight, norm.eps, sc, fmt, norm.__dict__["_solrl_tag"],
+    return Prequantized(*torch.ops.solrl.rms_quantize(x, norm.weight, norm.eps, sc, fmt, _tag(norm),
                                                       keep), fmt, keep)  # fmt: skip
 
 
@@ -191,7 +198,7 @@ def _gelu_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     if fmt is None or (torch.is_grad_enabled() and h.requires_grad) or h.dim() < 2:
         return self.gelu(h)
     keep = _keeps(self)
-    return Prequantized(*torch.ops.solrl.gelu_quantize(h, fmt, self.__dict__["_solrl_tag"], None, keep), fmt, keep)
+    return Prequantized(*torch.ops.solrl.gelu_quantize(h, fmt, _tag(self), None, keep), fmt, keep)
 
 
 @functools.cache

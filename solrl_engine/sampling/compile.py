@@ -70,14 +70,47 @@ def _kind(target: Any) -> str | None:
     return _KINDS.get(target)
 
 
+# a traced 8-bit GEMM whose activation operand is a producer's codes (not a quantize traced in the graph)
+FED = "of the traced GEMMs, fed by a producer's codes"
+# what lies between a producer's op and the GEMM reading its codes: views, the codes' pick, the wrapper, padding
+_PASS = {"getitem", "getattr", "reshape", "view", "flatten", "contiguous", "t", "transpose", "permute", "movedim",
+         "unflatten", "squeeze", "unsqueeze", "pad", "Prequantized", "cat"}  # fmt: skip
+
+
+def _name(target: Any) -> str:
+    return target if isinstance(target, str) else getattr(target, "__name__", str(target))
+
+
+def _fed(node: torch.fx.Node) -> bool:
+    """Whether a GEMM node's activation operand (its first argument) is a producer's codes: followed back through
+    views and picks only (a traced quantize computes it with arithmetic: amax, where, clamp)."""
+    todo, seen = [node.args[0]], set()
+    while todo:
+        n = todo.pop()
+        if isinstance(n, list | tuple):
+            todo.extend(n[:1])
+            continue
+        if not isinstance(n, torch.fx.Node) or n in seen or n.op not in ("call_function", "call_method"):
+            continue
+        seen.add(n)
+        if _kind(n.target) in PRODUCER_KINDS:
+            return True
+        if _name(n.target) in _PASS:
+            todo.extend(a for a in n.args if isinstance(a, torch.fx.Node | list | tuple))
+    return False
+
+
 def gemm_census(gm: torch.fx.GraphModule) -> Counter[str]:
-    """GEMM-like nodes of one dynamo graph by kind (see `_KINDS`): what the compiled code will run."""
+    """GEMM-like nodes of one dynamo graph by kind (see `_KINDS`): what the compiled code will run; and how many of
+    the traced ones read a producer's codes (`FED`: the quantize made where its input is, not traced again)."""
     counts: Counter[str] = Counter()
     for node in gm.graph.nodes:
         if node.op == "call_function":
             kind = _kind(node.target)
             if kind is not None:
                 counts[kind] += 1
+                if kind in TRACED_KINDS and _fed(node):
+                    counts[FED] += 1
     return counts
 
 
@@ -109,8 +142,13 @@ class Census:
         parts = ", ".join(f"{n} {k}" for k, n in self.total().most_common())
         return f"{len(self.graphs)} compiled graph{'s' if len(self.graphs) != 1 else ''}: {parts or 'no GEMMs'}"
 
+    @property
+    def fed(self) -> int:
+        return self.total()[FED]
+
     def to_dict(self) -> dict[str, Any]:
-        return {"graphs": len(self.graphs), "gemms": dict(self.total()), "traced": self.traced, "opaque": self.opaque}
+        return {"graphs": len(self.graphs), "gemms": dict(self.total()), "traced": self.traced, "opaque": self.opaque,
+                "fed": self.fed}  # fmt: skip
 
 
 def census_backend(census: Census, mode: str | None = None, inner: str = "inductor") -> Callable[..., Any]:
