@@ -280,11 +280,18 @@ def profile_forward(model: Any, batch: int) -> list[OpCost]:
     return list(costs.values())
 
 
-def explore_layers(model: Any, alias: str, precision: str) -> set[str]:
+# every eligible layer (what the INT8 rule takes): `--every-layer` prices each format so, as a rule search on real
+# weights might widen a family's FP8 rule (SANA's and SD3.5's keep their attention in BF16)
+EVERY_LAYER = {"include": (), "skip_max_dim": 0}
+
+
+def explore_layers(model: Any, alias: str, precision: str, every_layer: bool = False) -> set[str]:
     """Names of the linears the family's explore copy quantizes in `precision` (its rule, widened per
-    format as the rollouts widen it: INT8 on every eligible layer; on meta)."""
+    format as the rollouts widen it: INT8 on every eligible layer; `every_layer`: every eligible layer in any
+    format; on meta)."""
     spec = model_spec(ARCH_ALIASES.get(alias, alias))
     rule = {**spec.explore_rule, **spec.explore_rule_by_format.get(get_recipe(precision).format, {})}
+    rule = {**rule, **EVERY_LAYER} if every_layer else rule
     recipe = get_recipe(precision).with_(**rule)
     return set(plan_quantization(model.transformer, recipe).quantized)
 
@@ -568,7 +575,7 @@ def predict(families: list[str], devices: list[Device], batches: dict[str, int],
         }  # fmt: skip
         for dev in devices:
             prec = dev.explore_precision
-            quantized = explore_layers(model, fam, prec)
+            quantized = explore_layers(model, fam, prec, bool(settings.get("every_layer")))
             produced = producer_fed(model, fam, prec, quantized)
             qflops = sum(c.flops for c in ops if c.kind == "linear" and c.layers & quantized)
             refresh = refresh_seconds(model.transformer, dev, prec, quantized)
@@ -738,6 +745,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "ranks (Ulysses: 1/N of the work per rank plus the all-to-alls around attention)")  # fmt: skip
     ap.add_argument("--kernels", default=str(KERNELS_JSON), help="a bench/kernels.py record of the H100")
     ap.add_argument("--measured", action="append", default=[], help="bench/e2e.py records to compare with")
+    ap.add_argument("--every-layer", action="store_true", help="price every family's explore format on every "
+                    "eligible layer (as INT8's rule), not its own rule: what a wider rule would buy")
     ap.add_argument("--out", default=str(OUT_JSON))
     return ap
 
@@ -753,7 +762,8 @@ def main(argv: list[str] | None = None, arch: dict[str, dict[str, Any]] | None =
         batches[name] = int(val)
     settings = dict(prompts_per_gpu=args.prompts_per_gpu, n=args.n, k=args.k, preview_steps=args.preview_steps,
                     full_steps=args.full_steps, timestep_fraction=None, train_batch=args.train_batch,
-                    context_parallel=args.context_parallel)  # fmt: skip  (None: each family's paper preset)
+                    context_parallel=args.context_parallel, every_layer=args.every_layer,
+                    )  # fmt: skip  (None: each family's paper preset)
     h100, taken = h100_from_kernels(Path(args.kernels))
     devices = [h100, assumed_device("A100", h100, taken), assumed_device("B200", h100, taken)]
     measured = measured_runs([Path(p) for p in (args.measured or MEASURED_E2E)])

@@ -131,6 +131,16 @@ def test_the_meta_models_producers_are_the_trainers(predict):
     assert predict.producer_fed(meta, "flux", "nvfp4", predict.explore_layers(meta, "flux", "nvfp4")) == {}
 
 
+def test_every_layer_prices_a_format_on_every_eligible_layer(predict):
+    """--every-layer: SANA's FP8 rule keeps its self-attention in BF16; priced on every eligible layer, the FP8 copy
+    quantizes what INT8's rule does (a superset, the self-attention included)."""
+    meta = predict.build_meta_model("sana-1.6b", TINY["sana"], RES["sana"])
+    own = predict.explore_layers(meta, "sana-1.6b", "fp8")
+    every = predict.explore_layers(meta, "sana-1.6b", "fp8", every_layer=True)
+    assert own < every == predict.explore_layers(meta, "sana-1.6b", "int8")
+    assert "transformer_blocks.0.attn1.to_q" in every - own
+
+
 @pytest.mark.parametrize("t_explore,faster", [(0.25, True), (1.0, True), (3.0, False)])
 def test_sol_rl_ratios_follow_the_explore_forward(predict, t_explore, faster):
     """Sol-RL's rollout beats naive_scaling when its previews are cheap enough; at equal forward
