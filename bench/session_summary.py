@@ -177,8 +177,9 @@ def summary_lines(rec: dict[str, Any]) -> list[str]:
             lines.append(f"attention {att['shape']}: " + ", ".join(parts))
         prod = c.get("producers")
         if prod:  # the fused producer kernels against the unfused ops they replace
-            parts = [f"{k.split()[0]} {v['fused_speedup']:.2f}x ({v['fused_gb_per_s']:.0f} GB/s), codes alone "
-                     f"{v['codes_alone_speedup']:.2f}x" if "fused_ms" in v else f"{k.split()[0]} failed"
+            parts = [f"{k.split()[0]} {v['fused_speedup']:.2f}x ({v['fused_gb_per_s']:.0f} GB/s)"
+                     + (f", codes alone {v['codes_alone_speedup']:.2f}x" if "codes_alone_speedup" in v else "")
+                     if "fused_ms" in v else f"{k.split()[0]} failed"
                      for k, v in prod.items() if isinstance(v, dict)]  # fmt: skip
             lines.append(f"producers ({prod['format']}, {prod['rows']} rows) fused vs unfused: " + ", ".join(parts))
     forwards = [s for k, s in stages.items() if k.startswith("forwards:") and "precisions" in s]

@@ -10,6 +10,7 @@ ran recorded at a simulated GPU.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -34,7 +35,7 @@ from solrl_engine.kernels import dispatch
 from solrl_engine.models import load_model, model_spec
 from solrl_engine.nn import QuantLinear
 from solrl_engine.nn.producers import fuse_producers, keep_outputs
-from solrl_engine.nn.quant_linear import Prequantized
+from solrl_engine.nn.quant_linear import Prequantized, QuantConv1x1
 from solrl_engine.quant import int8 as int8_numerics
 from solrl_engine.quant import producers
 from solrl_engine.quant.formats import numerics
@@ -321,6 +322,13 @@ def test_a_prequantized_tensor_is_its_value_to_every_op_and_its_codes_to_a_linea
         with pytest.raises(RuntimeError, match="keep_outputs"):
             read(alone)
     assert "codes alone" in repr(alone)
+    # a 1x1 convolution's unbatched [C, H, W] input takes a producer's codes as a batched one does
+    qc = QuantConv1x1.from_linear(torch.nn.Conv2d(32, 48, 1), "fp8")
+    pix = torch.randn(32, 3, 5)
+    rows = numerics("fp8").rowwise(pix.permute(1, 2, 0))
+    fed = Prequantized(torch.full_like(pix, float("nan")), rows.data.permute(2, 0, 1), rows.scale.permute(2, 0, 1),
+                       "fp8", written=False)  # fmt: skip
+    assert torch.equal(qc(fed), qc(pix))
 
 
 BUILDERS = {"flux": build_flux, "sd3": build_sd3, "sana": build_sana, "wan": build_wan, "qwenimage": build_qwenimage,
@@ -567,22 +575,33 @@ def test_a_fused_rms_norm_takes_one_scale_per_sample_and_keeps_the_stock_express
     assert type(scaled_rms(norm, x, per_sample)) is torch.Tensor
 
 
-def test_a_producer_feeding_a_linear_left_in_bf16_writes_its_output(pipes):
-    """A producer some of whose linears a rule leaves in BF16 (here every to_q of FLUX.1) writes y beside the codes
-    (the BF16 linear reads y); the others write their codes alone; the copy computes what the unfused one does."""
+def _flux_fp8_copies(pipes: LazyPipes, changes: dict | None = None) -> tuple[Any, ExploreCopy, ExploreCopy]:
+    """Tiny FLUX.1 in FP32 and two FP8 explore copies of it under its rule (with `changes`): unfused, fused."""
     model = load_model("flux", pipes["flux"], "cpu", torch.float32, resolution=SIZES["flux"])
     spec = model_spec("flux")
-    rule = {**spec.explore_rule, "extra_skip": ("*attn.to_q",)}
+    rule = {**spec.explore_rule, **(changes or {})}
     plain = ExploreCopy(model.transformer, "fp8", changes=rule)
     fused = ExploreCopy(model.transformer, "fp8", changes=rule, producers=spec.producers,
                         producer_blocks=spec.producer_blocks)  # fmt: skip
+    return model, plain, fused
+
+
+def _velocity(model: Any, copy: ExploreCopy) -> torch.Tensor:
+    """One velocity of `copy` on fixed latents and prompts."""
+    x = torch.randn(2, *model.latent_shape, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        return model.velocity(x, torch.tensor([0.7, 0.3]), model.encode_prompts(["a red apple", "a blue cup"]),
+                              transformer=copy.transformer)  # fmt: skip
+
+
+def test_a_producer_feeding_a_linear_left_in_bf16_writes_its_output(pipes):
+    """A producer some of whose linears a rule leaves in BF16 (here every to_q of FLUX.1) writes y beside the codes
+    (the BF16 linear reads y); the others write their codes alone; the copy computes what the unfused one does."""
+    model, plain, fused = _flux_fp8_copies(pipes, {"extra_skip": ("*attn.to_q",)})
     partial = {"transformer_blocks.0.norm1", "single_transformer_blocks.0.norm"}
     assert partial <= set(fused.producers.fused) and not partial & fused.producers.codes_only
     assert "transformer_blocks.0.norm1_context" in fused.producers.codes_only
-    x = torch.randn(2, *model.latent_shape)
-    cond = model.encode_prompts(["a red apple", "a blue cup"])
-    with torch.no_grad():
-        a, b = (model.velocity(x, torch.tensor([0.7, 0.3]), cond, transformer=c.transformer) for c in (plain, fused))
+    a, b = (_velocity(model, c) for c in (plain, fused))
     assert torch.isfinite(b).all() and _same(a, b)
 
 
@@ -592,11 +611,7 @@ def test_an_unmerged_loras_side_branch_makes_the_producers_it_reads_write_their_
     one does, bit for bit (a codes-only y is NaN on the reference: a side branch reading it would show)."""
     from solrl_engine.rl.adapters import OLD, LoraAdapters
 
-    model = load_model("flux", pipes["flux"], "cpu", torch.float32, resolution=SIZES["flux"])
-    spec = model_spec("flux")
-    plain = ExploreCopy(model.transformer, "fp8", changes=spec.explore_rule)
-    fused = ExploreCopy(model.transformer, "fp8", changes=spec.explore_rule, producers=spec.producers,
-                        producer_blocks=spec.producer_blocks)  # fmt: skip
+    model, plain, fused = _flux_fp8_copies(pipes)
     ad = LoraAdapters(model.transformer, 4, 8, ("attn.to_q", "ff.net.2"))
     with torch.no_grad():
         for p in ad.params(OLD)[1::2]:  # a nonzero "old" B: the side branch adds something
@@ -609,31 +624,21 @@ def test_an_unmerged_loras_side_branch_makes_the_producers_it_reads_write_their_
     read |= {f"single_transformer_blocks.{i}.norm" for i in range(len(model.transformer.single_transformer_blocks))}
     assert before - fused.producers.codes_only == read
     assert fused.producers.codes_only  # the others (the context stream's, the single blocks' GELU) still do not
-    x = torch.randn(2, *model.latent_shape)
-    cond = model.encode_prompts(["a red apple", "a blue cup"])
-    with torch.no_grad():
-        a, b = (model.velocity(x, torch.tensor([0.7, 0.3]), cond, transformer=c.transformer) for c in (plain, fused))
+    a, b = (_velocity(model, c) for c in (plain, fused))
     assert torch.isfinite(b).all() and _same(a, b)
 
 
 def test_a_hook_reading_a_fed_layers_input_is_told_how_to_keep_the_producers_output(pipes):
     """A user's hook on a linear whose producer writes its codes alone would read memory nobody wrote: it raises,
     naming keep_outputs, which makes that producer write its output again."""
-    model = load_model("flux", pipes["flux"], "cpu", torch.float32, resolution=SIZES["flux"])
-    spec = model_spec("flux")
-    fused = ExploreCopy(model.transformer, "fp8", changes=spec.explore_rule, producers=spec.producers,
-                        producer_blocks=spec.producer_blocks)  # fmt: skip
+    model, _, fused = _flux_fp8_copies(pipes)
     seen = []
     fused.transformer.get_submodule("transformer_blocks.0.attn.to_k").register_forward_pre_hook(
         lambda _m, inp: seen.append(inp[0].float().abs().mean()))  # fmt: skip
-    x = torch.randn(2, *model.latent_shape)
-    cond = model.encode_prompts(["a red apple", "a blue cup"])
-    with torch.no_grad(), pytest.raises(RuntimeError, match="keep_outputs"):
-        model.velocity(x, torch.tensor([0.7, 0.3]), cond, transformer=fused.transformer)
+    with pytest.raises(RuntimeError, match="keep_outputs"):
+        _velocity(model, fused)
     assert keep_outputs(fused.transformer, fused.producers, ["transformer_blocks.0.attn.to_k"]) == 1
-    with torch.no_grad():
-        assert torch.isfinite(model.velocity(x, torch.tensor([0.7, 0.3]), cond, transformer=fused.transformer)).all()
-    assert torch.isfinite(seen[-1])
+    assert torch.isfinite(_velocity(model, fused)).all() and torch.isfinite(seen[-1])
 
 
 def test_every_family_running_a_block_class_with_a_fused_forward_declares_its_producers():

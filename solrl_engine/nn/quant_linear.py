@@ -225,8 +225,10 @@ class QuantConv1x1(QuantLinear):
     buffers as QuantLinear ([out, in] weight), so requantize_ and state dicts treat both alike."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 3:  # unbatched [C, H, W], as nn.Conv2d accepts
-            return self.forward(x.unsqueeze(0)).squeeze(0)
+        if x.dim() == 3:  # unbatched [C, H, W], as nn.Conv2d accepts (a producer's codes, if any, batched alike)
+            one = Prequantized(*(t.unsqueeze(0) for t in (x.value, x.codes, x.scale)), x.fmt, x.written) \
+                if type(x) is Prequantized else x.unsqueeze(0)  # fmt: skip
+            return self.forward(one).squeeze(0)
         if x.dim() != 4 or x.shape[1] != self.in_features:
             raise ValueError(f"QuantConv1x1 expects [B, {self.in_features}, H, W]; got {tuple(x.shape)}")
         if type(x) is Prequantized:  # its producer's rows handed over as an NCHW view (nn.producers.relayout)

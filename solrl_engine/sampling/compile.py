@@ -135,19 +135,26 @@ class Census:
     def opaque(self) -> int:
         return self.total()[OPAQUE]
 
+    def gemms(self) -> Counter[str]:
+        """GEMM-like nodes by kind over every graph (the fed count, a subset of the traced ones, apart)."""
+        out = self.total()
+        out.pop(FED, None)
+        return out
+
     def summary(self) -> str:
         """One line, e.g. "2 graphs: 9 scaled_mm (FP8/FP4, quantize traced), 3 linear (full precision)"."""
         if not self.graphs:
             return "nothing compiled yet"
-        parts = ", ".join(f"{n} {k}" for k, n in self.total().most_common())
-        return f"{len(self.graphs)} compiled graph{'s' if len(self.graphs) != 1 else ''}: {parts or 'no GEMMs'}"
+        parts = ", ".join(f"{n} {k}" for k, n in self.gemms().most_common())
+        fed = f"; {self.fed} {FED}" if self.fed else ""
+        return f"{len(self.graphs)} compiled graph{'s' if len(self.graphs) != 1 else ''}: {parts or 'no GEMMs'}{fed}"
 
     @property
     def fed(self) -> int:
         return self.total()[FED]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"graphs": len(self.graphs), "gemms": dict(self.total()), "traced": self.traced, "opaque": self.opaque,
+        return {"graphs": len(self.graphs), "gemms": dict(self.gemms()), "traced": self.traced, "opaque": self.opaque,
                 "fed": self.fed}  # fmt: skip
 
 
