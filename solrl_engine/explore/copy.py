@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
+import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -33,6 +34,8 @@ from solrl_engine.nn.producers import fuse_producers, keep_outputs
 from solrl_engine.nn.quantize import BORROWED, _peft_weight, borrow, is_lora_layer, own_
 from solrl_engine.quant.formats import attention_formats, numerics
 from solrl_engine.quant.recipe import QuantRecipe, get_recipe
+
+log = logging.getLogger("solrl_engine.explore")
 
 if TYPE_CHECKING:
     from solrl_engine.explore.plan import ExploreSpec
@@ -238,7 +241,10 @@ class ExploreCopy:
         self.merge = merge
         if not merge:
             if self.producers is not None:  # the side branches read the layers' input: their producers write it again
-                keep_outputs(self.transformer, self.producers, adapters.layers)
+                n = keep_outputs(self.transformer, self.producers, adapters.layers)
+                if n:
+                    log.info("%d producer(s) write their output beside the codes again: the unmerged LoRA's side "
+                             "branches read it (merge_lora=false)", n)  # fmt: skip
             for name in adapters.layers:
                 a, b, scale = adapters.side_branch(name)
                 layer = self._root.get_submodule(name)
