@@ -360,7 +360,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--resolution", type=int, default=None, help="pixels for every model (default: each family's "
                     "own, as its rollouts and bench/predict.py use: SANA 1024, SD3.5-L 1024, FLUX 512)")  # fmt: skip
     ap.add_argument("--batch", action="append", default=[], help="rollout batch of a model, e.g. flux-dev=16")
-    ap.add_argument("--formats", default="fp8,int8,nvfp4", help="explore formats (skipped where the device lacks one)")
+    ap.add_argument("--formats", default="fp8,int8,nvfp4", help="explore formats (skipped where the device lacks one); "
+                    "the forwards stages also take fp8+every-layer: FP8 on every eligible layer, not the family's rule")
     ap.add_argument("--train-batch", action="append", default=[], help="train batch of a model's nft_update, e.g. "
                     "sd35-large=1 (default: its paper preset's)")  # fmt: skip
     ap.add_argument("--no-compile", action="store_true", help="eager only")

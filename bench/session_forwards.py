@@ -298,6 +298,11 @@ def torchao_peer(model: Any, alias: str, fmt: str, inputs: tuple, device: torch.
 ATTENTION = "int8-attention"  # a precision "<fmt>+int8-attention": the FP8 copy with SageAttention's INT8 attention
 
 
+# a precision "<fmt>+every-layer" (opt-in: --formats fp8,fp8+every-layer): the format on every eligible layer, as
+# INT8's rule takes them, not the family's own rule (SANA's keeps its attention in BF16): what a wider rule buys
+EVERY_LAYER = "every-layer"
+
+
 def _base(precision: str) -> str:
     """The linears' format of a forwards precision ("fp8+int8-attention" -> "fp8")."""
     return precision.partition("+")[0]
@@ -305,7 +310,14 @@ def _base(precision: str) -> str:
 
 def _attention(precision: str) -> str:
     """The explore attention's format of a forwards precision ("fp8+int8-attention" -> "int8"; "" for none)."""
-    return precision.partition("+")[2].removesuffix("-attention")
+    tail = precision.partition("+")[2]
+    return tail.removesuffix("-attention") if tail.endswith("-attention") else ""
+
+
+def _rule(alias: str, precision: str) -> dict[str, Any]:
+    """The explore copy's layer rule of a forwards precision: the family's for its format, or every eligible layer."""
+    rule = explore_rule(alias, _base(precision))
+    return {**rule, **predict.EVERY_LAYER} if precision.partition("+")[2] == EVERY_LAYER else rule
 
 
 def model_stage(alias: str, device: torch.device, cfg: dict[str, Any], dev_rates: Any) -> dict[str, Any]:
@@ -353,7 +365,7 @@ def model_stage(alias: str, device: torch.device, cfg: dict[str, Any], dev_rates
                     net = model.transformer
                     entry["form"] = "plain BF16 weights (LoRA merged): every family's full-precision rollout form"
                 else:
-                    rule = explore_rule(alias, _base(fmt))
+                    rule = _rule(alias, fmt)
                     t1 = time.perf_counter()
                     fam = model_spec(ARCH_ALIASES.get(alias, alias))  # the trainer's copy fuses its producers
                     copy = ExploreCopy(model.transformer, _base(fmt), changes=rule, producers=fam.producers,
@@ -461,7 +473,8 @@ def iteration_table(rec: dict[str, Any], batch: int) -> dict[str, Any]:
             t_q = _ms(e, mode)
             if fmt == "bf16" or t_q is None:
                 continue
-            refresh = precs.get(_base(fmt), e).get("refresh_ms")  # an attention variant refreshes as its base
+            # a variant (attention, every layer) is priced with its base's measured refresh (every layer's is larger)
+            refresh = precs.get(_base(fmt), e).get("refresh_ms")
             # predict.py prices an update batch as TRAIN_FORWARDS forwards: the measured update is passed as such
             it = predict.iteration_seconds(t_bf16 / 1e3, t_q / 1e3, (t_update or 0.0) / 1e3 / predict.TRAIN_FORWARDS,
                                            (refresh or 0.0) / 1e3, prompts=p["prompts_per_gpu"], n=p["n"], k=p["k"],

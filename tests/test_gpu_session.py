@@ -144,6 +144,18 @@ def test_a_stage_that_fails_keeps_its_entries_and_a_broken_cuda_context_stops_th
     assert saved["stages"]["ceilings"]["copy"]["gb_per_s"] > 0
     assert "(during nft_update)" in capsys.readouterr().out
 
+def test_a_forwards_stage_times_fp8_on_every_eligible_layer_when_asked(session, tmp_path, monkeypatch):
+    """--formats fp8,fp8+every-layer: beside the family's FP8 rule (SANA's keeps its self-attention in BF16), the FP8
+    copy on every eligible layer, as INT8's rule takes them: what a wider rule would buy, measured."""
+    monkeypatch.setenv("SOLRL_SIMULATE_SM", "90")
+    rec = session.main(["--smoke", "--stages", "forwards:sana-1.6b", "--formats", "fp8,fp8+every-layer", "--no-compile",
+                        "--no-train", "--out", str(tmp_path)])  # fmt: skip
+    p = rec["stages"]["forwards:sana-1.6b"]["precisions"]
+    own, every = (set(p[f]["quantized_layers"]) for f in ("fp8", "fp8+every-layer"))
+    assert own < every and any(".attn1.to_q" in n for n in every - own)
+    assert p["fp8+every-layer"]["eager_ms"] > 0 and "attention_ran" not in p["fp8+every-layer"]
+
+
 def test_a_small_budget_skips_the_later_stages_and_says_so(session, tmp_path, capsys):
     small = session.ALLOWANCE["smoke"]
     budget = (small["ceilings"] + small["forwards"]) / 2  # ceilings fit; a forwards stage never does
