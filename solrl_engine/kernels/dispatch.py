@@ -318,6 +318,11 @@ def ran(impl: str) -> None:
     _CURRENT.impl = impl
 
 
+def ran_with(detail: str) -> None:
+    """Add `detail` to the label the implementation that just ran gave (`ran`): a caller's word on how it called it."""
+    _CURRENT.impl = f"{getattr(_CURRENT, 'impl', None) or 'unrecorded'}{detail}"
+
+
 def record_run(tag: str, fn: Callable[[], torch.Tensor], x: torch.Tensor, hint: str = "") -> torch.Tensor:
     """Run `fn` (one layer's GEMM, tagged `tag`) and record the implementation it reports through
     `ran`. On a GPU (or a simulated one), landing on the reference warns once per layer, naming the

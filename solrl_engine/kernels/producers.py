@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 from solrl_engine.kernels._gemm import no_autocast
-from solrl_engine.kernels.dispatch import choose, ran, record_run, register, run, triton_module
+from solrl_engine.kernels.dispatch import choose, ran, ran_with, record_run, register, run, triton_module
 from solrl_engine.quant import producers
 from solrl_engine.quant.formats import rowwise_formats
 
@@ -30,21 +30,7 @@ GLU_HINT = "the fused gate's Triton kernel runs on a GPU for FP8/INT8 rows of at
 def _ref(x: torch.Tensor, onep: torch.Tensor, shift: torch.Tensor, eps: float, fmt: str, fp32_norm: bool,
          out_dtype: torch.dtype | None, keep_y: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     ran("reference")
-    return _unread(producers.adaln_quantize(x, onep, shift, eps, fmt, fp32_norm, out_dtype), keep_y)
-
-
-def _unread(out: tuple[torch.Tensor, ...], keep_y: bool) -> tuple[torch.Tensor, ...]:
-    """The reference's (y, codes, scales), y all NaN where no op may read it (`keep_y` False: the Triton kernels do
-    not write it), so that a reader the plan missed shows in every CPU test instead of reading stale memory."""
-    if keep_y:
-        return out
-    ran(_label("reference", keep_y))
-    return torch.full_like(out[0], float("nan")), *out[1:]
-
-
-def _label(impl: str, keep_y: bool) -> str:
-    """What ran, saying where y was not written (the record shows a producer writing its codes alone)."""
-    return impl if keep_y else f"{impl}; codes alone (y unwritten)"
+    return producers.adaln_quantize(x, onep, shift, eps, fmt, fp32_norm, out_dtype)
 
 
 def _tr(x: torch.Tensor, onep: torch.Tensor, shift: torch.Tensor, eps: float, fmt: str, fp32_norm: bool,
@@ -53,7 +39,7 @@ def _tr(x: torch.Tensor, onep: torch.Tensor, shift: torch.Tensor, eps: float, fm
     stage_bf16 = natural == torch.bfloat16  # the module's ops in BF16 (no autocast): each step rounded to BF16
     out = triton_module("producers").adaln_quantize(x, onep, shift, eps, fmt, stage_bf16, out_dtype or natural,
                                                     keep_y)  # fmt: skip
-    ran(_label("triton: layer norm, modulation and row-wise quantize in one pass", keep_y))
+    ran("triton: layer norm, modulation and row-wise quantize in one pass")
     return out
 
 
@@ -89,11 +75,17 @@ def adaln_quantize(
 
 
 def _recorded(op: str, backend: str, args: tuple, tag: str, hint: str) -> tuple[torch.Tensor, ...]:
-    """`op` run through `backend` outside autocast, its run recorded under `tag` (dispatch.runs) where one is given."""
+    """`op` run through `backend` outside autocast, its run recorded under `tag` (dispatch.runs) where one is given.
+    `args` end with keep_y: where it is False the Triton kernels do not write y, the record says so, and the
+    reference's y is all NaN, so that a reader the plan missed shows in every CPU test instead of stale memory."""
     got: list[tuple[torch.Tensor, ...]] = []
 
     def produce() -> torch.Tensor:
-        got.append(run(op, backend, *args))
+        out = run(op, backend, *args)
+        if not args[-1]:
+            ran_with("; codes alone (y unwritten)")
+            out = (torch.full_like(out[0], float("nan")), *out[1:]) if backend == "reference" else out
+        got.append(out)
         return got[0][0]
 
     with no_autocast(args[0]):
@@ -114,13 +106,13 @@ def _(x, one_plus_scale, shift, eps, fmt, fp32_norm, tag="", out_dtype=None, kee
 def _gelu_ref(x: torch.Tensor, fmt: str, prefix: torch.Tensor | None, keep_y: bool
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     ran("reference")
-    return _unread(producers.gelu_quantize(x, fmt, prefix), keep_y)
+    return producers.gelu_quantize(x, fmt, prefix)
 
 
 def _gelu_tr(x: torch.Tensor, fmt: str, prefix: torch.Tensor | None, keep_y: bool
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     out = triton_module("producers").gelu_quantize(x, fmt, prefix, keep_y)
-    ran(_label("triton: GELU and row-wise quantize in one pass", keep_y))
+    ran("triton: GELU and row-wise quantize in one pass")
     return out
 
 
@@ -177,13 +169,13 @@ def _(x, fmt, tag="", prefix=None, keep_y=True):  # noqa: ANN001, ANN202
 def _glu_ref(x: torch.Tensor, fmt: str, gate_first: bool, prefix: torch.Tensor | None, second: torch.Tensor | None,
              keep_y: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     ran("reference")
-    return _unread(producers.glu_quantize(x, fmt, gate_first, prefix, second), keep_y)
+    return producers.glu_quantize(x, fmt, gate_first, prefix, second)
 
 
 def _glu_tr(x: torch.Tensor, fmt: str, gate_first: bool, prefix: torch.Tensor | None, second: torch.Tensor | None,
             keep_y: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     out = triton_module("producers").glu_quantize(x, fmt, gate_first, prefix, second, keep_y)
-    ran(_label("triton: gate (a * silu(g)) and row-wise quantize in one pass", keep_y))
+    ran("triton: gate (a * silu(g)) and row-wise quantize in one pass")
     return out
 
 
@@ -226,14 +218,14 @@ def _(x, fmt, tag="", gate_first=False, prefix=None, second=None, keep_y=True): 
 def _rms_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float, scale: torch.Tensor | None, fmt: str,
              keep_y: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     ran("reference")
-    return _unread(producers.rms_quantize(x, weight, eps, scale, fmt), keep_y)
+    return producers.rms_quantize(x, weight, eps, scale, fmt)
 
 
 def _rms_tr(x: torch.Tensor, weight: torch.Tensor | None, eps: float, scale: torch.Tensor | None, fmt: str,
             keep_y: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     out = triton_module("producers").rms_quantize(x, weight, eps, scale, fmt, producers.rms_dtype(x, weight, scale),
                                                   keep_y)  # fmt: skip
-    ran(_label("triton: RMS norm, modulation and row-wise quantize in one pass", keep_y))
+    ran("triton: RMS norm, modulation and row-wise quantize in one pass")
     return out
 
 
