@@ -160,6 +160,11 @@ def engine_launches() -> list[Launch]:
                 attention.int8_attention(torch.empty(2, 300, d, dtype=torch.int8), torch.ones(2, 3),
                                          torch.empty(2, 300, d, dtype=torch.int8), torch.ones(2, 5),
                                          torch.empty(2, 300, d, dtype=torch.bfloat16), d**-0.5, out)  # fmt: skip
+                # and FP8 (Q K^T and P V on the FP8 tensor cores: sm_89+, so the default targets only)
+                e4m3, rows = torch.float8_e4m3fn, torch.ones(2, 300, 1)
+                attention.fp8_attention(torch.empty(2, 300, d, dtype=e4m3), rows, torch.empty(2, 300, d, dtype=e4m3),
+                                        rows, torch.empty(2, d, 300, dtype=e4m3), torch.ones(2, d, 1), d**-0.5,
+                                        out)  # fmt: skip
         # the producers of SD3.5-Large, FLUX.1 and Qwen-Image (adaLN), SANA-1.6B and Wan2.1-1.3B / 14B (inline), rows
         # of their hidden size
         for k in (2432, 3072, 2240, 1536, 5120):
@@ -243,6 +248,10 @@ def every_kernel() -> set[str]:
 
 
 _FMA = re.compile(r"^\s*(?:@%p\d+\s+)?fma\.rn\.f32", re.M)
+# the tensor-core instructions a kernel issues, with their operand types (what a dot really runs on: an FP8 dot that
+# the compiler upcast would show f16 here): Ampere's mma.sync, Hopper's wgmma, Blackwell's tcgen05.mma kinds
+_MMA = re.compile(r"\b(mma\.sync\.aligned\.m\d+n\d+k\d+[\w.]*|wgmma\.mma_async\.sync\.aligned\.m\d+n\d+k\d+\.[\w.]+"
+                  r"|tcgen05\.mma\.cta_group::\d\.kind::\w+)")
 
 
 def compile_launch(launch: Launch, arch: int) -> dict[str, object]:
@@ -257,7 +266,7 @@ def compile_launch(launch: Launch, arch: int) -> dict[str, object]:
     t0 = time.perf_counter()
     k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(launch.options))
     ptx = k.asm["ptx"]
-    return {"cubin_bytes": len(k.asm["cubin"]), "fma": len(_FMA.findall(ptx)),
+    return {"cubin_bytes": len(k.asm["cubin"]), "fma": len(_FMA.findall(ptx)), "mma": sorted(set(_MMA.findall(ptx))),
             "seconds": round(time.perf_counter() - t0, 2)}  # fmt: skip
 
 

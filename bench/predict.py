@@ -385,7 +385,8 @@ def group_times(ops: list[OpCost], dev: Device, precision: str, quantized: set[s
     and the activation-quantize passes those linears add. fused=True is the compiled ideal: every
     elementwise op and every activation quantize fused into the kernel next to it (costing nothing),
     a lower bound that eager and real compiled runs sit above. `attention` "fp8": the explore-only option
-    of FP8 attention (q, k, v in FP8 at the FP8 rate, the output in BF16), priced, not built. `produced`
+    of FP8 attention (q, k, v in FP8 at the FP8 rate, the output in BF16; its kernel runs both products in FP8;
+    an "int8" here prices all of attention at the INT8 rate, which SageAttention's FP16 P V does not reach). `produced`
     (`producer_fed`): linears whose input codes their producer writes, once per producer (the codes' bytes), in
     place of each linear's own quantize pass (the producer's other work stays priced as the elementwise ops it was;
     fusing those passes into one is not credited, except the write of y a codes-alone producer no longer makes: its
@@ -609,7 +610,7 @@ def predict(families: list[str], devices: list[Device], batches: dict[str, int],
                                                                               produced),
                                                        "train": context_parallel(profiles[tb], dev, "bf16", set(), cp,
                                                                                  fused)}  # fmt: skip
-                if "fp8" in dev.rates:  # the option of FP8 attention in the explore forward only (priced, not built)
+                if "fp8" in dev.rates:  # FP8 attention in the explore forward only (explore_attention=fp8)
                     t_qa = forward_seconds(ops, dev, prec, quantized, fused, attention="fp8", produced=produced)
                     ita = iteration_seconds(t_bf16, t_qa, t_train, refresh, batch=b, train_batch=tb, **loop)
                     entry[mode]["attention_fp8_explore"] = {

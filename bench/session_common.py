@@ -296,7 +296,8 @@ def producer_peers(device: torch.device, rows: int, reps: int) -> dict[str, Any]
 
 def attention_peers(device: torch.device, shape: tuple[int, int, int, int], reps: int) -> dict[str, Any]:
     """One attention call [B, H, N, d] on random BF16 q, k, v: PyTorch's SDPA (BF16), ours for
-    explore_attention=int8 (solrl::int8_attention: INT8 Q K^T, FP16 P V, Triton) and SageAttention version 1
+    explore_attention=int8 (solrl::int8_attention: INT8 Q K^T, FP16 P V, Triton) and =fp8 (solrl::fp8_attention:
+    FP8 Q K^T and P V, Triton; where the GPU has FP8 tensor cores, else its reference) and SageAttention version 1
     (`sageattention.sageattn`, the same recipe's published kernels; carried as a wheel, CUDA only), each with its
     median ms, its speed against SDPA and its relative error against FP32 attention. Random inputs check the
     kernels, not a model's ranking (the fidelity records do that)."""
@@ -313,8 +314,18 @@ def attention_peers(device: torch.device, shape: tuple[int, int, int, int], reps
         err = ((fn()[:, :, :rows].float() - want).norm() / want.norm()).item()
         return {"median_ms": median_ms(fn, device, reps=reps), "rel_error": err}
 
-    impls: dict[str, Any] = {"sdpa_bf16": lambda: F.scaled_dot_product_attention(q, k, v),
-                             "ours_int8": lambda: torch.ops.solrl.int8_attention(q, k, v, None, "ceilings attention")}
+    from solrl_engine.kernels import choose, runs
+
+    def ours(fmt: str) -> Any:
+        op = getattr(torch.ops.solrl, f"{fmt}_attention")
+        return lambda: op(q, k, v, None, f"ceilings attention {fmt}")
+
+    impls: dict[str, Any] = {"sdpa_bf16": lambda: F.scaled_dot_product_attention(q, k, v), "ours_int8": ours("int8")}
+    backend, why = choose("fp8_attention", device, d=d)
+    if backend == "reference":  # no FP8 tensor cores: the reference over 32k tokens would take minutes and 100 GB
+        out["ours_fp8"] = {"skipped": why}
+    else:
+        impls["ours_fp8"] = ours("fp8")
     try:
         from sageattention import sageattn
 
@@ -328,10 +339,11 @@ def attention_peers(device: torch.device, shape: tuple[int, int, int, int], reps
             out[name] = entry(fn)
         except Exception as e:  # noqa: BLE001 - one implementation failing must not lose the others
             out[name] = {"skipped": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
-    from solrl_engine.kernels import runs
-
-    ran = runs().get("ceilings attention")
-    out["ours_int8"]["ran"] = ran.impl if ran is not None else "not recorded"
+    for fmt in ("int8", "fp8"):
+        if f"ours_{fmt}" not in impls:
+            continue
+        ran = runs().get(f"ceilings attention {fmt}")
+        out[f"ours_{fmt}"]["ran"] = ran.impl if ran is not None else "not recorded"
     base = out["sdpa_bf16"].get("median_ms")
     for name in impls:
         if base and out[name].get("median_ms"):

@@ -295,7 +295,9 @@ def torchao_peer(model: Any, alias: str, fmt: str, inputs: tuple, device: torch.
         _release(device)
 
 
-ATTENTION = "int8-attention"  # a precision "<fmt>+int8-attention": the FP8 copy with SageAttention's INT8 attention
+# precisions "<fmt>+<att>-attention": the FP8 copy with its attention in INT8 (SageAttention's recipe: Q K^T in INT8,
+# P V in FP16) or in FP8 (both dots on the FP8 tensor cores), each through its explore_attention kernel
+ATTENTIONS = ("int8-attention", "fp8-attention")
 
 
 # a precision "<fmt>+every-layer" (opt-in: --formats fp8,fp8+every-layer): the format on every eligible layer, as
@@ -341,7 +343,8 @@ def model_stage(alias: str, device: torch.device, cfg: dict[str, Any], dev_rates
     inputs = predict.forward_inputs(model, batch, device=device, dtype=torch.bfloat16)
     formats = ["bf16"] + list(cfg["formats"])
     if model_spec(ARCH_ALIASES.get(alias, alias)).video and "fp8" in formats:
-        formats.append(f"fp8+{ATTENTION}")  # attention is 38-71% of a video forward: the explore copy's in INT8 too
+        # attention is 38-71% of a video forward: the explore copy's in INT8 and in FP8 too
+        formats += [f"fp8+{att}" for att in ATTENTIONS]
     for fmt in formats:
         why = None if fmt == "bf16" else (format_unavailable(_base(fmt), device)
                                           or (_attention(fmt) and format_unavailable(_attention(fmt), device)))

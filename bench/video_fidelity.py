@@ -1,9 +1,11 @@
 """Rank fidelity of the explore copy on a tiny video pipeline (Wan classes) beside a tiny image one (SD3 classes),
-and of the explore-only low-precision attention options on the video one (FP8 and INT8 emulated; INT8 also through
-its Triton kernel at a simulated sm_90, `@sm90`, the interpreter running it): `solrl fidelity`'s measurement
-(Spearman and Kendall of the previews' ranking against full-step full-precision rollouts of the same seeds).
+and of the explore-only low-precision attention options on the video one (FP8 and INT8 through their ops'
+PyTorch references; each also through its Triton kernel at a simulated sm_90, `@sm90`, the interpreter running
+it): `solrl fidelity`'s measurement (Spearman and Kendall of the previews' ranking against full-step
+full-precision rollouts of the same seeds).
 
     python bench/video_fidelity.py --out bench/results/2026-11-25-cpu-video-fidelity.json
+    python bench/video_fidelity.py --explore fp8+fp8-attention,fp8+fp8-attention@sm90 --out ...   # some rows
 
 The pipelines are the tests' tiny random-weight ones (tests/tiny_pipelines.py: the real diffusers classes at toy
 widths) scored by a tiny random CLIP: the numbers say the measurement runs on video as on images and how the
@@ -38,8 +40,11 @@ def main(argv: list[str] | None = None) -> Path:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--preview-steps", type=int, default=2)
     ap.add_argument("--full-steps", type=int, default=4)
+    ap.add_argument("--explore", default="", help="comma-separated explore rows to run (e.g. fp8+fp8-attention@sm90); "
+                                                  "default every row of both pipelines")  # fmt: skip
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / f"{dt.date.today()}-cpu-video-fidelity.json"))
     args = ap.parse_args(argv)
+    only = {e for e in args.explore.split(",") if e}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         clip = build_clip_reward(Path(tmp) / "clip")
@@ -50,10 +55,13 @@ def main(argv: list[str] | None = None) -> Path:
             ("sd3", "configs/sd3.py:sd3_sol_rl_clipscore", [f"resolution={SIZES['sd3']}"], ("nvfp4", "fp8")),
             ("wan", "configs/wan.py:wan13b_sol_rl_clipscore",
              [f"resolution={SIZES['wan']}", f"width={SIZES['wan']}", f"frames={WAN_FRAMES}", "reward_frames=3"],
-             ("nvfp4", "fp8", "fp8+fp8-attention", "fp8+int8-attention", "fp8+int8-attention@sm90")),
+             ("nvfp4", "fp8", "fp8+fp8-attention", "fp8+fp8-attention@sm90", "fp8+int8-attention",
+              "fp8+int8-attention@sm90")),
         ]  # fmt: skip
         for model, preset, extra, precisions in cases:
             for prec in precisions:
+                if only and prec not in only:
+                    continue
                 case, _, sm = prec.partition("@sm")
                 fmt, _, att = case.partition("+")
                 sets = [f"model_path={pipes[model]}", f"explore_precision={fmt}", *steps, *extra]

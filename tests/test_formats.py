@@ -170,7 +170,8 @@ def test_attention_formats_are_the_formats_with_an_attention_rounding():
     from solrl_engine.quant.formats import attention_formats
 
     assert attention_formats() == ("bf16", "fp8", "int8")
-    assert format_kernels()["int8"].attention_op == "int8_attention" and format_kernels()["fp8"].attention_op is None
+    assert {f: format_kernels()[f].attention_op for f in ("fp8", "int8")} == {"fp8": "fp8_attention",
+                                                                              "int8": "int8_attention"}
     assert ExploreSettings(precision="fp8", attention="int8").problems() == []
     (field, why), = ExploreSettings(precision="fp8", attention="fp4").problems()
     assert field == "attention" and "fp8 or int8" in why

@@ -212,3 +212,27 @@ def test_te_explore_copy_is_close_to_ours():
     e_ours = (y_ours - y_ref).norm() / y_ref.norm()
     e_te = (y_te - y_ref).norm() / y_ref.norm()
     assert e_te < 2 * e_ours + 0.02 and e_ours < 2 * e_te + 0.02, (e_ours.item(), e_te.item())
+
+
+@pytest.mark.parametrize("shape", [(2, 12, 1000, 128), (1, 24, 4229, 64)])  # Wan's heads; SD3.5-L's joint tokens
+def test_low_precision_attention_kernels_match_their_references(shape, monkeypatch):
+    """explore_attention's kernels on the GPU's own tensor cores (the interpreter cannot run their real MMAs; Hopper's
+    FP8 MMA accumulates in less than FP32 within a K step): INT8 Q K^T / FP16 P V and FP8 Q K^T / P V against
+    quant.int8.attention and quant.fp8.attention computed on the CPU. The dispatch picks the Triton kernel, which
+    the record names."""
+    from solrl_engine.kernels import runs
+    from solrl_engine.quant import int8
+
+    monkeypatch.delenv("SOLRL_BACKEND", raising=False)
+    g = torch.Generator().manual_seed(sum(shape))
+    q, k, v = (torch.randn(shape, generator=g).to(torch.bfloat16) for _ in range(3))
+    cases = [("int8", int8.attention, "triton: INT8")]
+    if torch.cuda.get_device_capability() >= (8, 9):
+        cases.append(("fp8", fp8.attention, "triton: FP8"))
+    for fmt, reference, impl in cases:
+        got = getattr(torch.ops.solrl, f"{fmt}_attention")(q.to(CUDA), k.to(CUDA), v.to(CUDA), None, f"gpu {fmt}")
+        assert runs()[f"gpu {fmt}"].impl.startswith(impl)
+        want = reference(q, k, v).float()
+        err = (got.cpu().float() - want).abs()
+        # both in BF16: most elements equal or one BF16 step apart (2^-8 of the value), a few moved by P's rounding
+        assert err.max() <= 2e-2 * want.abs().max() and err.quantile(0.99) <= 5e-3 * want.abs().max(), (fmt, err.max())

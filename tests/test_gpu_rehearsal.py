@@ -198,22 +198,26 @@ def check_forwards(call: int, sm: str, rehearse) -> None:  # noqa: ANN001 - the 
 @pytest.mark.slow
 def test_call_4_times_video_forwards_and_reports_attentions_share(rehearse):
     """Wan at a smoke clip (5 frames): a video latent [C, F, H, W], the profile's attention share per precision
-    (the part the explore copy leaves in BF16, or runs in INT8 with fp8+int8-attention), and the Wan model's own
+    (the part the explore copy leaves in BF16, or runs in INT8 or FP8 with fp8+int8- / fp8+fp8-attention), the attention
+    peers (FP8 attention's kernel at the simulated sm_90), and the Wan model's own
     preset for the update."""
     _, rec, _ = rehearse(4, "90")
     assert rec["stage_order"] == ["ceilings:attention", "forwards:wan2.1-1.3b", "forwards:wan2.1-14b"]
     peers = rec["ceilings"]["attention"]  # the attention peers: SDPA and ours timed, SageAttention v1 CUDA-only
     assert peers["sdpa_bf16"]["median_ms"] > 0 and peers["ours_int8"]["ran"].startswith("triton"), peers
     assert peers["ours_int8"]["rel_error"] < 0.05 and "skipped" in peers["sageattention_v1"], peers
+    assert peers["ours_fp8"]["ran"] == "triton: FP8 Q K^T, FP8 P V attention" and peers["ours_fp8"]["rel_error"] < 0.1
     for model in ("wan2.1-1.3b", "wan2.1-14b"):
         s = rec["stages"][f"forwards:{model}"]
         assert len(s["latent_shape"]) == 4 and s["latent_shape"][1] == 2  # 5 frames: 1 + 4 -> 2 latent frames
-        for fmt in ("bf16", "fp8", "int8", "fp8+int8-attention"):
+        for fmt in ("bf16", "fp8", "int8", "fp8+int8-attention", "fp8+fp8-attention"):
             share = s["precisions"][fmt]["profile_eager"]["share"]
             assert 0 < share["attention"] < 1 and sum(share.values()) == pytest.approx(1.0)
-        # the FP8 copy with INT8 attention: the Triton kernel ran (the interpreter here), eager and compiled
+        # the FP8 copy with INT8 and with FP8 attention: each Triton kernel ran (the interpreter here), eager; the
+        # INT8 one compiled too (the stage's compiles go in order while its time lasts)
         sage = s["precisions"]["fp8+int8-attention"]
         assert sage["attention_ran"].startswith("triton") and sage["compiled"]["forward_ms"] > 0, sage
+        assert s["precisions"]["fp8+fp8-attention"]["attention_ran"].startswith("triton: FP8"), s["precisions"]
         assert s["train_settings"]["checkpointing"] and s["train_settings"]["timestep_fraction"] == 0.6
 
 

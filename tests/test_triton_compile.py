@@ -35,8 +35,8 @@ def test_every_launch_compiles_for_sm90a_and_sm100a(tmp_path):
     assert {r["arch"] for r in rec["rows"]} == {"sm_90a", "sm_100a", "sm_80"}
     names = {r["launch"].split("(")[0] for r in rec["rows"]}
     assert {"_fp8_rowwise_kernel", "_int8_rowwise_kernel", "_quantize_kernel", "_w4a4_kernel", "_w4a16_kernel",
-            "_int8_gemm_kernel", "_int8_attention_kernel", "_adaln_quantize_kernel", "_gelu_quantize_kernel",
-            "_glu_quantize_kernel", "_rms_quantize_kernel"} <= names  # fmt: skip
+            "_int8_gemm_kernel", "_int8_attention_kernel", "_fp8_attention_kernel", "_adaln_quantize_kernel",
+            "_gelu_quantize_kernel", "_glu_quantize_kernel", "_rms_quantize_kernel"} <= names  # fmt: skip
     # the INT8 GEMM on every architecture it serves (Ampere's mma, Hopper's wgmma, Blackwell), and on sm_80 only the
     # kernels that serve Ampere (the INT8 GEMM and attention, the producers that emit INT8 codes)
     assert {r["arch"] for r in rec["rows"] if r["launch"].startswith("_int8_gemm_kernel")} == {"sm_80", "sm_90a",
@@ -45,6 +45,18 @@ def test_every_launch_compiles_for_sm90a_and_sm100a(tmp_path):
         "_int8_gemm_kernel", "_int8_attention_kernel", "_adaln_quantize_kernel", "_gelu_quantize_kernel",
         "_glu_quantize_kernel", "_rms_quantize_kernel"}
     assert all(r["cubin_bytes"] > 0 for r in rec["rows"])
+    # the tensor cores each low-precision dot really issues (an upcast FP8 or INT8 dot would show f16 here): FP8
+    # attention's both dots in E4M3 (Hopper's wgmma, Blackwell's f8f6f4 kind), INT8's Q K^T and GEMM in s8
+    mma: dict[tuple[str, str], set[str]] = {}
+    for r in rec["rows"]:
+        mma.setdefault((r["launch"].split("(")[0], r["arch"]), set()).update(r["mma"])
+    assert mma[("_fp8_attention_kernel", "sm_90a")] and all(
+        i.endswith(".f32.e4m3.e4m3") for i in mma[("_fp8_attention_kernel", "sm_90a")])
+    assert mma[("_fp8_attention_kernel", "sm_100a")] == {"tcgen05.mma.cta_group::1.kind::f8f6f4"}
+    assert any(i.endswith(".s32.s8.s8") for i in mma[("_int8_attention_kernel", "sm_90a")])
+    assert mma[("_int8_gemm_kernel", "sm_90a")] and all(i.endswith(".s32.s8.s8")
+                                                         for i in mma[("_int8_gemm_kernel", "sm_90a")])
+    assert any(".s8.s8" in i for i in mma[("_int8_gemm_kernel", "sm_80")])
 
 
 _TOY = '''

@@ -1,8 +1,12 @@
-"""Low-precision attention for the explore pass: SageAttention's recipe (INT8 Q K^T under per-block scales, K
-smoothed beforehand, softmax in FP32, P V on FP16 tensor cores), one program per (128-query block, batch x head),
-online softmax over 64-key blocks (FlashAttention's loop). The reference is solrl_engine.quant.int8.attention; the
-tiles are its scale blocks (Q: 128 tokens, K: 64), so the integer scores are the reference's exactly and only the
-softmax's summation order and P's FP16 rounding (of unnormalised values here) differ.
+"""Low-precision attention for the explore pass, one program per (128-query block, batch x head), online softmax
+over 64-key blocks (FlashAttention's loop):
+- INT8: SageAttention's recipe (INT8 Q K^T under per-block scales, K smoothed beforehand, softmax in FP32, P V on
+  FP16 tensor cores). The reference is solrl_engine.quant.int8.attention; the tiles are its scale blocks (Q: 128
+  tokens, K: 64), so the integer scores are the reference's exactly and only the softmax's summation order and P's
+  FP16 rounding (of unnormalised values here) differ.
+- FP8: Q K^T and P V both on the FP8 tensor cores (Q, K E4M3 per token, V per channel, P = exp(S - running max)
+  encoded at 448 per key block, each block's P V added to an FP32 accumulator). The reference is
+  solrl_engine.quant.fp8.attention, which runs the same key blocks; the sums' order and exp's last bit differ.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._numerics import store_out
+from ._numerics import fp8_encode, store_out
 
 _OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 BM, BN = 128, 64  # = solrl_engine.quant.int8's Q_BLOCK, K_BLOCK
@@ -70,4 +74,72 @@ def int8_attention(q_codes: torch.Tensor, q_scale: torch.Tensor, k_codes: torch.
                                  ks, v.reshape(bh, m, d).to(torch.float16).contiguous(), dst, n, m, qs.shape[1],
                                  ks.shape[1], float(sm_scale), D=d, BM=BM, BN=BN, OUT_KIND=_OUT_KIND[out_dtype],
                                  num_warps=4 if d <= 64 else 8, num_stages=2)  # fmt: skip
+    return out
+
+
+@triton.jit
+def _fp8_attention_kernel(q_ptr, qs_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, out_ptr, N, M, sm_scale, P_ENC: tl.constexpr,
+                          D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, OUT_KIND: tl.constexpr):  # fmt: skip
+    pid = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    rm = pid * BM + tl.arange(0, BM)
+    rd = tl.arange(0, D)
+    mm = rm < N
+    q = tl.load(q_ptr + bh * N * D + rm.to(tl.int64)[:, None] * D + rd[None, :], mask=mm[:, None], other=0)
+    q = q.to(tl.float8e4nv, bitcast=True)
+    qs = tl.load(qs_ptr + bh * N + rm, mask=mm, other=1.0) * sm_scale
+    m_i = tl.full([BM], float("-inf"), tl.float32)
+    l_i = tl.zeros([BM], dtype=tl.float32)
+    acc = tl.zeros([BM, D], dtype=tl.float32)
+    p_enc = tl.full([BM], P_ENC, tl.float32)
+    for n0 in range(0, M, BN):
+        rn = n0 + tl.arange(0, BN)
+        mn = rn < M
+        # K^T [D, BN] and V^T's tile [BN, D] are both read along their sum's dimension (K-major, as FP8 MMAs take it)
+        k = tl.load(k_ptr + bh * M * D + rn.to(tl.int64)[None, :] * D + rd[:, None], mask=mn[None, :], other=0)
+        ks = tl.load(ks_ptr + bh * M + rn, mask=mn, other=1.0)
+        s = tl.dot(q, k.to(tl.float8e4nv, bitcast=True), out_dtype=tl.float32) * qs[:, None] * ks[None, :]
+        s = tl.where(mn[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        pc = fp8_encode(p, p_enc).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+        v = tl.load(v_ptr + bh * D * M + rd.to(tl.int64)[None, :] * M + rn[:, None], mask=mn[:, None], other=0)
+        acc = acc * alpha[:, None] + tl.dot(pc, v.to(tl.float8e4nv, bitcast=True), out_dtype=tl.float32)
+        m_i = m_new
+    vs = tl.load(vs_ptr + bh * D + rd) / P_ENC
+    out = acc * vs[None, :] / l_i[:, None]
+    store_out(out_ptr + bh * N * D + rm.to(tl.int64)[:, None] * D + rd[None, :], out, mm[:, None], OUT_KIND)
+
+
+def fp8_attention(q_codes: torch.Tensor, q_scale: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor,
+                  vt_codes: torch.Tensor, v_scale: torch.Tensor, sm_scale: float, out_dtype: torch.dtype,
+                  p_encode: float = 448.0) -> torch.Tensor:  # fmt: skip
+    """Attention of E4M3 codes (torch.float8_e4m3fn): q_codes [..., N, D] with one scale per query (q_scale
+    [..., N, 1]), k_codes [..., M, D] with one per key, V transposed, vt_codes [..., D, M], with one per channel
+    (v_scale [..., D, 1]) -> out [..., N, D] in `out_dtype`; P encoded at `p_encode`."""
+    *lead, n, d = q_codes.shape
+    m = k_codes.shape[-2]
+    if d not in (16, 32, 64, 128, 256):
+        raise ValueError(f"the FP8 attention kernel takes head dims 16-256 (powers of two); got {d}")
+    bh = 1
+    for s in lead:
+        bh *= s
+    out = torch.empty((*lead, n, d), dtype=out_dtype, device=q_codes.device)
+    if n == 0 or bh == 0:
+        return out
+    dst = out.view(torch.int16) if out_dtype == torch.bfloat16 else out
+
+    def codes(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+        return t.reshape(bh, rows, cols).contiguous().view(torch.uint8)
+
+    def scales(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(bh, -1).float().contiguous()
+
+    grid = (triton.cdiv(n, BM), bh)
+    _fp8_attention_kernel[grid](codes(q_codes, n, d), scales(q_scale), codes(k_codes, m, d), scales(k_scale),
+                                codes(vt_codes, d, m), scales(v_scale), dst, n, m, float(sm_scale),
+                                P_ENC=float(p_encode), D=d, BM=BM, BN=BN, OUT_KIND=_OUT_KIND[out_dtype],
+                                num_warps=4 if d <= 64 else 8, num_stages=2)  # fmt: skip
     return out

@@ -193,11 +193,11 @@ class ExploreCopy:
     def set_attention(self, precision: str) -> None:
         """The copy's attention with q, k and v in a low-precision format (one with an attention rounding: "fp8",
         "int8"; "bf16": as the policy's): an explore-only option that cuts attention's share of a video forward
-        (38-46% at 480p and 81 frames). Where the format has an attention op (INT8: SageAttention's recipe) each
-        unmasked attention call runs it: its Triton kernel on sm_80+, its PyTorch reference elsewhere (the fast-path
-        record's ATTENTION_TAG entry says which); FP8 and masked calls have q, k and v go through the format's
-        attention rounding (quant/<fmt>.py's Numerics.attention) before the usual attention kernel (emulated). So
-        rank fidelity can be measured on any device."""
+        (38-46% at 480p and 81 frames). Each unmasked attention call runs the format's attention op (INT8:
+        SageAttention's recipe, its Triton kernel on sm_80+; FP8: Q K^T and P V on the FP8 tensor cores, its Triton
+        kernel on sm_89+), its PyTorch reference elsewhere (the fast-path record's ATTENTION_TAG entry says which); a
+        masked call has q, k and v go through the format's attention rounding (quant/<fmt>.py's Numerics.attention)
+        before the usual attention kernel (emulated). So rank fidelity can be measured on any device."""
         if precision not in attention_formats():
             raise ValueError(f"explore attention {precision!r}: choose one of {attention_formats()}")
         root = self._root

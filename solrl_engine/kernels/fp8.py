@@ -1,5 +1,5 @@
 """FP8 (E4M3) behind the dispatch seam: the row-wise quantize and the GEMM `fp8_linear`, its custom op and
-its traced form.
+its traced form; the explore pass's attention `fp8_attention` (Q K^T and P V on the FP8 tensor cores).
 
 Implementations of `fp8_linear`: reference; cuda (sm_89+): `torch._scaled_mm` E4M3 row-wise for W8A8
 (activations of any float dtype quantized directly), a BF16 GEMM with FP32 output for W8A16 (E4M3 is
@@ -23,7 +23,7 @@ from solrl_engine.kernels._gemm import (
     traced,
 )
 from solrl_engine.kernels.capability import FormatKernels, TensorCores, tensor_cores
-from solrl_engine.kernels.dispatch import call, ran, register, run, triton_module
+from solrl_engine.kernels.dispatch import call, choose, ran, register, run, triton_module, unavailable_reason
 from solrl_engine.quant import fp8
 from solrl_engine.quant.fp8 import FP8Tensor
 
@@ -166,4 +166,61 @@ def traced_fp8_linear(
         return finish(_fp8_scaled_mm(xq, weight, bias), x, out_dtype)
 
 
-KERNELS = FormatKernels("fp8", TensorCores("FP8", (8, 9), cpu_op=True, nominal_speedup=2.0), "fp8_linear")
+# --- attention (quant.fp8.attention is the reference) -------------------------------------------------------------
+
+
+def _ref_fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
+                       ) -> torch.Tensor:  # fmt: skip
+    ran("reference")
+    return fp8.attention(q, k, v, scale)
+
+
+def _tr_fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
+                      ) -> torch.Tensor:  # fmt: skip
+    """Q, K per token and V per channel in E4M3 (the reference's torch ops), then the Triton kernel: Q K^T and P V
+    on the FP8 tensor cores, online softmax in FP32."""
+    qt, kt, vt = fp8.attention_operands(q, k, v)
+    sc = q.shape[-1] ** -0.5 if scale is None else scale
+    out = triton_module("attention").fp8_attention(qt.data, qt.scale, kt.data, kt.scale, vt.data, vt.scale, sc,
+                                                   q.dtype, fp8.P_ENCODE)  # fmt: skip
+    ran("triton: FP8 Q K^T, FP8 P V attention")
+    return out
+
+
+def _tr_fp8_attention_requires(device: torch.device) -> str | None:
+    """The Triton FP8 attention runs where Triton kernels run and the device has FP8 tensor cores (sm_89+)."""
+    return unavailable_reason("triton", device) or tensor_cores(device, "fp8")
+
+
+def _attention_fits(device: torch.device, d: int, **_: object) -> str | None:
+    if d not in (16, 32, 64, 128, 256):
+        return f"the FP8 attention kernel takes head dims 16-256 (powers of two); got {d}"
+    return None
+
+
+register("fp8_attention", {"reference": _ref_fp8_attention, "triton": _tr_fp8_attention},
+         requires={"triton": _tr_fp8_attention_requires}, fits={"triton": _attention_fits})  # fmt: skip
+
+
+@torch.library.custom_op("solrl::fp8_attention", mutates_args=())
+def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, tag: str = ""
+                  ) -> torch.Tensor:  # fmt: skip
+    """softmax(Q K^T * scale) V with Q, K (per token), V (per channel) and P in E4M3 ([..., tokens, d] each; out in
+    q's dtype): the explore pass's attention for explore_attention=fp8, through dispatch's choice for q's device and
+    head dim (the Triton kernel on sm_89+, else the reference). `tag` records what ran. A custom op: torch.compile
+    keeps it whole (its choice and record run when it runs, never traced)."""
+    backend = choose("fp8_attention", q.device, d=q.shape[-1])[0]
+
+    def attn() -> torch.Tensor:
+        return run("fp8_attention", backend, q, k, v, scale)
+
+    return run_recorded(tag, q, attn, "the FP8 attention kernel runs with Triton on sm_89+ and head dims 16-256")
+
+
+@fp8_attention.register_fake
+def _(q, k, v, scale=None, tag=""):  # noqa: ANN001, ANN202
+    return torch.empty_like(q)
+
+
+KERNELS = FormatKernels("fp8", TensorCores("FP8", (8, 9), cpu_op=True, nominal_speedup=2.0), "fp8_linear",
+                        "fp8_attention")  # fmt: skip

@@ -82,10 +82,64 @@ def fake_quantize_rowwise(x: torch.Tensor) -> torch.Tensor:
     return quantize_rowwise(x).dequantize(x.dtype)
 
 
+# FP8 attention (explore_attention=fp8): the kernel's tiles of keys, over which softmax keeps its running max, and
+# the encode factor of P (its values exp(s - running max) lie in [0, 1], so 1 maps to E4M3's largest)
+KEY_BLOCK = 64
+P_ENCODE = E4M3_MAX
+
+
+def _poisoned(t: FP8Tensor, x: torch.Tensor) -> FP8Tensor:
+    """`t` (row-wise codes of `x`) with a NaN scale on every row of `x` holding a non-finite value: attention mixes
+    every row into every output (a NaN or Inf in q, k or v leaves exact attention NaN where it reaches), and a NaN
+    scale keeps that so whatever the tensor cores make of a NaN code."""
+    bad = ~torch.isfinite(x.detach().float()).all(dim=-1, keepdim=True)
+    return FP8Tensor(t.data, torch.where(bad, torch.full_like(t.scale, float("nan")), t.scale), t.orig_dtype)
+
+
+def _p_codes(p: torch.Tensor) -> torch.Tensor:
+    """E4M3 codes of softmax's unnormalised P (values in [0, 1]) at the fixed encode factor P_ENCODE."""
+    return _encode(p, torch.tensor(P_ENCODE, device=p.device))
+
+
+def attention_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[FP8Tensor, FP8Tensor, FP8Tensor]:
+    """FP8 attention's operands ([..., tokens, d] each): q and k E4M3 with one scale per token and head (the
+    linear's row-wise rule: Q K^T's scales then lie outside its sum), v with one per channel and head, stored
+    transposed ([..., d, tokens]: P V sums over tokens, so V's scales must not vary along them). A row holding a
+    non-finite value has a NaN scale."""
+    qt, kt = (_poisoned(quantize_rowwise(t), t) for t in (q, k))
+    vt = v.transpose(-1, -2)
+    return qt, kt, _poisoned(quantize_rowwise(vt), vt)
+
+
 def attention_rounding(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """FP8 attention's operands, emulated: q, k and v each E4M3 with a scale per token and head (the linear's
-    row-wise recipe), in their own dtype."""
-    return tuple(fake_quantize_rowwise(t).to(t.dtype) for t in (q, k, v))
+    """FP8 attention's operands, decoded in their own dtypes (`attention_operands`): what a masked call, which the
+    kernel does not take, computes with (P's rounding is the kernel's alone)."""
+    qt, kt, vt = attention_operands(q, k, v)
+    return qt.dequantize(q.dtype), kt.dequantize(k.dtype), vt.dequantize(v.dtype).transpose(-1, -2)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """The reference of the FP8 attention kernel ([..., tokens, d] each; out in q's dtype): S = (Qc Kc^T summed
+    exactly) * q_scale * k_scale * scale; over blocks of KEY_BLOCK keys the online softmax (FP32) of the kernel, whose
+    P = exp(S - running max) is rounded to E4M3 at P_ENCODE before P V on the FP8 tensor cores (V's channel scales
+    and 1/P_ENCODE applied once at the end, the row sums taken from the unrounded P)."""
+    sc = q.shape[-1] ** -0.5 if scale is None else scale
+    qt, kt, vt = attention_operands(q, k, v)
+    s = (qt.data.double() @ kt.data.double().transpose(-1, -2)).float() * qt.scale * kt.scale.transpose(-1, -2) * sc
+    vc = vt.data.float().transpose(-1, -2)  # [..., tokens, d]
+    m_i = torch.full(s.shape[:-1], float("-inf"), device=s.device)
+    l_i = torch.zeros_like(m_i)
+    acc = torch.zeros((*s.shape[:-1], vc.shape[-1]), device=s.device)
+    for j in range(0, s.shape[-1], KEY_BLOCK):
+        sj = s[..., j : j + KEY_BLOCK]
+        m_new = torch.maximum(m_i, sj.amax(dim=-1))
+        p = torch.exp(sj - m_new.unsqueeze(-1))
+        alpha = torch.exp(m_i - m_new)
+        l_i = l_i * alpha + p.sum(dim=-1)
+        acc = acc * alpha.unsqueeze(-1) + _p_codes(p).float() @ vc[..., j : j + KEY_BLOCK, :]
+        m_i = m_new
+    out = acc * (vt.scale.transpose(-1, -2) / P_ENCODE) / l_i.unsqueeze(-1)
+    return out.to(q.dtype)
 
 
 NUMERICS = Numerics(

@@ -176,8 +176,8 @@ class RLConfig:
     explore_rht: int = 0
     explore_four_over_six: bool = False
     explore_lowrank: int = 0
-    # a format with an attention rounding ("fp8"): the explore copy's q, k, v in it (emulated by rounding; a video
-    # forward's largest cost after its linears); "bf16": as the policy's
+    # "fp8" or "int8": the explore copy's attention in that format, through its kernel where the GPU has the tensor
+    # cores (FP8 sm_89+, INT8 sm_80+; a video forward's largest cost after its linears); "bf16": as the policy's
     explore_attention: str = "bf16"
     # torch.compile for rollouts, + CUDA graphs on GPU (always on for the `compile` family). None: on with
     # CUDA; off on a CPU, where a cold inductor compile (~25 s per batch shape on 2 cores) costs more than

@@ -1,0 +1,189 @@
+"""explore_attention=fp8: the FP8 attention's operands and reference (quant.fp8), its Triton kernel (under the
+interpreter), and the explore copy running it where the device can (the fast-path record says which ran)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import HAS_TRITON
+from families import families
+from torch import nn
+
+from solrl_engine.quant import fp8
+
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs triton (pip install -e '.[dev]')")
+
+# (batch x heads, queries, keys, head dim): query and key counts below, at and across the 128-query and 64-key tiles
+SHAPES = [(2, 130, 70, 64), (1, 5, 200, 16), (3, 128, 64, 32), (1, 1, 1, 128)]
+
+
+def _qkv(shape: tuple[int, int, int, int], seed: int) -> dict[str, tuple[torch.Tensor, ...]]:
+    """Input kind -> (q, k, v) [1, bh, tokens, d] drawn from the numerics tests' families (each its own draw)."""
+    bh, n, m, d = shape
+    out: dict[str, list[torch.Tensor]] = {}
+    for i, (rows, s) in enumerate(((n, seed), (m, seed + 1), (m, seed + 2))):
+        for kind, x in families((1, bh, rows, d), seed=s + 17 * i):
+            out.setdefault(kind, []).append(x)
+    return {kind: tuple(t) for kind, t in out.items() if kind != "ties"}  # ties are an NVFP4 concern
+
+
+def test_operands_scale_q_and_k_per_token_v_per_channel_and_poison_non_finite_rows():
+    """q and k take the linear's row-wise rule (a scale per token and head), v one scale per channel over all its
+    tokens (stored transposed); a row (of q or k) or channel (of v) holding a NaN or an Inf has a NaN scale."""
+    q, k, v = _qkv((2, 130, 70, 64), seed=3)["gaussian"]
+    qt, kt, vt = fp8.attention_operands(q, k, v)
+    for t, x in ((qt, q), (kt, k)):
+        ref = fp8.quantize_rowwise(x)
+        assert torch.equal(t.data.view(torch.uint8), ref.data.view(torch.uint8)) and torch.equal(t.scale, ref.scale)
+    ref = fp8.quantize_rowwise(v.transpose(-1, -2))
+    assert vt.data.shape == (1, 2, 64, 70) and torch.equal(vt.scale, ref.scale)
+    q, k, v = q.clone(), k.clone(), v.clone()
+    q[0, 1, 7, 3], k[0, 0, 9, 0], v[0, 1, 40, 5] = float("nan"), float("inf"), float("-inf")
+    qt, kt, vt = fp8.attention_operands(q, k, v)
+    assert torch.isnan(qt.scale).nonzero().tolist() == [[0, 1, 7, 0]]
+    assert torch.isnan(kt.scale).nonzero().tolist() == [[0, 0, 9, 0]]
+    assert torch.isnan(vt.scale).nonzero().tolist() == [[0, 1, 5, 0]]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_reference_is_near_exact_attention_and_non_finite_reaches_where_it_would(shape):
+    """The reference (E4M3 Q K^T, FP32 online softmax over 64-key blocks, E4M3 P V) on every input kind: within a
+    few percent of the exact attention of its decoded operands (P's rounding), and of exact attention itself where
+    the scores are moderate (outlier channels in q and k make logits of 1e4, whose argmax any 8-bit, or BF16,
+    rounding moves). A NaN or Inf in the inputs leaves the output NaN wherever exact attention's is NaN or
+    infinite, and on every row and channel it reaches: an Inf in a key, which exact attention may weigh 0 for some
+    queries, has no E4M3 code, so its row is NaN as the linears' FP8 makes it (visible, never a finite guess)."""
+    for kind, (q, k, v) in _qkv(shape, seed=sum(shape)).items():
+        got = fp8.attention(q, k, v)
+        exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double()).float()
+        assert got.shape == exact.shape and got.dtype == q.dtype
+        if kind == "nonfinite":
+            assert (torch.isnan(got) >= ~torch.isfinite(exact)).all() and torch.isnan(got).any(), kind
+            continue
+        assert torch.isfinite(got).all(), kind
+        emulated = F.scaled_dot_product_attention(*(t.double() for t in fp8.attention_rounding(q, k, v))).float()
+
+        def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+            return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+        assert rel(got, emulated) < 0.05, (kind, rel(got, emulated))
+        logits = (q @ k.transpose(-1, -2)).abs().amax() * shape[-1] ** -0.5
+        if logits < 30:
+            assert rel(got, exact) < 0.1, (kind, rel(got, exact))
+
+
+def test_p_is_what_the_reference_rounds_beyond_the_operands(monkeypatch):
+    """Over many keys the reference's only rounding beyond its operands' is P's: it stands a percent or two from
+    the exact attention of the decoded operands, and with P's encode made exact it lands on it."""
+    q, k, v = _qkv((2, 64, 512, 64), seed=5)["gaussian"]
+    emulated = F.scaled_dot_product_attention(*(t.double() for t in fp8.attention_rounding(q, k, v)))
+    rel = ((fp8.attention(q, k, v).double() - emulated).norm() / emulated.norm()).item()
+    assert 1e-3 < rel < 0.05, rel
+    monkeypatch.setattr(fp8, "_p_codes", lambda p: p * fp8.P_ENCODE)  # P scaled, not rounded
+    unrounded = fp8.attention(q, k, v).double()
+    assert (unrounded - emulated).norm() / emulated.norm() < 1e-5
+
+
+@needs_triton
+@pytest.mark.filterwarnings("ignore:All-NaN slice")  # the interpreter's max over a poisoned row
+@pytest.mark.parametrize("shape", SHAPES)
+def test_triton_fp8_attention_matches_its_reference(shape):
+    """The Triton kernel (Q K^T and P V on the FP8 tensor cores, under the interpreter here) against
+    quant.fp8.attention on every input kind, FP32, BF16 and FP16 out: the same codes, scales and key blocks, so
+    only the sums' order and exp's last bit differ; NaN exactly where the reference has NaN."""
+    tr = pytest.importorskip("solrl_triton.attention")
+    d = shape[-1]
+    for i, (kind, (q, k, v)) in enumerate(_qkv(shape, seed=11 * sum(shape)).items()):
+        dtype = (torch.float32, torch.bfloat16, torch.float16)[i % 3]
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        qt, kt, vt = fp8.attention_operands(q, k, v)
+        got = tr.fp8_attention(qt.data, qt.scale, kt.data, kt.scale, vt.data, vt.scale, d**-0.5, dtype,
+                               fp8.P_ENCODE).float()  # fmt: skip
+        want = fp8.attention(q, k, v).float()
+        assert torch.equal(torch.isnan(got), torch.isnan(want)), kind
+        ok = ~torch.isnan(want)
+        if not ok.any():  # an Inf key poisons every query of its head
+            continue
+        rng = want[ok].abs().amax().clamp_min(1e-30)
+        diff = (got - want)[ok].abs() / rng
+        out_ulp = 0.0 if dtype == torch.float32 else torch.finfo(dtype).eps
+        # nearly every element agrees to the sums' order (and the output's rounding); exp's last bit may move a
+        # P code a step on some CPU, which moves its row by a part in a few hundred, never more
+        assert diff.quantile(0.99) <= 1e-4 + 2 * out_ulp and diff.max() <= 2e-3 + 2 * out_ulp, (kind, dtype)
+
+
+@needs_triton
+def test_triton_fp8_attention_takes_the_kernels_head_dims_only():
+    tr = pytest.importorskip("solrl_triton.attention")
+    codes, s = torch.zeros(1, 4, 24, dtype=torch.float8_e4m3fn), torch.ones(1, 4, 1)
+    with pytest.raises(ValueError, match="head dims 16-256"):
+        tr.fp8_attention(codes, s, codes, s, codes.transpose(-1, -2), torch.ones(1, 24, 1), 1.0, torch.float32)
+
+
+class _Attn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(64, 192), nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        q, k, v = self.qkv(x).reshape(*x.shape[:2], 3, 4, 16).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.out(y.transpose(1, 2).reshape(*x.shape))
+
+
+@needs_triton
+def test_explore_attention_fp8_runs_the_kernel_where_it_can_and_the_reference_elsewhere(monkeypatch):
+    """explore_attention=fp8 on an explore copy: at a simulated sm_90 (Triton under the interpreter) every plain
+    attention call runs the Triton kernel; on a plain CPU and at a simulated sm_80 (no FP8 tensor cores) its
+    reference. The record says which ran and why; kernel and reference agree to the sums' order; a masked call is
+    emulated (no op runs); under torch.compile the op stays whole (no graph break) and gives the eager numbers."""
+    from torch._dynamo.utils import counters
+
+    from solrl_engine.explore.copy import ATTENTION_TAG, ExploreCopy
+    from solrl_engine.kernels import dispatch
+
+    torch.manual_seed(0)
+    net, x = _Attn(), torch.randn(2, 150, 64)
+    monkeypatch.delenv("SOLRL_BACKEND", raising=False)
+    outs = {}
+    for sm in ("", "80", "90"):
+        if sm:
+            monkeypatch.setenv("SOLRL_SIMULATE_SM", sm)
+        else:
+            monkeypatch.delenv("SOLRL_SIMULATE_SM", raising=False)
+        copy = ExploreCopy(net, "fp8", changes={"skip": ("*",)})  # no linear quantized: attention alone
+        copy.set_attention("fp8")
+        dispatch._RUNS.pop(ATTENTION_TAG, None)
+        with torch.no_grad():
+            outs[sm] = copy.transformer(x)
+        ran = dispatch.runs().get(ATTENTION_TAG)
+        assert ran is not None and ran.impl == ("triton: FP8 Q K^T, FP8 P V attention" if sm == "90" else "reference")
+        if sm == "80":
+            why = dispatch.choose("fp8_attention", "cpu", d=16)[1]
+            assert why.startswith("reference") and "triton: sm_80 has no FP8 tensor cores" in why, why
+    with torch.no_grad():
+        exact = net(x)
+    assert torch.equal(outs["80"], outs[""])
+    assert (outs["90"] - outs[""]).abs().max() < 5e-3 * outs[""].abs().max()
+    assert 0 < (outs[""] - exact).norm() / exact.norm() < 0.08
+    dispatch._RUNS.pop(ATTENTION_TAG, None)
+    with torch.no_grad():
+        masked = copy.transformer(x, torch.ones(150, 150, dtype=torch.bool))  # masked: emulated, no kernel
+    assert ATTENTION_TAG not in dispatch.runs() and (masked - outs["90"]).norm() / outs["90"].norm() < 0.05
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.no_grad():
+        got = torch.compile(copy.transformer.forward, backend="eager")(x)
+    assert dict(counters["graph_break"]) == {} and torch.equal(got, outs["90"])
+    torch._dynamo.reset()
+
+
+def test_fp8_attention_is_refused_at_plan_time_where_the_gpu_has_no_fp8_tensor_cores():
+    """An A100 (sm_80) would run explore_attention=fp8 through the reference at a crawl: refused when the run is
+    planned, naming what it can run; an H100 takes it."""
+    from solrl_engine.explore.plan import ExploreSettings, device_problems
+
+    (field, why), = device_problems(ExploreSettings(precision="int8", attention="fp8"), (8, 0))
+    assert field == "attention" and "sm_80 has no FP8 tensor cores" in why and "bf16 or int8" in why
+    assert device_problems(ExploreSettings(precision="fp8", attention="fp8"), (9, 0)) == []
