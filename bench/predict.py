@@ -77,6 +77,10 @@ def family_training(fam: str) -> tuple[int, float]:
     return UPDATE_80GB.get(key, (PAPER["train_batch"],))[0], p.get("timestep_fraction", PAPER["timestep_fraction"])
 # bytes per element of a weight / activation in each precision (NVFP4: 4 bits + one E4M3 scale per 16)
 ELEM_BYTES = {"bf16": 2.0, "fp8": 1.0, "int8": 1.0, "nvfp4": 0.5 + 1 / 16}
+# the explore attention kernels (explore_attention=<fmt>): the share of attention's FLOPs they run at the format's
+# rate (Q K^T and P V are equal halves) and the bytes per element of V they read. FP8 runs both products on FP8
+# tensor cores from E4M3 V; SageAttention's INT8 runs Q K^T in INT8 and P V in FP16 (BF16's rate) from FP16 V.
+ATTENTION_PRODUCTS = {"fp8": (1.0, 1.0), "int8": (0.5, 2.0)}
 # forward-equivalents of one training sample-timestep of nft_update: the old and reference adapters'
 # no-grad forwards, the policy's forward, and its backward through frozen weights (activation grads
 # only, about one forward's GEMMs); an assumption, checked against the measured H100 training time
@@ -385,8 +389,8 @@ def group_times(ops: list[OpCost], dev: Device, precision: str, quantized: set[s
     and the activation-quantize passes those linears add. fused=True is the compiled ideal: every
     elementwise op and every activation quantize fused into the kernel next to it (costing nothing),
     a lower bound that eager and real compiled runs sit above. `attention` "fp8": the explore-only option
-    of FP8 attention (q, k, v in FP8 at the FP8 rate, the output in BF16; its kernel runs both products in FP8;
-    an "int8" here prices all of attention at the INT8 rate, which SageAttention's FP16 P V does not reach). `produced`
+    of FP8 attention (q, k, v in FP8, both products at the FP8 rate, the output in BF16); "int8": SageAttention's
+    recipe (Q K^T at the INT8 rate, P V from FP16 V at BF16's; `ATTENTION_PRODUCTS`). `produced`
     (`producer_fed`): linears whose input codes their producer writes, once per producer (the codes' bytes), in
     place of each linear's own quantize pass (the producer's other work stays priced as the elementwise ops it was;
     fusing those passes into one is not credited, except the write of y a codes-alone producer no longer makes: its
@@ -400,9 +404,11 @@ def group_times(ops: list[OpCost], dev: Device, precision: str, quantized: set[s
             continue
         key = f"{c.group} [{c.kind}]"
         if c.kind == "attention" and attention != "bf16":
-            nbytes = c.bytes * (3 * ELEM_BYTES[attention] / 2 + 1) / 4  # q, k, v at its width; the output BF16
-            out[key + f" {attention}"] = {"s": roofline(c.flops, nbytes, dev.rates[attention], dev.bandwidth),
-                                          "flops": c.flops, "bytes": nbytes}  # fmt: skip
+            low, v_bytes = ATTENTION_PRODUCTS[attention]
+            # q and k at its width, v at the width its P V reads, the output BF16 (each a quarter of the BF16 bytes)
+            nbytes = c.bytes * (2 * ELEM_BYTES[attention] / 2 + v_bytes / 2 + 1) / 4
+            arith = c.flops * low / dev.rates[attention] + c.flops * (1 - low) / bf16
+            out[key + f" {attention}"] = {"s": max(arith, nbytes / dev.bandwidth), "flops": c.flops, "bytes": nbytes}
             continue
         q = precision != "bf16" and c.kind == "linear" and bool(c.layers & quantized)
         if q and not c.layers <= quantized:
@@ -610,10 +616,13 @@ def predict(families: list[str], devices: list[Device], batches: dict[str, int],
                                                                               produced),
                                                        "train": context_parallel(profiles[tb], dev, "bf16", set(), cp,
                                                                                  fused)}  # fmt: skip
-                if "fp8" in dev.rates:  # FP8 attention in the explore forward only (explore_attention=fp8)
-                    t_qa = forward_seconds(ops, dev, prec, quantized, fused, attention="fp8", produced=produced)
+                # low-precision attention in the explore forward only (explore_attention=<fmt>): FP8's kernel where
+                # the device has FP8 tensor cores, else SageAttention's INT8 (an A100)
+                att = next((f for f in ATTENTION_PRODUCTS if f in dev.rates), None)
+                if att is not None:
+                    t_qa = forward_seconds(ops, dev, prec, quantized, fused, attention=att, produced=produced)
                     ita = iteration_seconds(t_bf16, t_qa, t_train, refresh, batch=b, train_batch=tb, **loop)
-                    entry[mode]["attention_fp8_explore"] = {
+                    entry[mode][f"attention_{att}_explore"] = {
                         "forward_ms": t_qa * 1e3, "forward_speedup": t_bf16 / t_qa,
                         "sol_rl_rollout_vs_naive_scaling": base["rollout"] / ita["sol_rl"]["rollout"],
                         "sol_rl_e2e_vs_naive_scaling": base["total"] / ita["sol_rl"]["total"],
@@ -703,14 +712,15 @@ def summary_lines(res: dict[str, Any]) -> list[str]:
                 f"{fu['ratios']['sol_rl']['e2e_vs_naive_scaling']:>7.2f}"
             )  # fmt: skip
     lines.append("* assumed rates (published peak x H100 efficiency). fused: elementwise ops and quantize free (bound)")
-    lines.append(f"{'model':<21}{'gpu':<6}{'attention share of the bf16 forward':>36}{'sol_rl rollout x, FP8 attention in the explore pass too':>56}")  # noqa: E501
+    lines.append(f"{'model':<21}{'gpu':<6}{'attention share of the bf16 forward':>36}{'sol_rl rollout x, FP8 (INT8) attention in the explore pass too':>63}")  # noqa: E501
     for fam, f in res["families"].items():
         for name, d in f["devices"].items():
             e = d["eager"]
             share = e["time_shares"]["bf16"].get("attention", 0.0)
-            opt = e.get("attention_fp8_explore")
-            got = f"{opt['sol_rl_rollout_vs_naive_scaling']:.2f} (vs {e['ratios']['sol_rl']['rollout_vs_naive_scaling']:.2f})" if opt else "- (no FP8 rate)"  # noqa: E501
-            lines.append(f"{fam:<21}{name + ('' if d['measured_rates'] else '*'):<6}{share:>36.0%}{got:>56}")
+            att, opt = next(((a, e[f"attention_{a}_explore"]) for a in ATTENTION_PRODUCTS
+                             if f"attention_{a}_explore" in e), (None, None))  # fmt: skip
+            got = f"{opt['sol_rl_rollout_vs_naive_scaling']:.2f} (vs {e['ratios']['sol_rl']['rollout_vs_naive_scaling']:.2f}){'' if att == 'fp8' else ' ' + str(att)}" if opt else "- (no 8-bit rate)"  # noqa: E501
+            lines.append(f"{fam:<21}{name + ('' if d['measured_rates'] else '*'):<6}{share:>36.0%}{got:>63}")
     cps = [(fam, name, d) for fam, f in res["families"].items() for name, d in f["devices"].items()
            if "context_parallel" in d["eager"]]  # fmt: skip
     if cps:

@@ -144,16 +144,24 @@ def test_a_stage_that_fails_keeps_its_entries_and_a_broken_cuda_context_stops_th
     assert saved["stages"]["ceilings"]["copy"]["gb_per_s"] > 0
     assert "(during nft_update)" in capsys.readouterr().out
 
-def test_a_forwards_stage_times_fp8_on_every_eligible_layer_when_asked(session, tmp_path, monkeypatch):
-    """--formats fp8,fp8+every-layer: beside the family's FP8 rule (SANA's keeps its self-attention in BF16), the FP8
-    copy on every eligible layer, as INT8's rule takes them: what a wider rule would buy, measured."""
+def test_a_forwards_stage_times_fp8_on_every_eligible_layer_and_with_fp8_attention_when_asked(session, tmp_path,
+                                                                                            monkeypatch):  # fmt: skip
+    """--formats fp8,fp8+every-layer,fp8+fp8-attention: beside the family's FP8 rule (SANA's keeps its self-attention
+    in BF16), the FP8 copy on every eligible layer, as INT8's rule takes them (what a wider rule would buy), and the
+    family's FP8 copy with explore_attention=fp8, on an image family as on video."""
     monkeypatch.setenv("SOLRL_SIMULATE_SM", "90")
-    rec = session.main(["--smoke", "--stages", "forwards:sana-1.6b", "--formats", "fp8,fp8+every-layer", "--no-compile",
-                        "--no-train", "--out", str(tmp_path)])  # fmt: skip
+    formats = "fp8,fp8+every-layer,fp8+fp8-attention"
+    rec = session.main(["--smoke", "--stages", "forwards:sana-1.6b", "--formats", formats, "--no-compile", "--no-train",
+                        "--out", str(tmp_path)])  # fmt: skip
     p = rec["stages"]["forwards:sana-1.6b"]["precisions"]
     own, every = (set(p[f]["quantized_layers"]) for f in ("fp8", "fp8+every-layer"))
     assert own < every and any(".attn1.to_q" in n for n in every - own)
     assert p["fp8+every-layer"]["eager_ms"] > 0 and "attention_ran" not in p["fp8+every-layer"]
+    # SANA's cross-attention carries the prompts' padding mask, which the kernel does not take: every call is emulated
+    # (q, k, v rounded, torch's attention), and the record says so rather than naming a kernel
+    att = p["fp8+fp8-attention"]
+    assert set(att["quantized_layers"]) == own and att["eager_ms"] > 0
+    assert att["attention_ran"] == "emulated (no plain call)", att
 
 
 def test_a_small_budget_skips_the_later_stages_and_says_so(session, tmp_path, capsys):

@@ -63,6 +63,22 @@ def _device(predict, low_rate: float):
     return predict.Device("X", {"bf16": 1e12, "fp8": low_rate}, 1e12, {"fp8": 0.5}, "fp8", False, "test")
 
 
+def test_explore_attention_is_priced_by_the_products_its_kernel_runs_low(predict):
+    """explore_attention=fp8's kernel runs Q K^T and P V (equal halves of attention's FLOPs) on FP8 tensor cores
+    from 1-byte q, k, v; SageAttention's INT8 runs Q K^T in INT8 and P V in FP16 (BF16's rate) from 2-byte V. So a
+    compute-bound attention at twice BF16's rate takes 1/2 of BF16's time in FP8 and 3/4 in INT8; a memory-bound
+    one moves (3 x 1 + 2) / 8 of BF16's bytes in FP8 and (2 x 1 + 2 + 2) / 8 in INT8."""
+    dev = predict.Device("X", {"bf16": 1e12, "fp8": 2e12, "int8": 2e12}, 1e12, {}, "fp8", False, "test")
+    compute = [predict.OpCost("blocks.*.attn1", "attention", flops=4e12, bytes=1e9)]
+    memory = [predict.OpCost("blocks.*.attn1", "attention", flops=1e6, bytes=8e12)]
+
+    def t(ops: list, att: str) -> float:
+        return predict.forward_seconds(ops, dev, "fp8", set(), attention=att)
+
+    assert [t(compute, a) for a in ("bf16", "fp8", "int8")] == pytest.approx([4.0, 2.0, 3.0])
+    assert [t(memory, a) for a in ("bf16", "fp8", "int8")] == pytest.approx([8.0, 5.0, 6.0])
+
+
 def test_quantized_gemms_are_priced_at_the_low_precision_rate(predict):
     rows, kin, kout = 64, 128, 256
     elems = dict(in_elems=rows * kin, weight_elems=kin * kout, out_elems=rows * kout)
