@@ -295,9 +295,10 @@ def torchao_peer(model: Any, alias: str, fmt: str, inputs: tuple, device: torch.
         _release(device)
 
 
-# precisions "<fmt>+<att>-attention": the FP8 copy with its attention in INT8 (SageAttention's recipe: Q K^T in INT8,
-# P V in FP16) or in FP8 (both dots on the FP8 tensor cores), each through its explore_attention kernel
-ATTENTIONS = ("int8-attention", "fp8-attention")
+# precisions "<fmt>+<att>-attention": the FP8 copy with its attention in FP8 (both dots on the FP8 tensor cores: the
+# speed model's priced path, so compiled first) or in INT8 (SageAttention's recipe: Q K^T in INT8, P V in FP16), each
+# through its explore_attention kernel
+ATTENTIONS = ("fp8-attention", "int8-attention")
 
 
 # a precision "<fmt>+every-layer" (opt-in: --formats fp8,fp8+every-layer): the format on every eligible layer, as
