@@ -165,6 +165,15 @@ def engine_launches() -> list[Launch]:
                 attention.fp8_attention(torch.empty(2, 300, d, dtype=e4m3), rows, torch.empty(2, 300, d, dtype=e4m3),
                                         rows, torch.empty(2, d, 300, dtype=e4m3), torch.ones(2, d, 1), d**-0.5,
                                         out)  # fmt: skip
+            # with a key-padding mask's bias (SANA's and Qwen-Image's attention), both kernels
+            bias = torch.zeros(2, 300)
+            attention.int8_attention(torch.empty(2, 300, d, dtype=torch.int8), torch.ones(2, 3),
+                                     torch.empty(2, 300, d, dtype=torch.int8), torch.ones(2, 5),
+                                     torch.empty(2, 300, d, dtype=torch.bfloat16), d**-0.5, torch.bfloat16,
+                                     bias)  # fmt: skip
+            attention.fp8_attention(torch.empty(2, 300, d, dtype=e4m3), rows, torch.empty(2, 300, d, dtype=e4m3), rows,
+                                    torch.empty(2, d, 300, dtype=e4m3), torch.ones(2, d, 1), d**-0.5, torch.bfloat16,
+                                    448.0, bias)  # fmt: skip
         # the producers of SD3.5-Large, FLUX.1 and Qwen-Image (adaLN), SANA-1.6B and Wan2.1-1.3B / 14B (inline), rows
         # of their hidden size
         for k in (2432, 3072, 2240, 1536, 5120):

@@ -121,6 +121,79 @@ def test_triton_fp8_attention_takes_the_kernels_head_dims_only():
         tr.fp8_attention(codes, s, codes, s, codes.transpose(-1, -2), torch.ones(1, 24, 1), 1.0, torch.float32)
 
 
+def _padding(bh: int, m: int, kind: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the SDPA mask [1, bh, 1, m], the same as an additive key bias [1, bh, m]): each row keeps a random number of
+    leading keys, at least one, and the first head drops its first 70 (a whole 64-key block masked before any key
+    is kept); `kind` "bool" (False drops a key) or "additive" (SANA's -10000)."""
+    g = torch.Generator().manual_seed(seed)
+    keep = torch.arange(m)[None, :] < torch.randint(1, m + 1, (bh, 1), generator=g)
+    keep[0] = torch.arange(m) >= min(70, m - 1)
+    if kind == "bool":
+        return keep[None, :, None, :], torch.zeros(1, bh, m).masked_fill(~keep[None], float("-inf"))
+    add = torch.zeros(1, bh, m).masked_fill(~keep[None], -10000.0)
+    return add[:, :, None, :], add
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_key_padding_bias_reads_masks_that_mask_keys_only(kind):
+    from solrl_engine.explore.copy import key_padding_bias
+
+    q, k = torch.randn(2, 3, 10, 16), torch.randn(2, 3, 20, 16)
+    mask, _ = _padding(3, 20, kind, seed=1)
+    for m in (mask, mask[:, :1], mask[0, 0]):  # per head, broadcast over heads, one row for all
+        bias = key_padding_bias(m.expand(2, *m.shape[1:]) if m.dim() == 4 else m, q, k)
+        want = m.float() if kind == "additive" else torch.zeros(m.shape).masked_fill(~m, float("-inf"))
+        assert bias.shape == (2, 3, 20) and torch.equal(bias, want.squeeze(-2).expand(2, 3, 20)), m.shape
+    assert key_padding_bias(None, q, k) is None
+    assert key_padding_bias(torch.ones(10, 20, dtype=torch.bool), q, k) is None  # a per-query mask
+    assert key_padding_bias(torch.ones(2, 3, 1, 19, dtype=torch.bool), q, k) is None  # not the keys' length
+    assert key_padding_bias(torch.ones(4, 3, 1, 20, dtype=torch.bool), q, k) is None  # batches that do not match
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+@pytest.mark.parametrize("fmt", ["fp8", "int8"])
+def test_references_take_a_key_padding_mask_as_exact_attention_does(fmt, kind):
+    """With a key-padding mask (as an additive bias over the keys) each reference stays near exact attention under
+    the same mask, and a row whose first key block is wholly masked is finite. The masked keys' values weigh
+    nothing: INT8's output does not move when they do (FP8's V channel scales see them, so FP8's may)."""
+    from solrl_engine.quant import int8
+
+    reference = {"fp8": fp8.attention, "int8": int8.attention}[fmt]
+    q, k, v = _qkv((3, 130, 150, 32), seed=4)["gaussian"]
+    mask, bias = _padding(3, 150, kind, seed=2)
+    got = reference(q, k, v, None, bias)
+    exact = F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask.expand(1, 3, 130, 150)
+                                           if kind == "bool" else mask.double())  # fmt: skip
+    assert torch.isfinite(got).all()
+    assert (got - exact).norm() / exact.norm() < 0.1, (got - exact).norm() / exact.norm()
+    v2 = v.clone()
+    v2[0, 0, :70] = 1e3  # the masked keys' values: their weight is 0 (V's FP8 channel scales do see them)
+    if fmt == "int8":
+        assert torch.equal(reference(q, k, v2, None, bias)[0, 0], got[0, 0])
+
+
+@needs_triton
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_triton_attention_kernels_take_a_key_padding_bias(kind):
+    """Both Triton kernels with a key bias against their references: the same agreement as without (FP8: the sums'
+    order; INT8: the softmax's order and P's FP16 rounding), a wholly masked first key block included."""
+    from solrl_engine.quant import int8
+
+    tr = pytest.importorskip("solrl_triton.attention")
+    q, k, v = _qkv((3, 130, 150, 32), seed=6)["gaussian"]
+    _, bias = _padding(3, 150, kind, seed=3)
+    qt, kt, vt = fp8.attention_operands(q, k, v)
+    got = tr.fp8_attention(qt.data, qt.scale, kt.data, kt.scale, vt.data, vt.scale, 32**-0.5, torch.float32,
+                           fp8.P_ENCODE, bias)  # fmt: skip
+    want = fp8.attention(q, k, v, None, bias)
+    assert ((got - want).abs() / want.abs().amax()).quantile(0.99) <= 1e-4
+    assert ((got - want).abs() / want.abs().amax()).max() <= 2e-3
+    qi, ki = int8.quantize_blocks(q, int8.Q_BLOCK), int8.quantize_blocks(int8.smooth_k(k), int8.K_BLOCK)
+    got = tr.int8_attention(qi.data, qi.scale, ki.data, ki.scale, v, 32**-0.5, torch.float32, bias)
+    want = int8.attention(q, k, v, None, bias)
+    assert torch.isfinite(got).all() and (got - want).abs().max() < 2e-2 * want.abs().max()
+
+
 class _Attn(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -136,8 +209,9 @@ class _Attn(nn.Module):
 def test_explore_attention_fp8_runs_the_kernel_where_it_can_and_the_reference_elsewhere(monkeypatch):
     """explore_attention=fp8 on an explore copy: at a simulated sm_90 (Triton under the interpreter) every plain
     attention call runs the Triton kernel; on a plain CPU and at a simulated sm_80 (no FP8 tensor cores) its
-    reference. The record says which ran and why; kernel and reference agree to the sums' order; a masked call is
-    emulated (no op runs); under torch.compile the op stays whole (no graph break) and gives the eager numbers."""
+    reference. The record says which ran and why; kernel and reference agree to the sums' order; a per-query mask is
+    emulated (no op runs), a key-padding mask goes to the kernel; under torch.compile the op stays whole (no graph
+    break) and gives the eager numbers."""
     from torch._dynamo.utils import counters
 
     from solrl_engine.explore.copy import ATTENTION_TAG, ExploreCopy
@@ -171,11 +245,19 @@ def test_explore_attention_fp8_runs_the_kernel_where_it_can_and_the_reference_el
     with torch.no_grad():
         masked = copy.transformer(x, torch.ones(150, 150, dtype=torch.bool))  # masked: emulated, no kernel
     assert ATTENTION_TAG not in dispatch.runs() and (masked - outs["90"]).norm() / outs["90"].norm() < 0.05
+    pad = torch.ones(2, 1, 1, 150, dtype=torch.bool)  # a key-padding mask (SANA's, Qwen-Image's kind): the kernel
+    pad[1, ..., 100:] = False
+    with torch.no_grad():
+        padded, exact_padded = copy.transformer(x, pad), net(x, pad)
+    assert dispatch.runs()[ATTENTION_TAG].impl.startswith("triton: FP8")
+    assert torch.equal(padded[0], outs["90"][0])  # the sample with nothing padded: as unmasked, bit for bit
+    assert (padded - exact_padded).norm() / exact_padded.norm() < 0.08
     torch._dynamo.reset()
     counters.clear()
     with torch.no_grad():
-        got = torch.compile(copy.transformer.forward, backend="eager")(x)
-    assert dict(counters["graph_break"]) == {} and torch.equal(got, outs["90"])
+        compiled = torch.compile(copy.transformer.forward, backend="eager")
+        got, got_padded = compiled(x), compiled(x, pad)
+    assert dict(counters["graph_break"]) == {} and torch.equal(got, outs["90"]) and torch.equal(got_padded, padded)
     torch._dynamo.reset()
 
 

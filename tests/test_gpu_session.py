@@ -157,11 +157,10 @@ def test_a_forwards_stage_times_fp8_on_every_eligible_layer_and_with_fp8_attenti
     own, every = (set(p[f]["quantized_layers"]) for f in ("fp8", "fp8+every-layer"))
     assert own < every and any(".attn1.to_q" in n for n in every - own)
     assert p["fp8+every-layer"]["eager_ms"] > 0 and "attention_ran" not in p["fp8+every-layer"]
-    # SANA's cross-attention carries the prompts' padding mask, which the kernel does not take: every call is emulated
-    # (q, k, v rounded, torch's attention), and the record says so rather than naming a kernel
+    # SANA's cross-attention carries the prompts' padding mask (a key bias): the kernel takes it (interpreted here)
     att = p["fp8+fp8-attention"]
     assert set(att["quantized_layers"]) == own and att["eager_ms"] > 0
-    assert att["attention_ran"] == "emulated (no plain call)", att
+    assert att["attention_ran"] == "triton: FP8 Q K^T, FP8 P V attention", att
 
 
 def test_a_small_budget_skips_the_later_stages_and_says_so(session, tmp_path, capsys):

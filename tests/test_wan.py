@@ -202,9 +202,10 @@ def test_fp8_attention_runs_in_the_explore_copy_only_and_can_be_undone(wan, monk
     attended: list[tuple[int, ...]] = []
     reference = fp8_numerics.attention
 
-    def counting(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    def counting(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+                 key_bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         attended.append(tuple(q.shape))
-        return reference(q, k, v, scale)
+        return reference(q, k, v, scale, key_bias)
 
     monkeypatch.setattr(fp8_numerics, "attention", counting)  # the op's reference, counted
     g = torch.Generator().manual_seed(3)

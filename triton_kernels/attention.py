@@ -24,8 +24,29 @@ BM, BN = 128, 64  # = solrl_engine.quant.int8's Q_BLOCK, K_BLOCK
 
 
 @triton.jit
-def _int8_attention_kernel(q_ptr, qs_ptr, k_ptr, ks_ptr, v_ptr, out_ptr, N, M, NQB, NKB, sm_scale,
-                           D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, OUT_KIND: tl.constexpr):  # fmt: skip
+def _scores(s, mn, b_ptr, rn, HAS_BIAS: tl.constexpr):
+    """A key block's scores with the keys' additive bias (a key-padding mask) and the keys past M at -inf."""
+    if HAS_BIAS:
+        s = s + tl.load(b_ptr + rn, mask=mn, other=0.0)[None, :]
+    return tl.where(mn[None, :], s, float("-inf"))
+
+
+@triton.jit
+def _online_softmax(s, m_i, l_i):
+    """One key block of the online softmax: (P = exp(S - running max), the old sums' rescale, the new max, the new
+    sums). A row whose keys so far are all masked (max -inf) takes 0 as its max, so its P and rescale are 0, not
+    NaN; a row masked throughout ends with sum 0 (NaN out, as exact attention)."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_use[:, None])
+    alpha = tl.exp(m_i - m_use)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
+def _int8_attention_kernel(q_ptr, qs_ptr, k_ptr, ks_ptr, v_ptr, b_ptr, out_ptr, N, M, NQB, NKB, sm_scale,
+                           D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, OUT_KIND: tl.constexpr,
+                           HAS_BIAS: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     rm = pid * BM + tl.arange(0, BM)
@@ -42,11 +63,7 @@ def _int8_attention_kernel(q_ptr, qs_ptr, k_ptr, ks_ptr, v_ptr, out_ptr, N, M, N
         k = tl.load(k_ptr + bh * M * D + rn.to(tl.int64)[None, :] * D + rd[:, None], mask=mn[None, :], other=0)
         ks = tl.load(ks_ptr + bh * NKB + n0 // BN)
         s = tl.dot(q, k, out_dtype=tl.int32).to(tl.float32) * (qs * ks)  # exact integer scores, then the scales
-        s = tl.where(mn[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p, alpha, m_new, l_i = _online_softmax(_scores(s, mn, b_ptr + bh * M, rn, HAS_BIAS), m_i, l_i)
         v = tl.load(v_ptr + bh * M * D + rn.to(tl.int64)[:, None] * D + rd[None, :], mask=mn[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v, out_dtype=tl.float32)
         m_i = m_new
@@ -54,10 +71,19 @@ def _int8_attention_kernel(q_ptr, qs_ptr, k_ptr, ks_ptr, v_ptr, out_ptr, N, M, N
     store_out(out_ptr + bh * N * D + rm.to(tl.int64)[:, None] * D + rd[None, :], out, mm[:, None], OUT_KIND)
 
 
+def _bias(key_bias: torch.Tensor | None, bh: int, m: int, like: torch.Tensor) -> torch.Tensor:
+    """The keys' additive bias as [bh, M] FP32 (a 1-element placeholder where there is none: HAS_BIAS is off)."""
+    if key_bias is None:
+        return torch.zeros(1, dtype=torch.float32, device=like.device)
+    return key_bias.reshape(bh, m).float().contiguous()
+
+
 def int8_attention(q_codes: torch.Tensor, q_scale: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor,
-                   v: torch.Tensor, sm_scale: float, out_dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+                   v: torch.Tensor, sm_scale: float, out_dtype: torch.dtype, key_bias: torch.Tensor | None = None
+                   ) -> torch.Tensor:  # fmt: skip
     """Attention of INT8 codes: q_codes [..., N, D] with one scale per 128 queries (q_scale [..., ceil(N/128)]),
-    k_codes [..., M, D] (smoothed K) with one per 64 keys, v [..., M, D] (read as FP16) -> out [..., N, D]."""
+    k_codes [..., M, D] (smoothed K) with one per 64 keys, v [..., M, D] (read as FP16), `key_bias` [..., M] added
+    to every query's scores (a key-padding mask; -inf drops a key) -> out [..., N, D]."""
     *lead, n, d = q_codes.shape
     m = k_codes.shape[-2]
     if d not in (16, 32, 64, 128, 256):
@@ -73,16 +99,18 @@ def int8_attention(q_codes: torch.Tensor, q_scale: torch.Tensor, k_codes: torch.
     ks = k_scale.reshape(bh, -1).float().contiguous()
     grid = (triton.cdiv(n, BM), bh)
     _int8_attention_kernel[grid](q_codes.reshape(bh, n, d).contiguous(), qs, k_codes.reshape(bh, m, d).contiguous(),
-                                 ks, v.reshape(bh, m, d).to(torch.float16).contiguous(), dst, n, m, qs.shape[1],
-                                 ks.shape[1], float(sm_scale), D=d, BM=BM, BN=BN, OUT_KIND=_OUT_KIND[out_dtype],
-                                 num_warps=4 if d <= 64 else 8, num_stages=2)  # fmt: skip
+                                 ks, v.reshape(bh, m, d).to(torch.float16).contiguous(),
+                                 _bias(key_bias, bh, m, q_codes), dst, n, m, qs.shape[1], ks.shape[1],
+                                 float(sm_scale), D=d, BM=BM, BN=BN, OUT_KIND=_OUT_KIND[out_dtype],
+                                 HAS_BIAS=key_bias is not None, num_warps=4 if d <= 64 else 8,
+                                 num_stages=2)  # fmt: skip
     return out
 
 
 @triton.jit
-def _fp8_attention_kernel(q_ptr, qs_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, out_ptr, N, M, sm_scale, P_ENC: tl.constexpr,
-                          D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, OUT_KIND: tl.constexpr,
-                          HW_CAST: tl.constexpr):  # fmt: skip
+def _fp8_attention_kernel(q_ptr, qs_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, b_ptr, out_ptr, N, M, sm_scale,
+                          P_ENC: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                          OUT_KIND: tl.constexpr, HW_CAST: tl.constexpr, HAS_BIAS: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     rm = pid * BM + tl.arange(0, BM)
@@ -101,11 +129,7 @@ def _fp8_attention_kernel(q_ptr, qs_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, out_ptr, 
         k = tl.load(k_ptr + bh * M * D + rn.to(tl.int64)[None, :] * D + rd[:, None], mask=mn[None, :], other=0)
         ks = tl.load(ks_ptr + bh * M + rn, mask=mn, other=1.0)
         s = tl.dot(q, k.to(tl.float8e4nv, bitcast=True), out_dtype=tl.float32) * qs[:, None] * ks[None, :]
-        s = tl.where(mn[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p, alpha, m_new, l_i = _online_softmax(_scores(s, mn, b_ptr + bh * M, rn, HAS_BIAS), m_i, l_i)
         if HW_CAST:  # one cvt.rn.satfinite per two values: P * 448 lies in [0, 448], so it is fp8_encode's code
             pc = (p * P_ENC).to(tl.float8e4nv, fp_downcast_rounding="rtne")
         else:  # the interpreter's fp32 -> e4m3 cast flushes subnormals: the bit-exact encode instead
@@ -120,10 +144,11 @@ def _fp8_attention_kernel(q_ptr, qs_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, out_ptr, 
 
 def fp8_attention(q_codes: torch.Tensor, q_scale: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor,
                   vt_codes: torch.Tensor, v_scale: torch.Tensor, sm_scale: float, out_dtype: torch.dtype,
-                  p_encode: float = 448.0) -> torch.Tensor:  # fmt: skip
+                  p_encode: float = 448.0, key_bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """Attention of E4M3 codes (torch.float8_e4m3fn): q_codes [..., N, D] with one scale per query (q_scale
     [..., N, 1]), k_codes [..., M, D] with one per key, V transposed, vt_codes [..., D, M], with one per channel
-    (v_scale [..., D, 1]) -> out [..., N, D] in `out_dtype`; P encoded at `p_encode`."""
+    (v_scale [..., D, 1]), `key_bias` [..., M] added to every query's scores (a key-padding mask) -> out
+    [..., N, D] in `out_dtype`; P encoded at `p_encode`."""
     *lead, n, d = q_codes.shape
     m = k_codes.shape[-2]
     if d not in (16, 32, 64, 128, 256):
@@ -144,8 +169,9 @@ def fp8_attention(q_codes: torch.Tensor, q_scale: torch.Tensor, k_codes: torch.T
 
     grid = (triton.cdiv(n, BM), bh)
     _fp8_attention_kernel[grid](codes(q_codes, n, d), scales(q_scale), codes(k_codes, m, d), scales(k_scale),
-                                codes(vt_codes, d, m), scales(v_scale), dst, n, m, float(sm_scale),
-                                P_ENC=float(p_encode), D=d, BM=BM, BN=BN, OUT_KIND=_OUT_KIND[out_dtype],
-                                HW_CAST=os.environ.get("TRITON_INTERPRET", "0") != "1", num_warps=4 if d <= 64 else 8,
+                                codes(vt_codes, d, m), scales(v_scale), _bias(key_bias, bh, m, q_codes), dst, n, m,
+                                float(sm_scale), P_ENC=float(p_encode), D=d, BM=BM, BN=BN,
+                                OUT_KIND=_OUT_KIND[out_dtype], HW_CAST=os.environ.get("TRITON_INTERPRET", "0") != "1",
+                                HAS_BIAS=key_bias is not None, num_warps=4 if d <= 64 else 8,
                                 num_stages=2)  # fmt: skip
     return out

@@ -356,11 +356,28 @@ _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "s
 ATTENTION_TAG = "explore attention"  # the fast-path record's key of the explore copy's attention calls
 
 
+def key_padding_bias(mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """An attention mask that masks keys only (its query dimension 1, broadcast over q's batch and heads: the padding
+    of a text or joint sequence, as SANA's cross-attention and Qwen-Image's joint attention pass) as an additive FP32
+    bias [*q's leading dims, keys] (a boolean mask: 0 where True, -inf where False); None for any other mask."""
+    if mask is None or mask.dim() < 2 or mask.shape[-2] != 1 or mask.shape[-1] != k.shape[-2]:
+        return None
+    lead = q.shape[:-2]
+    try:
+        if torch.broadcast_shapes(mask.shape[:-2], lead) != lead:
+            return None
+    except RuntimeError:
+        return None
+    bias = mask.float() if mask.dtype != torch.bool else torch.zeros(mask.shape, device=mask.device).masked_fill(
+        ~mask, float("-inf"))  # fmt: skip
+    return bias.squeeze(-2).expand(*lead, k.shape[-2])
+
+
 class _RoundedAttention(TorchFunctionMode):
     """Within a forward, every F.scaled_dot_product_attention runs in a low-precision format: through the format's
     attention op (`kernel`: its kernel where it runs, its reference elsewhere; it records which) where the call is
-    one it takes (no mask, dropout, causal mask or grouped heads), else with q, k and v through `rounding` (the
-    format's attention numerics, emulated) before it runs as it would."""
+    one it takes (no mask but a key-padding one, no dropout, causal mask or grouped heads), else with q, k and v
+    through `rounding` (the format's attention numerics, emulated) before it runs as it would."""
 
     def __init__(self, rounding: Any, kernel: Any = None) -> None:
         super().__init__()
@@ -372,10 +389,12 @@ class _RoundedAttention(TorchFunctionMode):
             return func(*args, **kwargs)
         call = {**dict(zip(_SDPA_ARGS, args, strict=False)), **kwargs}
         q, k, v = call.pop("query"), call.pop("key"), call.pop("value")
-        plain = (call.get("attn_mask") is None and not call.get("dropout_p") and not call.get("is_causal")
+        mask = call.get("attn_mask")
+        bias = key_padding_bias(mask, q, k)
+        plain = ((mask is None or bias is not None) and not call.get("dropout_p") and not call.get("is_causal")
                  and not call.get("enable_gqa") and q.shape[:-2] == k.shape[:-2] == v.shape[:-2]
                  and q.shape[-1] == k.shape[-1] == v.shape[-1])  # fmt: skip
         if self.kernel is not None and plain:
-            return self.kernel(q, k, v, call.get("scale"), ATTENTION_TAG)
+            return self.kernel(q, k, v, call.get("scale"), ATTENTION_TAG, bias)
         q, k, v = self.rounding(q, k, v)
         return func(q, k, v, **call)

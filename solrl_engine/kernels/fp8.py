@@ -169,20 +169,20 @@ def traced_fp8_linear(
 # --- attention (quant.fp8.attention is the reference) -------------------------------------------------------------
 
 
-def _ref_fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
-                       ) -> torch.Tensor:  # fmt: skip
+def _ref_fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+                        key_bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     ran("reference")
-    return fp8.attention(q, k, v, scale)
+    return fp8.attention(q, k, v, scale, key_bias)
 
 
-def _tr_fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
-                      ) -> torch.Tensor:  # fmt: skip
+def _tr_fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+                       key_bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """Q, K per token and V per channel in E4M3 (the reference's torch ops), then the Triton kernel: Q K^T and P V
     on the FP8 tensor cores, online softmax in FP32."""
     qt, kt, vt = fp8.attention_operands(q, k, v)
     sc = q.shape[-1] ** -0.5 if scale is None else scale
     out = triton_module("attention").fp8_attention(qt.data, qt.scale, kt.data, kt.scale, vt.data, vt.scale, sc,
-                                                   q.dtype, fp8.P_ENCODE)  # fmt: skip
+                                                   q.dtype, fp8.P_ENCODE, key_bias)  # fmt: skip
     ran("triton: FP8 Q K^T, FP8 P V attention")
     return out
 
@@ -203,22 +203,23 @@ register("fp8_attention", {"reference": _ref_fp8_attention, "triton": _tr_fp8_at
 
 
 @torch.library.custom_op("solrl::fp8_attention", mutates_args=())
-def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, tag: str = ""
-                  ) -> torch.Tensor:  # fmt: skip
+def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, tag: str = "",
+                  key_bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """softmax(Q K^T * scale) V with Q, K (per token), V (per channel) and P in E4M3 ([..., tokens, d] each; out in
-    q's dtype): the explore pass's attention for explore_attention=fp8, through dispatch's choice for q's device and
-    head dim (the Triton kernel on sm_89+, else the reference). `tag` records what ran. A custom op: torch.compile
+    q's dtype; `key_bias` [..., keys]: a key-padding mask as an additive bias): the explore pass's attention for
+    explore_attention=fp8, through dispatch's choice for q's device and head dim (the Triton kernel on sm_89+, else
+    the reference). `tag` records what ran. A custom op: torch.compile
     keeps it whole (its choice and record run when it runs, never traced)."""
     backend = choose("fp8_attention", q.device, d=q.shape[-1])[0]
 
     def attn() -> torch.Tensor:
-        return run("fp8_attention", backend, q, k, v, scale)
+        return run("fp8_attention", backend, q, k, v, scale, key_bias)
 
     return run_recorded(tag, q, attn, "the FP8 attention kernel runs with Triton on sm_89+ and head dims 16-256")
 
 
 @fp8_attention.register_fake
-def _(q, k, v, scale=None, tag=""):  # noqa: ANN001, ANN202
+def _(q, k, v, scale=None, tag="", key_bias=None):  # noqa: ANN001, ANN202
     return torch.empty_like(q)
 
 

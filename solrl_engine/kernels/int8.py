@@ -219,20 +219,20 @@ def traced_int8_linear(
 # --- attention (SageAttention's recipe; quant.int8.attention is the reference) ------------------------------------
 
 
-def _ref_int8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
-                        ) -> torch.Tensor:  # fmt: skip
+def _ref_int8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+                        key_bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     ran("reference")
-    return int8.attention(q, k, v, scale)
+    return int8.attention(q, k, v, scale, key_bias)
 
 
-def _tr_int8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
-                       ) -> torch.Tensor:  # fmt: skip
+def _tr_int8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+                       key_bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """Q and the smoothed K quantized per block (the reference's torch ops), then the Triton kernel: INT8 Q K^T on
     the tensor cores, online softmax in FP32, P V in FP16."""
     qt = int8.quantize_blocks(q, int8.Q_BLOCK)
     kt = int8.quantize_blocks(int8.smooth_k(k), int8.K_BLOCK)
     sc = q.shape[-1] ** -0.5 if scale is None else scale
-    out = triton_module("attention").int8_attention(qt.data, qt.scale, kt.data, kt.scale, v, sc, q.dtype)
+    out = triton_module("attention").int8_attention(qt.data, qt.scale, kt.data, kt.scale, v, sc, q.dtype, key_bias)
     ran("triton: INT8 Q K^T, FP16 P V attention")
     return out
 
@@ -248,22 +248,23 @@ register("int8_attention", {"reference": _ref_int8_attention, "triton": _tr_int8
 
 
 @torch.library.custom_op("solrl::int8_attention", mutates_args=())
-def int8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, tag: str = ""
-                   ) -> torch.Tensor:  # fmt: skip
+def int8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None, tag: str = "",
+                   key_bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """softmax(Q K^T * scale) V with Q, K in INT8 (per-block scales, K smoothed) and P, V in FP16 ([..., tokens, d]
-    each; out in q's dtype): the explore pass's attention for explore_attention=int8, through dispatch's choice for
-    q's device and head dim (the Triton kernel on sm_80+, else the reference). `tag` records what ran. A custom op:
+    each; out in q's dtype; `key_bias` [..., keys]: a key-padding mask as an additive bias): the explore pass's
+    attention for explore_attention=int8, through dispatch's choice for q's device and head dim (the Triton kernel on
+    sm_80+, else the reference). `tag` records what ran. A custom op:
     torch.compile keeps it whole (its choice and record run when it runs, never traced)."""
     backend = choose("int8_attention", q.device, d=q.shape[-1])[0]
 
     def attn() -> torch.Tensor:
-        return run("int8_attention", backend, q, k, v, scale)
+        return run("int8_attention", backend, q, k, v, scale, key_bias)
 
     return run_recorded(tag, q, attn, "the INT8 attention kernel runs with Triton on sm_80+ and head dims 16-256")
 
 
 @int8_attention.register_fake
-def _(q, k, v, scale=None, tag=""):  # noqa: ANN001, ANN202
+def _(q, k, v, scale=None, tag="", key_bias=None):  # noqa: ANN001, ANN202
     return torch.empty_like(q)
 
 

@@ -118,14 +118,18 @@ def attention_rounding(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tup
     return qt.dequantize(q.dtype), kt.dequantize(k.dtype), vt.dequantize(v.dtype).transpose(-1, -2)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+              key_bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """The reference of the FP8 attention kernel ([..., tokens, d] each; out in q's dtype): S = (Qc Kc^T summed
-    exactly) * q_scale * k_scale * scale; over blocks of KEY_BLOCK keys the online softmax (FP32) of the kernel, whose
-    P = exp(S - running max) is rounded to E4M3 at P_ENCODE before P V on the FP8 tensor cores (V's channel scales
-    and 1/P_ENCODE applied once at the end, the row sums taken from the unrounded P)."""
+    exactly) * q_scale * k_scale * scale (+ `key_bias` [..., keys], a key-padding mask); over blocks of KEY_BLOCK
+    keys the online softmax (FP32) of the kernel, whose P = exp(S - running max) is rounded to E4M3 at P_ENCODE
+    before P V on the FP8 tensor cores (V's channel scales and 1/P_ENCODE applied once at the end, the row sums
+    taken from the unrounded P; a row whose keys so far are all masked takes 0 as its max)."""
     sc = q.shape[-1] ** -0.5 if scale is None else scale
     qt, kt, vt = attention_operands(q, k, v)
     s = (qt.data.double() @ kt.data.double().transpose(-1, -2)).float() * qt.scale * kt.scale.transpose(-1, -2) * sc
+    if key_bias is not None:
+        s = s + key_bias.float().unsqueeze(-2)
     vc = vt.data.float().transpose(-1, -2)  # [..., tokens, d]
     m_i = torch.full(s.shape[:-1], float("-inf"), device=s.device)
     l_i = torch.zeros_like(m_i)
@@ -133,8 +137,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
     for j in range(0, s.shape[-1], KEY_BLOCK):
         sj = s[..., j : j + KEY_BLOCK]
         m_new = torch.maximum(m_i, sj.amax(dim=-1))
-        p = torch.exp(sj - m_new.unsqueeze(-1))
-        alpha = torch.exp(m_i - m_new)
+        m_use = torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new)
+        p = torch.exp(sj - m_use.unsqueeze(-1))
+        alpha = torch.exp(m_i - m_use)
         l_i = l_i * alpha + p.sum(dim=-1)
         acc = acc * alpha.unsqueeze(-1) + _p_codes(p).float() @ vc[..., j : j + KEY_BLOCK, :]
         m_i = m_new

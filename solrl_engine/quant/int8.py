@@ -125,9 +125,11 @@ def _block_decode(t: Int8Tensor, block: int) -> torch.Tensor:
     return t.data.float() * scale
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+              key_bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """The reference of the INT8 attention kernel ([..., tokens, d] each): S = float32(exact integer Qc Kc^T) *
-    q_scale * k_scale * scale, softmax in FP32, P in FP16 times V in FP16 summed in FP32; out in q's dtype."""
+    q_scale * k_scale * scale (+ `key_bias` [..., keys], a key-padding mask: every query's scores), softmax in FP32,
+    P in FP16 times V in FP16 summed in FP32; out in q's dtype."""
     d = q.shape[-1]
     sc = d**-0.5 if scale is None else scale
     qt, kt = quantize_blocks(q, Q_BLOCK), quantize_blocks(smooth_k(k), K_BLOCK)
@@ -136,6 +138,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
     sq = qt.scale.repeat_interleave(Q_BLOCK, dim=-1)[..., :n].unsqueeze(-1)
     sk = kt.scale.repeat_interleave(K_BLOCK, dim=-1)[..., :m].unsqueeze(-2)
     s = acc.float() * sq * sk * sc
+    if key_bias is not None:
+        s = s + key_bias.float().unsqueeze(-2)
     p = torch.softmax(s, dim=-1)
     return (p.half().float() @ v.half().float()).to(q.dtype)
 
