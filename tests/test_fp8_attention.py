@@ -1,5 +1,6 @@
 """explore_attention=fp8: the FP8 attention's operands and reference (quant.fp8), its Triton kernel (under the
-interpreter), and the explore copy running it where the device can (the fast-path record says which ran)."""
+interpreter), and the explore copy running it, or INT8's (SageAttention's recipe), where the device can (the
+fast-path record says which ran); key-padding masks through both kernels."""
 
 from __future__ import annotations
 
@@ -205,18 +206,26 @@ class _Attn(nn.Module):
         return self.out(y.transpose(1, 2).reshape(*x.shape))
 
 
+# format -> (its Triton kernel's record, the simulated sm where it runs, kernel vs reference after the layer, the
+# reference's distance from exact attention)
+KERNEL = {"fp8": ("triton: FP8 Q K^T, FP8 P V attention", "90", 5e-3, 0.08),
+          "int8": ("triton: INT8 Q K^T, FP16 P V attention", "80", 2e-2, 0.05)}
+
+
 @needs_triton
-def test_explore_attention_fp8_runs_the_kernel_where_it_can_and_the_reference_elsewhere(monkeypatch):
-    """explore_attention=fp8 on an explore copy: at a simulated sm_90 (Triton under the interpreter) every plain
-    attention call runs the Triton kernel; on a plain CPU and at a simulated sm_80 (no FP8 tensor cores) its
-    reference. The record says which ran and why; kernel and reference agree to the sums' order; a per-query mask is
-    emulated (no op runs), a key-padding mask goes to the kernel; under torch.compile the op stays whole (no graph
-    break) and gives the eager numbers."""
+@pytest.mark.parametrize("fmt", sorted(KERNEL))
+def test_explore_attention_runs_its_kernel_where_it_can_and_the_reference_elsewhere(fmt, monkeypatch):
+    """explore_attention=fp8 / int8 on an explore copy: at a simulated GPU with the format's tensor cores (Triton under
+    the interpreter; FP8 from sm_89, INT8 from sm_80) every plain attention call runs the format's Triton kernel,
+    elsewhere (a plain CPU; FP8 at sm_80) its reference. The record says which ran and why; kernel and reference
+    agree to the sums' order; a per-query mask is emulated (no op runs), a key-padding mask goes to the kernel;
+    under torch.compile the op stays whole (no graph break) and gives the eager numbers."""
     from torch._dynamo.utils import counters
 
     from solrl_engine.explore.copy import ATTENTION_TAG, ExploreCopy
     from solrl_engine.kernels import dispatch
 
+    kernel, from_sm, agree, near = KERNEL[fmt]
     torch.manual_seed(0)
     net, x = _Attn(), torch.randn(2, 150, 64)
     monkeypatch.delenv("SOLRL_BACKEND", raising=False)
@@ -226,32 +235,34 @@ def test_explore_attention_fp8_runs_the_kernel_where_it_can_and_the_reference_el
             monkeypatch.setenv("SOLRL_SIMULATE_SM", sm)
         else:
             monkeypatch.delenv("SOLRL_SIMULATE_SM", raising=False)
-        copy = ExploreCopy(net, "fp8", changes={"skip": ("*",)})  # no linear quantized: attention alone
-        copy.set_attention("fp8")
+        copy = ExploreCopy(net, fmt, changes={"skip": ("*",)})  # no linear quantized: attention alone
+        copy.set_attention(fmt)
         dispatch._RUNS.pop(ATTENTION_TAG, None)
         with torch.no_grad():
             outs[sm] = copy.transformer(x)
         ran = dispatch.runs().get(ATTENTION_TAG)
-        assert ran is not None and ran.impl == ("triton: FP8 Q K^T, FP8 P V attention" if sm == "90" else "reference")
-        if sm == "80":
-            why = dispatch.choose("fp8_attention", "cpu", d=16)[1]
-            assert why.startswith("reference") and "triton: sm_80 has no FP8 tensor cores" in why, why
+        assert ran is not None and ran.impl == (kernel if sm and sm >= from_sm else "reference"), (sm, ran)
+    if fmt == "fp8":  # at sm_80 the reference, and the choice says why
+        monkeypatch.setenv("SOLRL_SIMULATE_SM", "80")
+        why = dispatch.choose("fp8_attention", "cpu", d=16)[1]
+        assert why.startswith("reference") and "triton: sm_80 has no FP8 tensor cores" in why, why
+        monkeypatch.setenv("SOLRL_SIMULATE_SM", "90")
     with torch.no_grad():
         exact = net(x)
-    assert torch.equal(outs["80"], outs[""])
-    assert (outs["90"] - outs[""]).abs().max() < 5e-3 * outs[""].abs().max()
-    assert 0 < (outs[""] - exact).norm() / exact.norm() < 0.08
+    assert torch.equal(outs["80"], outs["" if fmt == "fp8" else "90"])
+    assert (outs["90"] - outs[""]).abs().max() < agree * outs[""].abs().max()
+    assert 0 < (outs[""] - exact).norm() / exact.norm() < near
     dispatch._RUNS.pop(ATTENTION_TAG, None)
     with torch.no_grad():
         masked = copy.transformer(x, torch.ones(150, 150, dtype=torch.bool))  # masked: emulated, no kernel
-    assert ATTENTION_TAG not in dispatch.runs() and (masked - outs["90"]).norm() / outs["90"].norm() < 0.05
+    assert ATTENTION_TAG not in dispatch.runs() and (masked - outs["90"]).norm() / outs["90"].norm() < near
     pad = torch.ones(2, 1, 1, 150, dtype=torch.bool)  # a key-padding mask (SANA's, Qwen-Image's kind): the kernel
     pad[1, ..., 100:] = False
     with torch.no_grad():
         padded, exact_padded = copy.transformer(x, pad), net(x, pad)
-    assert dispatch.runs()[ATTENTION_TAG].impl.startswith("triton: FP8")
+    assert dispatch.runs()[ATTENTION_TAG].impl == kernel
     assert torch.equal(padded[0], outs["90"][0])  # the sample with nothing padded: as unmasked, bit for bit
-    assert (padded - exact_padded).norm() / exact_padded.norm() < 0.08
+    assert (padded - exact_padded).norm() / exact_padded.norm() < near
     torch._dynamo.reset()
     counters.clear()
     with torch.no_grad():

@@ -71,6 +71,20 @@ def _int8_attention_kernel(q_ptr, qs_ptr, k_ptr, ks_ptr, v_ptr, b_ptr, out_ptr, 
     store_out(out_ptr + bh * N * D + rm.to(tl.int64)[:, None] * D + rd[None, :], out, mm[:, None], OUT_KIND)
 
 
+def _outputs(q_codes: torch.Tensor, k_codes: torch.Tensor, out_dtype: torch.dtype, label: str
+             ) -> tuple[int, int, int, int, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(batch x heads, queries, keys, head dim, out [..., N, D] in `out_dtype`, what the kernel writes into: out, or
+    its int16 view for BF16) of a call; a head dim the kernels do not take is refused."""
+    *lead, n, d = q_codes.shape
+    if d not in (16, 32, 64, 128, 256):
+        raise ValueError(f"the {label} attention kernel takes head dims 16-256 (powers of two); got {d}")
+    bh = 1
+    for s in lead:
+        bh *= s
+    out = torch.empty((*lead, n, d), dtype=out_dtype, device=q_codes.device)
+    return bh, n, k_codes.shape[-2], d, out, out.view(torch.int16) if out_dtype == torch.bfloat16 else out
+
+
 def _bias(key_bias: torch.Tensor | None, bh: int, m: int, like: torch.Tensor) -> torch.Tensor:
     """The keys' additive bias as [bh, M] FP32 (a 1-element placeholder where there is none: HAS_BIAS is off)."""
     if key_bias is None:
@@ -84,17 +98,9 @@ def int8_attention(q_codes: torch.Tensor, q_scale: torch.Tensor, k_codes: torch.
     """Attention of INT8 codes: q_codes [..., N, D] with one scale per 128 queries (q_scale [..., ceil(N/128)]),
     k_codes [..., M, D] (smoothed K) with one per 64 keys, v [..., M, D] (read as FP16), `key_bias` [..., M] added
     to every query's scores (a key-padding mask; -inf drops a key) -> out [..., N, D]."""
-    *lead, n, d = q_codes.shape
-    m = k_codes.shape[-2]
-    if d not in (16, 32, 64, 128, 256):
-        raise ValueError(f"the INT8 attention kernel takes head dims 16-256 (powers of two); got {d}")
-    bh = 1
-    for s in lead:
-        bh *= s
-    out = torch.empty((*lead, n, d), dtype=out_dtype, device=q_codes.device)
+    bh, n, m, d, out, dst = _outputs(q_codes, k_codes, out_dtype, "INT8")
     if n == 0 or bh == 0:
         return out
-    dst = out.view(torch.int16) if out_dtype == torch.bfloat16 else out
     qs = q_scale.reshape(bh, -1).float().contiguous()
     ks = k_scale.reshape(bh, -1).float().contiguous()
     grid = (triton.cdiv(n, BM), bh)
@@ -149,17 +155,9 @@ def fp8_attention(q_codes: torch.Tensor, q_scale: torch.Tensor, k_codes: torch.T
     [..., N, 1]), k_codes [..., M, D] with one per key, V transposed, vt_codes [..., D, M], with one per channel
     (v_scale [..., D, 1]), `key_bias` [..., M] added to every query's scores (a key-padding mask) -> out
     [..., N, D] in `out_dtype`; P encoded at `p_encode`."""
-    *lead, n, d = q_codes.shape
-    m = k_codes.shape[-2]
-    if d not in (16, 32, 64, 128, 256):
-        raise ValueError(f"the FP8 attention kernel takes head dims 16-256 (powers of two); got {d}")
-    bh = 1
-    for s in lead:
-        bh *= s
-    out = torch.empty((*lead, n, d), dtype=out_dtype, device=q_codes.device)
+    bh, n, m, d, out, dst = _outputs(q_codes, k_codes, out_dtype, "FP8")
     if n == 0 or bh == 0:
         return out
-    dst = out.view(torch.int16) if out_dtype == torch.bfloat16 else out
 
     def codes(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
         return t.reshape(bh, rows, cols).contiguous().view(torch.uint8)

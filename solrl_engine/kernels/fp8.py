@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from solrl_engine.kernels._attention import register_attention, run_attention
 from solrl_engine.kernels._gemm import (
     PASSED_OVER_HINT,
     PRODUCED,
@@ -23,7 +24,7 @@ from solrl_engine.kernels._gemm import (
     traced,
 )
 from solrl_engine.kernels.capability import FormatKernels, TensorCores, tensor_cores
-from solrl_engine.kernels.dispatch import call, choose, ran, register, run, triton_module, unavailable_reason
+from solrl_engine.kernels.dispatch import call, ran, register, run, triton_module
 from solrl_engine.quant import fp8
 from solrl_engine.quant.fp8 import FP8Tensor
 
@@ -169,14 +170,8 @@ def traced_fp8_linear(
 # --- attention (quant.fp8.attention is the reference) -------------------------------------------------------------
 
 
-def _ref_fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
-                        key_bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    ran("reference")
-    return fp8.attention(q, k, v, scale, key_bias)
-
-
 def _tr_fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
-                       key_bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                      key_bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """Q, K per token and V per channel in E4M3 (the reference's torch ops), then the Triton kernel: Q K^T and P V
     on the FP8 tensor cores, online softmax in FP32."""
     qt, kt, vt = fp8.attention_operands(q, k, v)
@@ -187,19 +182,7 @@ def _tr_fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     return out
 
 
-def _tr_fp8_attention_requires(device: torch.device) -> str | None:
-    """The Triton FP8 attention runs where Triton kernels run and the device has FP8 tensor cores (sm_89+)."""
-    return unavailable_reason("triton", device) or tensor_cores(device, "fp8")
-
-
-def _attention_fits(device: torch.device, d: int, **_: object) -> str | None:
-    if d not in (16, 32, 64, 128, 256):
-        return f"the FP8 attention kernel takes head dims 16-256 (powers of two); got {d}"
-    return None
-
-
-register("fp8_attention", {"reference": _ref_fp8_attention, "triton": _tr_fp8_attention},
-         requires={"triton": _tr_fp8_attention_requires}, fits={"triton": _attention_fits})  # fmt: skip
+register_attention("fp8", fp8, _tr_fp8_attention, "FP8")
 
 
 @torch.library.custom_op("solrl::fp8_attention", mutates_args=())
@@ -208,14 +191,10 @@ def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     """softmax(Q K^T * scale) V with Q, K (per token), V (per channel) and P in E4M3 ([..., tokens, d] each; out in
     q's dtype; `key_bias` [..., keys]: a key-padding mask as an additive bias): the explore pass's attention for
     explore_attention=fp8, through dispatch's choice for q's device and head dim (the Triton kernel on sm_89+, else
-    the reference). `tag` records what ran. A custom op: torch.compile
-    keeps it whole (its choice and record run when it runs, never traced)."""
-    backend = choose("fp8_attention", q.device, d=q.shape[-1])[0]
-
-    def attn() -> torch.Tensor:
-        return run("fp8_attention", backend, q, k, v, scale, key_bias)
-
-    return run_recorded(tag, q, attn, "the FP8 attention kernel runs with Triton on sm_89+ and head dims 16-256")
+    the reference). `tag` records what ran. A custom op: torch.compile keeps it whole (its choice and record run
+    when it runs, never traced)."""
+    return run_attention("fp8", q, k, v, scale, tag, key_bias,
+                         "the FP8 attention kernel runs with Triton on sm_89+ and head dims 16-256")
 
 
 @fp8_attention.register_fake

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import torch
 
+from solrl_engine.kernels._attention import register_attention, run_attention
 from solrl_engine.kernels._gemm import PRODUCED, flat, no_autocast, produced, run_recorded, traced
 from solrl_engine.kernels.capability import FormatKernels, TensorCores, device_capability, tensor_cores
-from solrl_engine.kernels.dispatch import call, choose, ran, register, run, triton_module, unavailable_reason
+from solrl_engine.kernels.dispatch import call, ran, register, run, triton_module, unavailable_reason
 from solrl_engine.quant import int8
 from solrl_engine.quant.int8 import Int8Tensor
 
@@ -219,12 +220,6 @@ def traced_int8_linear(
 # --- attention (SageAttention's recipe; quant.int8.attention is the reference) ------------------------------------
 
 
-def _ref_int8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
-                        key_bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    ran("reference")
-    return int8.attention(q, k, v, scale, key_bias)
-
-
 def _tr_int8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
                        key_bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """Q and the smoothed K quantized per block (the reference's torch ops), then the Triton kernel: INT8 Q K^T on
@@ -237,14 +232,7 @@ def _tr_int8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
     return out
 
 
-def _attention_fits(device: torch.device, d: int, **_: object) -> str | None:
-    if d not in (16, 32, 64, 128, 256):
-        return f"the INT8 attention kernel takes head dims 16-256 (powers of two); got {d}"
-    return None
-
-
-register("int8_attention", {"reference": _ref_int8_attention, "triton": _tr_int8_attention},
-         requires={"triton": _tr_int8_requires}, fits={"triton": _attention_fits})  # fmt: skip
+register_attention("int8", int8, _tr_int8_attention, "INT8")
 
 
 @torch.library.custom_op("solrl::int8_attention", mutates_args=())
@@ -253,14 +241,10 @@ def int8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     """softmax(Q K^T * scale) V with Q, K in INT8 (per-block scales, K smoothed) and P, V in FP16 ([..., tokens, d]
     each; out in q's dtype; `key_bias` [..., keys]: a key-padding mask as an additive bias): the explore pass's
     attention for explore_attention=int8, through dispatch's choice for q's device and head dim (the Triton kernel on
-    sm_80+, else the reference). `tag` records what ran. A custom op:
-    torch.compile keeps it whole (its choice and record run when it runs, never traced)."""
-    backend = choose("int8_attention", q.device, d=q.shape[-1])[0]
-
-    def attn() -> torch.Tensor:
-        return run("int8_attention", backend, q, k, v, scale, key_bias)
-
-    return run_recorded(tag, q, attn, "the INT8 attention kernel runs with Triton on sm_80+ and head dims 16-256")
+    sm_80+, else the reference). `tag` records what ran. A custom op: torch.compile keeps it whole (its choice and
+    record run when it runs, never traced)."""
+    return run_attention("int8", q, k, v, scale, tag, key_bias,
+                         "the INT8 attention kernel runs with Triton on sm_80+ and head dims 16-256")
 
 
 @int8_attention.register_fake
