@@ -155,7 +155,7 @@ def engine_launches() -> list[Launch]:
                 for bias in (None, torch.empty(256, dtype=torch.bfloat16)):
                     int8.gemm(torch.empty(m, 1024, dtype=torch.int8), torch.ones(m, 1),
                               torch.empty(256, 1024, dtype=torch.int8), torch.ones(256, 1), bias, dt)  # fmt: skip
-        for d in (64, 128):  # the explore pass's INT8 attention at the head dims of the image and video families
+        for d in (64, 112, 128):  # the explore pass's INT8 attention at the head dims of the families (SANA-Video: 112)
             for out in (torch.bfloat16, torch.float32):
                 attention.int8_attention(torch.empty(2, 300, d, dtype=torch.int8), torch.ones(2, 3),
                                          torch.empty(2, 300, d, dtype=torch.int8), torch.ones(2, 5),

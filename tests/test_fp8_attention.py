@@ -16,7 +16,7 @@ from solrl_engine.quant import fp8
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs triton (pip install -e '.[dev]')")
 
 # (batch x heads, queries, keys, head dim): query and key counts below, at and across the 128-query and 64-key tiles
-SHAPES = [(2, 130, 70, 64), (1, 5, 200, 16), (3, 128, 64, 32), (1, 1, 1, 128)]
+SHAPES = [(2, 130, 70, 64), (1, 5, 200, 16), (3, 128, 64, 32), (1, 1, 1, 128), (1, 70, 130, 112)]
 
 
 def _qkv(shape: tuple[int, int, int, int], seed: int) -> dict[str, tuple[torch.Tensor, ...]]:
@@ -115,11 +115,30 @@ def test_triton_fp8_attention_matches_its_reference(shape):
 
 
 @needs_triton
-def test_triton_fp8_attention_takes_the_kernels_head_dims_only():
+@pytest.mark.parametrize("d", [112, 72, 8])
+def test_attention_kernels_take_any_head_dim_up_to_256(d, monkeypatch):
+    """A head dim that is not a power of two (SANA-Video's 112) runs padded to one in registers, the padded channels
+    zero and never stored: both kernels match their references as at a power of two; past 256 they refuse, and
+    dispatch then chooses the reference and says why."""
+    from solrl_engine.kernels import dispatch
+    from solrl_engine.quant import int8
+
     tr = pytest.importorskip("solrl_triton.attention")
-    codes, s = torch.zeros(1, 4, 24, dtype=torch.float8_e4m3fn), torch.ones(1, 4, 1)
-    with pytest.raises(ValueError, match="head dims 16-256"):
-        tr.fp8_attention(codes, s, codes, s, codes.transpose(-1, -2), torch.ones(1, 24, 1), 1.0, torch.float32)
+    q, k, v = _qkv((2, 130, 70, d), seed=d)["gaussian"]
+    qt, kt, vt = fp8.attention_operands(q, k, v)
+    got = tr.fp8_attention(qt.data, qt.scale, kt.data, kt.scale, vt.data, vt.scale, d**-0.5, torch.float32)
+    want = fp8.attention(q, k, v)
+    assert got.shape == want.shape and ((got - want).abs() / want.abs().amax()).max() <= 2e-3
+    qi, ki = int8.quantize_blocks(q, int8.Q_BLOCK), int8.quantize_blocks(int8.smooth_k(k), int8.K_BLOCK)
+    got = tr.int8_attention(qi.data, qi.scale, ki.data, ki.scale, v, d**-0.5, torch.float32)
+    want = int8.attention(q, k, v)
+    assert got.shape == want.shape and (got - want).abs().max() < 2e-2 * want.abs().max()
+    codes, sc = torch.zeros(1, 4, 264, dtype=torch.float8_e4m3fn), torch.ones(1, 4, 1)
+    with pytest.raises(ValueError, match="head dims up to 256"):
+        tr.fp8_attention(codes, sc, codes, sc, codes.transpose(-1, -2), torch.ones(1, 264, 1), 1.0, torch.float32)
+    monkeypatch.setenv("SOLRL_SIMULATE_SM", "90")  # a GPU with FP8 tensor cores: only the head dim passes Triton over
+    why = dispatch.choose("fp8_attention", "cpu", d=264)[1]
+    assert why.startswith("reference") and "takes head dims up to 256; got 264" in why, why
 
 
 def _padding(bh: int, m: int, kind: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

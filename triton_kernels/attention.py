@@ -21,6 +21,7 @@ from ._numerics import fp8_encode, store_out
 
 _OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 BM, BN = 128, 64  # = solrl_engine.quant.int8's Q_BLOCK, K_BLOCK
+MAX_HEAD_DIM = 256  # any head dim up to it: padded to a power of two in registers (SANA-Video's 112 runs at 128)
 
 
 @triton.jit
@@ -45,30 +46,40 @@ def _online_softmax(s, m_i, l_i):
 
 @triton.jit
 def _int8_attention_kernel(q_ptr, qs_ptr, k_ptr, ks_ptr, v_ptr, b_ptr, out_ptr, N, M, NQB, NKB, sm_scale,
-                           D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, OUT_KIND: tl.constexpr,
-                           HAS_BIAS: tl.constexpr):  # fmt: skip
+                           D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                           OUT_KIND: tl.constexpr, HAS_BIAS: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     rm = pid * BM + tl.arange(0, BM)
-    rd = tl.arange(0, D)
+    rd = tl.arange(0, DP)  # the head dim padded to a power of two: the padded channels load 0 and are not stored
+    md = rd < D
     mm = rm < N
-    q = tl.load(q_ptr + bh * N * D + rm.to(tl.int64)[:, None] * D + rd[None, :], mask=mm[:, None], other=0)
+    q = tl.load(q_ptr + bh * N * D + rm.to(tl.int64)[:, None] * D + rd[None, :], mask=mm[:, None] & md[None, :],
+                other=0)  # fmt: skip
     qs = tl.load(qs_ptr + bh * NQB + pid) * sm_scale
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], dtype=tl.float32)
-    acc = tl.zeros([BM, D], dtype=tl.float32)
+    acc = tl.zeros([BM, DP], dtype=tl.float32)
     for n0 in range(0, M, BN):
         rn = n0 + tl.arange(0, BN)
         mn = rn < M
-        k = tl.load(k_ptr + bh * M * D + rn.to(tl.int64)[None, :] * D + rd[:, None], mask=mn[None, :], other=0)
+        k = tl.load(k_ptr + bh * M * D + rn.to(tl.int64)[None, :] * D + rd[:, None], mask=mn[None, :] & md[:, None],
+                    other=0)  # fmt: skip
         ks = tl.load(ks_ptr + bh * NKB + n0 // BN)
         s = tl.dot(q, k, out_dtype=tl.int32).to(tl.float32) * (qs * ks)  # exact integer scores, then the scales
         p, alpha, m_new, l_i = _online_softmax(_scores(s, mn, b_ptr + bh * M, rn, HAS_BIAS), m_i, l_i)
-        v = tl.load(v_ptr + bh * M * D + rn.to(tl.int64)[:, None] * D + rd[None, :], mask=mn[:, None], other=0.0)
+        v = tl.load(v_ptr + bh * M * D + rn.to(tl.int64)[:, None] * D + rd[None, :], mask=mn[:, None] & md[None, :],
+                    other=0.0)  # fmt: skip
         acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v, out_dtype=tl.float32)
         m_i = m_new
     out = acc / l_i[:, None]
-    store_out(out_ptr + bh * N * D + rm.to(tl.int64)[:, None] * D + rd[None, :], out, mm[:, None], OUT_KIND)
+    store_out(out_ptr + bh * N * D + rm.to(tl.int64)[:, None] * D + rd[None, :], out, mm[:, None] & md[None, :],
+              OUT_KIND)  # fmt: skip
+
+
+def padded_head_dim(d: int) -> int:
+    """The head dim a kernel computes over: the next power of two, at least 32 (an 8-bit MMA's K step)."""
+    return max(32, 1 << (d - 1).bit_length())
 
 
 def _outputs(q_codes: torch.Tensor, k_codes: torch.Tensor, out_dtype: torch.dtype, label: str
@@ -76,8 +87,8 @@ def _outputs(q_codes: torch.Tensor, k_codes: torch.Tensor, out_dtype: torch.dtyp
     """(batch x heads, queries, keys, head dim, out [..., N, D] in `out_dtype`, what the kernel writes into: out, or
     its int16 view for BF16) of a call; a head dim the kernels do not take is refused."""
     *lead, n, d = q_codes.shape
-    if d not in (16, 32, 64, 128, 256):
-        raise ValueError(f"the {label} attention kernel takes head dims 16-256 (powers of two); got {d}")
+    if not 1 <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"the {label} attention kernel takes head dims up to {MAX_HEAD_DIM}; got {d}")
     bh = 1
     for s in lead:
         bh *= s
@@ -107,32 +118,36 @@ def int8_attention(q_codes: torch.Tensor, q_scale: torch.Tensor, k_codes: torch.
     _int8_attention_kernel[grid](q_codes.reshape(bh, n, d).contiguous(), qs, k_codes.reshape(bh, m, d).contiguous(),
                                  ks, v.reshape(bh, m, d).to(torch.float16).contiguous(),
                                  _bias(key_bias, bh, m, q_codes), dst, n, m, qs.shape[1], ks.shape[1],
-                                 float(sm_scale), D=d, BM=BM, BN=BN, OUT_KIND=_OUT_KIND[out_dtype],
-                                 HAS_BIAS=key_bias is not None, num_warps=4 if d <= 64 else 8,
-                                 num_stages=2)  # fmt: skip
+                                 float(sm_scale), D=d, DP=padded_head_dim(d), BM=BM, BN=BN,
+                                 OUT_KIND=_OUT_KIND[out_dtype], HAS_BIAS=key_bias is not None,
+                                 num_warps=4 if d <= 64 else 8, num_stages=2)  # fmt: skip
     return out
 
 
 @triton.jit
 def _fp8_attention_kernel(q_ptr, qs_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, b_ptr, out_ptr, N, M, sm_scale,
-                          P_ENC: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                          OUT_KIND: tl.constexpr, HW_CAST: tl.constexpr, HAS_BIAS: tl.constexpr):  # fmt: skip
+                          P_ENC: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr,
+                          BN: tl.constexpr, OUT_KIND: tl.constexpr, HW_CAST: tl.constexpr,
+                          HAS_BIAS: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     rm = pid * BM + tl.arange(0, BM)
-    rd = tl.arange(0, D)
+    rd = tl.arange(0, DP)  # the head dim padded to a power of two: the padded channels load 0 and are not stored
+    md = rd < D
     mm = rm < N
-    q = tl.load(q_ptr + bh * N * D + rm.to(tl.int64)[:, None] * D + rd[None, :], mask=mm[:, None], other=0)
+    q = tl.load(q_ptr + bh * N * D + rm.to(tl.int64)[:, None] * D + rd[None, :], mask=mm[:, None] & md[None, :],
+                other=0)  # fmt: skip
     q = q.to(tl.float8e4nv, bitcast=True)
     qs = tl.load(qs_ptr + bh * N + rm, mask=mm, other=1.0) * sm_scale
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], dtype=tl.float32)
-    acc = tl.zeros([BM, D], dtype=tl.float32)
+    acc = tl.zeros([BM, DP], dtype=tl.float32)
     for n0 in range(0, M, BN):
         rn = n0 + tl.arange(0, BN)
         mn = rn < M
         # K^T [D, BN] and V^T's tile [BN, D] are both read along their sum's dimension (K-major, as FP8 MMAs take it)
-        k = tl.load(k_ptr + bh * M * D + rn.to(tl.int64)[None, :] * D + rd[:, None], mask=mn[None, :], other=0)
+        k = tl.load(k_ptr + bh * M * D + rn.to(tl.int64)[None, :] * D + rd[:, None], mask=mn[None, :] & md[:, None],
+                    other=0)  # fmt: skip
         ks = tl.load(ks_ptr + bh * M + rn, mask=mn, other=1.0)
         s = tl.dot(q, k.to(tl.float8e4nv, bitcast=True), out_dtype=tl.float32) * qs[:, None] * ks[None, :]
         p, alpha, m_new, l_i = _online_softmax(_scores(s, mn, b_ptr + bh * M, rn, HAS_BIAS), m_i, l_i)
@@ -140,12 +155,14 @@ def _fp8_attention_kernel(q_ptr, qs_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, b_ptr, ou
             pc = (p * P_ENC).to(tl.float8e4nv, fp_downcast_rounding="rtne")
         else:  # the interpreter's fp32 -> e4m3 cast flushes subnormals: the bit-exact encode instead
             pc = fp8_encode(p, tl.full([BM], P_ENC, tl.float32)).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
-        v = tl.load(v_ptr + bh * D * M + rd.to(tl.int64)[None, :] * M + rn[:, None], mask=mn[:, None], other=0)
+        v = tl.load(v_ptr + bh * D * M + rd.to(tl.int64)[None, :] * M + rn[:, None], mask=mn[:, None] & md[None, :],
+                    other=0)  # fmt: skip
         acc = acc * alpha[:, None] + tl.dot(pc, v.to(tl.float8e4nv, bitcast=True), out_dtype=tl.float32)
         m_i = m_new
-    vs = tl.load(vs_ptr + bh * D + rd) / P_ENC
+    vs = tl.load(vs_ptr + bh * D + rd, mask=md, other=1.0) / P_ENC
     out = acc * vs[None, :] / l_i[:, None]
-    store_out(out_ptr + bh * N * D + rm.to(tl.int64)[:, None] * D + rd[None, :], out, mm[:, None], OUT_KIND)
+    store_out(out_ptr + bh * N * D + rm.to(tl.int64)[:, None] * D + rd[None, :], out, mm[:, None] & md[None, :],
+              OUT_KIND)  # fmt: skip
 
 
 def fp8_attention(q_codes: torch.Tensor, q_scale: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor,
@@ -168,7 +185,7 @@ def fp8_attention(q_codes: torch.Tensor, q_scale: torch.Tensor, k_codes: torch.T
     grid = (triton.cdiv(n, BM), bh)
     _fp8_attention_kernel[grid](codes(q_codes, n, d), scales(q_scale), codes(k_codes, m, d), scales(k_scale),
                                 codes(vt_codes, d, m), scales(v_scale), _bias(key_bias, bh, m, q_codes), dst, n, m,
-                                float(sm_scale), P_ENC=float(p_encode), D=d, BM=BM, BN=BN,
+                                float(sm_scale), P_ENC=float(p_encode), D=d, DP=padded_head_dim(d), BM=BM, BN=BN,
                                 OUT_KIND=_OUT_KIND[out_dtype], HW_CAST=os.environ.get("TRITON_INTERPRET", "0") != "1",
                                 HAS_BIAS=key_bias is not None, num_warps=4 if d <= 64 else 8,
                                 num_stages=2)  # fmt: skip

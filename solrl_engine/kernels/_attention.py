@@ -16,14 +16,14 @@ from solrl_engine.kernels._gemm import run_recorded
 from solrl_engine.kernels.capability import tensor_cores
 from solrl_engine.kernels.dispatch import choose, ran, register, run, unavailable_reason
 
-HEAD_DIMS = (16, 32, 64, 128, 256)  # what the Triton attention kernels take (a power of two for tl.arange)
+MAX_HEAD_DIM = 256  # what the Triton attention kernels take: any head dim up to it (padded to a power of two)
 
 Attention = Callable[..., torch.Tensor]  # (q, k, v, scale=None, key_bias=None) -> out
 
 
 def register_attention(fmt: str, numerics: ModuleType, triton_impl: Attention, label: str) -> None:
     """Register `<fmt>_attention`: the reference (`numerics.attention`, read at each call) and the Triton kernel,
-    which runs where Triton does on a device with `fmt`'s tensor cores and for HEAD_DIMS."""
+    which runs where Triton does on a device with `fmt`'s tensor cores and for head dims up to MAX_HEAD_DIM."""
 
     def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
                   key_bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
@@ -34,8 +34,8 @@ def register_attention(fmt: str, numerics: ModuleType, triton_impl: Attention, l
         return unavailable_reason("triton", device) or tensor_cores(device, fmt)
 
     def fits(device: torch.device, d: int, **_: object) -> str | None:
-        if d not in HEAD_DIMS:
-            return f"the {label} attention kernel takes head dims 16-256 (powers of two); got {d}"
+        if d > MAX_HEAD_DIM:
+            return f"the {label} attention kernel takes head dims up to {MAX_HEAD_DIM}; got {d}"
         return None
 
     register(f"{fmt}_attention", {"reference": reference, "triton": triton_impl}, requires={"triton": requires},

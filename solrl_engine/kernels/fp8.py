@@ -194,7 +194,7 @@ def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     the reference). `tag` records what ran. A custom op: torch.compile keeps it whole (its choice and record run
     when it runs, never traced)."""
     return run_attention("fp8", q, k, v, scale, tag, key_bias,
-                         "the FP8 attention kernel runs with Triton on sm_89+ and head dims 16-256")
+                         "the FP8 attention kernel runs with Triton on sm_89+ and head dims up to 256")
 
 
 @fp8_attention.register_fake

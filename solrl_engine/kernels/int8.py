@@ -244,7 +244,7 @@ def int8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     sm_80+, else the reference). `tag` records what ran. A custom op: torch.compile keeps it whole (its choice and
     record run when it runs, never traced)."""
     return run_attention("int8", q, k, v, scale, tag, key_bias,
-                         "the INT8 attention kernel runs with Triton on sm_80+ and head dims 16-256")
+                         "the INT8 attention kernel runs with Triton on sm_80+ and head dims up to 256")
 
 
 @int8_attention.register_fake
