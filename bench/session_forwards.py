@@ -37,7 +37,7 @@ from session_summary import _ms
 from session_train import train_settings, training_phase
 from torch import nn
 
-from solrl_engine.explore.copy import ATTENTION_TAG, ExploreCopy
+from solrl_engine.explore.copy import ExploreCopy
 from solrl_engine.kernels import runs
 from solrl_engine.models import ARCH_ALIASES, model_spec
 from solrl_engine.nn import fast_path
@@ -401,8 +401,7 @@ def model_stage(alias: str, device: torch.device, cfg: dict[str, Any], dev_rates
                         with paused(net, copy.producers):  # the same copy, each consumer quantizing for itself
                             entry["eager_ms_producers_paused"] = median_ms(fwd, device, reps=cfg["reps"])
                     if _attention(fmt):  # what the explore copy's attention calls ran (the kernel, or the reference)
-                        last = runs().get(ATTENTION_TAG)
-                        entry["attention_ran"] = last.impl if last is not None else "emulated (no plain call)"
+                        entry["attention_ran"] = copy.attention_ran()
                     entry["profile_eager"] = profile_groups(fwd, device)
                     if copy is not None and copy.producers and copy.producers.fused:
                         fed = sum(len(v) for v in copy.producers.fused.values())

@@ -75,12 +75,6 @@ def main(argv: list[str] | None = None) -> Path:
                                    progress=False)  # fmt: skip
                 finally:
                     os.environ.pop("SOLRL_SIMULATE_SM", None)
-                if att:
-                    from solrl_engine.explore.copy import ATTENTION_TAG
-                    from solrl_engine.kernels import runs
-
-                    last = runs().get(ATTENTION_TAG)
-                    res["attention_ran"] = last.impl if last is not None else "emulated (rounded q, k, v)"
                 res.pop("per_prompt", None)
                 rows.append({"model": model, "explore": prec, "seconds": time.perf_counter() - t0, **res})
                 _write(args, rows)  # after every row: a cut-off run keeps what it measured

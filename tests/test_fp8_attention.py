@@ -256,11 +256,12 @@ def test_explore_attention_runs_its_kernel_where_it_can_and_the_reference_elsewh
             monkeypatch.delenv("SOLRL_SIMULATE_SM", raising=False)
         copy = ExploreCopy(net, fmt, changes={"skip": ("*",)})  # no linear quantized: attention alone
         copy.set_attention(fmt)
-        dispatch._RUNS.pop(ATTENTION_TAG, None)
+        assert copy.attention_ran().startswith("emulated")  # nothing ran yet: the last copy's record is forgotten
         with torch.no_grad():
             outs[sm] = copy.transformer(x)
         ran = dispatch.runs().get(ATTENTION_TAG)
         assert ran is not None and ran.impl == (kernel if sm and sm >= from_sm else "reference"), (sm, ran)
+        assert copy.attention_ran() == ran.impl
     if fmt == "fp8":  # at sm_80 the reference, and the choice says why
         monkeypatch.setenv("SOLRL_SIMULATE_SM", "80")
         why = dispatch.choose("fp8_attention", "cpu", d=16)[1]
@@ -271,10 +272,11 @@ def test_explore_attention_runs_its_kernel_where_it_can_and_the_reference_elsewh
     assert torch.equal(outs["80"], outs["" if fmt == "fp8" else "90"])
     assert (outs["90"] - outs[""]).abs().max() < agree * outs[""].abs().max()
     assert 0 < (outs[""] - exact).norm() / exact.norm() < near
-    dispatch._RUNS.pop(ATTENTION_TAG, None)
+    dispatch.forget_run(ATTENTION_TAG)
     with torch.no_grad():
         masked = copy.transformer(x, torch.ones(150, 150, dtype=torch.bool))  # masked: emulated, no kernel
-    assert ATTENTION_TAG not in dispatch.runs() and (masked - outs["90"]).norm() / outs["90"].norm() < near
+    assert ATTENTION_TAG not in dispatch.runs() and copy.attention_ran().startswith("emulated")
+    assert (masked - outs["90"]).norm() / outs["90"].norm() < near
     pad = torch.ones(2, 1, 1, 150, dtype=torch.bool)  # a key-padding mask (SANA's, Qwen-Image's kind): the kernel
     pad[1, ..., 100:] = False
     with torch.no_grad():

@@ -258,7 +258,8 @@ def test_explore_attention_is_checked_and_reaches_the_trainers_copy(wan, clip):
     assert ex.copy is not None and ex.copy.attention == "fp8" and ex.spec.attention == "fp8"
     from solrl_engine.rl.fidelity import fidelity
 
-    assert fidelity(cfg, prompts=1, n=2, k=2, progress=False)["explore_attention"] == "fp8"  # solrl fidelity too
+    res = fidelity(cfg, prompts=1, n=2, k=2, progress=False)  # solrl fidelity too, saying what the attention ran
+    assert res["explore_attention"] == "fp8" and res["attention_ran"] == "reference"  # (a CPU: the op's reference)
     with pytest.raises(ValueError, match=r"quantize\['attention'\].*choose a quantized"):
         from solrl_engine.explore import Explorer
 

@@ -27,7 +27,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from solrl_engine.explore.choice import POLICY
-from solrl_engine.kernels import TENSOR_CORES, format_kernels
+from solrl_engine.kernels import TENSOR_CORES, forget_run, format_kernels, runs
 from solrl_engine.nn import QuantLinear, QuantReport, quantize_model, requantize_
 from solrl_engine.nn.flops import amdahl_bound
 from solrl_engine.nn.producers import fuse_producers, keep_outputs
@@ -193,16 +193,18 @@ class ExploreCopy:
     def set_attention(self, precision: str) -> None:
         """The copy's attention with q, k and v in a low-precision format (one with an attention rounding: "fp8",
         "int8"; "bf16": as the policy's): an explore-only option that cuts attention's share of a video forward
-        (38-46% at 480p and 81 frames). Each unmasked attention call runs the format's attention op (INT8:
-        SageAttention's recipe, its Triton kernel on sm_80+; FP8: Q K^T and P V on the FP8 tensor cores, its Triton
-        kernel on sm_89+), its PyTorch reference elsewhere (the fast-path record's ATTENTION_TAG entry says which); a
-        masked call has q, k and v go through the format's attention rounding (quant/<fmt>.py's Numerics.attention)
-        before the usual attention kernel (emulated). So rank fidelity can be measured on any device."""
+        (38-46% at 480p and 81 frames). Each attention call without a mask, or with a key-padding one, runs the
+        format's attention op (INT8: SageAttention's recipe, its Triton kernel on sm_80+; FP8: Q K^T and P V on the
+        FP8 tensor cores, its Triton kernel on sm_89+), its PyTorch reference elsewhere (the fast-path record's
+        ATTENTION_TAG entry says which); a call with any other mask has q, k and v go through the format's attention
+        rounding (quant/<fmt>.py's Numerics.attention) before the usual attention kernel (emulated). So rank fidelity
+        can be measured on any device."""
         if precision not in attention_formats():
             raise ValueError(f"explore attention {precision!r}: choose one of {attention_formats()}")
         root = self._root
         root.__dict__.pop("forward", None)  # back to the class's forward
         self.attention = precision
+        forget_run(ATTENTION_TAG)  # what an earlier copy's attention ran is not this one's
         if precision != "bf16":  # the module's own forward inside the mode (an exception leaves it too)
             plain, rounding = root.forward, numerics(precision).attention
             op = format_kernels()[precision].attention_op
@@ -213,6 +215,15 @@ class ExploreCopy:
                     return plain(*args, **kwargs)
 
             root.forward = forward
+
+    def attention_ran(self) -> str | None:
+        """What the copy's low-precision attention ran, as its op recorded it (its kernel, or its reference), since
+        `set_attention`; "emulated" when no call took the op (each had a mask other than a key-padding one); None
+        with the policy's attention."""
+        if self.attention == "bf16":
+            return None
+        last = runs().get(ATTENTION_TAG)
+        return last.impl if last is not None else "emulated (q, k, v rounded; no call took the attention op)"
 
     @property
     def _root(self) -> nn.Module:

@@ -401,6 +401,8 @@ class Explorer:
         if not self._reported:
             (log.warning if rec.reference and self.rollouts.device.type == "cuda" else log.info)(
                 "explore: %s", rec.summary())  # fmt: skip
+            if self.copy is not None and self.copy.attention != "bf16":
+                log.info("explore attention (%s): %s", self.copy.attention, self.copy.attention_ran())
             self._reported = True
 
     @torch.no_grad()

@@ -334,14 +334,19 @@ def record_run(tag: str, fn: Callable[[], torch.Tensor], x: torch.Tensor, hint: 
                      x.device.type)  # fmt: skip
     if not _RUNS[tag].fast and gpu_like(x.device):
         where = x.device.type + ("" if x.device.type == "cuda" else " (simulated GPU)")
-        _warn_once(f"{tag}: the quantized GEMM ran the slow reference on a {x.dtype} input of shape {tuple(x.shape)} "
-                   f"on {where}; {hint or 'see the log'}")  # fmt: skip
+        _warn_once(f"{tag}: the slow reference ran on a {x.dtype} input of shape {tuple(x.shape)} on {where}; "
+                   f"{hint or 'see the log'}")  # fmt: skip
     return y
 
 
 def runs() -> dict[str, Run]:
     """Layer tag -> its last recorded GEMM call (`record_run`)."""
     return dict(_RUNS)
+
+
+def forget_run(tag: str) -> None:
+    """Forget what `tag` last ran (a layer before a measured call; a copy's attention when it is set up again)."""
+    _RUNS.pop(tag, None)
 
 
 def backend_report(device: torch.device | str | None = None) -> dict[str, str]:

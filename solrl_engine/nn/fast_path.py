@@ -87,4 +87,4 @@ def reset_fast_path(model: nn.Module) -> None:
     """Forget the records of `model`'s layers (e.g. before a measured forward)."""
     for m in model.modules():
         if isinstance(m, QuantLinear):
-            kernels.dispatch._RUNS.pop(m.kernel_tag, None)
+            kernels.forget_run(m.kernel_tag)

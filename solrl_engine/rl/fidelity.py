@@ -203,6 +203,7 @@ def fidelity(
         "model": cfg.model,
         "explore_recipe": copy.recipe,
         "explore_attention": copy.attention,
+        "attention_ran": copy.attention_ran(),  # its kernel, its reference, or emulated (None: the policy's)
         "quantized_layers": len(copy.report.quantized),
         "quantized_flop_share": flops.quantized_share(),
         "fast_path": record.summary(),
