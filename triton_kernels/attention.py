@@ -11,6 +11,7 @@ over 64-key blocks (FlashAttention's loop):
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -45,18 +46,24 @@ def _online_softmax(s, m_i, l_i):
 
 
 @triton.jit
+def _query_tile(q_ptr, N, D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr):
+    """This program's (batch x head, query rows, their mask, head-dim lanes, their mask, query codes [BM, DP]): the
+    head dim padded to a power of two, the padded lanes loaded as 0 and never stored."""
+    bh = tl.program_id(1).to(tl.int64)
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rd = tl.arange(0, DP)
+    mm, md = rm < N, rd < D
+    q = tl.load(q_ptr + bh * N * D + rm.to(tl.int64)[:, None] * D + rd[None, :], mask=mm[:, None] & md[None, :],
+                other=0)  # fmt: skip
+    return bh, rm, mm, rd, md, q
+
+
+@triton.jit
 def _int8_attention_kernel(q_ptr, qs_ptr, k_ptr, ks_ptr, v_ptr, b_ptr, out_ptr, N, M, NQB, NKB, sm_scale,
                            D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                            OUT_KIND: tl.constexpr, HAS_BIAS: tl.constexpr):  # fmt: skip
-    pid = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    rm = pid * BM + tl.arange(0, BM)
-    rd = tl.arange(0, DP)  # the head dim padded to a power of two: the padded channels load 0 and are not stored
-    md = rd < D
-    mm = rm < N
-    q = tl.load(q_ptr + bh * N * D + rm.to(tl.int64)[:, None] * D + rd[None, :], mask=mm[:, None] & md[None, :],
-                other=0)  # fmt: skip
-    qs = tl.load(qs_ptr + bh * NQB + pid) * sm_scale
+    bh, rm, mm, rd, md, q = _query_tile(q_ptr, N, D, DP, BM)
+    qs = tl.load(qs_ptr + bh * NQB + tl.program_id(0)) * sm_scale
     m_i = tl.full([BM], float("-inf"), tl.float32)
     l_i = tl.zeros([BM], dtype=tl.float32)
     acc = tl.zeros([BM, DP], dtype=tl.float32)
@@ -89,18 +96,15 @@ def _outputs(q_codes: torch.Tensor, k_codes: torch.Tensor, out_dtype: torch.dtyp
     *lead, n, d = q_codes.shape
     if not 1 <= d <= MAX_HEAD_DIM:
         raise ValueError(f"the {label} attention kernel takes head dims up to {MAX_HEAD_DIM}; got {d}")
-    bh = 1
-    for s in lead:
-        bh *= s
+    bh = math.prod(lead)
     out = torch.empty((*lead, n, d), dtype=out_dtype, device=q_codes.device)
     return bh, n, k_codes.shape[-2], d, out, out.view(torch.int16) if out_dtype == torch.bfloat16 else out
 
 
-def _bias(key_bias: torch.Tensor | None, bh: int, m: int, like: torch.Tensor) -> torch.Tensor:
-    """The keys' additive bias as [bh, M] FP32 (a 1-element placeholder where there is none: HAS_BIAS is off)."""
-    if key_bias is None:
-        return torch.zeros(1, dtype=torch.float32, device=like.device)
-    return key_bias.reshape(bh, m).float().contiguous()
+def _bias(key_bias: torch.Tensor | None, bh: int, m: int, unread: torch.Tensor) -> torch.Tensor:
+    """The keys' additive bias as [bh, M] FP32; where there is none, `unread` (any FP32 tensor of the call) stands
+    in for the pointer HAS_BIAS=False never reads, so no launch allocates a placeholder."""
+    return unread if key_bias is None else key_bias.reshape(bh, m).float().contiguous()
 
 
 def int8_attention(q_codes: torch.Tensor, q_scale: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor,
@@ -117,7 +121,7 @@ def int8_attention(q_codes: torch.Tensor, q_scale: torch.Tensor, k_codes: torch.
     grid = (triton.cdiv(n, BM), bh)
     _int8_attention_kernel[grid](q_codes.reshape(bh, n, d).contiguous(), qs, k_codes.reshape(bh, m, d).contiguous(),
                                  ks, v.reshape(bh, m, d).to(torch.float16).contiguous(),
-                                 _bias(key_bias, bh, m, q_codes), dst, n, m, qs.shape[1], ks.shape[1],
+                                 _bias(key_bias, bh, m, qs), dst, n, m, qs.shape[1], ks.shape[1],
                                  float(sm_scale), D=d, DP=padded_head_dim(d), BM=BM, BN=BN,
                                  OUT_KIND=_OUT_KIND[out_dtype], HAS_BIAS=key_bias is not None,
                                  num_warps=4 if d <= 64 else 8, num_stages=2)  # fmt: skip
@@ -129,14 +133,7 @@ def _fp8_attention_kernel(q_ptr, qs_ptr, k_ptr, ks_ptr, v_ptr, vs_ptr, b_ptr, ou
                           P_ENC: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr,
                           BN: tl.constexpr, OUT_KIND: tl.constexpr, HW_CAST: tl.constexpr,
                           HAS_BIAS: tl.constexpr):  # fmt: skip
-    pid = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
-    rm = pid * BM + tl.arange(0, BM)
-    rd = tl.arange(0, DP)  # the head dim padded to a power of two: the padded channels load 0 and are not stored
-    md = rd < D
-    mm = rm < N
-    q = tl.load(q_ptr + bh * N * D + rm.to(tl.int64)[:, None] * D + rd[None, :], mask=mm[:, None] & md[None, :],
-                other=0)  # fmt: skip
+    bh, rm, mm, rd, md, q = _query_tile(q_ptr, N, D, DP, BM)
     q = q.to(tl.float8e4nv, bitcast=True)
     qs = tl.load(qs_ptr + bh * N + rm, mask=mm, other=1.0) * sm_scale
     m_i = tl.full([BM], float("-inf"), tl.float32)
@@ -182,9 +179,10 @@ def fp8_attention(q_codes: torch.Tensor, q_scale: torch.Tensor, k_codes: torch.T
     def scales(t: torch.Tensor) -> torch.Tensor:
         return t.reshape(bh, -1).float().contiguous()
 
+    qs = scales(q_scale)
     grid = (triton.cdiv(n, BM), bh)
-    _fp8_attention_kernel[grid](codes(q_codes, n, d), scales(q_scale), codes(k_codes, m, d), scales(k_scale),
-                                codes(vt_codes, d, m), scales(v_scale), _bias(key_bias, bh, m, q_codes), dst, n, m,
+    _fp8_attention_kernel[grid](codes(q_codes, n, d), qs, codes(k_codes, m, d), scales(k_scale),
+                                codes(vt_codes, d, m), scales(v_scale), _bias(key_bias, bh, m, qs), dst, n, m,
                                 float(sm_scale), P_ENC=float(p_encode), D=d, DP=padded_head_dim(d), BM=BM, BN=BN,
                                 OUT_KIND=_OUT_KIND[out_dtype], HW_CAST=os.environ.get("TRITON_INTERPRET", "0") != "1",
                                 HAS_BIAS=key_bias is not None, num_warps=4 if d <= 64 else 8,

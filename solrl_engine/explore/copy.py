@@ -400,12 +400,12 @@ class _RoundedAttention(TorchFunctionMode):
             return func(*args, **kwargs)
         call = {**dict(zip(_SDPA_ARGS, args, strict=False)), **kwargs}
         q, k, v = call.pop("query"), call.pop("key"), call.pop("value")
-        mask = call.get("attn_mask")
-        bias = key_padding_bias(mask, q, k)
-        plain = ((mask is None or bias is not None) and not call.get("dropout_p") and not call.get("is_causal")
-                 and not call.get("enable_gqa") and q.shape[:-2] == k.shape[:-2] == v.shape[:-2]
-                 and q.shape[-1] == k.shape[-1] == v.shape[-1])  # fmt: skip
-        if self.kernel is not None and plain:
-            return self.kernel(q, k, v, call.get("scale"), ATTENTION_TAG, bias)
+        if self.kernel is not None and not call.get("dropout_p") and not call.get("is_causal") \
+                and not call.get("enable_gqa") and q.shape[:-2] == k.shape[:-2] == v.shape[:-2] \
+                and q.shape[-1] == k.shape[-1] == v.shape[-1]:  # fmt: skip
+            mask = call.get("attn_mask")
+            bias = key_padding_bias(mask, q, k)
+            if mask is None or bias is not None:
+                return self.kernel(q, k, v, call.get("scale"), ATTENTION_TAG, bias)
         q, k, v = self.rounding(q, k, v)
         return func(q, k, v, **call)
